@@ -1,0 +1,1 @@
+"""How capline meets a cluster (Ray cluster / KubeRay manifests, MLflow server, images, schedules)."""

@@ -1,0 +1,69 @@
+"""The run config: one typed section per component, loaded from YAML plus `--set` overrides.
+
+Sections are defined next to what they configure (stages/source.py, stages/ingest.py,
+pipeline/ray_runtime.py); this module only assembles them and loads files.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from stages.ingest import IngestConfig
+from stages.source import SourceConfig
+from trainers.configtools import apply_override, build, require
+from trainers.errors import UserError
+
+from .ray_runtime import RayConfig
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+
+
+@dataclass
+class StagesConfig:
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+
+
+@dataclass
+class RunConfig:
+    name: str = "demo"
+    seed: int = 0
+    run_dir: str | None = None   # default: runs/<name>
+    ray: RayConfig = field(default_factory=RayConfig)
+    source: SourceConfig = field(default_factory=SourceConfig)
+    stages: StagesConfig = field(default_factory=StagesConfig)
+
+    def validate(self, prefix: str) -> None:
+        require(bool(self.name) and "/" not in self.name, "name", f"must be a non-empty name without '/', got {self.name!r}")
+        require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    path = Path(path) if path else DEFAULT_CONFIG
+    if not path.is_file():
+        raise UserError(f"config file {path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise UserError(f"config file {path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path}: expected a mapping at the top level")
+    data = copy.deepcopy(data)
+    for item in overrides or []:
+        apply_override(data, item)
+    return build(RunConfig, data)
+
+
+def save_config(cfg: RunConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,93 @@
+"""`capline status` and `capline explain`: read a run folder, print what happened."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from trainers.errors import UserError
+
+from .runner import read_marker, stage_names
+
+
+def _require_run(run_dir: Path) -> None:
+    if not (run_dir / "manifest.json").is_file():
+        raise UserError(f"{run_dir}: not a capline run folder (no manifest.json)")
+
+
+def status_rows(run_dir: Path) -> list[dict]:
+    _require_run(run_dir)
+    rows = []
+    for name in stage_names():
+        sdir = run_dir / name
+        stats_path = sdir / "stats.json"
+        if read_marker(sdir):
+            state = "done"
+        elif (sdir / "_STARTED").exists():
+            state = "incomplete"
+        else:
+            state = "pending"
+        stats = json.loads(stats_path.read_text()) if state == "done" and stats_path.is_file() else {}
+        rows.append({"stage": name, "state": state, "in": stats.get("in"), "kept": stats.get("kept"),
+                     "dropped": stats.get("dropped", {}), "wall_seconds": stats.get("wall_seconds")})
+    return rows
+
+
+def format_status(rows: list[dict]) -> str:
+    head = ("stage", "state", "in", "kept", "dropped", "wall", "dropped by reason")
+    body = []
+    for r in rows:
+        dropped = r["dropped"] or {}
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(dropped.items(), key=lambda kv: -kv[1]))
+        body.append((r["stage"], r["state"], _n(r["in"]), _n(r["kept"]),
+                     _n(sum(dropped.values()) if r["in"] is not None else None),
+                     f"{r['wall_seconds']:.1f}s" if r["wall_seconds"] is not None else "-",
+                     reasons or "-"))
+    widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head) - 1)]
+    lines = []
+    for row in [head, *body]:
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    return "\n".join(lines)
+
+
+def _n(v) -> str:
+    return "-" if v is None else str(v)
+
+
+def explain(run_dir: Path, key: str) -> list[dict]:
+    _require_run(run_dir)
+    out = []
+    urls = run_dir / "source" / "urls.parquet"
+    if urls.is_file():
+        t = pq.read_table(urls).filter(pc.equal(pq.read_table(urls).column("key"), key)).to_pylist()
+        if t:
+            out.append({"stage": "(input)", "verdict": "", "reason": "", "score": None,
+                        "detail": f"url={t[0]['url']} caption={t[0]['caption']!r}"})
+    for name in stage_names():
+        path = run_dir / name / "ledger.parquet"
+        if not path.is_file():
+            continue
+        table = pq.read_table(path)
+        rows = table.filter(pc.equal(table.column("key"), key)).to_pylist()
+        out.extend(rows)
+        if rows and rows[0]["verdict"] == "dropped":
+            break
+    if not any(r["stage"] != "(input)" for r in out):
+        raise UserError(f"no sample with key {key!r} in {run_dir} "
+                        f"(see the key column of {run_dir}/source/ledger.parquet)")
+    return out
+
+
+def format_explain(key: str, rows: list[dict]) -> str:
+    lines = [f"sample {key}:"]
+    for r in rows:
+        if r["stage"] == "(input)":
+            lines.append(f"  input      {r['detail']}")
+            continue
+        score = "" if r["score"] is None else f" score={r['score']:.4g}"
+        why = f" ({r['reason']})" if r["reason"] else ""
+        detail = f"  [{r['detail']}]" if r["detail"] else ""
+        lines.append(f"  {r['stage']:<10} {r['verdict']}{why}{score}{detail}")
+    return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""Start or join a Ray cluster with capline's defaults.
+
+Local by default (`ray.init()` sized from config); `--address` / RAY_ADDRESS / `ray.address` join a
+running cluster. The dashboard is off by default: at start-up it probes cloud metadata addresses
+whatever the usage-stats setting (see pipeline/offline.py); turn it on with `ray.dashboard: true`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from trainers.configtools import join, require
+from trainers.errors import UserError
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None          # null: start a local cluster
+    num_cpus: int | None = None         # local cluster only; null: all cores
+    object_store_memory_mb: int = 1024  # local cluster only
+    dashboard: bool = False
+
+    def validate(self, prefix: str) -> None:
+        require(self.num_cpus is None or self.num_cpus >= 1, join(prefix, "num_cpus"), "must be >= 1 or null")
+        require(self.object_store_memory_mb >= 80, join(prefix, "object_store_memory_mb"),
+                f"must be at least 80 (MB), got {self.object_store_memory_mb}")
+
+
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    target = address.split("://", 1)[-1]
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"Ray address {address!r} is not HOST:PORT (e.g. 127.0.0.1:6379), 'auto' or 'local'")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as err:
+        raise UserError(f"cannot reach a Ray cluster at {address} ({err.strerror or err}); "
+                        "start one with `ray start --head`, or leave out --address to use a local one") from None
+
+
+@contextmanager
+def ray_session(cfg: RayConfig, address: str | None = None, log=print):
+    """Yield with Ray initialised; shut down what this call started."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or cfg.address
+    if address in ("local", ""):
+        address = None
+    if address and address != "auto":
+        _check_reachable(address)
+    common = dict(logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
+    if address:
+        log(f"ray: joining the cluster at {address}")
+        ray.init(address=address, **common)
+    else:
+        num_cpus = cfg.num_cpus or os.cpu_count() or 1
+        log(f"ray: starting a local cluster ({num_cpus} CPUs, {cfg.object_store_memory_mb} MB object store)")
+        ray.init(num_cpus=num_cpus, object_store_memory=cfg.object_store_memory_mb * 2**20,
+                 include_dashboard=cfg.dashboard, **common)
+    try:
+        yield
+    finally:
+        ray.shutdown()

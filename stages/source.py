@@ -1,0 +1,181 @@
+"""The source stage: turn the configured source into one URL list, `source/urls.parquet`.
+
+- `kind: synthetic` generates the demo's captioned scenes (stages/synthetic.py), served later over
+  loopback by the ingest stage.
+- `kind: urls` reads a user's URL list (Parquet, CSV, TSV or JSON lines) with `url_col` and
+  `caption_col`, as CC3M / CC12M / DataComp / LAION metadata come. Rows without a usable URL are
+  dropped here with a reason; a file that cannot be read, or lacks a named column, is an error.
+
+Every sample gets a stable key (no dots: WebDataset splits on them): `key_col` if given, else a
+hash of URL and caption (a repeat of the same pair gets a `_N` suffix).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+
+from trainers.configtools import join, require
+from trainers.errors import UserError
+
+from . import synthetic
+from .base import Ledger, Stage, StageContext, StageResult
+
+
+@dataclass
+class DefectFractions:
+    """Share of demo samples given each planted defect (a value >= 1 is an absolute count)."""
+    mismatched_caption: float = 0.06
+    non_english: float = 0.06
+    eval_near_copy: float = 0.04
+    http_404: float = 0.01
+    http_500: float = 0.01
+    timeout: float = 0.005
+    corrupt: float = 0.01
+    truncated: float = 0.01
+    non_image: float = 0.01
+    tiny: float = 0.01
+    empty_caption: float = 0.01
+    huge_pixels: float = 2
+    huge_bytes: float = 2
+
+    def validate(self, prefix: str) -> None:
+        total = 0.0
+        for name, value in vars(self).items():
+            require(value >= 0, join(prefix, name), f"must be >= 0, got {value}")
+            total += value if value < 1 else 0
+        require(total < 0.9, prefix, f"fractions add up to {total:.2f}; keep them under 0.9")
+
+
+@dataclass
+class SourceConfig:
+    kind: Literal["synthetic", "urls"] = "synthetic"
+    # kind: urls
+    path: str | None = None
+    format: Literal["auto", "parquet", "csv", "tsv", "jsonl"] = "auto"
+    url_col: str = "url"
+    caption_col: str = "caption"
+    key_col: str | None = None
+    # kind: synthetic
+    num_samples: int = 2000
+    eval_size: int = 300
+    image_size: int = 96
+    slow_seconds: float = 6.0
+    huge_pixels: int = 16000
+    huge_bytes: int = 3_000_000
+    defects: DefectFractions = field(default_factory=DefectFractions)
+
+    def validate(self, prefix: str) -> None:
+        require(self.num_samples > 0, join(prefix, "num_samples"),
+                f"must be a positive number of samples, got {self.num_samples}")
+        require(self.eval_size > 0, join(prefix, "eval_size"), f"must be positive, got {self.eval_size}")
+        require(16 <= self.image_size <= 1024, join(prefix, "image_size"),
+                f"must be between 16 and 1024 pixels, got {self.image_size}")
+        if self.kind == "urls":
+            require(bool(self.path), join(prefix, "path"), "kind 'urls' needs the path of a URL list file")
+
+
+def _read_table(path: Path, fmt: str) -> pa.Table:
+    if fmt == "auto":
+        suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
+        fmt = {".parquet": "parquet", ".csv": "csv", ".csv.gz": "csv", ".tsv": "tsv", ".tsv.gz": "tsv",
+               ".jsonl": "jsonl", ".json": "jsonl"}.get(suffix.lower(), "")
+        if not fmt:
+            raise UserError(f"source.path {path}: cannot tell the format from '{suffix}'; "
+                            "set source.format to parquet, csv, tsv or jsonl")
+    try:
+        if fmt == "parquet":
+            return pq.read_table(path)
+        if fmt == "csv":
+            return pacsv.read_csv(path)
+        if fmt == "tsv":
+            return pacsv.read_csv(path, parse_options=pacsv.ParseOptions(delimiter="\t"))
+        return pajson.read_json(path)
+    except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"source.path {path}: not a readable {fmt} URL list ({first})") from None
+
+
+def sample_key(url: str, caption: str) -> str:
+    return "u" + hashlib.sha1(f"{url}\0{caption}".encode()).hexdigest()[:16]
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_url_list(cfg: SourceConfig) -> pa.Table:
+    """Read and check a `kind: urls` list; raise UserError naming what is wrong."""
+    path = Path(cfg.path)
+    if not path.is_file():
+        raise UserError(f"source.path {path}: no such file")
+    table = _read_table(path, cfg.format)
+    wanted = [c for c in (cfg.url_col, cfg.caption_col, cfg.key_col) if c]
+    missing = [c for c in wanted if c not in table.column_names]
+    if missing:
+        raise UserError(f"source.path {path}: missing column(s) {', '.join(missing)}; the file has "
+                        f"{', '.join(table.column_names) or 'no columns'} (set source.url_col / caption_col)")
+    return table
+
+
+class SourceStage(Stage):
+    name = "source"
+
+    def section(self, config) -> SourceConfig:
+        return config.source
+
+    def fingerprint(self, config) -> str:
+        base = super().fingerprint(config)
+        if config.source.kind == "urls":
+            return base + file_sha256(Path(config.source.path))
+        return base
+
+    def run(self, ctx: StageContext) -> StageResult:
+        cfg: SourceConfig = ctx.config.source
+        ledger = Ledger(self.name)
+        out = ctx.stage_dir / "urls.parquet"
+        if cfg.kind == "synthetic":
+            counts = synthetic.generate(ctx.stage_dir, cfg.num_samples, cfg.eval_size, cfg.image_size,
+                                        ctx.config.seed, vars(cfg.defects), cfg.huge_pixels, cfg.huge_bytes)
+            ctx.log(f"source: generated {cfg.num_samples} demo samples, "
+                    f"{sum(v for k, v in counts.items() if k != 'clean')} with planted defects")
+            for key in pq.read_table(out, columns=["key"]).column("key").to_pylist():
+                ledger.keep(key)
+            return StageResult(ledger, {"planted": counts})
+
+        table = check_url_list(cfg)
+        urls = table.column(cfg.url_col).to_pylist()
+        caps = table.column(cfg.caption_col).to_pylist()
+        ids = table.column(cfg.key_col).to_pylist() if cfg.key_col else None
+        keys, kept_urls, kept_caps = [], [], []
+        seen: dict[str, int] = {}
+        for i, (url, cap) in enumerate(zip(urls, caps)):
+            url = url.strip() if isinstance(url, str) else url
+            cap = "" if cap is None else str(cap)
+            if ids is not None:
+                base = str(ids[i]).replace(".", "_").replace("/", "_")
+            else:
+                base = sample_key(str(url), cap)
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            key = base if n == 0 else f"{base}_{n}"
+            if not isinstance(url, str) or not url:
+                ledger.drop(key, "malformed_row:missing_url", detail=f"row {i}")
+                continue
+            ledger.keep(key, detail=f"row {i}")
+            keys.append(key)
+            kept_urls.append(url)
+            kept_caps.append(cap)
+        pq.write_table(pa.table({"key": keys, "url": kept_urls, "caption": kept_caps}), out)
+        ctx.log(f"source: {len(urls)} rows from {cfg.path}, {len(keys)} with a URL")
+        return StageResult(ledger, {"rows": len(urls)})

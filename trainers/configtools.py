@@ -1,0 +1,146 @@
+"""Build typed config dataclasses from plain dicts (YAML), with errors that name the key.
+
+One mechanism for every section: `build(cls, data, "stages.ingest")` checks unknown keys, types
+(int, float, str, bool, Optional, list, Literal, nested dataclasses) and then calls the section's
+own `validate()` if it has one. `apply_override(d, "a.b.c=5")` edits the raw dict before building.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+from .errors import ConfigError
+
+
+def _type_name(tp) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+            type(None): "null"}.get(tp, str(tp))
+
+
+def _convert(tp, value: Any, key: str):
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, key)
+            except ConfigError:
+                continue
+        raise ConfigError(key, f"expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(key, f"{value!r} is not allowed; choose one of {_type_name(tp)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(key, f"expected {_type_name(tp)}, got {value!r}")
+        (item,) = get_args(tp)
+        return [_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a mapping, got {value!r}")
+        kt, vt = get_args(tp)
+        return {_convert(kt, k, key): _convert(vt, v, f"{key}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(key, f"expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(key, f"expected a string, got {value!r}")
+    if tp is Any:
+        return value
+    raise TypeError(f"configtools cannot build {tp} (key {key})")
+
+
+def build(cls, data: Any, prefix: str = ""):
+    """Instantiate dataclass `cls` from `data`, rejecting unknown keys and wrong types."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(prefix, f"expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(str(key), fields, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        full = f"{prefix}.{key}" if prefix else str(key)
+        raise ConfigError(full, f"unknown key; {hint}allowed here: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for name, value in data.items():
+        full = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _convert(hints[name], value, full)
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if validate is not None:
+        validate(prefix)
+    return obj
+
+
+def to_dict(obj) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def apply_override(data: dict, assignment: str) -> None:
+    """`a.b.c=VALUE` sets data['a']['b']['c']; VALUE is parsed as YAML (5, 0.5, true, [a, b], text)."""
+    if "=" not in assignment:
+        raise ConfigError("", f"--set takes KEY=VALUE with a dotted key, got {assignment!r}")
+    key, raw = assignment.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError("", f"--set needs a key before '=': {assignment!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(key, f"cannot parse value {raw!r}: {err}") from None
+    node = data
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(parts[: i + 1]), "is not a section, cannot set a key inside it")
+        node = child
+    node[parts[-1]] = value
+
+
+def require(cond: bool, key: str, message: str) -> None:
+    """Validation helper for the sections' validate() methods."""
+    if not cond:
+        raise ConfigError(key, message)
+
+
+def join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

@@ -1,0 +1,1 @@
+"""Model families: Cap, CapPa, CLIP*, SigLIP, CoCa, ClipCap."""
