@@ -52,10 +52,11 @@ def _cmd_run(args) -> int:
     from .config import load_config
     from .inspect_run import format_status, status_rows
     from .ray_runtime import ray_session
-    from .runner import default_run_dir, run_pipeline, select
+    from .runner import default_run_dir, preflight, run_pipeline, select
 
     cfg = load_config(args.config, args.overrides)
     select(args.until, args.only)  # fail on a bad stage name before starting anything
+    preflight(cfg)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
     t0 = time.time()
     print(f"capline: run {cfg.name} in {run_dir}", flush=True)

@@ -1,20 +1,19 @@
 """Keep every process capline starts from talking to the outside world unasked.
 
 Third-party parts phone home by default: Ray's dashboard probes cloud metadata addresses at
-start-up whatever RAY_USAGE_STATS_ENABLED says (so capline starts Ray without its dashboard),
-MLflow sends telemetry, albumentations (via img2dataset) checks for updates, wandb reports, hub
-clients try to download. `apply()` sets the switches that turn each off, in os.environ, so child
-processes inherit them. Set CAPLINE_TELEMETRY=1 to leave all of them as the libraries default.
-
-CAPLINE_NETGUARD=1 additionally installs the audit hook in pipeline/netguard/ in this process and
-in every child (via PYTHONPATH): any non-loopback connection is then refused and logged.
+start-up whatever RAY_USAGE_STATS_ENABLED says, MLflow sends telemetry, albumentations (via
+img2dataset) checks for updates, wandb reports, hub clients try to download. `apply()` sets the
+switches that turn each off in os.environ, and puts pipeline/procenv/ on PYTHONPATH so every child
+Python loads its sitecustomize, which disarms Ray's metadata probe (see there) and, with
+CAPLINE_NETGUARD=1, installs the network guard. Set CAPLINE_TELEMETRY=1 to leave all of it as
+the libraries default.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-NETGUARD_DIR = Path(__file__).resolve().parent / "netguard"
+PROCENV_DIR = Path(__file__).resolve().parent / "procenv"
 
 QUIET_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -36,13 +35,19 @@ def telemetry_allowed() -> bool:
     return os.environ.get("CAPLINE_TELEMETRY", "") in ("1", "true", "yes")
 
 
-def guard_env(env: dict[str, str], log_path: str | None = None) -> dict[str, str]:
-    """Return env with the network guard on PYTHONPATH, so every child Python inherits it."""
+def procenv(env: dict[str, str]) -> dict[str, str]:
+    """Return env with pipeline/procenv first on PYTHONPATH, so every child Python loads it."""
     env = dict(env)
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if str(NETGUARD_DIR) not in parts:
-        parts.insert(0, str(NETGUARD_DIR))
+    if str(PROCENV_DIR) not in parts:
+        parts.insert(0, str(PROCENV_DIR))
     env["PYTHONPATH"] = os.pathsep.join(parts)
+    return env
+
+
+def guard_env(env: dict[str, str], log_path: str | None = None) -> dict[str, str]:
+    """Return env that turns the network guard on in every child Python."""
+    env = procenv(env)
     env["CAPLINE_NETGUARD"] = "1"
     if log_path:
         env["CAPLINE_NETGUARD_LOG"] = log_path
@@ -50,14 +55,13 @@ def guard_env(env: dict[str, str], log_path: str | None = None) -> dict[str, str
 
 
 def apply() -> None:
-    """Set the quiet switches (unless CAPLINE_TELEMETRY=1) and the guard (if CAPLINE_NETGUARD=1)."""
+    """Quiet switches and procenv for children; procenv's hooks in this process too."""
     if not telemetry_allowed():
         for key, value in QUIET_ENV.items():
             os.environ.setdefault(key, value)
-    if os.environ.get("CAPLINE_NETGUARD") == "1":
-        os.environ.update(guard_env(dict(os.environ)))
-        import importlib.util
+    os.environ.update(procenv(dict(os.environ)))
+    import importlib.util
 
-        spec = importlib.util.spec_from_file_location("_capline_netguard", NETGUARD_DIR / "sitecustomize.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)  # installs the hook in this process (idempotent)
+    spec = importlib.util.spec_from_file_location("_capline_procenv", PROCENV_DIR / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # idempotent: the guard and the import patch install once

@@ -62,8 +62,10 @@ def ray_session(cfg: RayConfig, address: str | None = None, log=print):
     else:
         num_cpus = cfg.num_cpus or os.cpu_count() or 1
         log(f"ray: starting a local cluster ({num_cpus} CPUs, {cfg.object_store_memory_mb} MB object store)")
+        # A local cluster lives on loopback: Ray otherwise finds its node address by asking the
+        # route to an outside address.
         ray.init(num_cpus=num_cpus, object_store_memory=cfg.object_store_memory_mb * 2**20,
-                 include_dashboard=cfg.dashboard, **common)
+                 include_dashboard=cfg.dashboard, _node_ip_address="127.0.0.1", **common)
     try:
         yield
     finally:

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from stages.base import KEPT, Stage, StageContext
 from stages.ingest import IngestStage
-from stages.source import SourceStage, file_sha256
+from stages.source import SourceStage, check_url_list, file_sha256
 from trainers.errors import UserError
 
 from .config import RunConfig, save_config
@@ -30,8 +30,8 @@ STAGES: list[Stage] = [SourceStage(), IngestStage()]
 CONTROL_FILES = {"_SUCCESS", "_STARTED", "stats.json"}
 
 
-def stage_names() -> list[str]:
-    return [s.name for s in STAGES]
+def stage_names(stages: list[Stage] | None = None) -> list[str]:
+    return [s.name for s in (stages or STAGES)]
 
 
 def output_digest(stage_dir: Path) -> str:
@@ -80,12 +80,18 @@ def input_fingerprints(cfg: RunConfig) -> dict:
     return {"source": {"kind": cfg.source.kind, "seed": cfg.seed, "num_samples": cfg.source.num_samples}}
 
 
+def preflight(cfg: RunConfig) -> None:
+    """Checks that need no cluster, run before one starts: bad inputs fail in a second, not mid-run."""
+    if cfg.source.kind == "urls":
+        check_url_list(cfg.source)
+
+
 def default_run_dir(cfg: RunConfig) -> Path:
     return Path(cfg.run_dir) if cfg.run_dir else Path("runs") / cfg.name
 
 
-def select(until: str | None, only: str | None) -> set[str]:
-    names = stage_names()
+def select(until: str | None, only: str | None, stages: list[Stage] | None = None) -> set[str]:
+    names = stage_names(stages)
     for flag, value in (("--until", until), ("--only", only)):
         if value is not None and value not in names:
             raise UserError(f"{flag} {value}: no such stage; stages are {', '.join(names)}")
@@ -97,9 +103,10 @@ def select(until: str | None, only: str | None) -> set[str]:
 
 
 def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: str | None = None,
-                 log=print) -> dict:
+                 log=print, stages: list[Stage] | None = None) -> dict:
     """Run (or resume) the selected stages. Returns {stage: stats}."""
-    wanted = select(until, only)
+    stages = stages or STAGES
+    wanted = select(until, only, stages)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     manifest = Manifest.open(run_dir, cfg.to_dict(), cfg.digest(), cfg.seed, input_fingerprints(cfg))
@@ -107,7 +114,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
     upstream: dict[str, Path] = {}
     upstream_kept: list[str] | None = None
     summary = {}
-    for stage in STAGES:
+    for stage in stages:
         sdir = run_dir / stage.name
         in_digest = hashlib.sha256((stage.fingerprint(cfg) + prev_digest).encode()).hexdigest()
         marker = read_marker(sdir)

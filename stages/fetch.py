@@ -98,15 +98,19 @@ def check_image(data: bytes, policy: FetchPolicy) -> None:
         except Image.DecompressionBombError as err:
             raise Refused("image_too_large", str(err)[:120]) from None
         except Exception as err:  # noqa: BLE001 - PIL raises many types for garbage
-            raise Refused("undecodable_image", type(err).__name__ + ": " + str(err)[:120]) from None
+            raise _decode_failure(err) from None
         w, h = img.size
         if w * h > policy.max_pixels:
             raise Refused("image_too_large", f"{w}x{h} pixels > max_pixels {policy.max_pixels}")
         try:
             img.load()
         except Exception as err:  # noqa: BLE001
-            reason = "truncated_image" if "truncated" in str(err).lower() else "undecodable_image"
-            raise Refused(reason, type(err).__name__ + ": " + str(err)[:120]) from None
+            raise _decode_failure(err) from None
+
+
+def _decode_failure(err: Exception) -> Refused:
+    reason = "truncated_image" if "truncated" in str(err).lower() else "undecodable_image"
+    return Refused(reason, type(err).__name__ + ": " + str(err)[:120])
 
 
 def safe_download_image(row, timeout, user_agent_token, disallowed_header_directives):

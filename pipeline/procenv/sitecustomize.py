@@ -1,0 +1,116 @@
+"""Loaded at start-up by every Python process capline starts (this folder is on their PYTHONPATH).
+
+1. Unless CAPLINE_TELEMETRY=1: Ray's dashboard head probes cloud metadata addresses at start-up
+   (usage_stats_head -> usage_lib.get_cloud_from_metadata_requests) whatever the usage-stats
+   setting and even with include_dashboard=False (then it loads *only* that module). Nothing in
+   Ray turns it off, so the function is replaced, on import, by one that answers "unknown".
+2. If CAPLINE_NETGUARD=1: an audit hook refuses every non-loopback connection and appends it to
+   CAPLINE_NETGUARD_LOG, so tests (and the demo) can prove nothing leaves the machine.
+   CAPLINE_NETGUARD_ALLOW adds comma-separated host prefixes to allow.
+"""
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+
+_LOOPBACK = ("127.", "localhost", "::1", "0.0.0.0")
+_EVENTS = ("socket.connect", "socket.getaddrinfo", "socket.gethostbyname", "socket.sendto")
+_RAY_USAGE = "ray._common.usage.usage_lib"
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Run `patch(module)` right after `name` is first imported."""
+
+    def __init__(self, name, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, patch = spec.loader, self.patch
+        original = loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            patch(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _no_cloud_probe(module):
+    module.get_cloud_from_metadata_requests = lambda: "unknown"
+
+
+def _host(event, args):
+    target = args[1] if event in ("socket.connect", "socket.sendto") else args[0]
+    if event in ("socket.connect", "socket.sendto") and not isinstance(target, tuple):
+        return None  # a Unix socket path
+    host = target[0] if isinstance(target, tuple) else target
+    if isinstance(host, bytes):
+        host = host.decode(errors="replace")
+    return None if host is None else str(host)
+
+
+def _own_addresses():
+    """This machine's own name and interface addresses: talking to them stays on the machine."""
+    import re
+    import socket
+
+    own = {socket.gethostname()}
+    try:
+        with open("/proc/net/fib_trie") as f:
+            own.update(re.findall(r"\|-- ([0-9.]+)\n\s+/32 host LOCAL", f.read()))
+    except OSError:
+        pass
+    try:
+        with open("/proc/net/if_inet6") as f:
+            for line in f:
+                raw = line.split()[0]
+                own.add(":".join(raw[i:i + 4] for i in range(0, 32, 4)))
+                own.add(socket.inet_ntop(socket.AF_INET6, bytes.fromhex(raw)))
+    except (OSError, ValueError):
+        pass
+    return tuple(a for a in own if a)
+
+
+def install_guard():
+    if getattr(sys, "_capline_netguard", False):
+        return
+    sys._capline_netguard = True
+    allowed = _LOOPBACK + _own_addresses() + tuple(p for p in os.environ.get("CAPLINE_NETGUARD_ALLOW", "").split(",") if p)
+    log = os.environ.get("CAPLINE_NETGUARD_LOG")
+
+    def hook(event, args):
+        if event not in _EVENTS:
+            return
+        host = _host(event, args)
+        # "" is getaddrinfo's wildcard (a bind); note that every string starts with "".
+        if host is None or host == "" or host.startswith(allowed):
+            return
+        if log:
+            try:
+                with open(log, "a") as f:
+                    prog = os.path.basename(sys.argv[0]) if sys.argv else "?"
+                    f.write(f"{os.getpid()} {prog} {event} {host}\n")
+            except OSError:
+                pass
+        raise OSError(101, f"capline netguard: refused a connection to {host}")
+
+    sys.addaudithook(hook)
+
+
+def install():
+    if os.environ.get("CAPLINE_TELEMETRY", "") not in ("1", "true", "yes"):
+        if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _PatchOnImport(_RAY_USAGE, _no_cloud_probe))
+            if _RAY_USAGE in sys.modules:  # imported before us (only possible in-process)
+                _no_cloud_probe(sys.modules[_RAY_USAGE])
+    if os.environ.get("CAPLINE_NETGUARD") == "1":
+        install_guard()
+
+
+install()

@@ -1,0 +1,54 @@
+"""Test-wide setup: the network guard, quiet telemetry, and one shared local Ray cluster.
+
+Every process the tests start (Ray's workers and agents, img2dataset, subprocess CLIs) inherits
+PYTHONPATH with pipeline/procenv, whose sitecustomize installs an audit hook that refuses and logs any non-loopback connection.
+The autouse fixture fails the test during which anything was logged.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_GUARD_LOG = Path(tempfile.mkdtemp(prefix="capline-netguard-")) / "refused.log"
+
+from pipeline import offline  # noqa: E402
+
+os.environ.update(offline.guard_env(dict(os.environ), str(_GUARD_LOG)))
+offline.apply()  # quiet switches + the hook in this very process
+os.environ.setdefault("RAY_TMPDIR", "/tmp")
+
+
+def guard_log_lines() -> list[str]:
+    return _GUARD_LOG.read_text().splitlines() if _GUARD_LOG.exists() else []
+
+
+@pytest.fixture(autouse=True)
+def no_outside_traffic():
+    before = len(guard_log_lines())
+    yield
+    new = guard_log_lines()[before:]
+    assert not new, "a process tried to reach a non-loopback address:\n" + "\n".join(new)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray cluster (2 CPUs) shared by the stage tests: each start costs ~10 s."""
+    import ray
+
+    from pipeline.ray_runtime import RayConfig, ray_session
+
+    with ray_session(RayConfig(num_cpus=2, object_store_memory_mb=256), log=lambda m: None):
+        yield ray
+    assert not ray.is_initialized()
+
+
+def capline(*args: str, timeout: float = 600, env: dict | None = None, cwd: Path | None = None):
+    """Run the real `capline` CLI in a subprocess (guard inherited) and return the CompletedProcess."""
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd or ROOT)

@@ -1,0 +1,69 @@
+"""Bad input at the command line: one line on stderr naming the problem, exit code 2, no traceback."""
+import pytest
+
+from tests.conftest import capline
+
+
+def _one_line_error(proc, *needles):
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("capline: error:")
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def test_malformed_url_file(tmp_path):
+    bad = tmp_path / "urls.parquet"
+    bad.write_bytes(b"PAR1 this is not parquet at all")
+    proc = capline("run", "--run-dir", str(tmp_path / "run"), "--set", "source.kind=urls",
+                   "--set", f"source.path={bad}")
+    _one_line_error(proc, "not a readable parquet URL list")
+
+
+def test_missing_columns(tmp_path):
+    csv = tmp_path / "urls.csv"
+    csv.write_text("link,text\nhttp://example.org/a.jpg,a cat\n")
+    proc = capline("run", "--run-dir", str(tmp_path / "run"), "--set", "source.kind=urls",
+                   "--set", f"source.path={csv}")
+    _one_line_error(proc, "missing column(s) url, caption", "link, text")
+
+
+def test_missing_url_file(tmp_path):
+    proc = capline("run", "--set", "source.kind=urls", "--set", f"source.path={tmp_path}/none.csv")
+    _one_line_error(proc, "no such file")
+
+
+def test_nonexistent_config_key():
+    _one_line_error(capline("run", "--set", "stages.ingest.bogus=1"), "stages.ingest.bogus", "unknown key")
+
+
+def test_negative_number_of_samples():
+    _one_line_error(capline("run", "--set", "source.num_samples=-5"), "source.num_samples", "positive")
+
+
+def test_unreachable_ray_address(tmp_path):
+    proc = capline("run", "--run-dir", str(tmp_path / "run"), "--address", "127.0.0.1:1")
+    _one_line_error(proc, "cannot reach a Ray cluster at 127.0.0.1:1")
+    assert not (tmp_path / "run" / "source").exists()
+
+
+def test_missing_config_file_and_bad_stage(tmp_path):
+    _one_line_error(capline("run", str(tmp_path / "x.yaml")), "no such file")
+    _one_line_error(capline("run", "--until", "nosuch"), "--until nosuch", "stages are source, ingest")
+
+
+def test_status_of_a_folder_that_is_no_run(tmp_path):
+    _one_line_error(capline("status", str(tmp_path)), "not a capline run folder")
+
+
+@pytest.mark.parametrize("cmd", [["--help"], ["run", "--help"], ["status", "--help"], ["explain", "--help"]])
+def test_help_explains_every_option(cmd):
+    proc = capline(*cmd)
+    assert proc.returncode == 0
+    assert "usage: capline" in proc.stdout
+    if cmd == ["run", "--help"]:
+        for opt in ("--run-dir", "--set", "--until", "--only", "--address", "configs/demo.yaml"):
+            assert opt in proc.stdout

@@ -1,0 +1,61 @@
+"""Unit: config loading, validation messages and --set overrides."""
+import pytest
+
+from pipeline.config import load_config
+from trainers.configtools import apply_override
+from trainers.errors import ConfigError, UserError
+
+
+def test_demo_config_loads_with_its_values():
+    cfg = load_config()
+    assert cfg.source.kind == "synthetic"
+    assert cfg.source.num_samples == 2000
+    assert cfg.stages.ingest.image_size == 64
+
+
+def test_override_sets_nested_value_with_yaml_types():
+    cfg = load_config(None, ["stages.ingest.timeout=5", "source.num_samples=10", "ray.num_cpus=null"])
+    assert cfg.stages.ingest.timeout == 5.0 and isinstance(cfg.stages.ingest.timeout, float)
+    assert cfg.source.num_samples == 10
+    assert cfg.ray.num_cpus is None
+
+
+def test_unknown_key_names_key_and_suggests():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["stages.ingest.timout=5"])
+    msg = str(err.value)
+    assert "stages.ingest.timout" in msg and "did you mean 'timeout'" in msg
+
+
+def test_negative_samples_rejected_with_key():
+    with pytest.raises(ConfigError, match=r"source.num_samples.*positive"):
+        load_config(None, ["source.num_samples=-3"])
+
+
+def test_wrong_type_and_literal_rejected():
+    with pytest.raises(ConfigError, match=r"stages.ingest.thread_count.*integer"):
+        load_config(None, ["stages.ingest.thread_count=many"])
+    with pytest.raises(ConfigError, match=r"source.kind.*'synthetic' \| 'urls'"):
+        load_config(None, ["source.kind=ftp"])
+
+
+def test_override_into_a_value_is_an_error():
+    data = {"seed": 1}
+    with pytest.raises(ConfigError, match="not a section"):
+        apply_override(data, "seed.x=2")
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        apply_override(data, "seed")
+
+
+def test_missing_and_invalid_yaml_files(tmp_path):
+    with pytest.raises(UserError, match="no such file"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("source: [unclosed\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_urls_kind_needs_a_path():
+    with pytest.raises(ConfigError, match="source.path"):
+        load_config(None, ["source.kind=urls"])

@@ -1,0 +1,121 @@
+"""Unit: URL safety, image checks and error-to-reason mapping of the safe fetcher."""
+import io
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from stages.fetch import FetchPolicy, Refused, check_image, check_url, reason_of, safe_download_image
+from stages.synthetic import png_bomb
+
+POLICY = FetchPolicy(max_bytes=10_000, max_pixels=1_000_000)
+
+
+def _reason(fn, *args):
+    with pytest.raises(Refused) as err:
+        fn(*args)
+    return str(err.value).split(": ")[0].removeprefix("capline:")
+
+
+@pytest.mark.parametrize("url,reason", [
+    ("file:///etc/passwd", "unsafe_url:scheme"),
+    ("ftp://example.org/x.jpg", "unsafe_url:scheme"),
+    ("http://127.0.0.1:8000/x.jpg", "unsafe_url:private_address"),
+    ("http://localhost/x.jpg", "unsafe_url:private_address"),
+    ("http://10.1.2.3/x.jpg", "unsafe_url:private_address"),
+    ("http://192.168.0.1/x.jpg", "unsafe_url:private_address"),
+    ("http://[::1]/x.jpg", "unsafe_url:private_address"),
+    ("http://169.254.169.254/latest/meta-data/", "unsafe_url:metadata_address"),
+    ("http://metadata.google.internal/computeMetadata/v1", "unsafe_url:metadata_address"),
+    ("http:///nohost.jpg", "malformed_url"),
+])
+def test_unsafe_urls_refused_before_any_connection(url, reason):
+    assert _reason(check_url, url, POLICY) == reason
+
+
+def test_allow_list_lets_exactly_that_host_port_through():
+    policy = FetchPolicy(allow_hosts=("127.0.0.1:8765",))
+    check_url("http://127.0.0.1:8765/img/a.jpg", policy)
+    assert _reason(check_url, "http://127.0.0.1:8766/img/a.jpg", policy) == "unsafe_url:private_address"
+
+
+def _jpeg(w=32, h=32) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def test_image_checks():
+    check_image(_jpeg(), POLICY)
+    assert _reason(check_image, png_bomb(2000, 2000), POLICY) == "image_too_large"
+    assert _reason(check_image, _jpeg()[:300], POLICY) == "truncated_image"
+    assert _reason(check_image, b"\x00garbage" * 50, POLICY) == "undecodable_image"
+
+
+def test_png_bomb_is_small_on_disk_but_huge_in_pixels():
+    data = png_bomb(12000, 12000)
+    assert len(data) < 1_000_000
+    assert Image.open(io.BytesIO(data)).size == (12000, 12000)
+
+
+@pytest.mark.parametrize("status,error,reason", [
+    ("success", None, ""),
+    ("failed_to_download", "HTTP Error 404: Not Found", "http_404"),
+    ("failed_to_download", "<urlopen error timed out>", "timeout"),
+    ("failed_to_download", "The read operation timed out", "timeout"),
+    ("failed_to_download", "<urlopen error [Errno 111] Connection refused>", "connection_refused"),
+    ("failed_to_download", "capline:unsafe_url:private_address: x -> 10.0.0.1", "unsafe_url:private_address"),
+    ("failed_to_download", "capline:too_many_bytes: more than max_bytes 10", "too_many_bytes"),
+    ("failed_to_resize", "image too small", "image_too_small"),
+    ("failed_to_resize", "something new", "download_error"),
+])
+def test_reason_mapping(status, error, reason):
+    assert reason_of(status, error) == reason
+
+
+class _Redirector(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        if self.path == "/big":
+            body = b"x" * 50_000
+            self.send_response(200)
+            self.send_header("Content-Type", "image/jpeg")
+            self.end_headers()  # no Content-Length: the cap must hold while reading
+            self.wfile.write(body)
+            return
+        if self.path == "/html":
+            body = b"<html>hello</html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        self.send_response(302)
+        self.send_header("Location", "http://10.9.9.9/secret.jpg")
+        self.end_headers()
+
+
+@pytest.fixture()
+def redirector():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Redirector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_redirect_to_private_address_and_byte_cap(redirector, monkeypatch):
+    import stages.fetch as fetch
+
+    monkeypatch.setattr(fetch, "_policy", FetchPolicy(allow_hosts=(redirector,), max_bytes=10_000))
+    _, stream, err = safe_download_image((0, f"http://{redirector}/go"), 3, None, None)
+    assert stream is None and reason_of("failed_to_download", err) == "unsafe_url:private_address"
+    _, stream, err = safe_download_image((1, f"http://{redirector}/big"), 3, None, None)
+    assert stream is None and reason_of("failed_to_download", err) == "too_many_bytes"
+    _, stream, err = safe_download_image((2, f"http://{redirector}/html"), 3, None, None)
+    assert stream is None and reason_of("failed_to_download", err) == "not_an_image"
