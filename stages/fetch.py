@@ -66,13 +66,14 @@ def check_url(url: str, policy: FetchPolicy) -> None:
     if host.lower() in METADATA_HOSTS:
         raise Refused("unsafe_url:metadata_address", host)
     try:
-        infos = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)
-    except (socket.gaierror, UnicodeError) as err:
-        raise Refused("dns_error", f"{host}: {err}") from None
-    except OSError as err:  # e.g. a network guard refusing the lookup
-        raise Refused("dns_error", f"{host}: {err}") from None
-    for info in infos:
-        addr = ipaddress.ip_address(info[4][0].split("%")[0])
+        addrs = [ipaddress.ip_address(host)]  # a literal address needs no lookup
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)
+        except (OSError, UnicodeError) as err:  # OSError: also a network guard refusing the lookup
+            raise Refused("dns_error", f"{host}: {err}") from None
+        addrs = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    for addr in addrs:
         if addr in METADATA_ADDRS:
             raise Refused("unsafe_url:metadata_address", f"{host} -> {addr}")
         if (addr.is_private or addr.is_loopback or addr.is_link_local or addr.is_multicast

@@ -1,0 +1,23 @@
+"""Shared helpers for the benchmarks: results files and the environment they ran in."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+
+
+def write_results(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **data}, indent=2, sort_keys=True))
+    print(f"wrote {path}")
+    return path
