@@ -45,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("explain", help="the fate of one sample through every stage")
     ex.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by `capline run`")
     ex.add_argument("key", metavar="KEY", help="the sample's key (see ledger.parquet)")
+
+    mo = sub.add_parser("models", help="model families and sizes, with parameter counts")
+    mo.add_argument("--table", action="store_true",
+                    help="count parameters of every family at every size (32k vocabulary, 224 px; tiny at "
+                         "64 px) and compare with the paper's Table 1")
     return p
 
 
@@ -84,6 +89,18 @@ def main(argv: list[str] | None = None) -> int:
             from .inspect_run import explain, format_explain
 
             print(format_explain(args.key, explain(Path(args.run_dir), args.key)))
+            return 0
+        if args.command == "models":
+            from trainers.models import FAMILIES, SIZES
+
+            if args.table:
+                from trainers.models.params import format_table, table
+
+                print(format_table(table()))
+            else:
+                print("families: " + ", ".join(FAMILIES))
+                print("sizes (width, depth, heads, mlp, patch): " +
+                      "; ".join(f"{k} {v}" for k, v in SIZES.items()))
             return 0
         parser.print_help()
         return 2

@@ -1,0 +1,193 @@
+"""Unit: the model families behave as the papers say (masks, mixing, losses, decoding, parity)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from trainers.models import ModelConfig, build_model
+from trainers.models.decoding import beam_search, greedy, sequence_logprob
+from trainers.models.losses import caption_loss, clip_loss, siglip_loss
+from trainers.models.params import PAPER, count
+
+V, L = 50, 8
+
+
+def tiny(family, **kw):
+    base = dict(family=family, size="tiny", vocab_size=V, max_len=L, image_size=16, patch=4, width=32,
+                depth=2, heads=2, mlp=64, caption_queries=4, prefix_len=3)
+    return ModelConfig(**{**base, **kw})
+
+
+def randomise_heads(model):
+    """Zero-initialised output heads make every logit equal; tests need ones that can differ."""
+    for mod in model.modules():
+        if isinstance(mod, nn.Linear) and mod.out_features == V:
+            nn.init.normal_(mod.weight, std=0.5)
+
+
+def labels(b, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(3, V, (b, L), generator=g)
+    lengths = torch.randint(2, L, (b,), generator=g)
+    for i, n in enumerate(lengths):
+        y[i, n] = 1          # EOS
+        y[i, n + 1:] = 0     # pad
+    return y
+
+
+@pytest.fixture()
+def cap():
+    torch.manual_seed(0)
+    m = build_model(tiny("cappa")).eval()
+    randomise_heads(m)
+    return m
+
+
+def test_ar_logits_are_causal(cap):
+    images = torch.randn(2, 3, 16, 16)
+    memory = cap.start(images)
+    tokens = labels(2)
+    base = cap.step(tokens, memory, None, 0)
+    for t in range(L - 1):
+        changed = tokens.clone()
+        changed[:, t + 1] = (changed[:, t + 1] + 7) % V
+        out = cap.step(changed, memory, None, 0)
+        assert torch.allclose(out[:, : t + 1], base[:, : t + 1], atol=1e-5)
+        assert not torch.allclose(out[:, t + 1:], base[:, t + 1:], atol=1e-5)
+
+
+def test_pa_logits_depend_on_the_image_only(cap):
+    images = torch.randn(3, 3, 16, 16)
+    pa = torch.ones(3, dtype=torch.bool)
+    a = cap(images, labels(3, seed=1), pa)
+    b = cap(images, labels(3, seed=2), pa)
+    assert torch.allclose(a, b)
+    c = cap(torch.randn(3, 3, 16, 16), labels(3, seed=1), pa)
+    assert not torch.allclose(a, c, atol=1e-4)
+
+
+def test_per_example_mixing_equals_separate_runs(cap):
+    images, y = torch.randn(6, 3, 16, 16), labels(6)
+    pa = torch.tensor([True, False, True, False, False, True])
+    mixed = cap(images, y, pa)
+    all_pa = cap(images, y, torch.ones(6, dtype=torch.bool))
+    all_ar = cap(images, y, torch.zeros(6, dtype=torch.bool))
+    assert torch.allclose(mixed[pa], all_pa[pa], atol=1e-5)
+    assert torch.allclose(mixed[~pa], all_ar[~pa], atol=1e-5)
+    assert not torch.allclose(all_pa, all_ar, atol=1e-3)
+
+
+def test_pa_probability_per_example():
+    m = build_model(tiny("cappa"))
+    rows = m.sample_pa_rows(20000, torch.Generator().manual_seed(0))
+    assert abs(rows.float().mean().item() - 0.75) < 0.02
+    assert not build_model(tiny("cap")).sample_pa_rows(100).any()
+
+
+def test_caption_loss_matches_a_hand_computation():
+    torch.manual_seed(1)
+    logits, y = torch.randn(3, L, V), labels(3)
+    expected = []
+    for i in range(3):
+        terms = []
+        for t in range(L):
+            if y[i, t] == 0:
+                continue
+            row = logits[i, t].double()
+            terms.append(-(row[y[i, t]] - math.log(sum(math.exp(v) for v in row.tolist()))))
+        expected.append(sum(terms) / len(terms))   # EOS (1) counts, pad (0) does not
+    assert caption_loss(logits, y).item() == pytest.approx(float(np.mean(expected)), rel=1e-5)
+
+
+def _norm(x):
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_clip_and_siglip_losses_match_hand_computation():
+    rng = np.random.default_rng(0)
+    zi, zt = _norm(rng.normal(size=(5, 4))), _norm(rng.normal(size=(5, 4)))
+    scale = math.log(1 / 0.07)
+    logits = math.exp(scale) * zi @ zt.T
+    def ce(m):
+        return np.mean([-(m[i, i] - np.log(np.exp(m[i]).sum())) for i in range(len(m))])
+    want = 0.5 * (ce(logits) + ce(logits.T))
+    got = clip_loss(torch.tensor(zi), torch.tensor(zt), torch.tensor(scale))
+    assert got.item() == pytest.approx(want, rel=1e-6)
+    t, b = math.log(10), -10.0
+    lg = math.exp(t) * zi @ zt.T + b
+    want = -np.mean([sum(math.log(1 / (1 + math.exp(-(1 if i == j else -1) * lg[i, j]))) for j in range(5))
+                     for i in range(5)])
+    got = siglip_loss(torch.tensor(zi), torch.tensor(zt), torch.tensor(t), torch.tensor(b))
+    assert got.item() == pytest.approx(want, rel=1e-6)
+
+
+def test_logit_scale_is_clamped_at_100():
+    z = torch.eye(3)
+    big = clip_loss(z, z, torch.tensor(10.0))
+    capped = clip_loss(z, z, torch.tensor(math.log(100.0)))
+    assert big.item() == pytest.approx(capped.item())
+
+
+@pytest.mark.parametrize("family", ["cappa", "coca", "clipcap"])
+def test_cached_decoding_equals_uncached_and_beam1_equals_greedy(family):
+    torch.manual_seed(3)
+    m = build_model(tiny(family)).eval()
+    randomise_heads(m)
+    x = torch.randn(3, 32) if family == "clipcap" else torch.randn(3, 3, 16, 16)
+    if family == "clipcap":
+        m = build_model(tiny(family, image_embed_dim=32)).eval()
+        randomise_heads(m)
+    g_cache, g_full = greedy(m, x, L, use_cache=True), greedy(m, x, L, use_cache=False)
+    assert torch.equal(g_cache, g_full)
+    assert torch.equal(beam_search(m, x, L, beam=1), g_cache)
+    b_cache, b_full = beam_search(m, x, L, beam=3), beam_search(m, x, L, beam=3, use_cache=False)
+    assert torch.equal(b_cache, b_full)
+    assert (g_cache != 0).any()
+
+
+def test_beam_search_finds_at_least_the_greedy_likelihood(cap):
+    images = torch.randn(4, 3, 16, 16)
+    def loglik(seqs):
+        return torch.stack([sequence_logprob(cap(images[i:i + 1], s[None]), s[None])[0]
+                            for i, s in enumerate(seqs)])
+    g, b = greedy(cap, images, L), beam_search(cap, images, L, beam=4)
+    assert (loglik(b) >= loglik(g) - 1e-4).all()
+
+
+def test_parallel_and_ar_scoring_match_their_definitions(cap):
+    images, cands = torch.randn(2, 3, 16, 16), labels(5, seed=4)
+    ar = cap.score_ar(images, cands)
+    par = cap.score_parallel(images, cands)
+    for i in range(2):
+        for c in range(5):
+            img, y = images[i:i + 1], cands[c:c + 1]
+            want_ar = sequence_logprob(cap(img, y, torch.tensor([False])), y)[0]
+            want_pa = sequence_logprob(cap(img, y, torch.tensor([True])), y)[0]
+            assert ar[i, c].item() == pytest.approx(want_ar.item(), abs=1e-4)
+            assert par[i, c].item() == pytest.approx(want_pa.item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("size,family", sorted(PAPER))
+def test_parameter_parity_with_paper_table1(size, family):
+    n = count(family, size) / 1e6
+    assert abs(n / PAPER[(size, family)] - 1) < 0.02, n
+
+
+def test_checkpoint_roundtrip_and_mismatch(tmp_path, cap):
+    from trainers.errors import UserError
+    from trainers.models.checkpoint import load_model, save_model
+
+    save_model(cap, cap.cfg, tmp_path / "ck")
+    loaded, cfg = load_model(tmp_path / "ck")
+    loaded.eval()
+    images, y = torch.randn(2, 3, 16, 16), labels(2)
+    assert torch.allclose(loaded(images, y), cap(images, y))
+    assert cfg == cap.cfg
+    save_model(build_model(tiny("clip")), tiny("clip"), tmp_path / "clip")
+    (tmp_path / "clip" / "model.json").write_text((tmp_path / "ck" / "model.json").read_text())
+    with pytest.raises(UserError, match="do not fit"):
+        load_model(tmp_path / "clip")
+    with pytest.raises(UserError, match="not a capline model"):
+        load_model(tmp_path)

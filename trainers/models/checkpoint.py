@@ -1,0 +1,56 @@
+"""Model checkpoints: a safetensors state dict plus a JSON model config, nothing executable.
+
+    <dir>/model.safetensors   weights (no optimizer state)
+    <dir>/model.json          {"format": "capline-model/1", "config": {...ModelConfig...}}
+
+Loading needs neither the trainer nor pickle; anything read with torch.load elsewhere in capline
+uses weights_only=True.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from trainers.configtools import build
+from trainers.errors import UserError
+
+from . import build_model
+from .config import ModelConfig
+
+FORMAT = "capline-model/1"
+
+
+def save_model(model, cfg: ModelConfig, directory: str | Path) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
+             if not k.startswith("image_encoder.")}  # ClipCap's frozen encoder is saved on its own
+    save_file(state, str(directory / "model.safetensors"))
+    (directory / "model.json").write_text(json.dumps({"format": FORMAT, "config": dataclasses.asdict(cfg)},
+                                                     indent=2, sort_keys=True))
+    return directory
+
+
+def load_config(directory: str | Path) -> ModelConfig:
+    path = Path(directory) / "model.json"
+    if not path.is_file():
+        raise UserError(f"{directory}: not a capline model checkpoint (no model.json)")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT:
+        raise UserError(f"{path}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT})")
+    return build(ModelConfig, meta["config"], "model")
+
+
+def load_model(directory: str | Path, image_encoder=None):
+    cfg = load_config(directory)
+    model = build_model(cfg, image_encoder)
+    state = load_file(str(Path(directory) / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith("image_encoder.")]
+    if missing or unexpected:
+        raise UserError(f"{directory}: weights do not fit the config (missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]})")
+    return model, cfg

@@ -1,0 +1,114 @@
+"""ClipCap (Mokady et al. 2021): a frozen image embedding mapped to a k-token prefix of a causal LM.
+
+Shape key: B batch, E image embedding, k prefix length, D LM width, L caption positions, V vocabulary.
+
+image embedding (B, E) -> mapper -> prefix (B, k, D)
+sequence = prefix ++ embed([l1 .. l(L-1)])  (B, k + L - 1, D) -> causal LM -> logits
+loss only on caption tokens: the logits at positions k-1 .. k+L-2 predict l1 .. lL.
+
+Mapper "mlp": Linear(E, kD/2) -> tanh -> Linear(kD/2, kD), with the LM trained too.
+Mapper "transformer": Linear(E, kD) gives k tokens, k learned constants join them, an 8-layer
+8-head transformer runs over both, the constants' outputs are the prefix; the LM stays frozen.
+The frozen image encoder is any capline encoder with `image_embedding(images) -> (B, E)` (or
+precomputed embeddings); the LM is capline's decoder-only `TextDecoder`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .decoding import sequence_logprob
+from .layers import Block, causal_mask
+from .losses import caption_loss
+from .text import TextDecoder
+
+
+class MLPMapper(nn.Module):
+    def __init__(self, e: int, k: int, d: int):
+        super().__init__()
+        self.k, self.d = k, d
+        self.net = nn.Sequential(nn.Linear(e, k * d // 2), nn.Tanh(), nn.Linear(k * d // 2, k * d))
+
+    def forward(self, z):  # (B, E) -> (B, k, D)
+        return self.net(z).view(z.shape[0], self.k, self.d)
+
+
+class TransformerMapper(nn.Module):
+    def __init__(self, e: int, k: int, d: int, depth: int = 8, heads: int = 8):
+        super().__init__()
+        self.k, self.d = k, d
+        self.proj = nn.Linear(e, k * d)
+        self.const = nn.Parameter(torch.randn(1, k, d) * 0.02)
+        heads = heads if d % heads == 0 else 1
+        self.blocks = nn.ModuleList(Block(d, heads, 4 * d, bias=True) for _ in range(depth))
+
+    def forward(self, z):  # (B, E) -> (B, k, D)
+        x = torch.cat([self.proj(z).view(z.shape[0], self.k, self.d), self.const.expand(z.shape[0], -1, -1)], 1)
+        for blk in self.blocks:
+            x = blk(x)
+        return x[:, self.k:]
+
+
+class ClipCap(nn.Module):
+    def __init__(self, cfg: ModelConfig, image_encoder: nn.Module | None = None):
+        super().__init__()
+        self.cfg = cfg
+        k, d = cfg.prefix_len, cfg.dim
+        e = cfg.image_embed_dim or cfg.dim
+        self.image_encoder = image_encoder
+        if image_encoder is not None:
+            for p in image_encoder.parameters():
+                p.requires_grad_(False)
+        self.lm = TextDecoder(cfg, cfg.num_layers, cross=False, max_len=cfg.max_len + k)
+        if cfg.mapper == "mlp":
+            self.mapper = MLPMapper(e, k, d)
+        else:
+            self.mapper = TransformerMapper(e, k, d, depth=cfg.mapper_depth)
+            for p in self.lm.parameters():
+                p.requires_grad_(False)
+
+    def image_embedding(self, images: torch.Tensor) -> torch.Tensor:
+        if self.image_encoder is None:
+            raise ValueError("ClipCap was built without an image encoder: pass embeddings instead")
+        self.image_encoder.eval()
+        with torch.no_grad():
+            return self.image_encoder.image_features(images)
+
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """embeddings (B, E), labels (B, L) -> logits over the caption (B, L, V)."""
+        k = self.cfg.prefix_len
+        prefix = self.mapper(embeddings)                                   # (B, k, D)
+        x = torch.cat([prefix, self.lm.embed(labels[:, :-1])], dim=1)      # (B, k+L-1, D)
+        h = self.lm.hidden(x, causal_mask(x.shape[1], x.device))
+        return self.lm.head(h[:, k - 1:])
+
+    def loss(self, images_or_embeddings, labels, generator=None):
+        z = self._z(images_or_embeddings)
+        loss = caption_loss(self(z, labels), labels)
+        return loss, {"caption_loss": loss.detach()}
+
+    def _z(self, x):
+        return x if x.dim() == 2 else self.image_embedding(x)
+
+    # decoding interface: the prefix is the "memory", fed through the LM at the first step
+    def start(self, images_or_embeddings):
+        return self.mapper(self._z(images_or_embeddings))
+
+    def new_cache(self):
+        return self.lm.new_cache()
+
+    def step(self, tokens, prefix, cache, start):
+        k = self.cfg.prefix_len
+        if cache is None:  # rerun everything: prefix + tokens after BOS
+            x = torch.cat([prefix, self.lm.embed(tokens[:, 1:])], dim=1)
+            return self.lm.head(self.lm.hidden(x, causal_mask(x.shape[1], x.device)))
+        if start == 0:     # first step: run the prefix, its last position predicts token 1
+            return self.lm.head(self.lm.hidden(prefix, causal_mask(k, prefix.device), cache=cache))
+        return self.lm.head(self.lm.hidden(self.lm.embed(tokens), None, cache=cache, start=k + start - 1))
+
+    @torch.no_grad()
+    def score_ar(self, images_or_embeddings, candidates):
+        z = self._z(images_or_embeddings)
+        return torch.stack([sequence_logprob(self(z[i:i + 1].expand(candidates.shape[0], -1), candidates), candidates)
+                            for i in range(z.shape[0])])

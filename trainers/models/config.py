@@ -1,0 +1,103 @@
+"""Model configuration: one dataclass for every family; named sizes are data, not code.
+
+Sizes follow the ViT naming of the paper (S/16, M/16, B/16, L/14); `tiny` is for tests and the
+demo. Any field of a size can be overridden (width, depth, ...), so new sizes need no code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from trainers.configtools import join, require
+
+SIZES = {
+    #        width depth heads  mlp  patch
+    "tiny": (128, 4, 4, 512, 8),
+    "s16": (384, 12, 6, 1536, 16),
+    "m16": (512, 12, 8, 2048, 16),
+    "b16": (768, 12, 12, 3072, 16),
+    "l14": (1024, 24, 16, 4096, 14),
+}
+
+FAMILIES = ("cap", "cappa", "clip", "siglip", "coca", "clipcap")
+PAD_ID, EOS_ID = 0, 1
+
+
+@dataclass
+class ModelConfig:
+    family: Literal["cap", "cappa", "clip", "siglip", "coca", "clipcap"] = "cappa"
+    size: Literal["tiny", "s16", "m16", "b16", "l14"] = "tiny"
+    vocab_size: int = 32000
+    max_len: int = 64
+    image_size: int = 224
+    # overrides of the named size (null: take the size's value)
+    width: int | None = None
+    depth: int | None = None
+    heads: int | None = None
+    mlp: int | None = None
+    patch: int | None = None
+    decoder_depth: int | None = None     # captioners: default half the encoder depth
+    bias: bool = False                   # biases in attention, MLP and LayerNorm (the paper removes them)
+    pool: Literal["gap", "map"] = "gap"  # contrastive towers and the probe's image features
+    masked_pred_prob: float | None = None  # CapPa: 0.75, Cap: 0
+    embed_dim: int | None = None         # contrastive embedding (default: width)
+    # CoCa
+    caption_queries: int = 256           # attentional pooler queries the decoder cross-attends to
+    contrastive_weight: float = 1.0
+    caption_weight: float = 2.0
+    # ClipCap
+    prefix_len: int = 10
+    mapper: Literal["mlp", "transformer"] = "mlp"
+    mapper_depth: int = 8
+    image_embed_dim: int | None = None   # the frozen encoder's embedding size (default: width)
+
+    def validate(self, prefix: str = "") -> None:
+        require(self.vocab_size >= 4, join(prefix, "vocab_size"), f"must be >= 4, got {self.vocab_size}")
+        require(self.max_len >= 2, join(prefix, "max_len"), f"must be >= 2, got {self.max_len}")
+        require(self.image_size % self.patch_size == 0, join(prefix, "image_size"),
+                f"{self.image_size} is not a multiple of the patch size {self.patch_size}")
+        require(self.dim % self.num_heads == 0, join(prefix, "heads"),
+                f"width {self.dim} is not divisible by {self.num_heads} heads")
+        p = self.pa_prob
+        require(0.0 <= p <= 1.0, join(prefix, "masked_pred_prob"), f"must be in [0, 1], got {p}")
+        require(self.prefix_len >= 1, join(prefix, "prefix_len"), "must be >= 1")
+
+    # resolved values
+    @property
+    def dim(self) -> int:
+        return self.width or SIZES[self.size][0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.depth or SIZES[self.size][1]
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads or SIZES[self.size][2]
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.mlp or SIZES[self.size][3]
+
+    @property
+    def patch_size(self) -> int:
+        return self.patch or SIZES[self.size][4]
+
+    @property
+    def dec_layers(self) -> int:
+        return self.decoder_depth or max(1, self.num_layers // 2)
+
+    @property
+    def pa_prob(self) -> float:
+        if self.masked_pred_prob is not None:
+            return self.masked_pred_prob
+        return 0.75 if self.family == "cappa" else 0.0
+
+    @property
+    def out_dim(self) -> int:
+        return self.embed_dim or self.dim
+
+    @property
+    def mask_id(self) -> int:
+        """The extra input id ([MASK] for CapPa, [CLS] for CoCa): embedding tables have V + 1 rows."""
+        return self.vocab_size
