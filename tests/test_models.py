@@ -191,3 +191,31 @@ def test_checkpoint_roundtrip_and_mismatch(tmp_path, cap):
         load_model(tmp_path / "clip")
     with pytest.raises(UserError, match="not a capline model"):
         load_model(tmp_path)
+
+
+def test_clipcap_predicts_caption_tokens_from_prefix_and_earlier_tokens():
+    torch.manual_seed(5)
+    m = build_model(tiny("clipcap", image_embed_dim=32)).eval()
+    randomise_heads(m)
+    z, y = torch.randn(2, 32), labels(2)
+    base = m(z, y)
+    assert base.shape == (2, L, V)      # one prediction per caption token, none for the prefix
+    for t in range(1, L):
+        changed = y.clone()
+        changed[:, t] = (changed[:, t] + 5) % V
+        out = m(z, changed)
+        assert torch.allclose(out[:, : t + 1], base[:, : t + 1], atol=1e-5)  # position t predicts label t
+    assert not torch.allclose(m(torch.randn(2, 32), y)[:, 0], base[:, 0])  # the prefix carries the image
+
+
+def test_clipcap_freezing_follows_the_mapper_and_the_encoder_stays_frozen():
+    enc = build_model(tiny("cappa"))
+    mlp = build_model(tiny("clipcap", image_embed_dim=32), image_encoder=enc)
+    assert all(p.requires_grad for p in mlp.lm.parameters())
+    assert not any(p.requires_grad for p in enc.parameters())
+    trf = build_model(tiny("clipcap", mapper="transformer", mapper_depth=2, image_embed_dim=32))
+    assert not any(p.requires_grad for p in trf.lm.parameters())
+    assert all(p.requires_grad for p in trf.mapper.parameters())
+    loss, _ = mlp.loss(torch.randn(2, 3, 16, 16), labels(2))   # images go through the frozen encoder
+    loss.backward()
+    assert all(p.grad is None for p in enc.parameters())
