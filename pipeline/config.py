@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from stages.dedup import DedupConfig
 from stages.ingest import IngestConfig
 from stages.source import SourceConfig
 from trainers.configtools import apply_override, build, require
@@ -27,6 +28,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml
 @dataclass
 class StagesConfig:
     ingest: IngestConfig = field(default_factory=IngestConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
 
 
 @dataclass

@@ -66,6 +66,9 @@ def ray_session(cfg: RayConfig, address: str | None = None, log=print):
         # route to an outside address.
         ray.init(num_cpus=num_cpus, object_store_memory=cfg.object_store_memory_mb * 2**20,
                  include_dashboard=cfg.dashboard, _node_ip_address="127.0.0.1", **common)
+    # Ray Data logs every operator's progress at INFO; capline prints its own per-stage progress.
+    for name in ("ray.data", "ray.data._internal"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     try:
         yield
     finally:

@@ -19,14 +19,17 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from stages.base import KEPT, Stage, StageContext
+from stages.dedup import DedupStage
+from stages.dedup import preflight as dedup_preflight
 from stages.ingest import IngestStage
 from stages.source import SourceStage, check_url_list, file_sha256
 from trainers.errors import UserError
 
+from . import audit
 from .config import RunConfig, save_config
 from .manifest import Manifest, write_json_atomic
 
-STAGES: list[Stage] = [SourceStage(), IngestStage()]
+STAGES: list[Stage] = [SourceStage(), IngestStage(), DedupStage()]
 CONTROL_FILES = {"_SUCCESS", "_STARTED", "stats.json"}
 
 
@@ -84,6 +87,7 @@ def preflight(cfg: RunConfig) -> None:
     """Checks that need no cluster, run before one starts: bad inputs fail in a second, not mid-run."""
     if cfg.source.kind == "urls":
         check_url_list(cfg.source)
+    dedup_preflight(cfg.stages.dedup, None)
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -165,4 +169,6 @@ def _run_stage(stage: Stage, cfg: RunConfig, run_dir: Path, sdir: Path, in_diges
     write_json_atomic(sdir / "_SUCCESS", marker)
     dropped = ", ".join(f"{k}={v}" for k, v in counts["dropped"].items()) or "none"
     log(f"{stage.name}: {counts['in']} in, {counts['kept']} kept, dropped: {dropped} ({wall:.1f}s)")
+    if cfg.source.kind == "synthetic":
+        audit.after_stage(stage.name, run_dir, log)
     return marker

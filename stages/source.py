@@ -44,6 +44,8 @@ class DefectFractions:
     empty_caption: float = 0.01
     huge_pixels: float = 2
     huge_bytes: float = 2
+    repeat_row: float = 0.01        # the same URL and caption as an earlier sample
+    train_near_copy: float = 0.01   # an earlier sample's image re-encoded, with its caption
 
     def validate(self, prefix: str) -> None:
         total = 0.0

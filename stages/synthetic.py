@@ -37,6 +37,7 @@ SIZES = {"small": 0.13, "large": 0.24}
 DEFECTS = (
     "mismatched_caption", "non_english", "eval_near_copy", "http_404", "http_500", "timeout",
     "corrupt", "truncated", "non_image", "tiny", "empty_caption", "huge_pixels", "huge_bytes",
+    "repeat_row", "train_near_copy",
 )
 
 _LANG = {
@@ -77,6 +78,7 @@ class Scene:
     objects: tuple[Obj, ...]
     background: tuple[int, int, int]
     texture_seed: int
+    gradient: tuple[float, float] = (0.0, 10.0)  # direction (radians) and strength of the backdrop
 
 
 def _relation(a: Obj, b: Obj) -> str:
@@ -87,7 +89,7 @@ def _relation(a: Obj, b: Obj) -> str:
 
 
 def random_scene(rng: np.random.Generator) -> Scene:
-    n = int(rng.choice([1, 2, 2, 3]))
+    n = int(rng.choice([1, 2, 2, 3, 3]))
     objs: list[Obj] = []
     attempts = 0
     while len(objs) < n and attempts < 200:
@@ -98,8 +100,9 @@ def random_scene(rng: np.random.Generator) -> Scene:
         if any(math.hypot(x - o.x, y - o.y) < r + SIZES[o.size] + 0.04 for o in objs):
             continue
         objs.append(Obj(str(rng.choice(SHAPES)), str(rng.choice(list(COLOURS))), size, float(x), float(y)))
-    bg = tuple(int(v) for v in rng.integers(200, 250, size=3))
-    return Scene(tuple(objs), bg, int(rng.integers(0, 2**31)))
+    bg = tuple(int(v) for v in rng.integers(185, 250, size=3))
+    gradient = (float(rng.uniform(0, 2 * math.pi)), float(rng.uniform(5, 30)))
+    return Scene(tuple(objs), bg, int(rng.integers(0, 2**31)), gradient)
 
 
 def _phrase(o: Obj) -> str:
@@ -138,7 +141,9 @@ def render(scene: Scene, size: int) -> Image.Image:
     rng = np.random.default_rng(scene.texture_seed)
     base = np.array(scene.background, dtype=np.float32)
     noise = rng.normal(0, 6, size=(size, size, 1)).astype(np.float32)
-    grad = np.linspace(-10, 10, size, dtype=np.float32)[None, :, None]
+    angle, strength = scene.gradient
+    ramp = np.linspace(-1, 1, size, dtype=np.float32)
+    grad = (strength * (np.cos(angle) * ramp[None, :] + np.sin(angle) * ramp[:, None]))[:, :, None]
     img = Image.fromarray(np.clip(base + noise + grad, 0, 255).astype(np.uint8))
     draw = ImageDraw.Draw(img)
     for o in scene.objects:
@@ -287,6 +292,21 @@ def generate(out_dir: Path, num_samples: int, eval_size: int, image_size: int, s
             payload = encode(Image.fromarray(noise), "PNG")
             name = f"{key}.png"
             detail = f"{len(payload)} bytes"
+        elif defect in ("repeat_row", "train_near_copy"):
+            # a copy of an earlier clean sample: the very same row, or its image re-encoded
+            j = int(rng.integers(0, i)) if i else 0
+            while j and defects[j] is not None:
+                j -= 1
+            caption = captions[j] if j < len(captions) else caption
+            detail = f"copy of s{j:07d}"
+            if defect == "repeat_row" and j < len(urls):
+                keys.append(key)
+                urls.append(urls[j])
+                captions.append(caption)
+                for col, val in (("key", key), ("defect", defect), ("detail", detail), ("true_caption", caption)):
+                    gt[col].append(val)
+                continue
+            payload = encode(render(scenes[j], image_size), "JPEG", int(rng.integers(60, 85)))
         (www / "img" / name).write_bytes(payload)
         keys.append(key)
         urls.append(f"{SERVER_PLACEHOLDER}/{route}/{name}")

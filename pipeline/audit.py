@@ -1,0 +1,54 @@
+"""Measure stages against the demo's ground truth, beside them, never inside them.
+
+The synthetic source writes `source/_ground_truth.parquet` (which sample has which planted defect).
+Stages must not read it; the runner calls `after_stage` once a stage has finished on a synthetic
+run, which compares the stage's ledger with the truth, prints the figures and writes
+`<stage>/audit.json`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+
+def _truth(run_dir: Path) -> dict[str, dict]:
+    return {r["key"]: r for r in pq.read_table(run_dir / "source" / "_ground_truth.parquet").to_pylist()}
+
+
+def _ledger(run_dir: Path, stage: str) -> dict[str, dict]:
+    return {r["key"]: r for r in pq.read_table(run_dir / stage / "ledger.parquet").to_pylist()}
+
+
+def rates(ledger: dict, truth: dict, defect: str, reason_prefix: str) -> dict:
+    """Recall of `defect` among samples that entered, and false drops among clean ones."""
+    planted = [k for k in ledger if truth[k]["defect"] == defect]
+    clean = [k for k in ledger if truth[k]["defect"] == "clean"]
+    caught = sum(ledger[k]["verdict"] == "dropped" and ledger[k]["reason"].startswith(reason_prefix)
+                 for k in planted)
+    false = sum(ledger[k]["verdict"] == "dropped" and ledger[k]["reason"].startswith(reason_prefix) for k in clean)
+    return {"planted": len(planted), "caught": caught, "recall": caught / len(planted) if planted else None,
+            "clean": len(clean), "false_drops": false, "false_drop_rate": false / len(clean) if clean else None}
+
+
+# stage -> [(planted defect, the reason prefix that catches it)]
+AUDITS = {"dedup": [("eval_near_copy", "eval_duplicate:"), ("repeat_row", "exact_duplicate"),
+                    ("train_near_copy", "")]}
+
+
+def after_stage(stage: str, run_dir: Path, log=print) -> dict | None:
+    if stage not in AUDITS or not (run_dir / "source" / "_ground_truth.parquet").is_file():
+        return None
+    ledger, truth = _ledger(run_dir, stage), _truth(run_dir)
+    result = {}
+    for defect, prefix in AUDITS[stage]:
+        r = result[defect] = rates(ledger, truth, defect, prefix)
+        if r["recall"] is None:
+            continue
+        false = (f", false drops among clean {100 * r['false_drop_rate']:.2f}% ({r['false_drops']}/{r['clean']})"
+                 if prefix else "")
+        log(f"{stage} audit (demo ground truth): {defect} recall {r['recall']:.3f} "
+            f"({r['caught']}/{r['planted']}){false}")
+    (run_dir / stage / "audit.json").write_text(json.dumps(result, indent=2))
+    return result

@@ -1,0 +1,159 @@
+"""Evaluation sets that training data must not leak into, and their cached reference indexes.
+
+Kinds: `folder` (image files under a path), `webdataset` (tar shards: a file, folder or glob),
+`parquet` (a column of image bytes), `builtin`: `demo_heldout` (the demo source's held-out split),
+`fashion_mnist` (Debian package dataset-fashion-mnist, its 10k test images), `digits`
+(scikit-learn's 1,797 8x8 digits).
+
+An index is built once per (set content, descriptor parameters) and cached under `cache_dir`;
+unreadable images inside a set are skipped and counted, an empty or missing set is an error.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import io
+import json
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Literal
+
+import numpy as np
+
+from trainers.configtools import join, require
+from trainers.errors import UserError
+
+from .imagehash import crops, describe
+from .neardup import NearDupIndex
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz")
+BUILTINS = ("demo_heldout", "fashion_mnist", "digits")
+
+
+@dataclass
+class EvalSetConfig:
+    name: str = ""
+    kind: Literal["folder", "webdataset", "parquet", "builtin"] = "builtin"
+    path: str = ""          # a folder / shard path or glob / parquet file; for builtin: its name
+    image_col: str = "image"
+    id_col: str | None = None
+
+    def validate(self, prefix: str) -> None:
+        require(bool(self.name) and ":" not in self.name, join(prefix, "name"),
+                f"each evaluation set needs a name without ':', got {self.name!r}")
+        if self.kind == "builtin":
+            require(self.path in BUILTINS, join(prefix, "path"),
+                    f"builtin evaluation set {self.path!r} unknown; choose one of {', '.join(BUILTINS)}")
+        else:
+            require(bool(self.path), join(prefix, "path"), f"kind {self.kind} needs a path")
+
+
+def check_exists(es: EvalSetConfig, run_dir: Path | None) -> None:
+    """Fail before any work if a set cannot be found."""
+    if es.kind == "builtin":
+        if es.path == "fashion_mnist" and not FASHION_MNIST.is_file():
+            raise UserError(f"evaluation set {es.name}: {FASHION_MNIST} not found; install the Debian "
+                            "package dataset-fashion-mnist (make install does where apt is available)")
+        return
+    if es.kind == "webdataset":
+        if not _shard_paths(es.path):
+            raise UserError(f"evaluation set {es.name}: no .tar shards at {es.path}")
+        return
+    if not Path(es.path).exists():
+        raise UserError(f"evaluation set {es.name}: {es.path} does not exist")
+
+
+def _shard_paths(path: str) -> list[str]:
+    p = Path(path)
+    if p.is_dir():
+        return sorted(str(x) for x in p.glob("*.tar"))
+    return sorted(glob.glob(path)) if any(c in path for c in "*?[") else ([path] if p.is_file() else [])
+
+
+def iter_images(es: EvalSetConfig, run_dir: Path | None) -> Iterator[tuple[str, object]]:
+    """Yield (id, image) where image is bytes or an array."""
+    if es.kind == "folder":
+        root = Path(es.path)
+        for f in sorted(root.rglob("*")):
+            if f.suffix.lower() in IMAGE_SUFFIXES:
+                yield str(f.relative_to(root)).replace(".", "_"), f.read_bytes()
+    elif es.kind == "webdataset":
+        for shard in _shard_paths(es.path):
+            with tarfile.open(shard) as tar:
+                for m in tar:
+                    stem, _, ext = m.name.rpartition("/")[-1].partition(".")
+                    if m.isfile() and "." + ext.lower() in IMAGE_SUFFIXES:
+                        yield f"{Path(shard).stem}/{stem}", tar.extractfile(m).read()
+    elif es.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(es.path)
+        if es.image_col not in table.column_names:
+            raise UserError(f"evaluation set {es.name}: {es.path} has no column {es.image_col!r}")
+        ids = table.column(es.id_col).to_pylist() if es.id_col else range(table.num_rows)
+        for i, cell in zip(ids, table.column(es.image_col).to_pylist()):
+            yield str(i), cell["bytes"] if isinstance(cell, dict) else cell
+    elif es.path == "demo_heldout":
+        import pyarrow.parquet as pq
+
+        base = (run_dir or Path(".")) / "source" / "eval"
+        if not (base / "eval.parquet").is_file():
+            raise UserError(f"evaluation set {es.name}: the demo's held-out split exists only for "
+                            "source.kind synthetic (no source/eval/eval.parquet in this run)")
+        for r in pq.read_table(base / "eval.parquet").to_pylist():
+            yield r["id"], (base / r["path"]).read_bytes()
+    elif es.path == "fashion_mnist":
+        with gzip.open(FASHION_MNIST) as f:
+            raw = f.read()
+        n, rows, cols = (int.from_bytes(raw[i:i + 4], "big") for i in (4, 8, 12))
+        images = np.frombuffer(raw, np.uint8, offset=16).reshape(n, rows, cols)
+        for i, img in enumerate(images):
+            yield f"test{i:05d}", img
+    elif es.path == "digits":
+        from sklearn.datasets import load_digits
+
+        for i, img in enumerate(load_digits().images):
+            yield f"digit{i:04d}", (img * (255 / 16)).astype(np.uint8)
+
+
+def content_digest(es: EvalSetConfig, run_dir: Path | None) -> str:
+    h = hashlib.sha256(json.dumps([es.kind, es.path if es.kind == "builtin" else ""]).encode())
+    for key, image in iter_images(es, run_dir):
+        h.update(key.encode())
+        h.update(image if isinstance(image, bytes) else np.ascontiguousarray(image).tobytes())
+    return h.hexdigest()
+
+
+def build_reference(es: EvalSetConfig, run_dir: Path | None, cache_dir: Path, params: dict,
+                    describer=None, log=print) -> tuple[Path, dict]:
+    """Build (or find in the cache) the reference index of one set. Returns (index path, stats)."""
+    check_exists(es, run_dir)
+    key = hashlib.sha256((content_digest(es, run_dir) + json.dumps(params, sort_keys=True)).encode()).hexdigest()[:24]
+    path = cache_dir / f"{es.name}-{key}.npz"
+    meta = path.with_suffix(".json")
+    if path.is_file() and meta.is_file():
+        return path, {**json.loads(meta.read_text()), "cached": True}
+    ids, vecs, means, skipped = [], [], [], 0
+    for image_id, image in iter_images(es, run_dir):
+        try:
+            variants = crops(image) if describer is None else [image]
+            for v in variants:
+                d, m = describe(v) if describer is None else describer(v)
+                ids.append(image_id)
+                vecs.append(d)
+                means.append(m)
+        except Exception as err:  # noqa: BLE001 - an unreadable image is a counted skip
+            skipped += 1
+            log(f"dedup: evaluation set {es.name}: skipped unreadable image {image_id} ({type(err).__name__})")
+    n_images = len(set(ids))
+    if n_images == 0:
+        raise UserError(f"evaluation set {es.name}: no readable images at {es.path}")
+    index = NearDupIndex(bits=params["bits"], colour_tol=params["colour_tol"])
+    index.build(ids, np.stack(vecs), np.stack(means)).save(path)
+    stats = {"images": n_images, "references": len(ids), "skipped_unreadable": skipped}
+    meta.write_text(json.dumps(stats))
+    log(f"dedup: indexed evaluation set {es.name}: {n_images} images ({len(ids)} references)")
+    return path, {**stats, "cached": False}

@@ -1,0 +1,85 @@
+"""Image descriptors for near-duplicate detection, with no model weights.
+
+A descriptor is a 16x16 colour thumbnail of the image (uniform black padding trimmed first),
+lightly blurred, less its per-channel mean, L2-normalised: 768 floats whose cosine stays high under
+resizing, re-encoding and small rotations. The per-channel mean (the colour the subtraction
+removed) is kept beside it for a colour check, since simple scenes with the same layout differ
+mainly in colour. For search at scale each descriptor also gets a SimHash: the sign bits of fixed
+random projections, whose Hamming distance tracks the angle between descriptors (faiss binary
+indexes); candidates found that way are re-ranked by exact cosine.
+
+Crops move everything, so the *reference* side (evaluation images) is described at several crops
+too (`crops`): a candidate cut from a reference image lands near one of them.
+"""
+from __future__ import annotations
+
+import io
+from functools import lru_cache
+
+import numpy as np
+from PIL import Image, ImageFilter
+
+SIDE = 16
+DIM = SIDE * SIDE * 3
+
+
+def to_rgb_array(image) -> np.ndarray:
+    """bytes | PIL.Image | array (H, W[, C]) -> uint8 RGB (H, W, 3)."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        image = Image.open(io.BytesIO(bytes(image)))
+    if isinstance(image, Image.Image):
+        return np.asarray(image.convert("RGB"))
+    arr = np.asarray(image)
+    if arr.ndim == 2:
+        arr = np.stack([arr] * 3, axis=-1)
+    return arr[..., :3].astype(np.uint8)
+
+
+def trim_border(arr: np.ndarray, level: float = 12.0) -> np.ndarray:
+    """Remove near-black edge bands (img2dataset's 'border' resize pads with black).
+
+    Only black bands are trimmed: a plain background touching an edge is content, not padding.
+    """
+    g = arr.astype(np.float32).max(-1)
+    h, w = g.shape
+    rows = np.where(g.max(1) > level)[0]
+    cols = np.where(g.max(0) > level)[0]
+    if len(rows) < h // 4 or len(cols) < w // 4:
+        return arr  # (almost) all black: nothing to trim to
+    return arr[rows[0]:rows[-1] + 1, cols[0]:cols[-1] + 1]
+
+
+def describe(image) -> tuple[np.ndarray, np.ndarray]:
+    """-> (descriptor (DIM,) float32 unit norm, mean colour (3,) float32 in 0..255)."""
+    arr = trim_border(to_rgb_array(image))
+    small = Image.fromarray(arr).resize((SIDE, SIDE), Image.BOX).filter(ImageFilter.GaussianBlur(0.6))
+    x = np.asarray(small).astype(np.float32)
+    mean = x.mean((0, 1))
+    v = (x - mean).ravel()
+    return (v / (np.linalg.norm(v) + 1e-6)).astype(np.float32), mean.astype(np.float32)
+
+
+def crops(image, scales=(0.05, 0.10, 0.15)) -> list[np.ndarray]:
+    """The image plus crops that each remove up to `scale` of a side: centred and corner-anchored
+    (aspect kept), and from one side only (aspect changed). 1 + 3 x 9 = 28 references."""
+    arr = trim_border(to_rgb_array(image))
+    h, w = arr.shape[:2]
+    out = [arr]
+    for s in scales:
+        dh, dw = int(round(h * s)), int(round(w * s))
+        out.append(arr[dh:h - dh, dw:w - dw])
+        for y0, x0 in ((0, 0), (0, 2 * dw), (2 * dh, 0), (2 * dh, 2 * dw)):
+            out.append(arr[y0:y0 + h - 2 * dh, x0:x0 + w - 2 * dw])
+        out += [arr[2 * dh:], arr[:h - 2 * dh], arr[:, 2 * dw:], arr[:, :w - 2 * dw]]
+    return out
+
+
+@lru_cache(maxsize=8)
+def _projection(dim: int, bits: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((dim, bits)).astype(np.float32)
+
+
+def simhash(vectors: np.ndarray, bits: int = 256, seed: int = 0) -> np.ndarray:
+    """(n, dim) float -> (n, bits / 8) uint8: sign bits of fixed random projections."""
+    proj = _projection(vectors.shape[1], bits, seed)
+    return np.packbits(vectors @ proj > 0, axis=1)

@@ -1,0 +1,88 @@
+"""One near-duplicate index for both descriptor kinds (thumbnail hashes, or encoder embeddings).
+
+Items are (id, unit vector, mean colour). `search` finds the nearest indexed item of each query:
+candidates by Hamming distance over SimHash codes in a faiss binary index (exact for small sets, an
+inverted file past `ivf_above` codes so millions stay fast), then exact cosine on those candidates, keeping
+only ones whose mean colour is within `colour_tol` per channel (None: no colour check, as for
+embeddings). Saved and loaded as one .npz plus the faiss index file.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from .imagehash import simhash
+
+
+class NearDupIndex:
+    def __init__(self, bits: int = 256, colour_tol: float | None = 12.0, k: int = 16, ivf_above: int = 1_000_000):
+        self.bits, self.colour_tol, self.k, self.ivf_above = bits, colour_tol, k, ivf_above
+        self.ids: list[str] = []
+        self.vecs = np.zeros((0, 0), np.float32)
+        self.means = np.zeros((0, 3), np.float32)
+        self.index = None
+
+    def build(self, ids: list[str], vecs: np.ndarray, means: np.ndarray) -> "NearDupIndex":
+        self.ids, self.vecs, self.means = list(ids), np.ascontiguousarray(vecs, np.float32), means.astype(np.float32)
+        self.index = binary_index(simhash(self.vecs, self.bits), self.bits, self.ivf_above)
+        return self
+
+    def search(self, vecs: np.ndarray, means: np.ndarray, exclude_self: bool = False,
+               chunk: int = 512) -> tuple[np.ndarray, np.ndarray]:
+        """-> (index of the best match or -1, its cosine or -1) for each query row."""
+        n = len(vecs)
+        best_i = np.full(n, -1, np.int64)
+        best_s = np.full(n, -1.0, np.float32)
+        if not self.ids or n == 0:
+            return best_i, best_s
+        vecs = np.ascontiguousarray(vecs, np.float32)
+        k = min(self.k + (1 if exclude_self else 0), len(self.ids))
+        _, cand = self.index.search(simhash(vecs, self.bits), k)                  # (n, k), -1 = none
+        for a in range(0, n, chunk):
+            c = cand[a:a + chunk]
+            valid = c >= 0
+            if exclude_self:
+                valid &= c != np.arange(a, a + len(c))[:, None]
+            cc = np.where(valid, c, 0)
+            sims = np.einsum("qkd,qd->qk", self.vecs[cc], vecs[a:a + chunk])   # exact cosine
+            if self.colour_tol is not None:
+                valid &= np.abs(self.means[cc] - means[a:a + chunk, None]).max(-1) <= self.colour_tol
+            sims = np.where(valid, sims, -1.0)
+            j = sims.argmax(1)
+            s = sims[np.arange(len(c)), j]
+            hit = s > -1
+            best_i[a:a + chunk][hit] = cc[np.arange(len(c)), j][hit]
+            best_s[a:a + chunk][hit] = s[hit]
+        return best_i, best_s
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, ids=np.array(self.ids, dtype=str), vecs=self.vecs, means=self.means,
+                 params=np.array([self.bits, -1 if self.colour_tol is None else self.colour_tol, self.k]))
+        tmp.rename(path)
+
+    @classmethod
+    def load(cls, path: Path, ivf_above: int = 1_000_000) -> "NearDupIndex":
+        data = np.load(path)
+        bits, tol, k = data["params"]
+        idx = cls(int(bits), None if tol < 0 else float(tol), int(k), ivf_above)
+        return idx.build([str(i) for i in data["ids"]], data["vecs"], data["means"])
+
+
+def binary_index(codes: np.ndarray, bits: int, ivf_above: int = 1_000_000, nprobe: int = 16):
+    """Exact Hamming search up to `ivf_above` codes; past it an inverted file (trained on a sample)."""
+    n = len(codes)
+    if n <= ivf_above:
+        index = faiss.IndexBinaryFlat(bits)
+    else:
+        nlist = int(4 * np.sqrt(n))
+        index = faiss.IndexBinaryIVF(faiss.IndexBinaryFlat(bits), bits, nlist)
+        sample = codes[np.random.default_rng(0).choice(n, size=min(n, 64 * nlist), replace=False)]
+        index.train(sample)
+        index.nprobe = nprobe
+    if n:
+        index.add(codes)
+    return index

@@ -1,0 +1,162 @@
+"""Dedup: near-copies of evaluation images are caught (demo, a random transform set, real photos),
+clean images are not, results do not depend on worker count, bad evaluation sets are clear errors."""
+import io
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from pipeline.config import load_config
+from pipeline.runner import run_pipeline
+from stages import synthetic
+from stages.eval_sets import EvalSetConfig, build_reference, iter_images
+from stages.imagehash import describe, to_rgb_array
+from stages.neardup import NearDupIndex
+from stages.source import DefectFractions
+from trainers.errors import UserError
+
+PARAMS = {"descriptor": "thumb16-v2", "bits": 256, "colour_tol": 12.0}
+THRESHOLD = 0.92  # DedupConfig.eval_threshold
+
+
+def _matches(index, images):
+    vecs, means = map(np.stack, zip(*(describe(im) for im in images)))
+    idx, sim = index.search(vecs, means)
+    return [(index.ids[i] if i >= 0 else None, s) for i, s in zip(idx, sim)]
+
+
+def _jpeg(arr, q):
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "JPEG", quality=q)
+    return to_rgb_array(buf.getvalue())
+
+
+def random_transform(arr, rng, degrees=4.0, crop=0.15, quality=30):
+    """Rotation by a few degrees, a crop of up to 15 %, JPEG quality 30, resized to 64 px."""
+    im = Image.fromarray(arr)
+    w, h = im.size
+    im = im.rotate(float(rng.uniform(-degrees, degrees)), resample=Image.BILINEAR,
+                   fillcolor=tuple(int(c) for c in arr[0, 0]))
+    cw, ch = int(w * rng.uniform(1 - crop, 1.0)), int(h * rng.uniform(1 - crop, 1.0))
+    x0, y0 = int(rng.uniform(0, w - cw)), int(rng.uniform(0, h - ch))
+    im = im.crop((x0, y0, x0 + cw, y0 + ch)).resize((64, 64), Image.BICUBIC)
+    return _jpeg(np.asarray(im), quality)
+
+
+def test_random_transform_set_on_demo_scenes(tmp_path):
+    """A second transform set, drawn at random, to show the method is not tuned to the demo's own."""
+    fr = {k: 0 for k in vars(DefectFractions())}
+    synthetic.generate(tmp_path / "demo", 1500, 200, 96, 11, fr, 100, 100)
+    es = EvalSetConfig(name="demo", kind="builtin", path="demo_heldout")
+    # the builtin reads <run_dir>/source/eval, so lay the generated split out that way
+    (tmp_path / "run" / "source").mkdir(parents=True)
+    (tmp_path / "run" / "source" / "eval").symlink_to(tmp_path / "demo" / "eval")
+    path, stats = build_reference(es, tmp_path / "run", tmp_path / "cache", PARAMS, log=lambda m: None)
+    assert stats["images"] == 200 and not stats["cached"]
+    assert build_reference(es, tmp_path / "run", tmp_path / "cache", PARAMS, log=lambda m: None)[1]["cached"]
+    index = NearDupIndex.load(path)
+    rng = np.random.default_rng(2026)
+    evals = [to_rgb_array(img) for _, img in iter_images(es, tmp_path / "run")]
+    copies = [random_transform(a, rng) for a in evals]
+    found = _matches(index, copies)
+    recall = np.mean([m == f"eval{i:05d}" and s >= THRESHOLD for i, (m, s) in enumerate(found)])
+    clean = [_jpeg(to_rgb_array(p.read_bytes()), 90) for p in sorted((tmp_path / "demo" / "www" / "img").glob("*.jpg"))]
+    false = np.mean([s >= THRESHOLD for _, s in _matches(index, clean)])
+    print(f"random transform set: recall {recall:.3f}, false matches among {len(clean)} clean {100 * false:.2f}%")
+    assert recall >= 0.98
+    assert false <= 0.005
+
+
+def _photos():
+    from skimage import data
+    from sklearn.datasets import load_sample_images
+
+    photos = list(load_sample_images().images)
+    for name in ("astronaut", "coffee", "chelsea", "rocket", "camera", "moon", "coins", "immunohistochemistry"):
+        photos.append(to_rgb_array(getattr(data, name)()))
+    return photos
+
+
+def test_real_photos_near_copies_caught_and_others_not(tmp_path):
+    photos = _photos()
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    refs, others = photos[::2], photos[1::2]
+    for i, p in enumerate(refs):
+        Image.fromarray(p).save(folder / f"p{i}.png")
+    es = EvalSetConfig(name="photos", kind="folder", path=str(folder))
+    index = NearDupIndex.load(build_reference(es, None, tmp_path / "cache", PARAMS, log=lambda m: None)[0])
+    rng = np.random.default_rng(0)
+    variants = []
+    for p in refs:
+        h, w = p.shape[:2]
+        variants += [
+            np.asarray(Image.fromarray(p).resize((w // 3, h // 3), Image.BICUBIC)),     # resized
+            _jpeg(p, 25),                                                                # re-encoded
+            p[int(h * .08):h - int(h * .08), int(w * .08):w - int(w * .08)],             # cropped
+            random_transform(p, rng, degrees=0, crop=0.08, quality=40),                  # crop + resize + JPEG
+        ]
+    found = _matches(index, variants)
+    for k, (m, s) in enumerate(found):
+        assert m == f"p{k // 4}_png" and s >= THRESHOLD, (k, m, s)
+    for m, s in _matches(index, others):
+        assert s < THRESHOLD, (m, s)
+
+
+def test_bad_evaluation_sets(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        build_reference(EvalSetConfig(name="x", kind="folder", path=str(tmp_path / "nope")), None, tmp_path, PARAMS)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no readable images"):
+        build_reference(EvalSetConfig(name="x", kind="folder", path=str(tmp_path / "empty")), None, tmp_path, PARAMS)
+    (tmp_path / "mixed").mkdir()
+    Image.fromarray(_photos()[0]).save(tmp_path / "mixed" / "ok.png")
+    (tmp_path / "mixed" / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    logs = []
+    _, stats = build_reference(EvalSetConfig(name="m", kind="folder", path=str(tmp_path / "mixed")), None,
+                               tmp_path / "c", PARAMS, log=logs.append)
+    assert stats["images"] == 1 and stats["skipped_unreadable"] == 1
+    assert any("skipped unreadable image broken_jpg" in m for m in logs)
+    with pytest.raises(UserError, match="no such|unknown|choose one"):
+        load_config(None, ["stages.dedup.eval_sets=[{name: a, kind: builtin, path: imagenet}]"])
+
+
+def test_builtin_sets_read_offline():
+    digits = list(iter_images(EvalSetConfig(name="d", kind="builtin", path="digits"), None))
+    assert len(digits) == 1797 and digits[0][1].shape == (8, 8)
+    from stages.eval_sets import FASHION_MNIST
+
+    if not FASHION_MNIST.is_file():
+        pytest.skip("Debian package dataset-fashion-mnist not installed (make install installs it)")
+    fm = iter_images(EvalSetConfig(name="f", kind="builtin", path="fashion_mnist"), None)
+    first = next(fm)
+    assert first[0] == "test00000" and first[1].shape == (28, 28)
+
+
+@pytest.mark.slow
+def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local):
+    sets = "stages.dedup.eval_sets=[{name: demo, kind: builtin, path: demo_heldout}]"
+    base = ["source.slow_seconds=3", "stages.ingest.timeout=2", "stages.ingest.samples_per_shard=250",
+            f"stages.dedup.cache_dir={tmp_path / 'cache'}", sets]
+    run_pipeline(load_config(None, base + ["stages.dedup.num_workers=2"]), tmp_path / "run", log=lambda m: None)
+    audit = json.loads((tmp_path / "run" / "dedup" / "audit.json").read_text())
+    print(audit)
+    assert audit["eval_near_copy"]["recall"] >= 0.98
+    assert audit["eval_near_copy"]["false_drop_rate"] <= 0.005
+    assert audit["repeat_row"]["recall"] == 1.0 and audit["train_near_copy"]["recall"] >= 0.95
+
+    def kept():
+        t = pq.read_table(tmp_path / "run" / "dedup" / "ledger.parquet").to_pylist()
+        return {r["key"] for r in t if r["verdict"] == "kept"}, {r["key"]: r["detail"] for r in t}
+
+    first = kept()
+    run_pipeline(load_config(None, base + ["stages.dedup.num_workers=1"]), tmp_path / "run", log=lambda m: None)
+    assert kept() == first                       # one worker: same verdicts, same duplicate_of
+    (tmp_path / "run" / "dedup" / "_SUCCESS").unlink()
+    run_pipeline(load_config(None, base + ["stages.dedup.num_workers=1"]), tmp_path / "run", log=lambda m: None)
+    assert kept() == first                       # rerun: same again
+    details = first[1]
+    assert any(d.startswith("duplicate_of=s") for d in details.values())
+    assert any(d.startswith("eval_duplicate:demo:eval") for d in details.values())
