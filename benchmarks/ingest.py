@@ -62,7 +62,7 @@ def run_capline(url_list: Path, run_dir: Path, netloc: str) -> float:
         "source.kind=urls", f"source.path={url_list}", f"stages.ingest.allow_hosts=['{netloc}']",
         f"stages.ingest.image_size={SIZE}", f"stages.ingest.samples_per_shard={SHARD}",
         f"stages.ingest.thread_count={THREADS}", "stages.ingest.retries=0", "stages.ingest.timeout=10"])
-    run_pipeline(cfg, run_dir, log=lambda m: None)
+    run_pipeline(cfg, run_dir, until="ingest", log=lambda m: None)
     return json.loads((run_dir / "ingest" / "stats.json").read_text())["wall_seconds"]
 
 

@@ -39,6 +39,17 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--address", help="Ray cluster to join, HOST:PORT or 'auto' (default: RAY_ADDRESS, "
                                        "else the config's ray.address, else a new local cluster)")
 
+    tr = sub.add_parser("train", help="pretrain on the shards of a run (the pipeline's train stage alone)",
+                        description="Train the model of the config's `train:` section on the final shards "
+                                    "in RUN_DIR with Ray Train workers, tracked in MLflow (SQLite under the "
+                                    "run folder unless MLFLOW_TRACKING_URI is set). Rerunning resumes an "
+                                    "interrupted job from its last checkpoint.")
+    tr.add_argument("config", nargs="?", default=None, help="YAML run config (default: configs/demo.yaml)")
+    tr.add_argument("--run-dir", help="the run whose shards to train on (default: the config's run folder)")
+    tr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config value, e.g. --set train.steps=500 --set train.model=clip")
+    tr.add_argument("--address", help="Ray cluster to join (as for run)")
+
     st = sub.add_parser("status", help="per-stage table: state, in, kept, dropped by reason, wall time")
     st.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by `capline run`")
 
@@ -46,11 +57,31 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by `capline run`")
     ex.add_argument("key", metavar="KEY", help="the sample's key (see ledger.parquet)")
 
+    ve = sub.add_parser("verify", help="check a run's shards against its manifest, or compare two runs",
+                        description="With one run: every final shard against manifest.json's checksums "
+                                    "(exit 1 naming any that differ). With two: byte-identical, or which "
+                                    "samples differ and how (exit 1).")
+    ve.add_argument("run_dir", metavar="RUN_DIR")
+    ve.add_argument("other", metavar="OTHER_RUN_DIR", nargs="?")
+
+    rb = sub.add_parser("rebuild", help="rebuild a dataset from a manifest and report drift",
+                        description="Rerun the pipeline with the manifest's pinned config into a new run "
+                                    "folder, reusing its source stage, then name the URLs that died and "
+                                    "those whose content changed since, and compare the shards.")
+    rb.add_argument("manifest", metavar="MANIFEST", help="a run's manifest.json (or its run folder)")
+    rb.add_argument("--run-dir", help="where to rebuild (default: <original run folder>-rebuild)")
+    rb.add_argument("--address", help="Ray cluster to join (as for run)")
+
     mo = sub.add_parser("models", help="model families and sizes, with parameter counts")
     mo.add_argument("--table", action="store_true",
                     help="count parameters of every family at every size (32k vocabulary, 224 px; tiny at "
                          "64 px) and compare with the paper's Table 1")
     return p
+
+
+def _cmd_train(args) -> int:
+    args.until, args.only = None, "train"
+    return _cmd_run(args)
 
 
 def _cmd_run(args) -> int:
@@ -73,6 +104,71 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def _cmd_verify(args) -> int:
+    from .verify import compare_runs, verify_run
+
+    run_dir = Path(args.run_dir)
+    problems, n = verify_run(run_dir)
+    for p in problems:
+        print(f"{run_dir}: {p}")
+    if not args.other:
+        if not problems:
+            print(f"{run_dir}: {n} shards match manifest.json")
+        return 1 if problems else 0
+    other = Path(args.other)
+    problems_b, _ = verify_run(other)
+    for p in problems_b:
+        print(f"{other}: {p}")
+    lines = compare_runs(run_dir, other)
+    if not lines:
+        print(f"identical: {run_dir} and {other} hold byte-identical shards ({n})")
+    else:
+        print(f"different: {len(lines)} differences")
+        for line in lines[:200]:
+            print("  " + line)
+    return 1 if (problems or problems_b or lines) else 0
+
+
+def _cmd_rebuild(args) -> int:
+    import json
+    import shutil
+
+    from trainers.configtools import build
+
+    from .config import RunConfig
+    from .ray_runtime import ray_session
+    from .runner import input_fingerprints, run_pipeline
+    from .verify import compare_runs, drift
+
+    path = Path(args.manifest)
+    path = path / "manifest.json" if path.is_dir() else path
+    if not path.is_file():
+        raise UserError(f"{args.manifest}: no manifest.json there")
+    manifest = json.loads(path.read_text())
+    cfg = build(RunConfig, manifest["config"])
+    old_dir = path.parent
+    new_dir = Path(args.run_dir) if args.run_dir else old_dir.with_name(old_dir.name + "-rebuild")
+    if new_dir.resolve() == old_dir.resolve():
+        raise UserError("rebuild into another --run-dir: the rebuild is compared with the original")
+    if input_fingerprints(cfg) != manifest.get("inputs"):
+        raise UserError(f"the inputs changed since {path} was written: {input_fingerprints(cfg)} != {manifest.get('inputs')}")
+    if (old_dir / "source" / "_SUCCESS").is_file() and not (new_dir / "source").exists():
+        shutil.copytree(old_dir / "source", new_dir / "source")  # the pinned URL list (and demo site)
+    print(f"capline: rebuilding {old_dir} into {new_dir}", flush=True)
+    with ray_session(cfg.ray, args.address, log=lambda m: print(m, flush=True)):
+        run_pipeline(cfg, new_dir, log=lambda m: print(m, flush=True))
+    report = drift(old_dir, new_dir)
+    (new_dir / "drift.json").write_text(json.dumps(report, indent=1))
+    print(f"drift: {len(report['died'])} URLs died, {len(report['changed'])} changed content, "
+          f"{len(report['revived'])} came back (details in {new_dir / 'drift.json'})")
+    for kind in ("died", "changed", "revived"):
+        for key in report[kind][:50]:
+            print(f"  {kind:<8} {key}")
+    lines = compare_runs(old_dir, new_dir)
+    print("shards: byte-identical to the original" if not lines else f"shards: {len(lines)} samples differ")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     offline.apply()
     parser = _parser()
@@ -80,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _cmd_run(args)
+        if args.command == "train":
+            return _cmd_train(args)
         if args.command == "status":
             from .inspect_run import format_status, status_rows
 
@@ -90,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(format_explain(args.key, explain(Path(args.run_dir), args.key)))
             return 0
+        if args.command == "verify":
+            return _cmd_verify(args)
+        if args.command == "rebuild":
+            return _cmd_rebuild(args)
         if args.command == "models":
             from trainers.models import FAMILIES, SIZES
 

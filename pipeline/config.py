@@ -16,8 +16,11 @@ import yaml
 
 from stages.dedup import DedupConfig
 from stages.ingest import IngestConfig
+from stages.shard import ShardConfig
+from stages.tokenizer import TokenizerConfig
 from stages.source import SourceConfig
 from trainers.configtools import apply_override, build, require
+from trainers.train_config import TrainConfig
 from trainers.errors import UserError
 
 from .ray_runtime import RayConfig
@@ -29,6 +32,8 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml
 class StagesConfig:
     ingest: IngestConfig = field(default_factory=IngestConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    shard: ShardConfig = field(default_factory=ShardConfig)
 
 
 @dataclass
@@ -39,6 +44,7 @@ class RunConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     source: SourceConfig = field(default_factory=SourceConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self, prefix: str) -> None:
         require(bool(self.name) and "/" not in self.name, "name", f"must be a non-empty name without '/', got {self.name!r}")

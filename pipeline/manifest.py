@@ -60,13 +60,18 @@ class Manifest:
             "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         })
         data.setdefault("stages", {})
+        data.setdefault("artifacts", {})
         data.setdefault("mlflow_runs", {})
         m = cls(path, data)
         m.save()
         return m
 
-    def record_stage(self, name: str, marker: dict) -> None:
+    def record_stage(self, name: str, marker: dict, artifacts: dict | None = None) -> None:
         self.data["stages"][name] = marker
+        if artifacts:
+            self.data["artifacts"][name] = artifacts
+        else:
+            self.data["artifacts"].pop(name, None)
         self.save()
 
     def save(self) -> None:

@@ -22,14 +22,17 @@ from stages.base import KEPT, Stage, StageContext
 from stages.dedup import DedupStage
 from stages.dedup import preflight as dedup_preflight
 from stages.ingest import IngestStage
-from stages.source import SourceStage, check_url_list, file_sha256
+from stages.shard import ShardStage
+from stages.tokenizer import TokenizerStage
+from stages.train import TrainStage
+from stages.source import SourceStage, check_url_list, file_sha256, partition_files
 from trainers.errors import UserError
 
 from . import audit
 from .config import RunConfig, save_config
 from .manifest import Manifest, write_json_atomic
 
-STAGES: list[Stage] = [SourceStage(), IngestStage(), DedupStage()]
+STAGES: list[Stage] = [SourceStage(), IngestStage(), DedupStage(), TokenizerStage(), ShardStage(), TrainStage()]
 CONTROL_FILES = {"_SUCCESS", "_STARTED", "stats.json"}
 
 
@@ -79,7 +82,7 @@ def check_invariant(stage: str, ledger_keys: list[str], verdicts: list[str], rea
 def input_fingerprints(cfg: RunConfig) -> dict:
     if cfg.source.kind == "urls":
         return {"source": {"kind": "urls", "path": str(cfg.source.path),
-                           "sha256": file_sha256(Path(cfg.source.path))}}
+                           "files": {f.name: file_sha256(f) for f in partition_files(cfg.source)}}}
     return {"source": {"kind": cfg.source.kind, "seed": cfg.seed, "num_samples": cfg.source.num_samples}}
 
 
@@ -88,6 +91,10 @@ def preflight(cfg: RunConfig) -> None:
     if cfg.source.kind == "urls":
         check_url_list(cfg.source)
     dedup_preflight(cfg.stages.dedup, None)
+    for es in cfg.stages.dedup.eval_sets:
+        if es.kind == "builtin" and es.path == "demo_heldout" and cfg.source.kind != "synthetic":
+            raise UserError(f"stages.dedup.eval_sets: {es.name} (builtin demo_heldout) exists only for "
+                            "source.kind synthetic; remove it or list your own evaluation sets")
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -130,8 +137,11 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
                                 f"run `capline run --until {stage.name}` first")
             break
         else:
-            marker = _run_stage(stage, cfg, run_dir, sdir, in_digest, upstream, upstream_kept, log)
-            manifest.record_stage(stage.name, marker)
+            marker, artifacts = _run_stage(stage, cfg, run_dir, sdir, in_digest, upstream, upstream_kept, log)
+            manifest.record_stage(stage.name, marker, artifacts)
+            if artifacts.get("mlflow_run_id"):
+                manifest.data["mlflow_runs"][stage.name] = artifacts["mlflow_run_id"]
+                manifest.save()
         stats = json.loads((sdir / "stats.json").read_text())
         summary[stage.name] = stats
         ledger = pq.read_table(sdir / "ledger.parquet", columns=["key", "verdict"]).to_pydict()
@@ -147,7 +157,12 @@ def _run_stage(stage: Stage, cfg: RunConfig, run_dir: Path, sdir: Path, in_diges
                upstream: dict[str, Path], upstream_kept: list[str] | None, log) -> dict:
     started = read_marker(sdir, "_STARTED")
     if sdir.exists() and (started is None or started.get("input_digest") != in_digest):
-        shutil.rmtree(sdir)  # made from other inputs: nothing in it can be trusted
+        # made from other inputs: nothing in it can be trusted, except the stage's own
+        # content-addressed caches (ingest's per-partition downloads)
+        for child in sdir.iterdir():
+            if child.name in stage.preserve:
+                continue
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
     sdir.mkdir(parents=True, exist_ok=True)
     (sdir / "_SUCCESS").unlink(missing_ok=True)
     write_json_atomic(sdir / "_STARTED", {"input_digest": in_digest})
@@ -171,4 +186,4 @@ def _run_stage(stage: Stage, cfg: RunConfig, run_dir: Path, sdir: Path, in_diges
     log(f"{stage.name}: {counts['in']} in, {counts['kept']} kept, dropped: {dropped} ({wall:.1f}s)")
     if cfg.source.kind == "synthetic":
         audit.after_stage(stage.name, run_dir, log)
-    return marker
+    return marker, result.artifacts

@@ -88,12 +88,15 @@ class StageContext:
 class StageResult:
     ledger: Ledger
     extra_stats: dict = field(default_factory=dict)
+    artifacts: dict = field(default_factory=dict)   # recorded in manifest.json (paths, checksums)
 
 
 class Stage:
     """Subclasses set `name` and implement `section(config)` and `run(ctx)`."""
 
     name: str = ""
+    # sub-paths of the stage folder that survive a change of input (content-addressed caches)
+    preserve: tuple[str, ...] = ()
 
     def section(self, config) -> Any:
         raise NotImplementedError

@@ -176,7 +176,9 @@ class DedupStage(Stage):
                                            describer=EncoderDescriber(cfg.encoder_checkpoint), log=ctx.log)
                 enc_paths[es.name] = str(epath)
 
-        shards = sorted(str(p) for p in (ctx.upstream["ingest"] / "shards").glob("*.tar"))
+        from .ingest import shard_paths
+
+        shards = [str(p) for p in shard_paths(ctx.upstream["ingest"])]
         ds = ray.data.read_webdataset(shards, decoder=None, suffixes=["jpg", "json"], num_cpus=0.25,
                                       override_num_blocks=max(1, len(shards)))
         ds = ds.map_batches(_Describe, fn_constructor_args=(index_paths, enc_paths, cfg.encoder_checkpoint),

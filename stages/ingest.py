@@ -9,7 +9,10 @@ shard as one Ray task, so the same code fans out over a cluster. capline adds:
   whole (tar and parquet first, `_stats.json` last), so a killed ingest never leaves a truncated
   tar where a later stage would read it, and a rerun redoes only the shards that did not finish;
 - a verdict per URL: img2dataset's per-shard parquet keeps failed rows with their error, which
-  become ledger reasons (`http_404`, `timeout`, `undecodable_image`, `image_too_large`, ...).
+  become ledger reasons (`http_404`, `timeout`, `undecodable_image`, `image_too_large`, ...);
+- incremental runs: each source partition downloads into `parts/<partition>-<digest>/`, named by
+  its rows and this config, and marked `_DONE` when whole. Those folders survive a change of the
+  stage's input (the runner keeps `preserve` paths), so appending a partition downloads only it.
 """
 from __future__ import annotations
 
@@ -86,12 +89,50 @@ def _shard_task():
     return download_shard
 
 
+def _by_partition(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        out.setdefault(r.get("partition") or "all", []).append(r)
+    return list(out.items())
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:60]
+
+
+def _part_digest(rows: list[dict], fingerprint: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256(fingerprint.encode())
+    for r in rows:
+        h.update(f"{r['key']}\t{r['url']}\t{r['caption']}\n".encode())
+    return h.hexdigest()[:12]
+
+
+def content_table(part_dirs: list[Path]) -> pa.Table:
+    """key, url, status, sha256 of the bytes as downloaded: what `capline rebuild` compares for drift."""
+    cols = {"key": [], "url": [], "status": [], "sha256": []}
+    for pf in sorted(pf for d in part_dirs for pf in (d / "shards").glob("*.parquet")):
+        t = pq.read_table(pf, columns=["uid", "url", "status", "sha256"]).to_pydict()
+        cols["key"] += t["uid"]
+        cols["url"] += t["url"]
+        cols["status"] += t["status"]
+        cols["sha256"] += t["sha256"]
+    return pa.table(cols)
+
+
 def done_shard_ids(shards_dir: Path) -> set[int]:
     return {int(p.name.split("_")[0]) for p in shards_dir.glob("*_stats.json")}
 
 
+def shard_paths(ingest_dir: Path) -> list[Path]:
+    """Every complete ingest shard (tar) of the current partitions."""
+    return sorted(ingest_dir.glob("parts/*/shards/*.tar"))
+
+
 class IngestStage(Stage):
     name = "ingest"
+    preserve = ("parts",)
 
     def section(self, config) -> IngestConfig:
         return config.stages.ingest
@@ -114,31 +155,49 @@ class IngestStage(Stage):
         synthetic = ctx.config.source.kind == "synthetic"
         server = (DemoServer(ctx.upstream["source"] / "www", ctx.config.source.slow_seconds)
                   if synthetic else nullcontext())
+        parts_root = ctx.stage_dir / "parts"
+        current, infos = [], []
         with server:
             allow = tuple(cfg.allow_hosts) + ((server.netloc,) if synthetic else ())
             base = server.base_url if synthetic else ""
-            shard_info = self._download(ctx, cfg, todo, allow, base)
-        shards_dir = ctx.stage_dir / "shards"
+            for part, rows in _by_partition(todo):
+                part_dir = parts_root / f"{_safe(part)}-{_part_digest(rows, self.fingerprint(ctx.config))}"
+                current.append(part_dir)
+                if (part_dir / "_DONE").is_file():
+                    ctx.log(f"ingest: partition {part}: downloaded before, reused ({len(rows)} URLs)")
+                    infos.append(json.loads((part_dir / "_DONE").read_text()))
+                    continue
+                info = self._download(ctx, cfg, part_dir, rows, allow, base)
+                info["partition"] = part
+                (part_dir / "_DONE").write_text(json.dumps(info, sort_keys=True))
+                infos.append(info)
+        for stale in set(parts_root.iterdir()) - set(current) if parts_root.exists() else ():
+            shutil.rmtree(stale)  # a partition no longer in the source
         seen = set()
-        for pf in sorted(shards_dir.glob("*.parquet")):
-            t = pq.read_table(pf, columns=["uid", "key", "status", "error_message"]).to_pylist()
-            for r in t:
-                seen.add(r["uid"])
-                if r["status"] == "success":
-                    ledger.keep(r["uid"], detail=f"{pf.stem}/{r['key']}")
-                else:
-                    ledger.drop(r["uid"], reason_of(r["status"], r["error_message"]) or "download_error",
-                                detail=(r["error_message"] or "")[:300])
+        for part_dir in current:
+            for pf in sorted((part_dir / "shards").glob("*.parquet")):
+                t = pq.read_table(pf, columns=["uid", "key", "status", "error_message"]).to_pylist()
+                for r in t:
+                    seen.add(r["uid"])
+                    if r["status"] == "success":
+                        ledger.keep(r["uid"], detail=f"{part_dir.name}/{pf.stem}/{r['key']}")
+                    else:
+                        ledger.drop(r["uid"], reason_of(r["status"], r["error_message"]) or "download_error",
+                                    detail=(r["error_message"] or "")[:300])
         missing = [r["key"] for r in todo if r["key"] not in seen]
         if missing:
             raise RuntimeError(f"ingest: {len(missing)} URLs have no result in any shard "
                                f"(first: {missing[:3]}); rerun to redo the incomplete shards")
-        (ctx.stage_dir / "shards.json").write_text(json.dumps(shard_info, indent=1, sort_keys=True))
-        nodes = sorted({s["node"] for s in shard_info["shards"] if s.get("node")})
-        return StageResult(ledger, {"shards": len(shard_info["shards"]), "nodes": nodes,
-                                    "images_per_second": shard_info.get("images_per_second")})
+        (ctx.stage_dir / "shards.json").write_text(json.dumps(infos, indent=1, sort_keys=True))
+        pq.write_table(content_table(current), ctx.stage_dir / "content.parquet")
+        nodes = sorted({s["node"] for i in infos for s in i["shards"] if s.get("node")})
+        rates = [i["images_per_second"] for i in infos if i.get("images_per_second")]
+        return StageResult(ledger, {"shards": sum(len(i["shards"]) for i in infos), "partitions": len(infos),
+                                    "nodes": nodes, "images_per_second": rates[-1] if rates else None},
+                           artifacts={"content": "ingest/content.parquet"})
 
-    def _download(self, ctx: StageContext, cfg: IngestConfig, todo: list[dict], allow: tuple, base: str) -> dict:
+    def _download(self, ctx: StageContext, cfg: IngestConfig, part_dir: Path, todo: list[dict], allow: tuple,
+                  base: str) -> dict:
         import ray
         from img2dataset.reader import Reader
         from img2dataset.resizer import Resizer
@@ -146,8 +205,9 @@ class IngestStage(Stage):
 
         from .fetch import FetchPolicy, SafeDownloader
 
-        work = ctx.work_dir()
-        shards_dir = ctx.stage_dir / "shards"
+        work = part_dir / "_work"
+        work.mkdir(parents=True, exist_ok=True)
+        shards_dir = part_dir / "shards"
         shards_dir.mkdir(parents=True, exist_ok=True)
         staging = work / "staging"
         shutil.rmtree(staging, ignore_errors=True)  # leftovers of a killed run are never trusted

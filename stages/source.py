@@ -3,8 +3,10 @@
 - `kind: synthetic` generates the demo's captioned scenes (stages/synthetic.py), served later over
   loopback by the ingest stage.
 - `kind: urls` reads a user's URL list (Parquet, CSV, TSV or JSON lines) with `url_col` and
-  `caption_col`, as CC3M / CC12M / DataComp / LAION metadata come. Rows without a usable URL are
-  dropped here with a reason; a file that cannot be read, or lacks a named column, is an error.
+  `caption_col`, as CC3M / CC12M / DataComp / LAION metadata come. `path` may be one file or a
+  folder of partition files (read in name order; a new file is a new partition, see ingest).
+  Rows without a usable URL are dropped here with a reason; a file that cannot be read, or lacks a
+  named column, is an error.
 
 Every sample gets a stable key (no dots: WebDataset splits on them): `key_col` if given, else a
 hash of URL and caption (a repeat of the same pair gets a `_N` suffix).
@@ -116,11 +118,28 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def check_url_list(cfg: SourceConfig) -> pa.Table:
-    """Read and check a `kind: urls` list; raise UserError naming what is wrong."""
+URL_SUFFIXES = (".parquet", ".csv", ".tsv", ".jsonl", ".json", ".csv.gz", ".tsv.gz")
+
+
+def partition_files(cfg: SourceConfig) -> list[Path]:
+    """The URL list's files: `path` itself, or the list files in the folder, in name order."""
     path = Path(cfg.path)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.name.lower().endswith(URL_SUFFIXES))
+        if not files:
+            raise UserError(f"source.path {path}: a folder without URL list files ({', '.join(URL_SUFFIXES)})")
+        return files
     if not path.is_file():
         raise UserError(f"source.path {path}: no such file")
+    return [path]
+
+
+def check_url_list(cfg: SourceConfig) -> list[tuple[str, pa.Table]]:
+    """Read and check a `kind: urls` list; -> [(partition name, table)]; UserError names what is wrong."""
+    return [(f.name, _check_file(f, cfg)) for f in partition_files(cfg)]
+
+
+def _check_file(path: Path, cfg: SourceConfig) -> pa.Table:
     table = _read_table(path, cfg.format)
     wanted = [c for c in (cfg.url_col, cfg.caption_col, cfg.key_col) if c]
     missing = [c for c in wanted if c not in table.column_names]
@@ -139,7 +158,7 @@ class SourceStage(Stage):
     def fingerprint(self, config) -> str:
         base = super().fingerprint(config)
         if config.source.kind == "urls":
-            return base + file_sha256(Path(config.source.path))
+            return base + "".join(f.name + file_sha256(f) for f in partition_files(config.source))
         return base
 
     def run(self, ctx: StageContext) -> StageResult:
@@ -155,29 +174,32 @@ class SourceStage(Stage):
                 ledger.keep(key)
             return StageResult(ledger, {"planted": counts})
 
-        table = check_url_list(cfg)
-        urls = table.column(cfg.url_col).to_pylist()
-        caps = table.column(cfg.caption_col).to_pylist()
-        ids = table.column(cfg.key_col).to_pylist() if cfg.key_col else None
-        keys, kept_urls, kept_caps = [], [], []
+        keys, kept_urls, kept_caps, parts = [], [], [], []
         seen: dict[str, int] = {}
-        for i, (url, cap) in enumerate(zip(urls, caps)):
-            url = url.strip() if isinstance(url, str) else url
-            cap = "" if cap is None else str(cap)
-            if ids is not None:
-                base = str(ids[i]).replace(".", "_").replace("/", "_")
-            else:
-                base = sample_key(str(url), cap)
-            n = seen.get(base, 0)
-            seen[base] = n + 1
-            key = base if n == 0 else f"{base}_{n}"
-            if not isinstance(url, str) or not url:
-                ledger.drop(key, "malformed_row:missing_url", detail=f"row {i}")
-                continue
-            ledger.keep(key, detail=f"row {i}")
-            keys.append(key)
-            kept_urls.append(url)
-            kept_caps.append(cap)
-        pq.write_table(pa.table({"key": keys, "url": kept_urls, "caption": kept_caps}), out)
-        ctx.log(f"source: {len(urls)} rows from {cfg.path}, {len(keys)} with a URL")
-        return StageResult(ledger, {"rows": len(urls)})
+        rows = 0
+        for part, table in check_url_list(cfg):
+            urls = table.column(cfg.url_col).to_pylist()
+            caps = table.column(cfg.caption_col).to_pylist()
+            ids = table.column(cfg.key_col).to_pylist() if cfg.key_col else None
+            for i, (url, cap) in enumerate(zip(urls, caps)):
+                url = url.strip() if isinstance(url, str) else url
+                cap = "" if cap is None else str(cap)
+                if ids is not None:
+                    base = str(ids[i]).replace(".", "_").replace("/", "_")
+                else:
+                    base = sample_key(str(url), cap)
+                n = seen.get(base, 0)
+                seen[base] = n + 1
+                key = base if n == 0 else f"{base}_{n}"
+                if not isinstance(url, str) or not url:
+                    ledger.drop(key, "malformed_row:missing_url", detail=f"{part} row {i}")
+                    continue
+                ledger.keep(key, detail=f"{part} row {i}")
+                keys.append(key)
+                kept_urls.append(url)
+                kept_caps.append(cap)
+                parts.append(part)
+            rows += len(urls)
+        pq.write_table(pa.table({"key": keys, "url": kept_urls, "caption": kept_caps, "partition": parts}), out)
+        ctx.log(f"source: {rows} rows from {cfg.path}, {len(keys)} with a URL")
+        return StageResult(ledger, {"rows": rows})

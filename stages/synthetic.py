@@ -315,7 +315,8 @@ def generate(out_dir: Path, num_samples: int, eval_size: int, image_size: int, s
         gt["defect"].append(defect or "clean")
         gt["detail"].append(detail)
         gt["true_caption"].append(true_caption)
-    pq.write_table(pa.table({"key": keys, "url": urls, "caption": captions}), out_dir / "urls.parquet")
+    pq.write_table(pa.table({"key": keys, "url": urls, "caption": captions, "partition": ["demo"] * len(keys)}),
+                   out_dir / "urls.parquet")
     pq.write_table(pa.table(gt), out_dir / "_ground_truth.parquet")
     counts: dict[str, int] = {}
     for d in gt["defect"]:

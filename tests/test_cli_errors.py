@@ -31,6 +31,13 @@ def test_missing_columns(tmp_path):
     _one_line_error(proc, "missing column(s) url, caption", "link, text")
 
 
+def test_demo_eval_set_with_a_url_source(tmp_path):
+    csv = tmp_path / "urls.csv"
+    csv.write_text("url,caption\nhttp://example.org/a.jpg,a cat\n")
+    proc = capline("run", "--set", "source.kind=urls", "--set", f"source.path={csv}")
+    _one_line_error(proc, "demo_heldout", "exists only for source.kind synthetic")
+
+
 def test_missing_url_file(tmp_path):
     proc = capline("run", "--set", "source.kind=urls", "--set", f"source.path={tmp_path}/none.csv")
     _one_line_error(proc, "no such file")
@@ -52,7 +59,7 @@ def test_unreachable_ray_address(tmp_path):
 
 def test_missing_config_file_and_bad_stage(tmp_path):
     _one_line_error(capline("run", str(tmp_path / "x.yaml")), "no such file")
-    _one_line_error(capline("run", "--until", "nosuch"), "--until nosuch", "stages are source, ingest")
+    _one_line_error(capline("run", "--until", "nosuch"), "--until nosuch", "stages are source, ingest, dedup")
 
 
 def test_status_of_a_folder_that_is_no_run(tmp_path):

@@ -59,3 +59,17 @@ def test_missing_and_invalid_yaml_files(tmp_path):
 def test_urls_kind_needs_a_path():
     with pytest.raises(ConfigError, match="source.path"):
         load_config(None, ["source.kind=urls"])
+
+
+def test_config_survives_a_json_round_trip_unchanged():
+    """A manifest stores the config as JSON; rebuilding from it must hash the same (int defaults of
+    float fields included)."""
+    import json
+
+    from pipeline.config import RunConfig
+    from trainers.configtools import build
+
+    cfg = load_config()
+    again = build(RunConfig, json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg and again.digest() == cfg.digest()
+    assert isinstance(cfg.source.defects.huge_pixels, float)

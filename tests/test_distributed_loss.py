@@ -44,6 +44,7 @@ def _worker(rank, world, port, kind, out):
         g /= world
     if rank == 0:
         torch.save({"loss": loss.detach(), "gi": grads[0], "gt": grads[1]}, out)
+    dist.barrier()  # neither rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
 
 

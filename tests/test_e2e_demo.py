@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -21,11 +22,13 @@ from tests.conftest import ROOT, capline
 pytestmark = pytest.mark.slow
 
 ARGS = ["--set", "source.num_samples=600", "--set", "source.eval_size=30", "--set", "source.slow_seconds=4",
-        "--set", "stages.ingest.timeout=2", "--set", "stages.ingest.samples_per_shard=40"]
+        "--set", "stages.ingest.timeout=2", "--set", "stages.ingest.samples_per_shard=40",
+        "--set", "stages.shard.samples_per_shard=130",
+        "--set", f"stages.dedup.cache_dir={tempfile.mkdtemp(prefix='capline-eval-index-')}"]
 
 
 def _content(run_dir):
-    shards = sorted(str(p) for p in (run_dir / "ingest" / "shards").glob("*.tar"))
+    shards = sorted(str(p) for p in (run_dir / "ingest").glob("parts/*/shards/*.tar"))
     return {json.loads(s["json"])["uid"]: hashlib.sha256(s["jpg"]).hexdigest()
             for s in wds.WebDataset(shards, shardshuffle=False)}
 
@@ -57,7 +60,9 @@ def test_demo_run_reports_its_funnel(reference_run):
     cells = row.split()
     assert cells[1] == "done" and int(cells[2]) == int(cells[3]) + int(cells[4]) == 600
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    assert set(manifest["stages"]) == {"source", "ingest"}
+    from pipeline.runner import stage_names
+
+    assert set(manifest["stages"]) == set(stage_names())
     assert manifest["config"]["source"]["num_samples"] == 600
     assert manifest["packages"]["img2dataset"] == "1.47.0"
     assert (run_dir / "config.yaml").is_file()
@@ -88,11 +93,11 @@ def test_kill_mid_ingest_then_resume_gives_the_same_shards(reference_run, tmp_pa
     cmd = [sys.executable, "-m", "pipeline.cli", "run", "--run-dir", str(run_dir), *ARGS]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=dict(os.environ))
-    shards = run_dir / "ingest" / "shards"
+    ingest = run_dir / "ingest"
     deadline = time.time() + 240
     tree = []
     while time.time() < deadline:
-        done = len(list(shards.glob("*_stats.json"))) if shards.exists() else 0
+        done = len(list(ingest.glob("parts/*/shards/*_stats.json")))
         if done >= 3:
             break
         assert proc.poll() is None, "the run ended before it could be killed"
@@ -110,10 +115,77 @@ def test_kill_mid_ingest_then_resume_gives_the_same_shards(reference_run, tmp_pa
             pass
     psutil.wait_procs(tree, timeout=20)
     assert not (run_dir / "ingest" / "_SUCCESS").exists()
-    assert len(list(shards.glob("*_stats.json"))) < 15, "killed too late to test anything"
+    assert len(list(ingest.glob("parts/*/shards/*_stats.json"))) < 15, "killed too late to test anything"
+
+    # a second kill, at a random later point of the resumed run
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    time.sleep(float(__import__("random").Random(7).uniform(12, 20)))
+    tree = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+    proc.kill()
+    proc.wait()
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(tree, timeout=20)
 
     again = capline("run", "--run-dir", str(run_dir), *ARGS)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "resuming" in again.stdout
     assert _content(run_dir) == _content(ref_dir)
     assert _verdicts(run_dir) == _verdicts(ref_dir)
+    verdict = capline("verify", str(ref_dir), str(run_dir))
+    assert verdict.returncode == 0, verdict.stdout
+    assert "byte-identical" in verdict.stdout
+
+
+def test_final_shards_read_back_once_per_epoch(reference_run):
+    """With the plain WebDataset reader, and with a loader written the way open_clip's is."""
+    import torch
+
+    run_dir, _ = reference_run
+    sizes = json.loads((run_dir / "shard" / "sizes.json").read_text())
+    total = sum(sizes.values())
+    names = sorted(sizes)
+    assert len(names) == 4
+    plain = [s["__key__"] for s in wds.WebDataset([str(run_dir / "shard" / "shards" / n) for n in names],
+                                                  shardshuffle=False)]
+    assert len(plain) == len(set(plain)) == total
+    brace = str(run_dir / "shard" / "shards" / f"{{{names[0][:-4]}..{names[-1][:-4]}}}.tar")
+    seen = []
+    for rank in range(2):                       # two "nodes", each with two loader workers
+        os.environ.update(RANK=str(rank), WORLD_SIZE="2")
+        try:
+            ds = wds.DataPipeline(
+                wds.SimpleShardList(brace), wds.split_by_node, wds.split_by_worker, wds.tarfile_to_samples(),
+                wds.to_tuple("__key__", "txt"))
+            loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+            seen += [k for k, _ in loader]
+        finally:
+            del os.environ["RANK"], os.environ["WORLD_SIZE"]
+    assert sorted(seen) == sorted(plain)
+
+
+def test_rebuild_names_died_and_changed_urls(reference_run, tmp_path):
+    import shutil
+
+    from PIL import Image
+
+    ref_dir, _ = reference_run
+    old = tmp_path / "old"
+    shutil.copytree(ref_dir, old)
+    kept = [k for k, (v, _) in _verdicts(old).items() if v == "kept"]
+    truth = {r["key"]: r["defect"] for r in pq.read_table(old / "source" / "_ground_truth.parquet").to_pylist()}
+    clean = sorted(k for k in kept if truth[k] == "clean")
+    removed, changed = clean[:2], clean[2:5]
+    www = old / "source" / "www" / "img"
+    for k in removed:
+        (www / f"{k}.jpg").unlink()
+    for k in changed:
+        Image.new("RGB", (96, 96), (10, 200, 30)).save(www / f"{k}.jpg", "JPEG")
+    out = capline("rebuild", str(old / "manifest.json"), "--run-dir", str(tmp_path / "new"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "new" / "drift.json").read_text())
+    assert report["died"] == sorted(removed)
+    assert report["changed"] == sorted(changed)
+    assert "2 URLs died, 3 changed content" in out.stdout

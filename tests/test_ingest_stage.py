@@ -21,6 +21,7 @@ EXPECTED = {
     "corrupt": "undecodable_image", "truncated": "truncated_image", "non_image": "not_an_image",
     "tiny": "image_too_small", "empty_caption": "empty_caption",
     "huge_pixels": "image_too_large", "huge_bytes": "too_many_bytes",
+    "repeat_row": None, "train_near_copy": None,
 }
 
 SMALL = ["source.num_samples=300", "source.eval_size=20", "source.slow_seconds=4",
@@ -49,9 +50,9 @@ def test_every_planted_defect_gets_its_reason(tmp_path, ray_local):
             assert (got["verdict"], got["reason"]) == ("dropped", want), (row, got)
 
     # Shards: whole tars only, nothing left in staging, readable by webdataset, one per kept key.
-    shards = sorted((tmp_path / "ingest" / "shards").glob("*.tar"))
+    shards = sorted((tmp_path / "ingest").glob("parts/*/shards/*.tar"))
     assert len(shards) == 5
-    assert not any((tmp_path / "ingest" / "_work" / "staging").glob("*/*"))
+    assert not any((tmp_path / "ingest").glob("parts/*/_work/staging/*/*"))
     seen = []
     for sample in wds.WebDataset([str(s) for s in shards], shardshuffle=False):
         meta = json.loads(sample["json"])
@@ -86,7 +87,7 @@ def test_urls_source_csv_with_allow_list(tmp_path, ray_local):
         cfg = load_config(None, [
             "source.kind=urls", f"source.path={csv}", "source.url_col=image_url", "source.caption_col=alt",
             f"stages.ingest.allow_hosts=['{server.netloc}']", "stages.ingest.samples_per_shard=20"])
-        summary = run_pipeline(cfg, tmp_path / "run", log=lambda m: None)
+        summary = run_pipeline(cfg, tmp_path / "run", until="ingest", log=lambda m: None)
     assert summary["source"]["dropped"] == {"malformed_row:missing_url": 1}
     assert summary["ingest"]["kept"] == 41
     assert summary["ingest"]["dropped"] == {"unsafe_url:private_address": 1, "unsafe_url:metadata_address": 1}
@@ -96,7 +97,7 @@ def test_urls_source_csv_with_allow_list(tmp_path, ray_local):
 
 def _content(run_dir):
     out = {}
-    for sample in wds.WebDataset(sorted(str(p) for p in (run_dir / "ingest" / "shards").glob("*.tar")),
+    for sample in wds.WebDataset(sorted(str(p) for p in (run_dir / "ingest").glob("parts/*/shards/*.tar")),
                                  shardshuffle=False):
         out[json.loads(sample["json"])["uid"]] = hashlib.sha256(sample["jpg"]).hexdigest()
     return out
@@ -106,13 +107,15 @@ def test_rerun_resumes_only_missing_shards(tmp_path, ray_local):
     cfg = load_config(None, SMALL)
     run_pipeline(cfg, tmp_path, log=lambda m: None)
     before = _content(tmp_path)
-    shards = tmp_path / "ingest" / "shards"
-    # Simulate a kill mid-ingest: marker gone, one shard never finished, a half-written tar in staging.
+    (part,) = (tmp_path / "ingest" / "parts").iterdir()
+    shards = part / "shards"
+    # Simulate a kill mid-ingest: markers gone, one shard never finished, a half-written tar in staging.
     (tmp_path / "ingest" / "_SUCCESS").unlink()
+    (part / "_DONE").unlink()
     for suffix in (".tar", ".parquet", "_stats.json"):
         (shards / f"00002{suffix}").unlink()
     untouched = (shards / "00001.tar").stat().st_mtime_ns
-    staging = tmp_path / "ingest" / "_work" / "staging" / "00002"
+    staging = part / "_work" / "staging" / "00002"
     staging.mkdir(parents=True)
     (staging / "00002.tar").write_bytes(b"half a tar")
     logs = []

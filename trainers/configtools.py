@@ -101,7 +101,15 @@ def build(cls, data: Any, prefix: str = ""):
     for name, value in data.items():
         full = f"{prefix}.{name}" if prefix else name
         kwargs[name] = _convert(hints[name], value, full)
+    for name in fields:
+        if name not in kwargs and dataclasses.is_dataclass(hints[name]):
+            kwargs[name] = build(hints[name], {}, f"{prefix}.{name}" if prefix else name)  # defaults, checked
     obj = cls(**kwargs)
+    # Defaults skip _convert: make `x: float = 2` a float too, so a config and its JSON round trip
+    # (a manifest) hash the same.
+    for name in fields:
+        if hints[name] is float and isinstance(getattr(obj, name), int):
+            setattr(obj, name, float(getattr(obj, name)))
     validate = getattr(obj, "validate", None)
     if validate is not None:
         validate(prefix)

@@ -22,13 +22,30 @@ def caption_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return per_example.mean()
 
 
+class _GatherWithGrad(torch.autograd.Function):
+    """all_gather forward; backward sums every worker's gradient and hands each its own rows."""
+
+    @staticmethod
+    def forward(ctx, x):
+        world = dist.get_world_size()
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous())
+        ctx.rank, ctx.world, ctx.rows = dist.get_rank(), world, x.shape[0]
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
+
+
 def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
-    """(B, E) on each worker -> (G, E) everywhere, gradients flowing back to each worker's rows."""
+    """(B, E) on each worker -> (G, E) everywhere, gradients flowing back to each worker's rows.
+    Every worker must hold the same B."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return x
-    import torch.distributed.nn.functional as dfn
-
-    return torch.cat(dfn.all_gather(x), dim=0)
+    return _GatherWithGrad.apply(x)
 
 
 def clip_loss(zimg: torch.Tensor, ztxt: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""`capline verify` and `capline rebuild`'s drift report.
+
+verify RUN_DIR: every final shard against the checksums in manifest.json (and sizes.json against
+the tar contents). verify RUN_DIR OTHER: byte-identical, or which samples differ and how.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import tarfile
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from trainers.errors import UserError
+
+
+def _manifest(run_dir: Path) -> dict:
+    path = run_dir / "manifest.json"
+    if not path.is_file():
+        raise UserError(f"{run_dir}: not a capline run folder (no manifest.json)")
+    return json.loads(path.read_text())
+
+
+def _shard_list(run_dir: Path, manifest: dict) -> list[dict]:
+    shards = manifest.get("artifacts", {}).get("shard", {}).get("shards")
+    if shards is None:
+        raise UserError(f"{run_dir}: the shard stage has not finished; nothing to verify")
+    return shards
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_run(run_dir: Path) -> tuple[list[str], int]:
+    """-> (problems, shards checked)."""
+    manifest = _manifest(run_dir)
+    shards = _shard_list(run_dir, manifest)
+    folder = run_dir / "shard" / "shards"
+    problems = []
+    sizes = json.loads((run_dir / "shard" / "sizes.json").read_text()) if (run_dir / "shard" / "sizes.json").is_file() else {}
+    for s in shards:
+        path = folder / s["name"]
+        if not path.is_file():
+            problems.append(f"shard {s['name']}: missing")
+            continue
+        if path.stat().st_size != s["bytes"] or sha256_file(path) != s["sha256"]:
+            problems.append(f"shard {s['name']}: checksum differs from manifest.json "
+                            f"({path.stat().st_size} bytes, expected {s['bytes']}): modified or truncated")
+            continue
+        if sizes.get(s["name"]) != s["samples"]:
+            problems.append(f"shard {s['name']}: sizes.json says {sizes.get(s['name'])} samples, manifest {s['samples']}")
+    tok = manifest.get("artifacts", {}).get("tokenizer")
+    if tok:
+        model = run_dir / tok["model"]
+        if not model.is_file() or sha256_file(model) != tok["sha256"]:
+            problems.append(f"tokenizer {tok['model']}: missing or checksum differs from manifest.json")
+    return problems, len(shards)
+
+
+def sample_digests(run_dir: Path) -> dict[str, dict[str, str]]:
+    """key -> {member extension: sha256} over every final shard."""
+    out: dict[str, dict[str, str]] = {}
+    for path in sorted((run_dir / "shard" / "shards").glob("*.tar")):
+        with tarfile.open(path) as tar:
+            for m in tar:
+                key, _, ext = m.name.partition(".")
+                out.setdefault(key, {})[ext] = hashlib.sha256(tar.extractfile(m).read()).hexdigest()
+    return out
+
+
+def compare_runs(a: Path, b: Path) -> list[str]:
+    """[] when the two runs' shards are byte-identical; else lines naming what differs."""
+    sa, sb = _shard_list(a, _manifest(a)), _shard_list(b, _manifest(b))
+    if [(s["name"], s["sha256"]) for s in sa] == [(s["name"], s["sha256"]) for s in sb]:
+        return []
+    da, db = sample_digests(a), sample_digests(b)
+    lines = []
+    for key in sorted(set(da) - set(db)):
+        lines.append(f"{key}: only in {a}")
+    for key in sorted(set(db) - set(da)):
+        lines.append(f"{key}: only in {b}")
+    for key in sorted(set(da) & set(db)):
+        if da[key] != db[key]:
+            diff = sorted(ext for ext in set(da[key]) | set(db[key]) if da[key].get(ext) != db[key].get(ext))
+            lines.append(f"{key}: {', '.join(diff)} differ")
+    if not lines:
+        lines.append("the same samples with the same bytes, but laid out in different shards")
+    return lines
+
+
+def drift(old_run: Path, new_run: Path) -> dict:
+    """URLs that died and URLs whose content changed between two runs' downloads."""
+    def load(run):
+        path = run / "ingest" / "content.parquet"
+        if not path.is_file():
+            raise UserError(f"{run}: no ingest/content.parquet to compare downloads with")
+        t = pq.read_table(path).to_pydict()
+        return {k: (s, h) for k, s, h in zip(t["key"], t["status"], t["sha256"])}
+
+    old, new = load(old_run), load(new_run)
+    died = sorted(k for k, (s, _) in old.items() if s == "success" and new.get(k, ("missing", None))[0] != "success")
+    changed = sorted(k for k, (s, h) in old.items()
+                     if s == "success" and new.get(k, ("", None))[0] == "success" and new[k][1] != h)
+    revived = sorted(k for k, (s, _) in old.items() if s != "success" and new.get(k, ("", None))[0] == "success")
+    return {"died": died, "changed": changed, "revived": revived}

@@ -1,0 +1,36 @@
+"""The train stage: pretrain on the final shards with Ray Train (trainers/run.py), tracked in MLflow.
+
+Every sample that reached the shards is kept (training consumes, it does not judge). With
+`train.steps: 0` the stage records that and trains nothing.
+"""
+from __future__ import annotations
+
+from .base import Ledger, Stage, StageContext, StageResult
+
+
+class TrainStage(Stage):
+    name = "train"
+
+    def section(self, config):
+        return config.train
+
+    def run(self, ctx: StageContext) -> StageResult:
+        import json
+
+        from trainers.run import train
+
+        ledger = Ledger(self.name)
+        for k in ctx.upstream_kept or []:
+            ledger.keep(k)
+        tc = ctx.config.train
+        if tc.steps == 0:
+            ctx.log("train: train.steps is 0, nothing to train")
+            return StageResult(ledger, {"trained": False})
+        manifest = json.loads((ctx.run_dir / "manifest.json").read_text())
+        digest = manifest["stages"]["shard"]["output_digest"]
+        result = train(ctx.run_dir, ctx.upstream["shard"] / "shards", ctx.upstream["tokenizer"] / "spm.model", tc,
+                       ctx.config.seed, digest, ctx.stage_dir, log=ctx.log)
+        ctx.log(f"train: finished at step {result['step']}, loss {result['loss']:.4f}")
+        return StageResult(ledger, {"trained": True, **result},
+                           artifacts={"model": "train/model", "encoder": "train/export",
+                                      "mlflow_run_id": result["mlflow_run_id"]})

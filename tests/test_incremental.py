@@ -1,0 +1,54 @@
+"""Incremental runs: partition A, then A+B, holds the same samples as one run on A+B, and the
+second run does not download A again."""
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import load_config
+from pipeline.runner import run_pipeline
+from pipeline.verify import sample_digests
+from stages import synthetic
+from stages.demo_server import DemoServer
+from stages.source import DefectFractions
+from stages.synthetic import SERVER_PLACEHOLDER
+
+pytestmark = pytest.mark.slow
+
+
+def _write_partition(path, rows, base):
+    lines = ["url,caption"] + [f"{r['url'].replace(SERVER_PLACEHOLDER, base)},\"{r['caption']}\"" for r in rows]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_appending_a_partition(tmp_path, ray_local):
+    fr = {k: 0 for k in vars(DefectFractions())}
+    fr.update(http_404=0.05, train_near_copy=0.05)   # some drops and duplicates across partitions
+    synthetic.generate(tmp_path / "site", 240, 10, 48, 5, fr, 100, 100)
+    rows = pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()
+    with DemoServer(tmp_path / "site" / "www") as server:
+        def cfg(folder):
+            return load_config(None, [
+                "source.kind=urls", f"source.path={folder}", f"stages.ingest.allow_hosts=['{server.netloc}']",
+                "stages.ingest.samples_per_shard=50", "stages.tokenizer.vocab_size=400",
+                f"stages.dedup.cache_dir={tmp_path / 'cache'}", "stages.shard.samples_per_shard=60",
+                "stages.dedup.eval_sets=[{name: digits, kind: builtin, path: digits}]"])
+
+        inc, one = tmp_path / "inc_urls", tmp_path / "one_urls"
+        inc.mkdir()
+        one.mkdir()
+        _write_partition(inc / "a.csv", rows[:150], server.base_url)
+        run_pipeline(cfg(inc), tmp_path / "inc", log=lambda m: None)
+        (part_a,) = (tmp_path / "inc" / "ingest" / "parts").iterdir()
+        stamp = (part_a / "_DONE").stat().st_mtime_ns
+        _write_partition(inc / "b.csv", rows[150:], server.base_url)
+        logs = []
+        run_pipeline(cfg(inc), tmp_path / "inc", log=logs.append)
+        assert any("partition a.csv: downloaded before, reused (150 URLs)" in m for m in logs), logs
+        assert (part_a / "_DONE").stat().st_mtime_ns == stamp
+        _write_partition(one / "a.csv", rows[:150], server.base_url)
+        _write_partition(one / "b.csv", rows[150:], server.base_url)
+        run_pipeline(cfg(one), tmp_path / "one", log=lambda m: None)
+    a, b = sample_digests(tmp_path / "inc"), sample_digests(tmp_path / "one")
+    assert len(a) > 150
+    assert a == b
+    dedup = pq.read_table(tmp_path / "inc" / "dedup" / "ledger.parquet").to_pylist()
+    assert any(r["reason"] == "near_duplicate" for r in dedup)   # duplicates across partitions found

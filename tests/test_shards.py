@@ -1,0 +1,111 @@
+"""Unit: tokenizer determinism and ids, byte-reproducible shard writing, verify on tampered runs."""
+import json
+import tarfile
+
+import sentencepiece as spm
+
+from stages.shard import write_shard
+from stages.tokenizer import TokenizerConfig, order_key, train_sentencepiece
+from tests.conftest import capline
+
+
+def _captions(n=400):
+    from stages import synthetic
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    caps = [synthetic.caption_en(synthetic.random_scene(rng)) for _ in range(n)]
+    return caps + ["ein großer roter Kreis über einem kleinen Quadrat", "un cercle rouge à gauche"]
+
+
+def test_tokenizer_is_deterministic_with_fixed_special_ids():
+    cfg = TokenizerConfig(vocab_size=600)
+    a, b = train_sentencepiece(_captions(), cfg), train_sentencepiece(_captions(), cfg)
+    assert a == b
+    sp = spm.SentencePieceProcessor(model_proto=a)
+    assert (sp.pad_id(), sp.eos_id(), sp.unk_id(), sp.bos_id()) == (0, 1, 2, -1)
+    ids = sp.encode("a large red circle 🙂 ñ")
+    assert 2 not in ids                      # byte fallback: nothing is unknown
+    assert sp.decode(ids) == "a large red circle 🙂 ñ"
+    assert sp.decode(sp.encode("A LARGE Red")) == "a large red"   # lower-cased by config
+
+
+def test_bpe_by_config_and_order_is_seeded():
+    sp = spm.SentencePieceProcessor(model_proto=train_sentencepiece(_captions(), TokenizerConfig(vocab_size=600, model_type="bpe")))
+    assert sp.get_piece_size() > 259
+    keys = [f"s{i:04d}" for i in range(50)]
+    assert sorted(keys, key=lambda k: order_key(0, k)) != sorted(keys, key=lambda k: order_key(1, k))
+    assert sorted(keys, key=lambda k: order_key(0, k)) == sorted(reversed(keys), key=lambda k: order_key(0, k))
+
+
+def _samples():
+    return [{"key": f"k{i}", "image": bytes([i]) * 100, "ext": "jpg", "caption": f"caption {i}",
+             "meta": {"key": f"k{i}", "url": f"http://x/{i}.jpg"}} for i in range(5)]
+
+
+def test_shards_are_byte_identical_and_well_formed(tmp_path):
+    a, b = tmp_path / "a.tar", tmp_path / "b.tar"
+    idx = write_shard(a, _samples())
+    write_shard(b, _samples())
+    assert a.read_bytes() == b.read_bytes()
+    assert not list(tmp_path.glob("*.tmp"))
+    with tarfile.open(a) as tar:
+        members = tar.getmembers()
+        assert [m.name for m in members[:3]] == ["k0.jpg", "k0.txt", "k0.json"]
+        assert all(m.mtime == 0 and m.uid == 0 and m.mode == 0o444 for m in members)
+    with open(a, "rb") as f:  # the index's offsets point at each sample's first header
+        for key, off in idx["offsets"]:
+            f.seek(off)
+            assert f.read(512)[:len(key) + 4] == f"{key}.jpg".encode()
+
+
+def _fake_run(tmp_path):
+    """A run folder as the shard stage leaves it, built with the real writer."""
+    import hashlib
+
+    run = tmp_path / "run"
+    (run / "shard" / "shards").mkdir(parents=True)
+    shards = []
+    for n in range(2):
+        p = run / "shard" / "shards" / f"{n:06d}.tar"
+        write_shard(p, _samples()[n * 2:n * 2 + 2])
+        data = p.read_bytes()
+        shards.append({"name": p.name, "samples": 2, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    (run / "shard" / "sizes.json").write_text(json.dumps({s["name"]: 2 for s in shards}))
+    (run / "manifest.json").write_text(json.dumps({"artifacts": {"shard": {"shards": shards}}}))
+    return run
+
+
+def test_verify_names_a_tampered_manifest_and_a_truncated_shard(tmp_path):
+    run = _fake_run(tmp_path)
+    ok = capline("verify", str(run))
+    assert ok.returncode == 0 and "2 shards match" in ok.stdout
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["artifacts"]["shard"]["shards"][1]["sha256"] = "0" * 64
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    bad = capline("verify", str(run))
+    assert bad.returncode == 1 and "shard 000001.tar: checksum differs" in bad.stdout
+    run2 = _fake_run(tmp_path / "second")
+    p = run2 / "shard" / "shards" / "000000.tar"
+    p.write_bytes(p.read_bytes()[:700])
+    bad = capline("verify", str(run2))
+    assert bad.returncode == 1 and "000000.tar" in bad.stdout and "truncated" in bad.stdout
+    assert "000001.tar" not in bad.stdout
+
+
+def test_compare_two_runs_names_the_differing_samples(tmp_path):
+    a, b = _fake_run(tmp_path / "a"), _fake_run(tmp_path / "b")
+    same = capline("verify", str(a), str(b))
+    assert same.returncode == 0 and "identical" in same.stdout
+    samples = _samples()
+    samples[3]["caption"] = "another caption"
+    import hashlib
+
+    p = b / "shard" / "shards" / "000001.tar"
+    write_shard(p, samples[2:4])
+    manifest = json.loads((b / "manifest.json").read_text())
+    manifest["artifacts"]["shard"]["shards"][1].update(bytes=p.stat().st_size, sha256=hashlib.sha256(p.read_bytes()).hexdigest())
+    (b / "manifest.json").write_text(json.dumps(manifest))
+    diff = capline("verify", str(a), str(b))
+    assert diff.returncode == 1
+    assert "k3: txt differ" in diff.stdout and "k2" not in diff.stdout

@@ -1,0 +1,144 @@
+"""WebDataset shards -> training batches, each worker a disjoint part of every epoch, resumable.
+
+Order: a worker (rank r of W) reads the shards r, r+W, r+2W, ... of the epoch's shard order (a
+permutation seeded by seed and epoch), samples in file order. Its stream is cut into batches
+b = 0, 1, 2, ...; with k background loader processes, process p decodes the g-th batch after the
+starting position when g % k == p, so PyTorch's round-robin over processes hands them out as start, start+1, ...
+in order, across epoch boundaries too. The loader's position is (epoch, next batch): resuming from it continues with the next
+batch, not the start of the epoch. An epoch's last partial batch is dropped (every worker must step
+equally often); each sample is otherwise seen exactly once per epoch.
+
+Batch: images (B, 3, S, S) float in [-1, 1] (resized, no crop, no flip), labels (B, L) int64
+(SentencePiece ids + EOS, truncated keeping EOS, padded with 0).
+"""
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .errors import UserError
+
+
+@dataclass
+class LoaderState:
+    epoch: int = 0
+    batch: int = 0   # the next batch of this epoch
+
+    def to_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+
+def list_shards(shard_dir: Path) -> list[Path]:
+    shards = sorted(Path(shard_dir).glob("*.tar"))
+    if not shards:
+        raise UserError(f"no shards (*.tar) in {shard_dir}; run the pipeline's shard stage first")
+    return shards
+
+
+def check_readers(n_shards: int, world: int, loader_workers: int) -> None:
+    if n_shards < world:
+        raise UserError(f"{n_shards} shards for {world} training workers: every worker needs at least one "
+                        "shard; write smaller shards (stages.shard.samples_per_shard) or use fewer workers")
+    del loader_workers  # loader processes split batches, not shards: any number works
+
+
+def encode_caption(sp, text: str, max_len: int) -> np.ndarray:
+    ids = sp.encode(text)[: max_len - 1] + [1]   # sticky EOS
+    out = np.zeros(max_len, np.int64)
+    out[: len(ids)] = ids
+    return out
+
+
+def decode_image(data: bytes, size: int) -> np.ndarray:
+    img = Image.open(io.BytesIO(data)).convert("RGB").resize((size, size), Image.BICUBIC)
+    return (np.asarray(img, np.float32) / 127.5 - 1.0).transpose(2, 0, 1)
+
+
+def epoch_shards(shards: list[Path], seed: int, epoch: int, rank: int, world: int) -> list[Path]:
+    order = np.random.default_rng([seed, epoch]).permutation(len(shards))
+    return [shards[i] for i in order[rank::world]]
+
+
+def iter_samples(shards: list[Path]):
+    """(key, jpg bytes, caption) in file order."""
+    for path in shards:
+        with tarfile.open(path) as tar:
+            current, parts = None, {}
+            for m in tar:
+                key, _, ext = m.name.partition(".")
+                if key != current and current is not None:
+                    yield current, parts
+                    parts = {}
+                current = key
+                parts[ext] = tar.extractfile(m).read()
+            if current is not None:
+                yield current, parts
+
+
+class ShardStream(torch.utils.data.IterableDataset):
+    """Yields whole batches (dicts) for one training worker, from `state` on, forever (epoch after epoch)."""
+
+    def __init__(self, shards: list[Path], tokenizer_path: str, batch_size: int, image_size: int, max_len: int,
+                 seed: int, rank: int, world: int, state: LoaderState, keys: bool = False):
+        self.shards, self.tokenizer_path = shards, tokenizer_path
+        self.batch_size, self.image_size, self.max_len = batch_size, image_size, max_len
+        self.seed, self.rank, self.world, self.state = seed, rank, world, state
+        self.keys = keys
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        pid, k = (info.id, info.num_workers) if info else (0, 1)
+        epoch, start = self.state.epoch, self.state.batch
+        g = 0  # batches handed out since `state`, across epochs: process g % k owns batch g
+        while True:
+            batch_keys, parts_list, b = [], [], 0
+            for key, parts in iter_samples(epoch_shards(self.shards, self.seed, epoch, self.rank, self.world)):
+                mine = b >= start and g % k == pid
+                batch_keys.append(key if mine else None)
+                if mine:
+                    parts_list.append(parts)
+                if len(batch_keys) == self.batch_size:
+                    if mine:
+                        yield self._collate(batch_keys, parts_list, epoch, b)
+                    if b >= start:
+                        g += 1
+                    batch_keys, parts_list, b = [], [], b + 1
+            epoch, start = epoch + 1, 0
+
+    def _collate(self, keys, parts_list, epoch, b):
+        images = np.stack([decode_image(p["jpg"], self.image_size) for p in parts_list])
+        labels = np.stack([encode_caption(self._sp(), p["txt"].decode(), self.max_len) for p in parts_list])
+        out = {"images": torch.from_numpy(images), "labels": torch.from_numpy(labels),
+               "epoch": epoch, "batch": b}
+        if self.keys:
+            out["keys"] = keys
+        return out
+
+    def _sp(self):
+        """The SentencePiece model, opened once in whichever process iterates."""
+        if not hasattr(self, "_spm"):
+            import sentencepiece as spm
+
+            self._spm = spm.SentencePieceProcessor(model_file=self.tokenizer_path)
+        return self._spm
+
+
+def make_loader(stream: ShardStream, loader_workers: int) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(stream, batch_size=None, num_workers=loader_workers,
+                                       persistent_workers=False, prefetch_factor=4 if loader_workers else None)
+
+
+def next_state(batch: dict) -> LoaderState:
+    return LoaderState(batch["epoch"], batch["batch"] + 1)
+
+
+def shard_sizes(shard_dir: Path) -> dict[str, int]:
+    path = Path(shard_dir).parent / "sizes.json"
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -1,0 +1,151 @@
+"""The Ray Train loop, one copy per worker.
+
+Each step: `accumulation` micro-batches of the worker's share of the global batch, gradients
+averaged across workers by DDP, clipped, one optimiser and schedule step. Every `checkpoint_every`
+steps (and at the end) every worker calls ray.train.report the same number of times; rank 0 also
+hands over a checkpoint (weights, optimiser, schedule, step, every worker's loader position and
+random state) and flushes its buffered MLflow metrics, so a restarted run repeats no step in MLflow.
+A NaN or infinite loss stops the run, naming the steps since the last finite one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _save(path: Path, model, opt, sched, step: int, loader_states: list, gen_states: list) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(), "gens": gen_states}, path / "train_state.pt")
+    (path / "meta.json").write_text(json.dumps({"step": step, "loader": loader_states}))
+
+
+def train_loop_per_worker(c: dict) -> None:
+    import ray.train
+    import ray.train.torch
+    import sentencepiece as spm
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from .configtools import build
+    from .data import LoaderState, ShardStream, list_shards, make_loader, next_state
+    from .models import ModelConfig
+    from .optim import build_optimizer, build_schedule
+    from .tasks import LossModule, make_task
+    from .tracking import MetricBuffer, client
+    from .train_config import TrainConfig
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    tc: TrainConfig = build(TrainConfig, c["train"], "train")
+    mc: ModelConfig = build(ModelConfig, c["model"], "model")
+    out = Path(c["out_dir"])
+    (out / "_pids").mkdir(parents=True, exist_ok=True)
+    (out / "_pids" / f"rank{rank}").write_text(str(os.getpid()))
+    torch.manual_seed(c["seed"] * 1000 + rank)
+    gen = torch.Generator().manual_seed(c["seed"] * 1000 + rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+    task = make_task(mc, tc.image_encoder)
+    model = task.build()
+    opt = build_optimizer(model, tc.optim)
+    sched = build_schedule(opt, tc.optim, tc.steps)
+    step, state = 0, LoaderState()
+    ckpt = ray.train.get_checkpoint()
+    if ckpt:
+        with ckpt.as_directory() as d:
+            d = Path(d)
+            model.load_state_dict(load_file(str(d / "model.safetensors")), strict=False)
+            ts = torch.load(d / "train_state.pt", weights_only=True)
+            opt.load_state_dict(ts["opt"])
+            sched.load_state_dict(ts["sched"])
+            gen.set_state(ts["gens"][rank])
+            meta = json.loads((d / "meta.json").read_text())
+            step, state = meta["step"], LoaderState(**meta["loader"][rank])
+    device = ray.train.torch.get_device()
+    wrapped = ray.train.torch.prepare_model(LossModule(model))
+    use_amp = device.type == "cuda"
+    stream = ShardStream(list_shards(Path(c["shard_dir"])), c["tokenizer"], tc.micro_batch or tc.per_worker_batch,
+                         mc.image_size, mc.max_len, c["seed"], rank, world, state)
+    batches = iter(make_loader(stream, tc.loader_workers))
+    sp = spm.SentencePieceProcessor(model_file=c["tokenizer"])
+    buffer = MetricBuffer(c["mlflow_uri"], c["run_id"]) if rank == 0 else None
+    fixed = None
+    last_finite, t_last = step, time.perf_counter()
+    wait_total = busy_total = 0.0
+    while step < tc.steps:
+        t0 = time.perf_counter()
+        micro = [next(batches) for _ in range(tc.accumulation)]
+        t1 = time.perf_counter()
+        if fixed is None and task.writes and rank == 0:
+            fixed = micro[0]["images"][:4]
+        total, parts, tokens = 0.0, {}, 0
+        for i, b in enumerate(micro):
+            sync = i == len(micro) - 1 or not hasattr(wrapped, "no_sync")
+            ctxm = torch.autocast("cuda", dtype=torch.bfloat16) if use_amp else torch.autocast("cpu", enabled=False)
+            with ctxm, (wrapped.no_sync() if not sync else _null()):
+                loss, metrics = wrapped(b["images"].to(device), b["labels"].to(device), generator=gen)
+                (loss / len(micro)).backward()
+            total += loss.item() / len(micro)
+            for k, v in metrics.items():
+                parts[k] = parts.get(k, 0.0) + float(v) / len(micro)
+            tokens += task.tokens(b["labels"])
+        if not torch.isfinite(torch.tensor(total)):
+            raise RuntimeError(f"training loss became {total} at step {step + 1} (last finite loss at step "
+                               f"{last_finite}); stopping: lower train.optim.lr or check the data")
+        last_finite = step + 1
+        if tc.optim.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.optim.clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        state = next_state(micro[-1])
+        t2 = time.perf_counter()
+        wait_total += t1 - t0
+        busy_total += t2 - t1
+        if buffer is not None:
+            dt = max(t2 - t_last, 1e-9)
+            buffer.add(step, {"loss": total, **parts, "lr": sched.get_last_lr()[0],
+                              "examples_per_s": tc.global_batch / dt, "tokens_per_s": tokens * world / dt,
+                              "data_wait_fraction": wait_total / max(wait_total + busy_total, 1e-9)})
+        t_last = t2
+        if buffer is not None and task.writes and tc.sample_every and step % tc.sample_every == 0 and fixed is not None:
+            caps = task.samples(model, fixed.to(device), sp)
+            client(c["mlflow_uri"]).log_text(c["run_id"], "\n".join(caps), f"samples/step_{step:06d}.txt")
+        if step % tc.checkpoint_every == 0 or step == tc.steps:
+            states = [state.to_dict()]
+            gens = [gen.get_state()]
+            if world > 1:
+                states, gens = [None] * world, [None] * world
+                dist.all_gather_object(states, state.to_dict())
+                dist.all_gather_object(gens, gen.get_state())
+            with tempfile.TemporaryDirectory() as d:
+                checkpoint = None
+                if rank == 0:
+                    _save(Path(d), model, opt, sched, step, states, gens)
+                    checkpoint = ray.train.Checkpoint.from_directory(d)
+                    buffer.flush()
+                ray.train.report({"step": step, "loss": total}, checkpoint=checkpoint)
+    if rank == 0:
+        from .export import export_encoder
+        from .models.checkpoint import save_model
+
+        save_model(model, task.model_cfg, out / "model")
+        export_encoder(model, task.model_cfg, out / "export")
+        (out / "final.json").write_text(json.dumps({"step": step, "loss": total,
+                                                    "data_wait_fraction": wait_total / max(wait_total + busy_total, 1e-9)}))
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

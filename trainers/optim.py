@@ -1,0 +1,38 @@
+"""Optimiser and schedule: AdamW (or Adafactor), linear warmup then cosine to 0, decoupled weight
+decay on weight matrices only (not biases, norms, position or token embeddings, probes)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .train_config import OptimConfig
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        parts = name.split(".")
+        embedding = "embed" in parts or parts[-1] in ("pos", "probe")
+        (decay if p.ndim >= 2 and not embedding else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.name == "adafactor":
+        return torch.optim.Adafactor(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_schedule(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup_steps, total_steps))

@@ -1,0 +1,74 @@
+"""The `train:` config section."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .configtools import join, require
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "adafactor"] = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.1      # decoupled, on weight matrices only; ~ the paper's 1e-4 at lr 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    warmup_steps: int = 100
+    clip: float = 1.0              # gradient norm clipping (0: off)
+
+    def validate(self, prefix: str) -> None:
+        require(self.lr > 0, join(prefix, "lr"), f"must be > 0, got {self.lr}")
+        require(self.weight_decay >= 0, join(prefix, "weight_decay"), "must be >= 0")
+        require(self.warmup_steps >= 0, join(prefix, "warmup_steps"), "must be >= 0")
+        require(self.clip >= 0, join(prefix, "clip"), "must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    model: Literal["cap", "cappa", "clip", "siglip", "coca", "clipcap"] = "cappa"
+    size: Literal["tiny", "s16", "m16", "b16", "l14"] = "tiny"
+    model_args: dict[str, Any] = field(default_factory=dict)   # any ModelConfig field, e.g. {width: 96}
+    image_size: int = 64
+    max_len: int = 32
+    steps: int = 0                 # 0: the train stage trains nothing
+    global_batch: int = 64         # independent of the number of workers
+    micro_batch: int | None = None  # per worker and step of accumulation (default: global / workers)
+    num_workers: int = 2
+    loader_workers: int = 1        # background loader processes per training worker
+    use_gpu: bool = False
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    max_failures: int = 2
+    sample_every: int = 100        # captioning models: log a few generated captions every N steps
+    image_encoder: str | None = None  # clipcap: a capline checkpoint whose encoder stays frozen
+    experiment: str = "capline"
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def validate(self, prefix: str) -> None:
+        require(self.steps >= 0, join(prefix, "steps"), f"must be >= 0, got {self.steps}")
+        require(self.num_workers >= 1, join(prefix, "num_workers"), "must be >= 1")
+        require(self.global_batch >= 1, join(prefix, "global_batch"), "must be >= 1")
+        require(self.global_batch % self.num_workers == 0, join(prefix, "global_batch"),
+                f"{self.global_batch} is not divisible by num_workers {self.num_workers}; the global "
+                "batch is split evenly over the workers")
+        if self.micro_batch is not None:
+            per = self.global_batch // self.num_workers
+            require(self.micro_batch >= 1 and per % self.micro_batch == 0, join(prefix, "micro_batch"),
+                    f"must divide the per-worker batch {per}")
+        require(self.loader_workers >= 0, join(prefix, "loader_workers"), "must be >= 0")
+        require(self.checkpoint_every >= 1, join(prefix, "checkpoint_every"), "must be >= 1")
+        require(self.keep_checkpoints >= 1, join(prefix, "keep_checkpoints"), "must be >= 1")
+        require(self.max_failures >= 0, join(prefix, "max_failures"), "must be >= 0")
+        require(self.max_len >= 4, join(prefix, "max_len"), "must be >= 4")
+        if self.model == "clipcap":
+            require(bool(self.image_encoder), join(prefix, "image_encoder"),
+                    "clipcap trains on a frozen image encoder: name a capline checkpoint directory")
+
+    @property
+    def per_worker_batch(self) -> int:
+        return self.global_batch // self.num_workers
+
+    @property
+    def accumulation(self) -> int:
+        return self.per_worker_batch // (self.micro_batch or self.per_worker_batch)
