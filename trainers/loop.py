@@ -68,6 +68,7 @@ def train_loop_per_worker(c: dict) -> None:
             gen.set_state(ts["gens"][rank])
             meta = json.loads((d / "meta.json").read_text())
             step, state = meta["step"], LoaderState(**meta["loader"][rank])
+        (out / f"_resumed_from_rank{rank}").write_text(f"resumed from step {step}\n")
     device = ray.train.torch.get_device()
     wrapped = ray.train.torch.prepare_model(LossModule(model))
     use_amp = device.type == "cuda"

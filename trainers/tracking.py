@@ -1,7 +1,9 @@
 """MLflow for training runs: the driver creates the run; rank 0 logs to it by run id.
 
-Metrics are buffered and flushed together with each checkpoint, so after a worker failure and a
-restart from the last checkpoint every step is logged exactly once, in the same run.
+Metrics are buffered and flushed with each checkpoint. After a worker failure Ray restarts from the
+last checkpoint it registered, which can be older than the last flush; so on every (re)start rank 0
+reads the highest step already logged and skips steps up to it (training is deterministic from a
+checkpoint, so those values are the ones already logged). Every step is logged once, in one run.
 The store is a local SQLite file under the run folder unless MLFLOW_TRACKING_URI names a server.
 """
 from __future__ import annotations
@@ -46,12 +48,16 @@ def log_dataset(uri: str, run_id: str, name: str, digest: str, source: str) -> N
 
 
 class MetricBuffer:
-    """Collects (step, {name: value}) and writes them in one batch on flush()."""
+    """Collects (step, {name: value}) and writes them in one batch on flush(); skips logged steps."""
 
-    def __init__(self, uri: str | None, run_id: str | None):
+    def __init__(self, uri: str | None, run_id: str | None, key: str = "loss"):
         self.uri, self.run_id, self.rows = uri, run_id, []
+        history = client(uri).get_metric_history(run_id, key) if run_id else []
+        self.logged_through = max((m.step for m in history), default=0)
 
     def add(self, step: int, values: dict) -> None:
+        if step <= self.logged_through:
+            return
         now = int(time.time() * 1000)
         self.rows += [(k, float(v), now, step) for k, v in values.items()]
 

@@ -1,0 +1,128 @@
+"""End to end: Ray Train workers pretrain tiny CapPa and CLIP* from the pipeline's shards, tracked in
+MLflow; a training worker killed mid-run is replaced and the job resumes from its checkpoint."""
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pipeline.config import load_config
+from pipeline.runner import run_pipeline
+from tests.conftest import capline
+
+pytestmark = pytest.mark.slow
+
+DATA = ["source.num_samples=500", "source.eval_size=30", "source.slow_seconds=3", "stages.ingest.timeout=2",
+        "stages.shard.samples_per_shard=100", "train.model_args={width: 64, depth: 2, heads: 2, mlp: 128, patch: 8}",
+        "train.image_size=32", "train.max_len=24", "train.global_batch=32", "train.num_workers=2",
+        "train.loader_workers=1", "train.optim.warmup_steps=10"]
+
+
+@pytest.fixture(scope="module")
+def data_run(tmp_path_factory, ray_local):
+    run = tmp_path_factory.mktemp("train") / "run"
+    cache = run.parent / "cache"
+    run_pipeline(load_config(None, DATA + [f"stages.dedup.cache_dir={cache}", "train.steps=0"]), run,
+                 log=lambda m: None)
+    return run, cache
+
+
+def _history(client, run_id, key):
+    return [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+
+
+def test_cappa_and_clip_train_and_land_in_mlflow(data_run):
+    run, cache = data_run
+    ids = {}
+    for model in ("cappa", "clip"):
+        cfg = load_config(None, DATA + [f"stages.dedup.cache_dir={cache}", f"train.model={model}",
+                                        "train.steps=200", "train.checkpoint_every=50", "train.sample_every=100"])
+        summary = run_pipeline(cfg, run, only="train", log=lambda m: None)
+        ids[model] = summary["train"]["mlflow_run_id"]
+    client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
+    for model, run_id in ids.items():
+        r = client.get_run(run_id)
+        assert r.data.params["train.model"] == model and r.data.params["train.global_batch"] == "32"
+        assert r.info.status == "FINISHED"
+        loss = _history(client, run_id, "loss")
+        assert [s for s, _ in loss] == list(range(1, 201))            # every step, once
+        first, last = sum(v for _, v in loss[:10]) / 10, sum(v for _, v in loss[-10:]) / 10
+        assert last < 0.8 * first, (model, first, last)
+        for key in ("lr", "examples_per_s", "tokens_per_s", "data_wait_fraction"):
+            assert len(_history(client, run_id, key)) == 200
+        arts = {a.path for a in client.list_artifacts(run_id)}
+        assert {"model", "encoder", "tokenizer"} <= arts
+        assert r.inputs.dataset_inputs and r.inputs.dataset_inputs[0].dataset.digest
+    samples = {a.path for a in client.list_artifacts(ids["cappa"], "samples")}
+    assert samples == {"samples/step_000100.txt", "samples/step_000200.txt"}
+    # the exported encoder loads with nothing but safetensors
+    from safetensors.torch import load_file
+
+    enc = load_file(str(run / "train" / "export" / "encoder.safetensors"))
+    meta = json.loads((run / "train" / "export" / "encoder.json").read_text())
+    assert enc["pos"].shape[-1] == meta["width"] == 64 and "blocks.0.attn.q.weight" in enc
+
+
+def test_killed_worker_is_replaced_and_training_resumes(data_run):
+    run, cache = data_run
+    cfg = load_config(None, DATA + [f"stages.dedup.cache_dir={cache}", "train.model=cappa", "train.steps=150",
+                                    "train.checkpoint_every=25", "train.sample_every=0", "train.max_failures=2"])
+    pids = run / "train" / "_pids"
+    killed = {}
+
+    def registered_step():
+        for snap in (run / "train" / "ray").glob("*/checkpoint_manager_snapshot.json"):
+            try:
+                latest = json.loads(snap.read_text()).get("latest_checkpoint_result") or {}
+                return latest.get("metrics", {}).get("step", 0)
+            except ValueError:
+                return 0
+        return 0
+
+    def killer():
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            # kill once Ray has registered a checkpoint, mid-run
+            if registered_step() >= 50 and (pids / "rank1").is_file():
+                pid = int((pids / "rank1").read_text())
+                os.kill(pid, signal.SIGKILL)
+                killed["pid"] = pid
+                return
+            time.sleep(0.3)
+
+    for f in pids.glob("*") if pids.exists() else ():
+        f.unlink()
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    summary = run_pipeline(cfg, run, only="train", log=lambda m: None)
+    t.join(timeout=5)
+    assert killed, "the worker was never killed"
+    assert int((pids / "rank1").read_text()) != killed["pid"]      # a new worker took rank 1
+    assert summary["train"]["step"] == 150
+    log = "\n".join(p.read_text() for p in (run / "train").glob("_resumed_from*"))
+    assert "resumed from step" in log and "step 0" not in log                # not from scratch
+    client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
+    steps = [s for s, _ in _history(client, summary["train"]["mlflow_run_id"], "loss")]
+    assert steps == list(range(1, 151))                               # each step logged once
+
+
+def test_bad_training_input_is_a_one_line_error(data_run, tmp_path):
+    run, cache = data_run
+    out = capline("train", "--run-dir", str(run), "--set", "train.global_batch=33", "--set", "train.steps=5")
+    assert out.returncode == 2 and "train.global_batch" in out.stderr and "divisible" in out.stderr
+    out = capline("train", "--run-dir", str(run), "--set", "train.steps=5", "--set",
+                  "train.model_args={vocab_size: 32000}", "--set", f"stages.dedup.cache_dir={cache}", *sum(
+                      (["--set", d] for d in DATA if not d.startswith("train.model_args")), []))
+    assert out.returncode == 2 and "the tokenizer has" in out.stderr and "Traceback" not in out.stderr
+    from trainers.configtools import build
+    from trainers.errors import UserError
+    from trainers.run import train
+    from trainers.train_config import TrainConfig
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no shards"):
+        train(run, tmp_path / "empty", run / "tokenizer" / "spm.model", build(TrainConfig, {"steps": 5}), 0, "x",
+              tmp_path / "out")
