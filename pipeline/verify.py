@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from stages.source import file_sha256 as sha256_file
 from trainers.errors import UserError
 
 
@@ -27,14 +28,6 @@ def _shard_list(run_dir: Path, manifest: dict) -> list[dict]:
     if shards is None:
         raise UserError(f"{run_dir}: the shard stage has not finished; nothing to verify")
     return shards
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def verify_run(run_dir: Path) -> tuple[list[str], int]:

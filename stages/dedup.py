@@ -29,7 +29,7 @@ from trainers.errors import UserError
 
 from .base import Ledger, Stage, StageContext, StageResult
 from .eval_sets import EvalSetConfig, build_reference, check_exists
-from .imagehash import describe
+from .imagehash import describe, to_rgb_array
 from .neardup import NearDupIndex
 
 
@@ -76,8 +76,6 @@ class EncoderDescriber:
     def __call__(self, image) -> tuple[np.ndarray, np.ndarray]:
         from PIL import Image
 
-        from .imagehash import to_rgb_array
-
         arr = to_rgb_array(image)
         s = self.cfg.image_size
         x = np.asarray(Image.fromarray(arr).resize((s, s), Image.BICUBIC)).astype(np.float32) / 127.5 - 1
@@ -99,10 +97,9 @@ class _Describe:
         vecs, means, pix, ok = [], [], [], []
         for img in batch["jpg"]:
             try:
-                d, m = describe(bytes(img))
-                from .imagehash import to_rgb_array
-
-                pix.append(hashlib.sha256(to_rgb_array(bytes(img)).tobytes()).hexdigest())
+                arr = to_rgb_array(bytes(img))   # decode once: for the descriptor and the pixel hash
+                d, m = describe(arr)
+                pix.append(hashlib.sha256(arr.tobytes()).hexdigest())
                 ok.append(True)
             except Exception:  # noqa: BLE001 - ingest verified decodability; count it if it happens
                 d, m = np.zeros(768, np.float32), np.zeros(3, np.float32)

@@ -87,6 +87,19 @@ def test_rerun_of_a_finished_run_skips_everything(reference_run):
     assert (run_dir / "ingest" / "_SUCCESS").read_text() == before
 
 
+def _kill_driver(proc):
+    """SIGKILL the driver; then reap the Ray processes it leaves behind (Ray's agents outlive it)."""
+    tree = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(tree, timeout=20)
+
+
 def test_kill_mid_ingest_then_resume_gives_the_same_shards(reference_run, tmp_path):
     ref_dir, _ = reference_run
     run_dir = tmp_path / "run"
@@ -104,31 +117,14 @@ def test_kill_mid_ingest_then_resume_gives_the_same_shards(reference_run, tmp_pa
         time.sleep(0.2)
     else:
         pytest.fail("ingest never got going")
-    tree = psutil.Process(proc.pid).children(recursive=True)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    # A SIGKILLed driver leaves Ray's agents behind (they are Ray's, not capline's): reap them.
-    for p in tree:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(tree, timeout=20)
+    _kill_driver(proc)
     assert not (run_dir / "ingest" / "_SUCCESS").exists()
     assert len(list(ingest.glob("parts/*/shards/*_stats.json"))) < 15, "killed too late to test anything"
 
     # a second kill, at a random later point of the resumed run
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
     time.sleep(float(__import__("random").Random(7).uniform(12, 20)))
-    tree = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
-    proc.kill()
-    proc.wait()
-    for p in tree:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(tree, timeout=20)
+    _kill_driver(proc)
 
     again = capline("run", "--run-dir", str(run_dir), *ARGS)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
