@@ -50,6 +50,27 @@ def _parser() -> argparse.ArgumentParser:
                     help="override a config value, e.g. --set train.steps=500 --set train.model=clip")
     tr.add_argument("--address", help="Ray cluster to join (as for run)")
 
+    ev = sub.add_parser("eval", help="evaluate a trained checkpoint (few-shot, captioning, zero-shot, word order)",
+                        description="Run the paper's evaluations on a capline model checkpoint; results go "
+                                    "to RUN_DIR/eval/ as JSON and to the training's MLflow run.")
+    ev.add_argument("checkpoint", metavar="CHECKPOINT", help="a model folder (e.g. runs/demo/train/model)")
+    ev.add_argument("--tasks", default="fewshot,captioning,zeroshot,wordorder",
+                    help="comma-separated: fewshot, captioning, zeroshot, wordorder (default: all)")
+    ev.add_argument("--run-dir", help="the run with the tokenizer and held-out data (default: two folders up)")
+    ev.add_argument("--shots", default="1,5,10,25", help="few-shot sizes per class (default: 1,5,10,25)")
+
+    xp = sub.add_parser("experiment", help="the paper's comparison: Cap vs CapPa vs CLIP* on one run's shards",
+                        description="Train Cap, CapPa and CLIP* (and --models siglip,coca if asked) at the same "
+                                    "size and number of examples on RUN_DIR's shards, evaluate each, and "
+                                    "write RUN_DIR/paper_table.md (also logged to MLflow with the learning curves).")
+    xp.add_argument("which", choices=["paper"], help="the experiment to run")
+    xp.add_argument("config", nargs="?", default=None, help="YAML run config (default: configs/demo.yaml)")
+    xp.add_argument("--run-dir", help="a run with finished shards (default: the config's run folder)")
+    xp.add_argument("--budget", default="cpu-10min", help="cpu-10min (default), cpu-1h or cluster")
+    xp.add_argument("--models", default="cap,cappa,clip", help="comma-separated families (default: cap,cappa,clip)")
+    xp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    xp.add_argument("--address", help="Ray cluster to join (as for run)")
+
     st = sub.add_parser("status", help="per-stage table: state, in, kept, dropped by reason, wall time")
     st.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by `capline run`")
 
@@ -100,7 +121,13 @@ def _cmd_run(args) -> int:
         run_pipeline(cfg, run_dir, until=args.until, only=args.only, log=lambda m: print(m, flush=True))
     print()
     print(format_status(status_rows(run_dir)))
+    summary = run_dir / "eval" / "summary.txt"
+    if summary.is_file() and args.only in (None, "eval"):
+        print("\n" + summary.read_text().rstrip())
     print(f"\ncapline: finished in {time.time() - t0:.0f}s; run folder {run_dir.resolve()}")
+    if (run_dir / "mlflow.db").is_file():
+        print(f"MLflow: .venv/bin/mlflow ui --backend-store-uri sqlite:///{(run_dir / 'mlflow.db').resolve()} "
+              "(then open http://127.0.0.1:5000)")
     return 0
 
 
@@ -187,6 +214,34 @@ def main(argv: list[str] | None = None) -> int:
             from .inspect_run import explain, format_explain
 
             print(format_explain(args.key, explain(Path(args.run_dir), args.key)))
+            return 0
+        if args.command == "experiment":
+            from trainers.evaluation.experiment import run_experiment
+
+            from .config import load_config
+            from .ray_runtime import ray_session
+            from .runner import default_run_dir
+
+            cfg = load_config(args.config, args.overrides)
+            run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+            with ray_session(cfg.ray, args.address, log=lambda m: print(m, flush=True)):
+                path = run_experiment(run_dir, cfg.train, cfg.seed, tuple(args.models.split(",")), args.budget,
+                                      log=lambda m: print(m, flush=True))
+            print(path.read_text())
+            return 0
+        if args.command == "eval":
+            from trainers.evaluation.run import evaluate, summary
+
+            ckpt = Path(args.checkpoint)
+            if not (ckpt / "model.json").is_file():
+                raise UserError(f"{ckpt}: not a capline model checkpoint (no model.json)")
+            run_dir = Path(args.run_dir) if args.run_dir else ckpt.resolve().parent.parent
+            try:
+                shots = tuple(int(k) for k in args.shots.split(","))
+            except ValueError:
+                raise UserError(f"--shots {args.shots}: expected comma-separated integers, e.g. 1,5,10,25") from None
+            print(summary(evaluate(ckpt, run_dir, [t.strip() for t in args.tasks.split(",") if t.strip()],
+                                   shots=shots)))
             return 0
         if args.command == "verify":
             return _cmd_verify(args)

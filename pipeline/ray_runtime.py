@@ -1,8 +1,9 @@
 """Start or join a Ray cluster with capline's defaults.
 
 Local by default (`ray.init()` sized from config); `--address` / RAY_ADDRESS / `ray.address` join a
-running cluster. The dashboard is off by default: at start-up it probes cloud metadata addresses
-whatever the usage-stats setting (see pipeline/offline.py); turn it on with `ray.dashboard: true`.
+running cluster. The dashboard runs on loopback (Ray Train's placement-group cleaner reaches the
+State API through it); its start-up probe of cloud metadata addresses is disarmed in every process
+capline starts (pipeline/procenv). `ray.dashboard: false` leaves it out.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class RayConfig:
     address: str | None = None          # null: start a local cluster
     num_cpus: int | None = None         # local cluster only; null: all cores
     object_store_memory_mb: int = 1024  # local cluster only
-    dashboard: bool = False
+    dashboard: bool = True
 
     def validate(self, prefix: str) -> None:
         require(self.num_cpus is None or self.num_cpus >= 1, join(prefix, "num_cpus"), "must be >= 1 or null")
@@ -65,7 +66,8 @@ def ray_session(cfg: RayConfig, address: str | None = None, log=print):
         # A local cluster lives on loopback: Ray otherwise finds its node address by asking the
         # route to an outside address.
         ray.init(num_cpus=num_cpus, object_store_memory=cfg.object_store_memory_mb * 2**20,
-                 include_dashboard=cfg.dashboard, _node_ip_address="127.0.0.1", **common)
+                 include_dashboard=cfg.dashboard, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
+                 **common)
     # Ray Data logs every operator's progress at INFO; capline prints its own per-stage progress.
     for name in ("ray.data", "ray.data._internal"):
         logging.getLogger(name).setLevel(logging.WARNING)

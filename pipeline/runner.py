@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 
 from stages.base import KEPT, Stage, StageContext
 from stages.dedup import DedupStage
+from stages.evaluate import EvalStage
 from stages.dedup import preflight as dedup_preflight
 from stages.ingest import IngestStage
 from stages.shard import ShardStage
@@ -32,7 +33,7 @@ from . import audit
 from .config import RunConfig, save_config
 from .manifest import Manifest, write_json_atomic
 
-STAGES: list[Stage] = [SourceStage(), IngestStage(), DedupStage(), TokenizerStage(), ShardStage(), TrainStage()]
+STAGES: list[Stage] = [SourceStage(), IngestStage(), DedupStage(), TokenizerStage(), ShardStage(), TrainStage(), EvalStage()]
 CONTROL_FILES = {"_SUCCESS", "_STARTED", "stats.json"}
 
 

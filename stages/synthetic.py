@@ -81,6 +81,21 @@ class Scene:
     gradient: tuple[float, float] = (0.0, 10.0)  # direction (radians) and strength of the backdrop
 
 
+def scene_to_json(scene: Scene) -> str:
+    import json
+
+    return json.dumps({"objects": [vars(o) for o in scene.objects], "background": scene.background,
+                       "texture_seed": scene.texture_seed, "gradient": scene.gradient})
+
+
+def scene_from_json(text: str) -> Scene:
+    import json
+
+    d = json.loads(text)
+    return Scene(tuple(Obj(**o) for o in d["objects"]), tuple(d["background"]), d["texture_seed"],
+                 tuple(d["gradient"]))
+
+
 def _relation(a: Obj, b: Obj) -> str:
     dx, dy = b.x - a.x, b.y - a.y
     if abs(dx) >= abs(dy):
@@ -227,7 +242,7 @@ def generate(out_dir: Path, num_samples: int, eval_size: int, image_size: int, s
 
     # Held-out evaluation split: its own seed stream, never served.
     eval_scenes = [random_scene(eval_rng) for _ in range(eval_size)]
-    eval_rows = {"id": [], "path": [], "caption": [], "shape": [], "colour": [], "count": []}
+    eval_rows = {"id": [], "path": [], "caption": [], "shape": [], "colour": [], "count": [], "scene": []}
     eval_images = []
     for i, sc in enumerate(eval_scenes):
         img = render(sc, image_size)
@@ -240,6 +255,7 @@ def generate(out_dir: Path, num_samples: int, eval_size: int, image_size: int, s
         eval_rows["shape"].append(sc.objects[0].shape)
         eval_rows["colour"].append(sc.objects[0].colour)
         eval_rows["count"].append(len(sc.objects))
+        eval_rows["scene"].append(scene_to_json(sc))
     pq.write_table(pa.table(eval_rows), eval_dir / "eval.parquet")
 
     scenes = [random_scene(rng) for _ in range(num_samples)]

@@ -74,3 +74,24 @@ def test_help_explains_every_option(cmd):
     if cmd == ["run", "--help"]:
         for opt in ("--run-dir", "--set", "--until", "--only", "--address", "configs/demo.yaml"):
             assert opt in proc.stdout
+
+
+def test_eval_bad_input(tmp_path):
+    _one_line_error(capline("eval", str(tmp_path / "nope")), "not a capline model checkpoint")
+    from trainers.models import ModelConfig, build_model
+    from trainers.models.checkpoint import save_model
+
+    cfg = ModelConfig(family="cappa", size="tiny", vocab_size=300, max_len=8, image_size=16, patch=4, width=32,
+                      depth=2, heads=2, mlp=64)
+    run = tmp_path / "run"
+    save_model(build_model(cfg), cfg, run / "train" / "model")
+    _one_line_error(capline("eval", str(run / "train" / "model"), "--tasks", "fewshot,vibes"), "unknown task(s) vibes")
+    _one_line_error(capline("eval", str(run / "train" / "model"), "--shots", "1,x"), "--shots 1,x")
+    from stages.tokenizer import TokenizerConfig, train_sentencepiece
+
+    (run / "tokenizer").mkdir()
+    (run / "tokenizer" / "spm.model").write_bytes(train_sentencepiece(
+        [f"a small red circle number {i}" for i in range(300)], TokenizerConfig(vocab_size=300)))
+    # digits has ~180 images per class: 500-shot cannot leave any for testing
+    _one_line_error(capline("eval", str(run / "train" / "model"), "--tasks", "fewshot", "--shots", "500"),
+                    "few-shot on digits", "too few for 500-shot")

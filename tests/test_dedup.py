@@ -140,7 +140,7 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local):
     sets = "stages.dedup.eval_sets=[{name: demo, kind: builtin, path: demo_heldout}]"
     base = ["source.slow_seconds=3", "stages.ingest.timeout=2", "stages.ingest.samples_per_shard=250",
             f"stages.dedup.cache_dir={tmp_path / 'cache'}", sets]
-    run_pipeline(load_config(None, base + ["stages.dedup.num_workers=2"]), tmp_path / "run", log=lambda m: None)
+    run_pipeline(load_config(None, base + ["stages.dedup.num_workers=2"]), tmp_path / "run", until="dedup", log=lambda m: None)
     audit = json.loads((tmp_path / "run" / "dedup" / "audit.json").read_text())
     print(audit)
     assert audit["eval_near_copy"]["recall"] >= 0.98
@@ -152,10 +152,10 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local):
         return {r["key"] for r in t if r["verdict"] == "kept"}, {r["key"]: r["detail"] for r in t}
 
     first = kept()
-    run_pipeline(load_config(None, base + ["stages.dedup.num_workers=1"]), tmp_path / "run", log=lambda m: None)
+    run_pipeline(load_config(None, base + ["stages.dedup.num_workers=1"]), tmp_path / "run", until="dedup", log=lambda m: None)
     assert kept() == first                       # one worker: same verdicts, same duplicate_of
     (tmp_path / "run" / "dedup" / "_SUCCESS").unlink()
-    run_pipeline(load_config(None, base + ["stages.dedup.num_workers=1"]), tmp_path / "run", log=lambda m: None)
+    run_pipeline(load_config(None, base + ["stages.dedup.num_workers=1"]), tmp_path / "run", until="dedup", log=lambda m: None)
     assert kept() == first                       # rerun: same again
     details = first[1]
     assert any(d.startswith("duplicate_of=s") for d in details.values())

@@ -34,7 +34,7 @@ def _ledger(run_dir, stage):
 
 def test_every_planted_defect_gets_its_reason(tmp_path, ray_local):
     cfg = load_config(None, SMALL)
-    summary = run_pipeline(cfg, tmp_path, log=lambda m: None)
+    summary = run_pipeline(cfg, tmp_path, until="ingest", log=lambda m: None)
     ing = summary["ingest"]
     assert ing["in"] == ing["kept"] + sum(ing["dropped"].values()) == 300
     ledger = _ledger(tmp_path, "ingest")
@@ -105,7 +105,7 @@ def _content(run_dir):
 
 def test_rerun_resumes_only_missing_shards(tmp_path, ray_local):
     cfg = load_config(None, SMALL)
-    run_pipeline(cfg, tmp_path, log=lambda m: None)
+    run_pipeline(cfg, tmp_path, until="ingest", log=lambda m: None)
     before = _content(tmp_path)
     (part,) = (tmp_path / "ingest" / "parts").iterdir()
     shards = part / "shards"
@@ -119,7 +119,7 @@ def test_rerun_resumes_only_missing_shards(tmp_path, ray_local):
     staging.mkdir(parents=True)
     (staging / "00002.tar").write_bytes(b"half a tar")
     logs = []
-    run_pipeline(cfg, tmp_path, log=logs.append)
+    run_pipeline(cfg, tmp_path, until="ingest", log=logs.append)
     assert any("4/5 shards already complete" in m for m in logs), logs
     assert (shards / "00001.tar").stat().st_mtime_ns == untouched
     assert _content(tmp_path) == before

@@ -51,7 +51,8 @@ def test_quiet_switches_are_set_for_children():
 RAY_START = """
 import ray, sys, time
 assert getattr(sys, "_capline_netguard", False), "guard not installed: not starting Ray"
-ray.init(num_cpus=1, include_dashboard=False, object_store_memory=100 * 2**20, _node_ip_address="127.0.0.1")
+ray.init(num_cpus=1, include_dashboard=True, dashboard_host="127.0.0.1", object_store_memory=100 * 2**20,
+         _node_ip_address="127.0.0.1")
 time.sleep(12)
 ray.shutdown()
 """

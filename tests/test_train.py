@@ -126,3 +126,35 @@ def test_bad_training_input_is_a_one_line_error(data_run, tmp_path):
     with pytest.raises(UserError, match="no shards"):
         train(run, tmp_path / "empty", run / "tokenizer" / "spm.model", build(TrainConfig, {"steps": 5}), 0, "x",
               tmp_path / "out")
+
+
+def test_main_job_ends_with_an_evaluated_model(data_run):
+    run, cache = data_run
+    args = sum((["--set", d] for d in DATA + [f"stages.dedup.cache_dir={cache}", "train.model=cappa",
+                                              "train.steps=40", "train.checkpoint_every=20"]), [])
+    out = capline("run", "--run-dir", str(run), *args, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "evaluation of cappa/tiny:" in out.stdout
+    for line in ("few-shot demo_shape", "captioning greedy", "zero-shot ar", "zero-shot parallel",
+                 "word order relation_order", f"run folder {run.resolve()}", "mlflow ui --backend-store-uri"):
+        assert line in out.stdout, line
+    results = json.loads(next((run / "eval").glob("train-cappa-tiny.json")).read_text())
+    assert set(results["fewshot"]) >= {"demo_shape", "demo_count", "digits"}   # 30 held-out images: colour may not fit
+    assert set(results["fewshot"]["digits"]) == {"1", "5", "10", "25"}
+    assert any("left out" in n for n in results.get("notes", []))   # the small demo split cannot do 25-shot
+    client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
+    run_id = (run / "train" / "mlflow_run_id").read_text().strip()
+    assert "eval.fewshot.digits.10.mean" in client.get_run(run_id).data.metrics
+
+
+def test_experiment_paper_writes_its_table(data_run):
+    run, cache = data_run
+    args = sum((["--set", d] for d in DATA + [f"stages.dedup.cache_dir={cache}"]), [])
+    out = capline("experiment", "paper", "--run-dir", str(run), "--budget", "smoke", "--models", "cap,clip",
+                  *args, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    table = (run / "paper_table.md").read_text()
+    assert "| Cap |" in table and "| CLIP* |" in table and "10-shot digits" in table
+    assert "word order: relation_order" in table and (run / "paper_curves.png").is_file()
+    bad = capline("experiment", "paper", "--run-dir", str(run), "--budget", "huge", *args)
+    assert bad.returncode == 2 and "--budget huge" in bad.stderr

@@ -1,0 +1,28 @@
+"""The eval stage: the paper's evaluations on the model the train stage just produced
+(trainers/evaluation/run.py). Every sample is kept; nothing is judged here."""
+from __future__ import annotations
+
+from .base import Ledger, Stage, StageContext, StageResult
+
+
+class EvalStage(Stage):
+    name = "eval"
+
+    def section(self, config):
+        return config.train  # what was trained decides what is evaluated
+
+    def run(self, ctx: StageContext) -> StageResult:
+        from trainers.evaluation.run import evaluate, summary
+
+        ledger = Ledger(self.name)
+        for k in ctx.upstream_kept or []:
+            ledger.keep(k)
+        model_dir = ctx.upstream["train"] / "model"
+        if not (model_dir / "model.json").is_file():
+            ctx.log("eval: no trained model (train.steps is 0), nothing to evaluate")
+            return StageResult(ledger, {"evaluated": False})
+        results = evaluate(model_dir, ctx.run_dir, log=ctx.log, strict=False)
+        text = summary(results)
+        (ctx.stage_dir / "summary.txt").write_text(text + "\n")
+        ctx.log(text)
+        return StageResult(ledger, {"evaluated": True}, artifacts={"summary": "eval/summary.txt"})

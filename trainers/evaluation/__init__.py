@@ -1,0 +1,1 @@
+"""Evaluations of pretrained encoders, as "Image Captioners Are Scalable Vision Learners Too" runs them."""
