@@ -10,7 +10,6 @@ img2dataset's is its `download()` call. Goal: ratio (capline / img2dataset image
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile

@@ -77,12 +77,6 @@ class StageContext:
     upstream_kept: list[str] | None  # keys the previous stage kept (None for the first stage)
     log: Callable[[str], None] = print
 
-    def work_dir(self) -> Path:
-        """Scratch space that survives a kill (so work can resume) but is not stage output."""
-        path = self.stage_dir / "_work"
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-
 
 @dataclass
 class StageResult:

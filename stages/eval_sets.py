@@ -13,7 +13,6 @@ from __future__ import annotations
 import glob
 import gzip
 import hashlib
-import io
 import json
 import tarfile
 from dataclasses import dataclass

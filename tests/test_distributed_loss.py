@@ -1,7 +1,6 @@
 """The contrastive losses split over two gloo processes equal the single-process full-batch loss,
 gradients included (each rank computes the loss on gathered embeddings, then gradients are
 averaged as data-parallel training does)."""
-import os
 import socket
 
 import pytest

@@ -108,7 +108,6 @@ def test_kill_mid_ingest_then_resume_gives_the_same_shards(reference_run, tmp_pa
                             env=dict(os.environ))
     ingest = run_dir / "ingest"
     deadline = time.time() + 240
-    tree = []
     while time.time() < deadline:
         done = len(list(ingest.glob("parts/*/shards/*_stats.json")))
         if done >= 3:

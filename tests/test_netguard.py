@@ -4,7 +4,6 @@ does not."""
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 

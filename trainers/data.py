@@ -14,7 +14,6 @@ Batch: images (B, 3, S, S) float in [-1, 1] (resized, no crop, no flip), labels 
 from __future__ import annotations
 
 import io
-import json
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,7 +137,3 @@ def make_loader(stream: ShardStream, loader_workers: int) -> torch.utils.data.Da
 def next_state(batch: dict) -> LoaderState:
     return LoaderState(batch["epoch"], batch["batch"] + 1)
 
-
-def shard_sizes(shard_dir: Path) -> dict[str, int]:
-    path = Path(shard_dir).parent / "sizes.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
