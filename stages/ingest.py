@@ -169,7 +169,9 @@ class IngestStage(Stage):
                     continue
                 info = self._download(ctx, cfg, part_dir, rows, allow, base)
                 info["partition"] = part
-                (part_dir / "_DONE").write_text(json.dumps(info, sort_keys=True))
+                tmp = part_dir / "_DONE.tmp"   # whole or absent: a kill here must not leave half a marker
+                tmp.write_text(json.dumps(info, sort_keys=True))
+                os.replace(tmp, part_dir / "_DONE")
                 infos.append(info)
         for stale in set(parts_root.iterdir()) - set(current) if parts_root.exists() else ():
             shutil.rmtree(stale)  # a partition no longer in the source
