@@ -18,6 +18,18 @@ logs to CAPLINE_NETGUARD_LOG) every non-loopback connection from capline and its
 """
 
 
+def _job_options(p: argparse.ArgumentParser, run_dir_help: str) -> None:
+    """The options every command that starts work on a config takes."""
+    p.add_argument("config", nargs="?", default=None,
+                   help="YAML run config (default: configs/demo.yaml, the embedded demo)")
+    p.add_argument("--run-dir", help=run_dir_help)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value by dotted key, e.g. --set stages.ingest.timeout=5 or "
+                        "--set train.model=clip (repeatable; the value is parsed as YAML)")
+    p.add_argument("--address", help="Ray cluster to join, HOST:PORT or 'auto' (default: RAY_ADDRESS, "
+                                     "else the config's ray.address, else a new local cluster)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="capline", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
@@ -28,27 +40,16 @@ def _parser() -> argparse.ArgumentParser:
                          formatter_class=argparse.RawDescriptionHelpFormatter,
                          description="Run the stages in order. A rerun with the same command skips "
                                      "finished stages and resumes an interrupted one.")
-    run.add_argument("config", nargs="?", default=None,
-                     help="YAML run config (default: configs/demo.yaml, the embedded demo)")
-    run.add_argument("--run-dir", help="run folder (default: the config's run_dir, else runs/<name>)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config value by dotted key, e.g. --set stages.ingest.timeout=5 "
-                          "(repeatable; the value is parsed as YAML)")
+    _job_options(run, "run folder (default: the config's run_dir, else runs/<name>)")
     run.add_argument("--until", metavar="STAGE", help="stop after this stage")
     run.add_argument("--only", metavar="STAGE", help="run only this stage (earlier ones must be done)")
-    run.add_argument("--address", help="Ray cluster to join, HOST:PORT or 'auto' (default: RAY_ADDRESS, "
-                                       "else the config's ray.address, else a new local cluster)")
 
     tr = sub.add_parser("train", help="pretrain on the shards of a run (the pipeline's train stage alone)",
                         description="Train the model of the config's `train:` section on the final shards "
                                     "in RUN_DIR with Ray Train workers, tracked in MLflow (SQLite under the "
                                     "run folder unless MLFLOW_TRACKING_URI is set). Rerunning resumes an "
                                     "interrupted job from its last checkpoint.")
-    tr.add_argument("config", nargs="?", default=None, help="YAML run config (default: configs/demo.yaml)")
-    tr.add_argument("--run-dir", help="the run whose shards to train on (default: the config's run folder)")
-    tr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config value, e.g. --set train.steps=500 --set train.model=clip")
-    tr.add_argument("--address", help="Ray cluster to join (as for run)")
+    _job_options(tr, "the run whose shards to train on (default: the config's run folder)")
 
     ev = sub.add_parser("eval", help="evaluate a trained checkpoint (few-shot, captioning, zero-shot, word order)",
                         description="Run the paper's evaluations on a capline model checkpoint; results go "
@@ -64,12 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                                     "size and number of examples on RUN_DIR's shards, evaluate each, and "
                                     "write RUN_DIR/paper_table.md (also logged to MLflow with the learning curves).")
     xp.add_argument("which", choices=["paper"], help="the experiment to run")
-    xp.add_argument("config", nargs="?", default=None, help="YAML run config (default: configs/demo.yaml)")
-    xp.add_argument("--run-dir", help="a run with finished shards (default: the config's run folder)")
-    xp.add_argument("--budget", default="cpu-10min", help="cpu-10min (default), cpu-1h or cluster")
+    _job_options(xp, "a run with finished shards (default: the config's run folder)")
+    xp.add_argument("--budget", default="cpu-10min", help="smoke, cpu-10min (default), cpu-1h or cluster")
     xp.add_argument("--models", default="cap,cappa,clip", help="comma-separated families (default: cap,cappa,clip)")
-    xp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    xp.add_argument("--address", help="Ray cluster to join (as for run)")
 
     st = sub.add_parser("status", help="per-stage table: state, in, kept, dropped by reason, wall time")
     st.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by `capline run`")

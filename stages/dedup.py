@@ -150,9 +150,11 @@ class DedupStage(Stage):
 
     def fingerprint(self, config) -> str:
         # the evaluation sets' content decides the result as much as their config
+        from .eval_sets import stat_fingerprint
+
         cfg = self.section(config)
         return super().fingerprint(config) + "".join(
-            sorted(f"{e.name}:{e.kind}:{e.path}" for e in cfg.eval_sets))
+            sorted(f"{e.name}:{stat_fingerprint(e)}" for e in cfg.eval_sets))
 
     def run(self, ctx: StageContext) -> StageResult:
         import ray

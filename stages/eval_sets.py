@@ -118,6 +118,25 @@ def iter_images(es: EvalSetConfig, run_dir: Path | None) -> Iterator[tuple[str, 
             yield f"digit{i:04d}", (img * (255 / 16)).astype(np.uint8)
 
 
+def stat_fingerprint(es: EvalSetConfig) -> str:
+    """Cheap change detector for a set's files (names, sizes, mtimes), for stage fingerprints.
+
+    Builtins need none: the demo split is part of the source stage's output, the others are fixed.
+    """
+    if es.kind == "builtin":
+        return ""
+    files = _shard_paths(es.path) if es.kind == "webdataset" else (
+        sorted(str(f) for f in Path(es.path).rglob("*") if f.is_file()) if Path(es.path).is_dir() else [es.path])
+    parts = []
+    for f in files:
+        try:
+            st = Path(f).stat()
+            parts.append(f"{f}:{st.st_size}:{st.st_mtime_ns}")
+        except OSError:
+            parts.append(f"{f}:missing")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
 def content_digest(es: EvalSetConfig, run_dir: Path | None) -> str:
     h = hashlib.sha256(json.dumps([es.kind, es.path if es.kind == "builtin" else ""]).encode())
     for key, image in iter_images(es, run_dir):

@@ -7,15 +7,16 @@ The autouse fixture fails the test during which anything was logged.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-_GUARD_LOG = Path(tempfile.mkdtemp(prefix="capline-netguard-")) / "refused.log"
+# One log for the whole session, whatever imports this module: the check below must read the very
+# file that child processes write to.
+_GUARD_LOG = Path(os.environ.get("CAPLINE_TEST_GUARD_LOG")
+                  or Path(tempfile.mkdtemp(prefix="capline-netguard-")) / "refused.log")
+os.environ["CAPLINE_TEST_GUARD_LOG"] = str(_GUARD_LOG)
 
 from pipeline import offline  # noqa: E402
 
@@ -46,9 +47,3 @@ def ray_local():
     with ray_session(RayConfig(num_cpus=2, object_store_memory_mb=256), log=lambda m: None):
         yield ray
     assert not ray.is_initialized()
-
-
-def capline(*args: str, timeout: float = 600, env: dict | None = None, cwd: Path | None = None):
-    """Run the real `capline` CLI in a subprocess (guard inherited) and return the CompletedProcess."""
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd or ROOT)

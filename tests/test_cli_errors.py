@@ -1,7 +1,7 @@
 """Bad input at the command line: one line on stderr naming the problem, exit code 2, no traceback."""
 import pytest
 
-from tests.conftest import capline
+from helpers import capline
 
 
 def _one_line_error(proc, *needles):

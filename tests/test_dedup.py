@@ -160,3 +160,15 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local):
     details = first[1]
     assert any(d.startswith("duplicate_of=s") for d in details.values())
     assert any(d.startswith("eval_duplicate:demo:eval") for d in details.values())
+
+
+def test_changing_a_folder_eval_set_changes_the_dedup_fingerprint(tmp_path):
+    from stages.dedup import DedupStage
+
+    (tmp_path / "set").mkdir()
+    Image.fromarray(_photos()[0]).save(tmp_path / "set" / "a.png")
+    cfg = load_config(None, [f"stages.dedup.eval_sets=[{{name: s, kind: folder, path: {tmp_path / 'set'}}}]"])
+    before = DedupStage().fingerprint(cfg)
+    assert DedupStage().fingerprint(cfg) == before
+    Image.fromarray(_photos()[1]).save(tmp_path / "set" / "b.png")
+    assert DedupStage().fingerprint(cfg) != before

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 
-from tests.conftest import ROOT, capline
+from helpers import ROOT, capline
 
 pytestmark = pytest.mark.slow
 

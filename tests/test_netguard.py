@@ -73,3 +73,15 @@ def test_rays_own_metadata_probe_is_caught_and_capline_disarms_it(tmp_path):
     # capline's default: the probe is replaced on import, nothing is attempted.
     quiet = _ray_probes(tmp_path / "b")
     assert quiet == "", quiet
+
+
+def test_the_per_test_check_reads_the_log_children_write():
+    """A child process started the ordinary way logs to the file the autouse check reads."""
+    from conftest import _GUARD_LOG, guard_log_lines
+
+    before = guard_log_lines()
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60)
+    assert "REFUSED" in out.stdout
+    after = guard_log_lines()
+    assert len(after) == len(before) + 1 and "169.254.169.254" in after[-1]
+    _GUARD_LOG.write_text("".join(line + "\n" for line in before))  # this one was on purpose

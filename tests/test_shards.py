@@ -6,7 +6,7 @@ import sentencepiece as spm
 
 from stages.shard import write_shard
 from stages.tokenizer import TokenizerConfig, order_key, train_sentencepiece
-from tests.conftest import capline
+from helpers import capline
 
 
 def _captions(n=400):

@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.config import load_config
 from pipeline.runner import run_pipeline
-from tests.conftest import capline
+from helpers import capline
 
 pytestmark = pytest.mark.slow
 
