@@ -32,9 +32,23 @@ def rates(ledger: dict, truth: dict, defect: str, reason_prefix: str) -> dict:
             "clean": len(clean), "false_drops": false, "false_drop_rate": false / len(clean) if clean else None}
 
 
+def roc_auc(positive: list[float], negative: list[float]) -> float | None:
+    """P(score of a positive > score of a negative), ties counting half (Mann-Whitney U)."""
+    if not positive or not negative:
+        return None
+    import numpy as np
+    from scipy.stats import rankdata
+
+    ranks = rankdata(np.concatenate([positive, negative]))
+    u = ranks[: len(positive)].sum() - len(positive) * (len(positive) + 1) / 2
+    return float(u / (len(positive) * len(negative)))
+
+
 # stage -> [(planted defect, the reason prefix that catches it)]
 AUDITS = {"dedup": [("eval_near_copy", "eval_duplicate:"), ("repeat_row", "exact_duplicate"),
-                    ("train_near_copy", "")]}
+                    ("train_near_copy", "")],
+          "language": [("non_english", "language")],
+          "clip_score": [("mismatched_caption", "clip_score")]}
 
 
 def after_stage(stage: str, run_dir: Path, log=print) -> dict | None:
@@ -50,5 +64,12 @@ def after_stage(stage: str, run_dir: Path, log=print) -> dict | None:
                  if prefix else "")
         log(f"{stage} audit (demo ground truth): {defect} recall {r['recall']:.3f} "
             f"({r['caught']}/{r['planted']}){false}")
+    if stage == "clip_score":
+        # how well the score itself separates planted mismatches from clean pairs, whatever the cut
+        scored = [(truth[k]["defect"], r["score"]) for k, r in ledger.items() if r["score"] is not None]
+        auc = roc_auc([s for d, s in scored if d == "clean"], [s for d, s in scored if d == "mismatched_caption"])
+        result["roc_auc_clean_vs_mismatched"] = auc
+        if auc is not None:
+            log(f"{stage} audit (demo ground truth): ROC AUC of the score, clean vs mismatched captions {auc:.3f}")
     (run_dir / stage / "audit.json").write_text(json.dumps(result, indent=2))
     return result

@@ -14,8 +14,11 @@ from pathlib import Path
 
 import yaml
 
+from stages.basic import BasicConfig
+from stages.clip_score import ClipScoreConfig
 from stages.dedup import DedupConfig
 from stages.ingest import IngestConfig
+from stages.language import LanguageConfig
 from stages.shard import ShardConfig
 from stages.tokenizer import TokenizerConfig
 from stages.source import SourceConfig
@@ -32,6 +35,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml
 class StagesConfig:
     ingest: IngestConfig = field(default_factory=IngestConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
+    basic: BasicConfig = field(default_factory=BasicConfig)
+    language: LanguageConfig = field(default_factory=LanguageConfig)
+    clip_score: ClipScoreConfig = field(default_factory=ClipScoreConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)
 

@@ -19,10 +19,15 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from stages.base import KEPT, Stage, StageContext
+from stages.basic import BasicStage
+from stages.clip_score import ClipScoreStage
+from stages.clip_score import preflight as clip_score_preflight
 from stages.dedup import DedupStage
 from stages.evaluate import EvalStage
 from stages.dedup import preflight as dedup_preflight
 from stages.ingest import IngestStage
+from stages.language import LanguageStage
+from stages.language import preflight as language_preflight
 from stages.shard import ShardStage
 from stages.tokenizer import TokenizerStage
 from stages.train import TrainStage
@@ -33,7 +38,8 @@ from . import audit
 from .config import RunConfig, save_config
 from .manifest import Manifest, write_json_atomic
 
-STAGES: list[Stage] = [SourceStage(), IngestStage(), DedupStage(), TokenizerStage(), ShardStage(), TrainStage(), EvalStage()]
+STAGES: list[Stage] = [SourceStage(), IngestStage(), DedupStage(), BasicStage(), LanguageStage(), ClipScoreStage(),
+                       TokenizerStage(), ShardStage(), TrainStage(), EvalStage()]
 CONTROL_FILES = {"_SUCCESS", "_STARTED", "stats.json"}
 
 
@@ -84,6 +90,13 @@ def input_fingerprints(cfg: RunConfig) -> dict:
     if cfg.source.kind == "urls":
         return {"source": {"kind": "urls", "path": str(cfg.source.path),
                            "files": {f.name: file_sha256(f) for f in partition_files(cfg.source)}}}
+    if cfg.source.kind == "openclipart":
+        from stages import openclipart
+
+        root = openclipart.svg_root(cfg.source.path)
+        files = openclipart.list_svgs(root)
+        return {"source": {"kind": "openclipart", "path": str(root), "files": len(files),
+                           "digest": openclipart.tree_digest(root, files), "limit": cfg.source.limit}}
     return {"source": {"kind": cfg.source.kind, "seed": cfg.seed, "num_samples": cfg.source.num_samples}}
 
 
@@ -91,7 +104,13 @@ def preflight(cfg: RunConfig) -> None:
     """Checks that need no cluster, run before one starts: bad inputs fail in a second, not mid-run."""
     if cfg.source.kind == "urls":
         check_url_list(cfg.source)
+    if cfg.source.kind == "openclipart":
+        from stages.openclipart import svg_root
+
+        svg_root(cfg.source.path)
     dedup_preflight(cfg.stages.dedup, None)
+    language_preflight(cfg.stages.language)
+    clip_score_preflight(cfg.stages.clip_score)
     for es in cfg.stages.dedup.eval_sets:
         if es.kind == "builtin" and es.path == "demo_heldout" and cfg.source.kind != "synthetic":
             raise UserError(f"stages.dedup.eval_sets: {es.name} (builtin demo_heldout) exists only for "

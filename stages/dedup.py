@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from trainers.configtools import join, require
 from trainers.errors import UserError
 
+from .actor_map import collect, ingest_dataset, map_actors
 from .base import Ledger, Stage, StageContext, StageResult
 from .eval_sets import EvalSetConfig, build_reference, check_exists
 from .imagehash import describe, to_rgb_array
@@ -157,7 +158,6 @@ class DedupStage(Stage):
             sorted(f"{e.name}:{stat_fingerprint(e)}" for e in cfg.eval_sets))
 
     def run(self, ctx: StageContext) -> StageResult:
-        import ray
 
         cfg: DedupConfig = ctx.config.stages.dedup
         for es in cfg.eval_sets:
@@ -175,19 +175,10 @@ class DedupStage(Stage):
                                            describer=EncoderDescriber(cfg.encoder_checkpoint), log=ctx.log)
                 enc_paths[es.name] = str(epath)
 
-        from .ingest import shard_paths
-
-        shards = [str(p) for p in shard_paths(ctx.upstream["ingest"])]
-        ds = ray.data.read_webdataset(shards, decoder=None, suffixes=["jpg", "json"], num_cpus=0.25,
-                                      override_num_blocks=max(1, len(shards)))
-        ds = ds.map_batches(_Describe, fn_constructor_args=(index_paths, enc_paths, cfg.encoder_checkpoint),
-                            concurrency=cfg.num_workers, num_cpus=cfg.cpus_per_worker,
-                            batch_size=cfg.batch_size, batch_format="numpy")
-        rows = {"uid": [], "vec": [], "mean": [], "pixel_sha": [], "ok": [], "eval_set": [], "eval_id": [], "eval_sim": []}
-        for batch in ds.iter_batches(batch_size=4096, batch_format="numpy"):
-            for k in rows:
-                rows[k].append(batch[k])
-        data = {k: np.concatenate(v) if v else np.array([]) for k, v in rows.items()}
+        ds = map_actors(ingest_dataset(ctx.upstream["ingest"]), _Describe,
+                        (index_paths, enc_paths, cfg.encoder_checkpoint), cfg.num_workers, cfg.batch_size,
+                        cfg.cpus_per_worker)
+        data = collect(ds, ["uid", "vec", "mean", "pixel_sha", "ok", "eval_set", "eval_id", "eval_sim"], key="uid")
         ctx.log(f"dedup: described {len(data['uid'])} images with {cfg.num_workers} workers")
         return self._decide(ctx, cfg, data, set_stats)
 

@@ -152,14 +152,14 @@ class IngestStage(Stage):
                 ledger.drop(row["key"], "empty_caption")
             else:
                 todo.append(row)
-        synthetic = ctx.config.source.kind == "synthetic"
+        served = ctx.config.source.served   # files the source stage made: served over loopback here
         server = (DemoServer(ctx.upstream["source"] / "www", ctx.config.source.slow_seconds)
-                  if synthetic else nullcontext())
+                  if served else nullcontext())
         parts_root = ctx.stage_dir / "parts"
         current, infos = [], []
         with server:
-            allow = tuple(cfg.allow_hosts) + ((server.netloc,) if synthetic else ())
-            base = server.base_url if synthetic else ""
+            allow = tuple(cfg.allow_hosts) + ((server.netloc,) if served else ())
+            base = server.base_url if served else ""
             for part, rows in _by_partition(todo):
                 part_dir = parts_root / f"{_safe(part)}-{_part_digest(rows, self.fingerprint(ctx.config))}"
                 current.append(part_dir)

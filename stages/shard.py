@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from trainers.configtools import join, require
 
 from .base import Ledger, Stage, StageContext, StageResult
+from .captions import caption_map
 from .tokenizer import order_key
 
 
@@ -110,9 +111,9 @@ class ShardStage(Stage):
         cfg: ShardConfig = ctx.config.stages.shard
         keys = sorted(ctx.upstream_kept or [], key=lambda k: order_key(ctx.config.seed, k))
         ledger = Ledger(self.name)
-        src = pq.read_table(ctx.upstream["source"] / "urls.parquet", columns=["key", "url", "caption"]).to_pydict()
+        src = pq.read_table(ctx.upstream["source"] / "urls.parquet", columns=["key", "url"]).to_pydict()
         url_of = dict(zip(src["key"], src["url"]))
-        caption_of = dict(zip(src["key"], src["caption"]))
+        caption_of = caption_map(ctx.upstream)
         where = ingest_locations(ctx.upstream["ingest"])
         extra = _stage_notes(ctx)
         out_dir = ctx.stage_dir / "shards"

@@ -2,6 +2,8 @@
 
 - `kind: synthetic` generates the demo's captioned scenes (stages/synthetic.py), served later over
   loopback by the ingest stage.
+- `kind: openclipart` renders Debian's openclipart-svg drawings, captioned by their titles and
+  keywords (stages/openclipart.py), served like the demo over loopback; `limit` takes a seeded subset.
 - `kind: urls` reads a user's URL list (Parquet, CSV, TSV or JSON lines) with `url_col` and
   `caption_col`, as CC3M / CC12M / DataComp / LAION metadata come. `path` may be one file or a
   folder of partition files (read in name order; a new file is a new partition, see ingest).
@@ -26,7 +28,7 @@ import pyarrow.parquet as pq
 from trainers.configtools import join, require
 from trainers.errors import UserError
 
-from . import synthetic
+from . import openclipart, synthetic
 from .base import Ledger, Stage, StageContext, StageResult
 
 
@@ -59,8 +61,8 @@ class DefectFractions:
 
 @dataclass
 class SourceConfig:
-    kind: Literal["synthetic", "urls"] = "synthetic"
-    # kind: urls
+    kind: Literal["synthetic", "urls", "openclipart"] = "synthetic"
+    # kind: urls (the list) or openclipart (the SVG folder; default /usr/share/openclipart/svg)
     path: str | None = None
     format: Literal["auto", "parquet", "csv", "tsv", "jsonl"] = "auto"
     url_col: str = "url"
@@ -74,6 +76,14 @@ class SourceConfig:
     huge_pixels: int = 16000
     huge_bytes: int = 3_000_000
     defects: DefectFractions = field(default_factory=DefectFractions)
+    # kind: openclipart
+    limit: int | None = None         # a seeded subset of this many drawings (null: all 8,121)
+    render_size: int = 128           # longest side of the rendered PNG
+
+    @property
+    def served(self) -> bool:
+        """Whether ingest must serve this source's files itself over loopback."""
+        return self.kind in ("synthetic", "openclipart")
 
     def validate(self, prefix: str) -> None:
         require(self.num_samples > 0, join(prefix, "num_samples"),
@@ -83,6 +93,8 @@ class SourceConfig:
                 f"must be between 16 and 1024 pixels, got {self.image_size}")
         if self.kind == "urls":
             require(bool(self.path), join(prefix, "path"), "kind 'urls' needs the path of a URL list file")
+        require(self.limit is None or self.limit > 0, join(prefix, "limit"), f"must be > 0 or null, got {self.limit}")
+        require(16 <= self.render_size <= 2048, join(prefix, "render_size"), "must be 16..2048 pixels")
 
 
 def _read_table(path: Path, fmt: str) -> pa.Table:
@@ -159,6 +171,9 @@ class SourceStage(Stage):
         base = super().fingerprint(config)
         if config.source.kind == "urls":
             return base + "".join(f.name + file_sha256(f) for f in partition_files(config.source))
+        if config.source.kind == "openclipart":
+            root = openclipart.svg_root(config.source.path)
+            return base + openclipart.tree_digest(root, openclipart.list_svgs(root))
         return base
 
     def run(self, ctx: StageContext) -> StageResult:
@@ -173,6 +188,8 @@ class SourceStage(Stage):
             for key in pq.read_table(out, columns=["key"]).column("key").to_pylist():
                 ledger.keep(key)
             return StageResult(ledger, {"planted": counts})
+        if cfg.kind == "openclipart":
+            return self._openclipart(ctx, cfg, ledger)
 
         keys, kept_urls, kept_caps, parts = [], [], [], []
         seen: dict[str, int] = {}
@@ -203,3 +220,25 @@ class SourceStage(Stage):
         pq.write_table(pa.table({"key": keys, "url": kept_urls, "caption": kept_caps, "partition": parts}), out)
         ctx.log(f"source: {rows} rows from {cfg.path}, {len(keys)} with a URL")
         return StageResult(ledger, {"rows": rows})
+
+    def _openclipart(self, ctx: StageContext, cfg: SourceConfig, ledger: Ledger) -> StageResult:
+        from .tokenizer import order_key
+
+        root = openclipart.svg_root(cfg.path)
+        files = openclipart.list_svgs(root)
+        if cfg.limit:
+            files = sorted(sorted(files, key=lambda f: order_key(ctx.config.seed, f))[: cfg.limit])
+        ctx.log(f"source: rendering {len(files)} openclipart SVGs from {root} at {cfg.render_size} px")
+        rows = openclipart.build(root, files, ctx.stage_dir / "www" / "img", cfg.render_size, log=ctx.log)
+        keys, urls, caps = [], [], []
+        for r in rows:
+            if r["reason"]:
+                ledger.drop(r["key"], r["reason"], detail=f"{r['relpath']}: {r['detail']}")
+                continue
+            ledger.keep(r["key"], detail=r["relpath"])
+            keys.append(r["key"])
+            urls.append(f"{synthetic.SERVER_PLACEHOLDER}/img/{r['file']}")
+            caps.append(r["caption"])
+        pq.write_table(pa.table({"key": keys, "url": urls, "caption": caps, "partition": ["openclipart"] * len(keys)}),
+                       ctx.stage_dir / "urls.parquet")
+        return StageResult(ledger, {"svg_root": str(root), "svgs": len(files), "rendered": len(keys)})

@@ -13,11 +13,11 @@ import io
 from dataclasses import dataclass
 from typing import Literal
 
-import pyarrow.parquet as pq
 
 from trainers.configtools import join, require
 
 from .base import Ledger, Stage, StageContext, StageResult
+from .captions import caption_map
 
 
 @dataclass
@@ -64,8 +64,7 @@ class TokenizerStage(Stage):
         import sentencepiece as spm
 
         cfg: TokenizerConfig = ctx.config.stages.tokenizer
-        src = pq.read_table(ctx.upstream["source"] / "urls.parquet", columns=["key", "caption"]).to_pydict()
-        caption_of = dict(zip(src["key"], src["caption"]))
+        caption_of = caption_map(ctx.upstream)
         ledger = Ledger(self.name)
         keys = sorted(ctx.upstream_kept or [], key=lambda k: order_key(ctx.config.seed, k))
         for k in keys:

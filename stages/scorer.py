@@ -1,0 +1,178 @@
+"""Image-caption scorers for the CLIP-score stage, and the bootstrapped one it can train itself.
+
+A scorer is a folder: a capline checkpoint (`model.json` + `model.safetensors`, trainers/models/
+checkpoint.py) of a family that embeds both images and text (clip, siglip, coca), plus the
+SentencePiece model its text tower reads (`spm.model` in the folder unless named). The score is the
+cosine of the image and caption embeddings.
+
+The bootstrapped scorer (Data Filtering Networks, Fang et al. 2023: a filter trained on the data you
+trust): a SentencePiece model and a small CLIP* trained from scratch, in one Ray task, on a trusted
+subset of keys or on the stage's own input. Trained with a fixed seed in one process, it is the same
+model on every rerun; its checksum is in the stage's stats.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from trainers.configtools import join, require
+from trainers.errors import UserError
+
+SCORING_FAMILIES = ("clip", "siglip", "coca")
+
+
+@dataclass
+class BootstrapConfig:
+    trusted_keys: str | None = None   # a Parquet/CSV file with a `key` column; default: the stage's input
+    max_samples: int = 20000          # train on at most this many (the first in seeded order)
+    steps: int = 300                 # more overfits: on the demo 600 steps memorise the mismatched pairs
+    batch_size: int = 128
+    image_size: int = 48
+    max_len: int = 24
+    vocab_size: int = 1000            # a soft limit, as in the tokenizer stage
+    model_args: dict = field(default_factory=lambda: {"width": 64, "depth": 2, "heads": 2, "mlp": 256, "patch": 8})
+    lr: float = 0.001
+    cpus: float = 2.0
+
+    def validate(self, prefix: str) -> None:
+        require(self.steps >= 1, join(prefix, "steps"), "must be >= 1")
+        require(self.batch_size >= 2, join(prefix, "batch_size"), "a contrastive batch needs >= 2 pairs")
+        require(self.max_samples >= 2, join(prefix, "max_samples"), "must be >= 2")
+        require(self.lr > 0, join(prefix, "lr"), "must be > 0")
+        require(self.cpus > 0, join(prefix, "cpus"), "must be > 0")
+        if self.trusted_keys:
+            require(Path(self.trusted_keys).is_file(), join(prefix, "trusted_keys"),
+                    f"{self.trusted_keys}: no such file (a Parquet or CSV file with a `key` column)")
+
+
+def dir_sha256(directory: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(Path(directory).iterdir()):
+        if f.is_file():
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def check_scorer(checkpoint: str, tokenizer: str | None) -> dict:
+    """Fail before any work if the scorer folder is missing or does not fit. -> a description."""
+    import sentencepiece as spm
+
+    from trainers.models.checkpoint import load_config
+
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise UserError(f"stages.clip_score.checkpoint {checkpoint}: no such folder")
+    cfg = load_config(path)
+    if cfg.family not in SCORING_FAMILIES:
+        raise UserError(f"stages.clip_score.checkpoint {checkpoint}: a {cfg.family} model has no text "
+                        f"embedding to score with; use a {', '.join(SCORING_FAMILIES)} checkpoint")
+    tok = Path(tokenizer) if tokenizer else path / "spm.model"
+    if not tok.is_file():
+        raise UserError(f"stages.clip_score: no tokenizer at {tok}; put the run's tokenizer/spm.model in the "
+                        "checkpoint folder or set stages.clip_score.tokenizer")
+    sp = spm.SentencePieceProcessor(model_file=str(tok))
+    if sp.get_piece_size() != cfg.vocab_size:
+        raise UserError(f"stages.clip_score: tokenizer {tok} has {sp.get_piece_size()} pieces but the "
+                        f"checkpoint's model expects vocab_size {cfg.vocab_size}; they were not trained together")
+    if not (path / "model.safetensors").is_file():
+        raise UserError(f"stages.clip_score.checkpoint {checkpoint}: model.safetensors is missing")
+    return {"kind": "checkpoint", "path": str(path), "family": cfg.family, "tokenizer": str(tok),
+            "sha256": dir_sha256(path)}
+
+
+class Scorer:
+    """Loads a scorer folder once; `score(images, captions)` -> cosine per pair."""
+
+    def __init__(self, checkpoint: str, tokenizer: str | None = None, device: str = "cpu"):
+        import sentencepiece as spm
+        import torch
+
+        from trainers.models.checkpoint import load_model
+
+        self.torch = torch
+        self.device = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+        self.model, self.cfg = load_model(checkpoint)
+        self.model.to(self.device).eval()
+        self.sp = spm.SentencePieceProcessor(model_file=str(tokenizer or Path(checkpoint) / "spm.model"))
+
+    def score(self, images: list[bytes], captions: list[str]) -> np.ndarray:
+        from trainers.data import decode_image, encode_caption
+
+        torch = self.torch
+        x = torch.from_numpy(np.stack([decode_image(b, self.cfg.image_size) for b in images])).to(self.device)
+        t = torch.from_numpy(np.stack([encode_caption(self.sp, c, self.cfg.max_len) for c in captions])).to(self.device)
+        with torch.no_grad():
+            return self.model.score(x, t).diagonal().float().cpu().numpy().astype(np.float64)
+
+
+def _decode_all(images: list[bytes], size: int) -> np.ndarray:
+    from trainers.data import decode_image
+
+    return np.stack([decode_image(b, size) for b in images]).astype(np.float32)
+
+
+def train_bootstrap(images: list[bytes], captions: list[str], cfg: BootstrapConfig, seed: int, out_dir: str,
+                    log=print) -> dict:
+    """Train the SentencePiece model and a small CLIP* on (image, caption) pairs; save a scorer folder."""
+    import sentencepiece as spm
+    import torch
+
+    from trainers.data import encode_caption
+    from trainers.models import build_model
+    from trainers.models.checkpoint import save_model
+    from trainers.models.config import ModelConfig
+    from trainers.optim import lr_factor
+
+    from .tokenizer import TokenizerConfig, train_sentencepiece
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model_bytes = train_sentencepiece(captions, TokenizerConfig(vocab_size=max(300, cfg.vocab_size)))
+    (out / "spm.model").write_bytes(model_bytes)
+    sp = spm.SentencePieceProcessor(model_proto=model_bytes)
+    x = torch.from_numpy(_decode_all(images, cfg.image_size))
+    t = torch.from_numpy(np.stack([encode_caption(sp, c, cfg.max_len) for c in captions]))
+    torch.manual_seed(seed)
+    mcfg = ModelConfig(family="clip", size="tiny", vocab_size=sp.get_piece_size(), max_len=cfg.max_len,
+                       image_size=cfg.image_size, **cfg.model_args)
+    mcfg.validate("stages.clip_score.bootstrap.model_args")
+    model = build_model(mcfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.05)
+    rng = np.random.default_rng(seed)
+    n, b = len(captions), min(cfg.batch_size, len(captions))
+    losses = []
+    model.train()
+    for step in range(cfg.steps):
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr * lr_factor(step, max(1, cfg.steps // 10), cfg.steps)
+        idx = torch.from_numpy(rng.choice(n, size=b, replace=False))
+        loss, _ = model.loss(x[idx], t[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        if (step + 1) % max(1, cfg.steps // 4) == 0:
+            log(f"clip_score: bootstrap scorer step {step + 1}/{cfg.steps}, loss {np.mean(losses[-20:]):.3f}")
+    save_model(model, mcfg, out)
+    return {"kind": "bootstrap", "path": str(out), "family": "clip", "trained_on": n, "steps": cfg.steps,
+            "final_loss": float(np.mean(losses[-20:])), "chance_loss": float(np.log(b)),
+            "sha256": dir_sha256(out)}
+
+
+def read_trusted_keys(path: str) -> list[str]:
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    p = Path(path)
+    try:
+        table = pq.read_table(p) if p.suffix == ".parquet" else pacsv.read_csv(p)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is the user's to fix
+        raise UserError(f"stages.clip_score.bootstrap.trusted_keys {path}: not a readable Parquet/CSV file ({err})") from None
+    if "key" not in table.column_names:
+        raise UserError(f"stages.clip_score.bootstrap.trusted_keys {path}: needs a `key` column; it has "
+                        f"{', '.join(table.column_names)}")
+    return [str(k) for k in table.column("key").to_pylist()]
