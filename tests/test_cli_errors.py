@@ -95,3 +95,30 @@ def test_eval_bad_input(tmp_path):
     # digits has ~180 images per class: 500-shot cannot leave any for testing
     _one_line_error(capline("eval", str(run / "train" / "model"), "--tasks", "fewshot", "--shots", "500"),
                     "few-shot on digits", "too few for 500-shot")
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    (["stages.clip_score.scorer=checkpoint", "stages.clip_score.checkpoint=/nonexistent/scorer"],
+     ["stages.clip_score.checkpoint /nonexistent/scorer: no such folder"]),
+    (["stages.clip_score.keep_fraction=0"], ["keep_fraction", "must be in (0, 1]"]),
+    (["stages.clip_score.keep_fraction=1.5"], ["keep_fraction", "must be in (0, 1]"]),
+    (["stages.language.languages=[en,qq]"], ["qq unknown to the fasttext backend"]),
+    (["source.kind=openclipart", "source.path=/nonexistent/svg"], ["apt-get install openclipart-svg"]),
+])
+def test_filter_config_errors_before_any_work(tmp_path, overrides, needles):
+    run_dir = tmp_path / "run"
+    args = [a for o in overrides for a in ("--set", o)]
+    _one_line_error(capline("run", "--run-dir", str(run_dir), *args), *needles)
+    assert not (run_dir / "source").exists()   # refused before the first stage
+
+
+def test_scorer_checkpoint_that_does_not_fit(tmp_path):
+    from trainers.models import build_model
+    from trainers.models.checkpoint import save_model
+    from trainers.models.config import ModelConfig
+
+    cfg = ModelConfig(family="cappa", vocab_size=300, width=32, depth=1, heads=2, mlp=64, patch=8, image_size=16)
+    save_model(build_model(cfg), cfg, tmp_path / "cappa")
+    proc = capline("run", "--run-dir", str(tmp_path / "run"), "--set", "stages.clip_score.scorer=checkpoint",
+                   "--set", f"stages.clip_score.checkpoint={tmp_path / 'cappa'}")
+    _one_line_error(proc, "a cappa model has no text embedding to score with")

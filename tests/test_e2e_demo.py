@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 ARGS = ["--set", "source.num_samples=600", "--set", "source.eval_size=30", "--set", "source.slow_seconds=4",
         "--set", "stages.ingest.timeout=2", "--set", "stages.ingest.samples_per_shard=40",
         "--set", "stages.shard.samples_per_shard=130", "--set", "train.steps=0",
+        "--set", "stages.clip_score.bootstrap.steps=50",
         "--set", f"stages.dedup.cache_dir={tempfile.mkdtemp(prefix='capline-eval-index-')}"]
 
 

@@ -1,0 +1,142 @@
+"""The filter stages for real: the demo's planted defects against its ground truth, reproducibility,
+a trusted-subset scorer, and the openclipart source through the whole data pipeline.
+
+Real Ray, real img2dataset on loopback, real fastText and a really trained bootstrap scorer.
+"""
+import json
+import re
+import shutil
+import tempfile
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from helpers import ROOT, capline
+
+pytestmark = pytest.mark.slow
+
+CACHE = ["--set", f"stages.dedup.cache_dir={tempfile.mkdtemp(prefix='capline-eval-index-')}"]
+
+
+def _kept(run_dir, stage):
+    t = pq.read_table(run_dir / stage / "ledger.parquet").to_pylist()
+    return sorted(r["key"] for r in t if r["verdict"] == "kept")
+
+
+def _status_row(run_dir, stage):
+    out = capline("status", str(run_dir))
+    assert out.returncode == 0, out.stderr
+    cells = next(ln for ln in out.stdout.splitlines() if ln.startswith(stage + " ")).split()
+    assert cells[1] == "done" and int(cells[2]) == int(cells[3]) + int(cells[4]), cells
+    return cells
+
+
+@pytest.fixture(scope="module")
+def demo_filtered(tmp_path_factory):
+    """The demo as `make demo` configures it (2,000 samples), through the CLIP-score stage."""
+    run_dir = tmp_path_factory.mktemp("demo") / "run"
+    proc = capline("run", str(ROOT / "configs" / "demo.yaml"), "--run-dir", str(run_dir), "--until", "clip_score",
+                   *CACHE, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run_dir, proc.stdout
+
+
+def test_language_stage_against_ground_truth(demo_filtered):
+    run_dir, out = demo_filtered
+    audit = json.loads((run_dir / "language" / "audit.json").read_text())["non_english"]
+    print(f"language: recall {audit['recall']:.3f}, false drops {audit['false_drop_rate']:.4f}")
+    assert audit["planted"] >= 100
+    assert audit["recall"] >= 0.95
+    assert audit["false_drop_rate"] < 0.01
+    assert "language audit (demo ground truth): non_english recall" in out
+    stats = json.loads((run_dir / "language" / "stats.json").read_text())
+    assert stats["backend"] == "fasttext" and stats["model"].endswith("lid.176.ftz")
+    assert all(r.startswith("language") for r in stats["dropped"])
+    _status_row(run_dir, "language")
+
+
+def test_clip_score_bootstrap_separates_mismatched_captions(demo_filtered):
+    run_dir, out = demo_filtered
+    audit = json.loads((run_dir / "clip_score" / "audit.json").read_text())
+    auc, mis = audit["roc_auc_clean_vs_mismatched"], audit["mismatched_caption"]
+    print(f"clip_score: ROC AUC {auc:.3f}, mismatched removed {mis['caught']}/{mis['planted']}")
+    assert auc >= 0.9
+    assert mis["recall"] > 0.5                       # most of them, at keep_fraction 0.92
+    assert re.search(r"ROC AUC of the score, clean vs mismatched captions 0\.9\d\d", out)
+    stats = json.loads((run_dir / "clip_score" / "stats.json").read_text())
+    assert stats["scorer"]["kind"] == "bootstrap" and len(stats["scorer"]["sha256"]) == 64
+    assert stats["scorer"]["final_loss"] < stats["scorer"]["chance_loss"]
+    assert sum(stats["histogram"]["counts"]) == stats["in"]
+    assert stats["kept"] == -(-stats["in"] * 92 // 100)   # ceil(0.92 * in): one global cut
+    cells = _status_row(run_dir, "clip_score")
+    assert "clip_score=" in cells[-1]
+
+
+def test_filter_reports_show_pictures_per_reason(demo_filtered):
+    run_dir, _ = demo_filtered
+    for stage in ("basic", "language", "clip_score"):
+        page = (run_dir / stage / "report.html").read_text()
+        stats = json.loads((run_dir / stage / "stats.json").read_text())
+        for reason, n in stats["dropped"].items():
+            assert f"{reason} ({min(n, 20)} of {n} shown)" in page
+        assert page.count("<img") == page.count("data:image/jpeg;base64,")
+        assert page.count("<img") == min(stats["kept"], 20) + sum(min(n, 20) for n in stats["dropped"].values())
+
+
+def test_same_run_twice_keeps_the_same_keys(demo_filtered, tmp_path):
+    run_dir, _ = demo_filtered
+    before = {s: _kept(run_dir, s) for s in ("basic", "language", "clip_score")}
+    sha = json.loads((run_dir / "clip_score" / "stats.json").read_text())["scorer"]["sha256"]
+    copy = tmp_path / "again"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("basic", "language", "clip_score"))
+    proc = capline("run", str(ROOT / "configs" / "demo.yaml"), "--run-dir", str(copy), "--until", "clip_score",
+                   *CACHE, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "basic: running" in proc.stdout and "clip_score: training the bootstrap scorer" in proc.stdout
+    for stage, keys in before.items():
+        assert _kept(copy, stage) == keys, stage
+    assert json.loads((copy / "clip_score" / "stats.json").read_text())["scorer"]["sha256"] == sha
+
+
+def test_bootstrap_on_a_trusted_subset(demo_filtered, tmp_path):
+    run_dir, _ = demo_filtered
+    copy = tmp_path / "trusted"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("clip_score"))
+    trusted = _kept(run_dir, "language")[::3] + ["not_a_key_of_this_run"]
+    pq.write_table(pa.table({"key": trusted}), tmp_path / "trusted.parquet")
+    proc = capline("run", str(ROOT / "configs" / "demo.yaml"), "--run-dir", str(copy), "--until", "clip_score",
+                   "--set", f"stages.clip_score.bootstrap.trusted_keys={tmp_path / 'trusted.parquet'}",
+                   "--set", "stages.clip_score.bootstrap.steps=100", *CACHE, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    scorer = json.loads((copy / "clip_score" / "stats.json").read_text())["scorer"]
+    assert scorer["trained_on"] == len(trusted) - 1 and scorer["trusted_keys"].endswith("trusted.parquet")
+    assert f"training the bootstrap scorer on {len(trusted) - 1} trusted pairs" in proc.stdout
+
+
+def test_openclipart_through_the_data_pipeline(tmp_path):
+    from pathlib import Path
+
+    from stages.openclipart import DEFAULT_ROOT
+
+    if not Path(DEFAULT_ROOT).is_dir():
+        pytest.fail("Debian's openclipart-svg is not installed; `make test` installs it (apt, as root)")
+    run_dir = tmp_path / "oc"
+    proc = capline("run", str(ROOT / "configs" / "openclipart.yaml"), "--run-dir", str(run_dir),
+                   "--set", "source.limit=400", "--set", "stages.clip_score.bootstrap.steps=60", *CACHE, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    funnel = {}
+    for stage in ("source", "ingest", "dedup", "basic", "language", "clip_score", "shard"):
+        cells = _status_row(run_dir, stage)
+        funnel[stage] = json.loads((run_dir / stage / "stats.json").read_text())
+    print({s: (f["in"], f["kept"], f["dropped"]) for s, f in funnel.items()})
+    assert funnel["source"]["in"] == 400
+    # real alt-text in other languages is found and named
+    assert any(r.startswith("language:") for r in funnel["language"]["dropped"])
+    assert funnel["clip_score"]["dropped"]["clip_score"] == funnel["clip_score"]["in"] - funnel["clip_score"]["kept"]
+    assert funnel["shard"]["kept"] == funnel["clip_score"]["kept"]
+    # captions in the final shards are the cleaned ones, from the drawings' own metadata
+    captions = pq.read_table(run_dir / "basic" / "captions.parquet").to_pydict()
+    assert all(c == c.strip() and "  " not in c for c in captions["caption"])
+    page = (run_dir / "language" / "report.html").read_text()
+    assert "language:" in page and "data:image/jpeg;base64," in page
