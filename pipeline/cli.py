@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     _job_options(run, "run folder (default: the config's run_dir, else runs/<name>)")
     run.add_argument("--until", metavar="STAGE", help="stop after this stage")
     run.add_argument("--only", metavar="STAGE", help="run only this stage (earlier ones must be done)")
+    run.add_argument("--incremental", action="store_true",
+                     help="for scheduled runs: pick up source partitions added since the last completed run "
+                          "(only they are downloaded); with nothing new, say so and do nothing")
 
     tr = sub.add_parser("train", help="pretrain on the shards of a run (the pipeline's train stage alone)",
                         description="Train the model of the config's `train:` section on the final shards "
@@ -71,6 +74,14 @@ def _parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="per-stage table: state, in, kept, dropped by reason, wall time")
     st.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by `capline run`")
+
+    rp = sub.add_parser("report", help="write RUN_DIR/report.html: funnel, score histograms, samples, curves, evaluation",
+                        description="Write one self-contained HTML page for a finished (or partial) run: the "
+                                    "funnel per stage, score histograms with the thresholds used, a grid of "
+                                    "kept and dropped samples with captions and reasons, training curves from "
+                                    "MLflow and the evaluation table. `capline run` writes it at the end too.")
+    rp.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by `capline run`")
+    rp.add_argument("--per-reason", type=int, default=6, help="samples shown per stage and reason (default 6)")
 
     ex = sub.add_parser("explain", help="the fate of one sample through every stage")
     ex.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by `capline run`")
@@ -106,6 +117,7 @@ def _cmd_train(args) -> int:
 def _cmd_run(args) -> int:
     from .config import load_config
     from .inspect_run import format_status, status_rows
+    from .lock import run_lock
     from .ray_runtime import ray_session
     from .runner import default_run_dir, preflight, run_pipeline, select
 
@@ -115,14 +127,26 @@ def _cmd_run(args) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
     t0 = time.time()
     print(f"capline: run {cfg.name} in {run_dir}", flush=True)
-    with ray_session(cfg.ray, args.address, log=lambda m: print(m, flush=True)):
-        run_pipeline(cfg, run_dir, until=args.until, only=args.only, log=lambda m: print(m, flush=True))
+    with run_lock(run_dir, log=lambda m: print(m, flush=True)):
+        if getattr(args, "incremental", False):
+            from .runner import input_fingerprints
+            from .schedule import plan
+
+            needed, why = plan(input_fingerprints(cfg), run_dir)
+            print(why, flush=True)
+            if not needed:
+                return 0
+        with ray_session(cfg.ray, args.address, log=lambda m: print(m, flush=True)):
+            run_pipeline(cfg, run_dir, until=args.until, only=args.only, log=lambda m: print(m, flush=True))
     print()
     print(format_status(status_rows(run_dir)))
     summary = run_dir / "eval" / "summary.txt"
     if summary.is_file() and args.only in (None, "eval"):
         print("\n" + summary.read_text().rstrip())
+    from .report import write_report
+
     print(f"\ncapline: finished in {time.time() - t0:.0f}s; run folder {run_dir.resolve()}")
+    print(f"report: {write_report(run_dir)}")
     if (run_dir / "mlflow.db").is_file():
         print(f"MLflow: .venv/bin/mlflow ui --backend-store-uri sqlite:///{(run_dir / 'mlflow.db').resolve()} "
               "(then open http://127.0.0.1:5000)")
@@ -207,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
             from .inspect_run import format_status, status_rows
 
             print(format_status(status_rows(Path(args.run_dir))))
+            return 0
+        if args.command == "report":
+            from .report import write_report
+
+            print(write_report(Path(args.run_dir), args.per_reason))
             return 0
         if args.command == "explain":
             from .inspect_run import explain, format_explain

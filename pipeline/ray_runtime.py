@@ -59,6 +59,9 @@ def ray_session(cfg: RayConfig, address: str | None = None, log=print):
     common = dict(logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
     if address:
         log(f"ray: joining the cluster at {address}")
+        host = address.split("://", 1)[-1].rpartition(":")[0]
+        if host in ("127.0.0.1", "localhost"):
+            common["_node_ip_address"] = "127.0.0.1"   # a loopback cluster: the driver lives there too
         ray.init(address=address, **common)
     else:
         num_cpus = cfg.num_cpus or os.cpu_count() or 1

@@ -170,6 +170,11 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
         prev_digest = marker["output_digest"]
         if until == stage.name or only == stage.name:
             break
+    else:
+        # every stage finished: what a later `--incremental` run compares its source with
+        manifest.data["completed"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                      "inputs": input_fingerprints(cfg)}
+        manifest.save()
     return summary
 
 

@@ -33,7 +33,7 @@ class BootstrapConfig:
     image_size: int = 48
     max_len: int = 24
     vocab_size: int = 1000            # a soft limit, as in the tokenizer stage
-    model_args: dict = field(default_factory=lambda: {"width": 64, "depth": 2, "heads": 2, "mlp": 256, "patch": 8})
+    model_args: dict[str, int] = field(default_factory=lambda: {"width": 64, "depth": 2, "heads": 2, "mlp": 256, "patch": 8})
     lr: float = 0.001
     cpus: float = 2.0
 

@@ -6,18 +6,16 @@ the final shards hold exactly the samples (same keys, same image bytes) of an un
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
-import psutil
 import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 
-from helpers import ROOT, capline
+from helpers import ROOT, capline, kill_driver
 
 pytestmark = pytest.mark.slow
 
@@ -88,19 +86,6 @@ def test_rerun_of_a_finished_run_skips_everything(reference_run):
     assert (run_dir / "ingest" / "_SUCCESS").read_text() == before
 
 
-def _kill_driver(proc):
-    """SIGKILL the driver; then reap the Ray processes it leaves behind (Ray's agents outlive it)."""
-    tree = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    for p in tree:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(tree, timeout=20)
-
-
 def test_kill_mid_ingest_then_resume_gives_the_same_shards(reference_run, tmp_path):
     ref_dir, _ = reference_run
     run_dir = tmp_path / "run"
@@ -117,14 +102,14 @@ def test_kill_mid_ingest_then_resume_gives_the_same_shards(reference_run, tmp_pa
         time.sleep(0.2)
     else:
         pytest.fail("ingest never got going")
-    _kill_driver(proc)
+    kill_driver(proc)
     assert not (run_dir / "ingest" / "_SUCCESS").exists()
     assert len(list(ingest.glob("parts/*/shards/*_stats.json"))) < 15, "killed too late to test anything"
 
     # a second kill, at a random later point of the resumed run
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
     time.sleep(float(__import__("random").Random(7).uniform(12, 20)))
-    _kill_driver(proc)
+    kill_driver(proc)
 
     again = capline("run", "--run-dir", str(run_dir), *ARGS)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]

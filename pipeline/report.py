@@ -1,0 +1,182 @@
+"""`capline report RUN_DIR`: one self-contained `report.html` for a person to look at after a run.
+
+Sections: the funnel (in, kept, dropped by reason, per stage), score histograms with the thresholds
+the run used, a grid of kept and dropped samples (picture, caption, reason, score), training curves
+from MLflow, and the evaluation table. Charts are PNGs drawn with matplotlib and inlined, so the page
+needs no network and no script beyond one check that logs an error for any image that fails to load.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import re
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from trainers.errors import UserError
+
+from .inspect_run import format_status, status_rows
+
+FILTER_STAGES = ("dedup", "basic", "language", "clip_score")
+_CHECK_IMAGES = ("<script>window.addEventListener('load',()=>{document.querySelectorAll('img').forEach(i=>{"
+                 "if(!i.complete||!i.naturalWidth)console.error('image did not load: '+i.alt)})})</script>")
+_STYLE = """body{font:14px sans-serif;margin:1.5em;color:#222;max-width:1300px}table{border-collapse:collapse}
+td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}th{background:#f3f3f3}h2{margin-top:1.8em}
+.grid{display:flex;flex-wrap:wrap;gap:8px}.card{width:150px;border:1px solid #ccc;border-radius:4px;padding:5px;font-size:12px}
+.card img{width:100%;image-rendering:pixelated}.kept{border-color:#3a3}.dropped{border-color:#c33}.meta{color:#666}"""
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return f"<img alt='chart' src='data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}'>"
+
+
+def _funnel_chart(rows: list[dict]) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if r["in"] is not None]
+    if not done:
+        return ""
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(done) + 1))
+    names = [r["stage"] for r in done][::-1]
+    ax.barh(names, [r["kept"] for r in done][::-1], color="#4a4", label="kept")
+    ax.barh(names, [r["in"] - r["kept"] for r in done][::-1], left=[r["kept"] for r in done][::-1],
+            color="#c44", label="dropped")
+    ax.set_xlabel("samples")
+    ax.legend(loc="lower right")
+    return _png(fig)
+
+
+def _score_charts(run_dir: Path, config: dict) -> list[str]:
+    """Per filter stage with scores: a histogram of kept and dropped scores and the cut it used."""
+    import matplotlib.pyplot as plt
+
+    out = []
+    stages = config.get("stages", {})
+    cuts = {"language": [("min_confidence", stages.get("language", {}).get("min_confidence"))],
+            "dedup": [("eval_threshold", stages.get("dedup", {}).get("eval_threshold")),
+                      ("within_threshold", stages.get("dedup", {}).get("within_threshold"))]}
+    for stage in ("dedup", "language", "clip_score"):   # basic's scores are lengths and ratios: no one axis
+        path = run_dir / stage / "ledger.parquet"
+        if not path.is_file():
+            continue
+        t = pq.read_table(path, columns=["verdict", "score"]).to_pylist()
+        kept = [r["score"] for r in t if r["score"] is not None and r["verdict"] == "kept"]
+        dropped = [r["score"] for r in t if r["score"] is not None and r["verdict"] == "dropped"]
+        if len(kept) + len(dropped) < 2:
+            continue
+        stats = json.loads((run_dir / stage / "stats.json").read_text())
+        lines = cuts.get(stage, [])
+        if stage == "clip_score":
+            lines = [("threshold", stats.get("threshold")) if stats.get("threshold") is not None
+                     else (f"top {stats.get('keep_fraction')} cut", stats.get("cut"))]
+        fig, ax = plt.subplots(figsize=(6, 2.6))
+        ax.hist([kept, dropped], bins=40, stacked=True, color=["#4a4", "#c44"], label=["kept", "dropped"])
+        for (label, cut), style in zip(lines, ("--", ":")):
+            if cut is not None:
+                ax.axvline(cut, color="k", linestyle=style, label=f"{label} = {cut:.3g}")
+        ax.set_title(f"{stage} score")
+        ax.legend(fontsize=8)
+        out.append(_png(fig))
+    return out
+
+
+def _sample_grid(run_dir: Path, seed: int, per_reason: int) -> str:
+    from stages.examples import pick, read_images
+
+    captions = {}
+    for src in (run_dir / "source" / "urls.parquet", run_dir / "basic" / "captions.parquet"):
+        if src.is_file():
+            t = pq.read_table(src, columns=["key", "caption"]).to_pydict()
+            captions.update(zip(t["key"], t["caption"]))
+    parts = []
+    for stage in FILTER_STAGES:
+        path = run_dir / stage / "ledger.parquet"
+        if not path.is_file():
+            continue
+        groups = pick(pq.read_table(path), per_reason, seed)
+        images = read_images(run_dir / "ingest", [r["key"] for rows in groups.values() for r in rows])
+        parts.append(f"<h3>{stage}</h3><div class='grid'>")
+        for reason, rows in groups.items():
+            for r in rows:
+                if r["key"] not in images:
+                    continue
+                src = base64.b64encode(images[r["key"]]).decode()
+                score = "" if r["score"] is None else f" · {r['score']:.3g}"
+                cls = "kept" if reason == "kept" else "dropped"
+                parts.append(f"<div class='card {cls}'><img alt='{html.escape(r['key'])}' "
+                             f"src='data:image/jpeg;base64,{src}'><div>{html.escape(captions.get(r['key'], '')[:120])}</div>"
+                             f"<div class='meta'>{html.escape(reason)}{score}</div></div>")
+        parts.append("</div>")
+    return "".join(parts)
+
+
+def _training(run_dir: Path, manifest: dict) -> str:
+    run_id = manifest.get("mlflow_runs", {}).get("train")
+    if not run_id:
+        return "<p>No training run in this run folder.</p>"
+    try:
+        import matplotlib.pyplot as plt
+
+        from trainers.tracking import client, tracking_uri
+
+        c = client(tracking_uri(run_dir))
+        keys = sorted(k for k in c.get_run(run_id).data.metrics if "loss" in k or k.startswith("lr"))
+        fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(4 * max(1, len(keys)), 2.6), squeeze=False)
+        for ax, key in zip(axes[0], keys):
+            hist = sorted(c.get_metric_history(run_id, key), key=lambda m: m.step)
+            ax.plot([m.step for m in hist], [m.value for m in hist])
+            ax.set_title(key)
+            ax.set_xlabel("step")
+        return f"<p>MLflow run {html.escape(run_id)}</p>" + _png(fig)
+    except Exception as err:  # noqa: BLE001 - a report without curves is still a report; say why
+        return f"<p>Training curves unavailable: {html.escape(type(err).__name__)}: {html.escape(str(err)[:200])}</p>"
+
+
+def _evaluation(run_dir: Path) -> str:
+    summary = run_dir / "eval" / "summary.txt"
+    if not summary.is_file():
+        return "<p>No evaluation in this run folder.</p>"
+    lines = summary.read_text().splitlines()
+    rows = ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in re.split(r"\s{2,}", ln.strip())) + "</tr>"
+            for ln in lines[1:] if ln.strip()]
+    return f"<p>{html.escape(lines[0] if lines else '')}</p><table>{''.join(rows)}</table>"
+
+
+def write_report(run_dir: Path, per_reason: int = 6) -> Path:
+    manifest_path = run_dir / "manifest.json"
+    if not manifest_path.is_file():
+        raise UserError(f"{run_dir}: not a capline run folder (no manifest.json)")
+    manifest = json.loads(manifest_path.read_text())
+    config = manifest.get("config", {})
+    rows = status_rows(run_dir)
+    title = f"capline run report: {config.get('name', run_dir.name)}"
+    table = ["<table><tr><th>stage</th><th>state</th><th>in</th><th>kept</th><th>dropped by reason</th></tr>"]
+    for r in rows:
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted((r["dropped"] or {}).items(), key=lambda kv: -kv[1]))
+        table.append(f"<tr><td>{r['stage']}</td><td>{r['state']}</td><td>{r['in'] if r['in'] is not None else '-'}</td>"
+                     f"<td>{r['kept'] if r['kept'] is not None else '-'}</td><td>{html.escape(reasons or '-')}</td></tr>")
+    table.append("</table>")
+    page = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{_STYLE}</style>{_CHECK_IMAGES}</head><body><h1>{html.escape(title)}</h1>",
+            f"<p>Run folder {html.escape(str(run_dir))}; config {html.escape(manifest.get('config_hash', '')[:12])}, "
+            f"capline {html.escape(str(manifest.get('git_revision', ''))[:12])}.</p>",
+            "<h2>Funnel</h2>", "".join(table), _funnel_chart(rows),
+            "<h2>Scores and thresholds</h2>", "".join(_score_charts(run_dir, config)) or "<p>No scores yet.</p>",
+            "<h2>Samples kept and dropped</h2>", _sample_grid(run_dir, int(config.get("seed", 0)), per_reason),
+            "<h2>Training</h2>", _training(run_dir, manifest),
+            "<h2>Evaluation</h2>", _evaluation(run_dir),
+            f"<h2>Status as text</h2><pre>{html.escape(format_status(rows))}</pre></body></html>"]
+    out = run_dir / "report.html"
+    out.write_text("".join(page))
+    return out
