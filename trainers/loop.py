@@ -48,6 +48,8 @@ def train_loop_per_worker(c: dict) -> None:
     out = Path(c["out_dir"])
     (out / "_pids").mkdir(parents=True, exist_ok=True)
     (out / "_pids" / f"rank{rank}").write_text(str(os.getpid()))
+    (out / "_nodes").mkdir(exist_ok=True)   # which Ray node each rank ran on, for the stage's stats
+    (out / "_nodes" / f"rank{rank}").write_text(ray.get_runtime_context().get_node_id())
     torch.manual_seed(c["seed"] * 1000 + rank)
     gen = torch.Generator().manual_seed(c["seed"] * 1000 + rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

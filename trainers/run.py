@@ -75,4 +75,5 @@ def train(run_dir: Path, shard_dir: Path, tokenizer: Path, tc: TrainConfig, seed
     c.log_artifacts(run_id, str(out_dir / "model"), "model")
     c.log_artifacts(run_id, str(out_dir / "export"), "encoder")
     c.set_terminated(run_id)
-    return {**final, "mlflow_run_id": run_id, "tracking_uri": uri}
+    nodes = sorted({p.read_text().strip() for p in (out_dir / "_nodes").glob("rank*")})
+    return {**final, "mlflow_run_id": run_id, "tracking_uri": uri, "nodes": nodes}

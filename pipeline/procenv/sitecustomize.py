@@ -4,6 +4,8 @@
    (usage_stats_head -> usage_lib.get_cloud_from_metadata_requests) whatever the usage-stats
    setting and even with include_dashboard=False (then it loads *only* that module). Nothing in
    Ray turns it off, so the function is replaced, on import, by one that answers "unknown".
+   A `ray start` cluster with usage stats disabled also POSTs a "disabled" report to
+   usage-stats.ray.io; the report client's send is replaced by one that sends nothing.
 2. If CAPLINE_NETGUARD=1: an audit hook refuses every non-loopback connection and appends it to
    CAPLINE_NETGUARD_LOG, so tests (and the demo) can prove nothing leaves the machine.
    CAPLINE_NETGUARD_ALLOW adds comma-separated host prefixes to allow.
@@ -43,6 +45,11 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 def _no_cloud_probe(module):
     module.get_cloud_from_metadata_requests = lambda: "unknown"
+    # A cluster started with `ray start` (not ray.init) POSTs a "usage stats disabled" report to
+    # usage-stats.ray.io precisely when usage stats are disabled; nothing is ever reported here.
+    client = getattr(module, "UsageReportClient", None)
+    if client is not None:
+        client.report_usage_data = lambda self, url, data: None
 
 
 def _host(event, args):
