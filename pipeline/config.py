@@ -47,6 +47,7 @@ class RunConfig:
     name: str = "demo"
     seed: int = 0
     run_dir: str | None = None   # default: runs/<name>
+    track_data: bool = True      # log a data-build run to MLflow after the shard stage
     ray: RayConfig = field(default_factory=RayConfig)
     source: SourceConfig = field(default_factory=SourceConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)

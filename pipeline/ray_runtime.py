@@ -67,8 +67,9 @@ def ray_session(cfg: RayConfig, address: str | None = None, log=print):
         num_cpus = cfg.num_cpus or os.cpu_count() or 1
         log(f"ray: starting a local cluster ({num_cpus} CPUs, {cfg.object_store_memory_mb} MB object store)")
         # A local cluster lives on loopback: Ray otherwise finds its node address by asking the
-        # route to an outside address.
-        ray.init(num_cpus=num_cpus, object_store_memory=cfg.object_store_memory_mb * 2**20,
+        # route to an outside address. address="local": a new cluster, never one that `ray start`
+        # left in /tmp/ray/ray_current_cluster (plain ray.init() would join that, or its corpse).
+        ray.init(address="local", num_cpus=num_cpus, object_store_memory=cfg.object_store_memory_mb * 2**20,
                  include_dashboard=cfg.dashboard, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
                  **common)
     # Ray Data logs every operator's progress at INFO; capline prints its own per-stage progress.

@@ -168,6 +168,10 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
         upstream_kept = [k for k, v in zip(ledger["key"], ledger["verdict"]) if v == KEPT]
         upstream[stage.name] = sdir
         prev_digest = marker["output_digest"]
+        if stage.name == "shard" and cfg.track_data:
+            from .data_tracking import log_data_build
+
+            log_data_build(run_dir, manifest, summary, cfg, log)
         if until == stage.name or only == stage.name:
             break
     else:

@@ -73,6 +73,10 @@ def two_node_cluster():
         yield f"127.0.0.1:{port}"
     finally:
         _stop(started or (_ray_pids() - before))
+        # `ray start --head` records itself for plain ray.init() calls to join; it is gone now
+        current = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
+        if current.is_file() and current.read_text().strip().endswith(f":{port}"):
+            current.unlink()
         assert not (_ray_pids() - before) & started, "the cluster's processes outlived the stop"
 
 

@@ -78,7 +78,7 @@ def train_loop_per_worker(c: dict) -> None:
                          mc.image_size, mc.max_len, c["seed"], rank, world, state)
     batches = iter(make_loader(stream, tc.loader_workers))
     sp = spm.SentencePieceProcessor(model_file=c["tokenizer"])
-    buffer = MetricBuffer(c["mlflow_uri"], c["run_id"]) if rank == 0 else None
+    buffer = MetricBuffer(c["mlflow_uri"], c["run_id"], log=lambda m: print(m, flush=True)) if rank == 0 else None
     fixed = None
     last_finite, t_last = step, time.perf_counter()
     wait_total = busy_total = 0.0
@@ -121,7 +121,13 @@ def train_loop_per_worker(c: dict) -> None:
         t_last = t2
         if buffer is not None and task.writes and tc.sample_every and step % tc.sample_every == 0 and fixed is not None:
             caps = task.samples(model, fixed.to(device), sp)
-            client(c["mlflow_uri"]).log_text(c["run_id"], "\n".join(caps), f"samples/step_{step:06d}.txt")
+            try:
+                client(c["mlflow_uri"]).log_text(c["run_id"], "\n".join(caps), f"samples/step_{step:06d}.txt")
+            except Exception as err:  # noqa: BLE001 - MLflow down: keep the samples beside the model
+                (out / "samples").mkdir(exist_ok=True)
+                (out / "samples" / f"step_{step:06d}.txt").write_text("\n".join(caps))
+                print(f"mlflow: sample captions of step {step} not logged ({type(err).__name__}); "
+                      f"saved to {out / 'samples'}", flush=True)
         if step % tc.checkpoint_every == 0 or step == tc.steps:
             states = [state.to_dict()]
             gens = [gen.get_state()]
@@ -142,7 +148,8 @@ def train_loop_per_worker(c: dict) -> None:
 
         save_model(model, task.model_cfg, out / "model")
         export_encoder(model, task.model_cfg, out / "export")
-        (out / "final.json").write_text(json.dumps({"step": step, "loss": total,
+        unlogged = buffer.close(out / "unlogged_metrics.jsonl")
+        (out / "final.json").write_text(json.dumps({"step": step, "loss": total, "mlflow": unlogged,
                                                     "data_wait_fraction": wait_total / max(wait_total + busy_total, 1e-9)}))
 
 

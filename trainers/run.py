@@ -49,12 +49,17 @@ def train(run_dir: Path, shard_dir: Path, tokenizer: Path, tc: TrainConfig, seed
         log(f"train: resuming MLflow run {run_id}")
     else:
         params = flatten({"train": dataclasses.asdict(tc), "model": dataclasses.asdict(mc), "seed": seed})
-        run_id = start_run(uri, run_dir, tc.experiment, f"{tc.model}-{tc.size}",
-                           params, {"capline.dataset_digest": dataset_digest, "capline.run_dir": str(run_dir)})
-        log_dataset(uri, run_id, name=f"{Path(run_dir).name}-shards", digest=dataset_digest, source=str(shard_dir))
-        from .tracking import client
+        try:
+            run_id = start_run(uri, run_dir, tc.experiment, f"{tc.model}-{tc.size}",
+                               params, {"capline.dataset_digest": dataset_digest, "capline.run_dir": str(run_dir)})
+            log_dataset(uri, run_id, name=f"{Path(run_dir).name}-shards", digest=dataset_digest, source=str(shard_dir))
+            from .tracking import client
 
-        client(uri).log_artifact(run_id, str(tokenizer), "tokenizer")
+            client(uri).log_artifact(run_id, str(tokenizer), "tokenizer")
+        except Exception as err:  # noqa: BLE001 - before any work: say where tracking failed and stop
+            raise UserError(f"cannot start an MLflow run at {uri} ({type(err).__name__}: "
+                            f"{str(err).splitlines()[0][:200] if str(err) else ''}); is the server up? "
+                            "(unset MLFLOW_TRACKING_URI to track in the run folder)") from None
         id_file.write_text(run_id)
     log(f"train: {tc.model}/{tc.size}, {tc.steps} steps of {tc.global_batch} on {tc.num_workers} workers "
         f"({tc.accumulation} micro-batches each), MLflow run {run_id} at {uri}")
@@ -69,11 +74,23 @@ def train(run_dir: Path, shard_dir: Path, tokenizer: Path, tc: TrainConfig, seed
                              failure_config=FailureConfig(max_failures=tc.max_failures)))
     trainer.fit()
     final = json.loads((out_dir / "final.json").read_text())
-    from .tracking import client
+    from .tracking import client, replay_unlogged
 
-    c = client(uri)
-    c.log_artifacts(run_id, str(out_dir / "model"), "model")
-    c.log_artifacts(run_id, str(out_dir / "export"), "encoder")
-    c.set_terminated(run_id)
+    try:   # the server may be back by now: catch up on what training could not log, then the artifacts
+        replay_unlogged(uri, run_id, out_dir / "unlogged_metrics.jsonl", log=log)
+        c = client(uri)
+        c.log_artifacts(run_id, str(out_dir / "model"), "model")
+        c.log_artifacts(run_id, str(out_dir / "export"), "encoder")
+        if (out_dir / "samples").is_dir():
+            c.log_artifacts(run_id, str(out_dir / "samples"), "samples")
+        c.set_terminated(run_id)
+        final["mlflow"] = {"unlogged": 0}
+    except Exception as err:  # noqa: BLE001 - the model is on disk; tracking is what failed
+        lost = (out_dir / "unlogged_metrics.jsonl")
+        log(f"mlflow: could not finish the run's tracking at {uri} ({type(err).__name__}); the model is in "
+            f"{out_dir / 'model'}; not logged: the model and encoder artifacts"
+            + (f" and the metrics in {lost}" if lost.is_file() else ""))
+        final["mlflow"] = {"unlogged_artifacts": ["model", "encoder"], "unlogged_metrics_file":
+                           str(lost) if lost.is_file() else None}
     nodes = sorted({p.read_text().strip() for p in (out_dir / "_nodes").glob("rank*")})
     return {**final, "mlflow_run_id": run_id, "tracking_uri": uri, "nodes": nodes}

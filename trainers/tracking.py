@@ -18,6 +18,10 @@ def tracking_uri(run_dir: Path) -> str:
 
 
 def client(uri: str):
+    # a server that is down should cost seconds per call, not MLflow's default minutes of retries
+    for key, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
+                       ("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")):
+        os.environ.setdefault(key, value)
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=uri)
@@ -48,30 +52,104 @@ def log_dataset(uri: str, run_id: str, name: str, digest: str, source: str) -> N
 
 
 class MetricBuffer:
-    """Collects (step, {name: value}) and writes them in one batch on flush(); skips logged steps."""
+    """Collects (step, {name: value}) and writes them in one batch on flush(); skips logged steps.
 
-    def __init__(self, uri: str | None, run_id: str | None, key: str = "loss"):
-        self.uri, self.run_id, self.rows = uri, run_id, []
-        history = client(uri).get_metric_history(run_id, key) if run_id else []
-        self.logged_through = max((m.step for m in history), default=0)
+    An MLflow server that is down must not stop training: a failed flush keeps its values and says
+    so once; the next flush retries and says when it caught up. `close()` makes a last attempt and
+    saves whatever could not be logged to a JSON-lines file, so what was lost is named, not dropped.
+    """
+
+    def __init__(self, uri: str | None, run_id: str | None, key: str = "loss", log=print):
+        self.uri, self.run_id, self.key, self.rows, self.log = uri, run_id, key, [], log
+        self.logged_through: int | None = None
+        self.failing_since: str | None = None
+        self._sync_logged()
+
+    def _sync_logged(self) -> None:
+        if self.logged_through is not None or not self.run_id:
+            self.logged_through = self.logged_through or 0
+            return
+        try:
+            history = client(self.uri).get_metric_history(self.run_id, self.key)
+            self.logged_through = max((m.step for m in history), default=0)
+        except Exception as err:  # noqa: BLE001 - unknown until the server answers; flush asks again
+            self._failed(err)
 
     def add(self, step: int, values: dict) -> None:
-        if step <= self.logged_through:
+        if self.logged_through is not None and step <= self.logged_through:
             return
         now = int(time.time() * 1000)
         self.rows += [(k, float(v), now, step) for k, v in values.items()]
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
+        """Log what is held; -> True when nothing is left to log."""
         if not self.rows or not self.run_id:
             self.rows = []
-            return
+            return True
         from mlflow.entities import Metric
 
-        c = client(self.uri)
-        metrics = [Metric(k, v, t, s) for k, v, t, s in self.rows]
-        for i in range(0, len(metrics), 900):
-            c.log_batch(self.run_id, metrics=metrics[i:i + 900])
+        try:
+            self._sync_logged()
+            if self.logged_through is None:
+                return False
+            self.rows = [r for r in self.rows if r[3] > self.logged_through] if self.failing_since else self.rows
+            c = client(self.uri)
+            metrics = [Metric(k, v, t, s) for k, v, t, s in self.rows]
+            for i in range(0, len(metrics), 900):
+                c.log_batch(self.run_id, metrics=metrics[i:i + 900])
+        except Exception as err:  # noqa: BLE001 - any failure to log is a logging failure, not a training one
+            self._failed(err)
+            return False
+        if self.failing_since:
+            self.log(f"mlflow: reachable again; logged the {len(self.rows)} values held since step {self.failing_since}")
+            self.failing_since = None
+        self.logged_through = max([self.logged_through or 0] + [r[3] for r in self.rows])
         self.rows = []
+        return True
+
+    def _failed(self, err: Exception) -> None:
+        if self.failing_since is None:
+            first = min((r[3] for r in self.rows), default=None)
+            self.failing_since = str(first) if first is not None else "the start"
+            self.log(f"mlflow: could not log to {self.uri} ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}); "
+                     "training goes on, values are kept and retried at the next checkpoint")
+
+    def close(self, spill: Path) -> dict:
+        """Last attempt; -> {"unlogged": N, "steps": [first, last], "file": path} for what stays unlogged."""
+        import json
+
+        if self.flush():
+            return {"unlogged": 0}
+        spill = Path(spill)
+        with open(spill, "a") as f:
+            for k, v, t, s in self.rows:
+                f.write(json.dumps({"key": k, "value": v, "timestamp": t, "step": s}) + "\n")
+        steps = [r[3] for r in self.rows]
+        info = {"unlogged": len(self.rows), "steps": [min(steps), max(steps)], "file": str(spill)}
+        self.log(f"mlflow: {len(self.rows)} metric values of steps {min(steps)}..{max(steps)} could not be logged; "
+                 f"saved to {spill} (capline logs them when the server is back and the run is repeated)")
+        self.rows = []
+        return info
+
+
+def replay_unlogged(uri: str, run_id: str, spill: Path, log=print) -> int:
+    """Log values a MetricBuffer saved while MLflow was down; the file goes when they are in. -> count."""
+    import json
+
+    from mlflow.entities import Metric
+
+    spill = Path(spill)
+    if not spill.is_file():
+        return 0
+    rows = [json.loads(line) for line in spill.read_text().splitlines() if line.strip()]
+    c = client(uri)
+    logged = {m.step for m in c.get_metric_history(run_id, "loss")}
+    metrics = [Metric(r["key"], r["value"], r["timestamp"], r["step"]) for r in rows if r["step"] not in logged]
+    for i in range(0, len(metrics), 900):
+        c.log_batch(run_id, metrics=metrics[i:i + 900])
+    spill.unlink()
+    log(f"mlflow: logged {len(metrics)} metric values saved while the server was down")
+    return len(metrics)
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

@@ -1,0 +1,102 @@
+"""Start a shared MLflow tracking server for capline: a SQL backend store and an artifact root.
+
+    python -m infra.mlflow.serve --root /srv/mlflow --port 5000           # SQLite + a folder
+    python -m infra.mlflow.serve --backend-store-uri postgresql://mlflow:PASS@db/mlflow \\
+        --artifacts-destination s3://my-bucket/mlflow --host 0.0.0.0 --port 5000
+
+Then point capline at it: `MLFLOW_TRACKING_URI=http://HOST:5000 capline run ...` (every process
+capline starts, and Ray Train's workers, get the URI from the driver). With `--artifacts-destination`
+the server proxies artifact uploads, so clients need no storage credentials; the server does
+(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, MLFLOW_S3_ENDPOINT_URL for S3-compatible stores).
+Telemetry is off (capline's quiet environment) and the server binds 127.0.0.1 unless told otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def command(backend_uri: str, artifacts: str, host: str, port: int, workers: int = 1) -> list[str]:
+    mlflow = Path(sys.executable).parent / "mlflow"
+    return [str(mlflow) if mlflow.exists() else "mlflow", "server", "--backend-store-uri", backend_uri,
+            "--artifacts-destination", artifacts, "--serve-artifacts", "--host", host, "--port", str(port),
+            "--workers", str(workers)]
+
+
+def defaults(root: Path) -> tuple[str, str]:
+    root = Path(root).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{root / 'mlflow.db'}", str(root / "artifacts")
+
+
+def wait_ready(url: str, timeout: float = 90.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"mlflow server exited with code {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"mlflow server at {url} not ready after {timeout:.0f}s")
+
+
+def start(root: Path, port: int, host: str = "127.0.0.1", backend_uri: str | None = None,
+          artifacts: str | None = None, log_file: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """Start the server in its own process group; -> (process, tracking URI) once /health answers."""
+    from pipeline import offline
+
+    offline.apply()
+    b, a = defaults(root)
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+    proc = subprocess.Popen(command(backend_uri or b, artifacts or a, host, port), stdout=out,
+                            stderr=subprocess.STDOUT, env=dict(os.environ), start_new_session=True)
+    url = f"http://{host}:{port}"
+    wait_ready(url, proc=proc)
+    return proc, url
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop the server and its gunicorn/uvicorn workers (its whole process group)."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="python -m infra.mlflow.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", default="mlflow-server", help="folder for the SQLite store and artifacts (default ./mlflow-server)")
+    p.add_argument("--backend-store-uri", help="SQLAlchemy URI, e.g. postgresql://user:pass@host/db (default: SQLite in --root)")
+    p.add_argument("--artifacts-destination", help="artifact root, e.g. s3://bucket/mlflow (default: --root/artifacts)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=5000)
+    p.add_argument("--workers", type=int, default=1)
+    args = p.parse_args()
+    from pipeline import offline
+
+    offline.apply()
+    b, a = defaults(Path(args.root))
+    cmd = command(args.backend_store_uri or b, args.artifacts_destination or a, args.host, args.port, args.workers)
+    print(f"mlflow server: MLFLOW_TRACKING_URI=http://{args.host}:{args.port}", flush=True)
+    os.execvpe(cmd[0], cmd, dict(os.environ))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""A shared MLflow server (infra/mlflow/serve.py) on loopback: a pipeline logs its data-build run and
+its training run there, linked by the dataset digest; the server going down mid-training costs no
+step and no crash, and what cannot be logged is named."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from helpers import ROOT, capline
+from infra.mlflow.serve import start, stop
+from trainers.tracking import MetricBuffer, client
+
+BASE = ["--set", "source.num_samples=300", "--set", "source.eval_size=30", "--set", "stages.ingest.samples_per_shard=60",
+        "--set", "stages.shard.samples_per_shard=100", "--set", "stages.clip_score.bootstrap.steps=30",
+        "--set", f"stages.dedup.cache_dir={tempfile.mkdtemp(prefix='capline-eval-index-')}", "--until", "train"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_metric_buffer_survives_an_unreachable_server(tmp_path):
+    said = []
+    buf = MetricBuffer(f"http://127.0.0.1:{_free_port()}", "0123456789abcdef", log=said.append)
+    for step in (1, 2, 3):
+        buf.add(step, {"loss": 1.0 / step})
+    assert buf.flush() is False
+    buf.add(4, {"loss": 0.2})
+    info = buf.close(tmp_path / "unlogged.jsonl")
+    assert info["unlogged"] == 4 and info["steps"] == [1, 4]
+    lines = [json.loads(x) for x in (tmp_path / "unlogged.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    assert sum("could not log" in m for m in said) == 1          # said once, not at every flush
+    assert any("steps 1..4 could not be logged" in m for m in said)
+
+
+@pytest.mark.slow
+def test_data_build_and_training_runs_linked_by_digest(tmp_path):
+    proc, url = start(tmp_path / "server", _free_port(), log_file=tmp_path / "server.log")
+    try:
+        run_dir = tmp_path / "run"
+        out = capline("run", "--run-dir", str(run_dir), *BASE, "--set", "train.steps=20",
+                      "--set", "train.checkpoint_every=10", "--set", "train.sample_every=10",
+                      env={"MLFLOW_TRACKING_URI": url}, timeout=900)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        assert not (run_dir / "mlflow.db").exists()               # everything went to the server
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        digest = manifest["stages"]["shard"]["output_digest"]
+        c = client(url)
+        runs = c.search_runs([e.experiment_id for e in c.search_experiments()],
+                             filter_string=f"tags.`capline.dataset_digest` = '{digest}'")
+        kinds = {r.data.tags.get("capline.kind", "training"): r for r in runs}
+        assert set(kinds) == {"data-build", "training"}, [r.data.tags for r in runs]
+        data, train = kinds["data-build"], kinds["training"]
+        assert data.info.run_id == manifest["mlflow_runs"]["data"] and train.info.run_id == manifest["mlflow_runs"]["train"]
+        assert data.data.metrics["ingest.dropped.http_404"] > 0 and data.data.metrics["shard.kept"] > 0
+        assert [m.step for m in c.get_metric_history(train.info.run_id, "loss")] == list(range(1, 21))
+        assert {a.path for a in c.list_artifacts(train.info.run_id)} >= {"model", "encoder", "tokenizer"}
+        # a rerun of the finished folder logs nothing twice
+        again = capline("run", "--run-dir", str(run_dir), *BASE, "--set", "train.steps=20",
+                        "--set", "train.checkpoint_every=10", "--set", "train.sample_every=10",
+                        env={"MLFLOW_TRACKING_URI": url}, timeout=600)
+        assert again.returncode == 0 and "mlflow: data-build run" not in again.stdout
+    finally:
+        stop(proc)
+
+
+@pytest.mark.slow
+def test_server_down_mid_training_then_back(tmp_path):
+    port = _free_port()
+    root = tmp_path / "server"
+    proc, url = start(root, port, log_file=tmp_path / "server.log")
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", "--run-dir", str(run_dir), *BASE, "--set", "train.steps=300",
+           "--set", "train.checkpoint_every=20", "--set", "train.sample_every=0"]
+    log = open(tmp_path / "capline.log", "w")
+    job = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                           env={**os.environ, "MLFLOW_TRACKING_URI": url})
+    try:
+        id_file = run_dir / "train" / "mlflow_run_id"
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if id_file.is_file() and client(url).get_metric_history(id_file.read_text().strip(), "loss"):
+                break
+            assert job.poll() is None, (tmp_path / "capline.log").read_text()[-3000:]
+            time.sleep(1)
+        else:
+            pytest.fail("training never logged a step")
+        stop(proc)                          # the server goes down mid-training ...
+        time.sleep(25)
+        proc, _ = start(root, port, log_file=tmp_path / "server.log")   # ... and comes back
+        assert job.wait(timeout=900) == 0, (tmp_path / "capline.log").read_text()[-3000:]
+        text = (tmp_path / "capline.log").read_text()
+        assert "mlflow: could not log" in text
+        assert "mlflow: reachable again" in text or "mlflow: logged" in text
+        run_id = id_file.read_text().strip()
+        steps = [m.step for m in client(url).get_metric_history(run_id, "loss")]
+        assert sorted(steps) == list(range(1, 301))                # every step once, none lost
+        assert not (run_dir / "train" / "unlogged_metrics.jsonl").exists()
+    finally:
+        if job.poll() is None:
+            job.kill()
+        stop(proc)
