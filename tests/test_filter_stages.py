@@ -127,7 +127,7 @@ def test_openclipart_through_the_data_pipeline(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     funnel = {}
     for stage in ("source", "ingest", "dedup", "basic", "language", "clip_score", "shard"):
-        cells = _status_row(run_dir, stage)
+        _status_row(run_dir, stage)
         funnel[stage] = json.loads((run_dir / stage / "stats.json").read_text())
     print({s: (f["in"], f["kept"], f["dropped"]) for s, f in funnel.items()})
     assert funnel["source"]["in"] == 400
