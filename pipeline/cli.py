@@ -109,6 +109,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _local_run(where: str) -> Path:
+    """A run folder to read: local as it is; an s3:// one fetched into its working copy first."""
+    from .storage import RunStore
+
+    store = RunStore(where)
+    if store.uri:
+        store.check()
+        store.pull(log=lambda m: print(m, file=sys.stderr))
+    return store.local
+
+
 def _cmd_train(args) -> int:
     args.until, args.only = None, "train"
     return _cmd_run(args)
@@ -119,15 +130,19 @@ def _cmd_run(args) -> int:
     from .inspect_run import format_status, status_rows
     from .lock import run_lock
     from .ray_runtime import ray_session
+    from .storage import RunStore
     from .runner import default_run_dir, preflight, run_pipeline, select
 
     cfg = load_config(args.config, args.overrides)
     select(args.until, args.only)  # fail on a bad stage name before starting anything
     preflight(cfg)
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+    store = RunStore(args.run_dir or cfg.run_dir or str(default_run_dir(cfg)))
+    store.check()                  # a missing bucket or refused credentials: before any work
+    run_dir = store.local
     t0 = time.time()
-    print(f"capline: run {cfg.name} in {run_dir}", flush=True)
+    print(f"capline: run {cfg.name} in {store}" + (f" (working copy {run_dir})" if store.uri else ""), flush=True)
     with run_lock(run_dir, log=lambda m: print(m, flush=True)):
+        store.pull(log=lambda m: print(m, flush=True))
         if getattr(args, "incremental", False):
             from .runner import input_fingerprints
             from .schedule import plan
@@ -137,7 +152,8 @@ def _cmd_run(args) -> int:
             if not needed:
                 return 0
         with ray_session(cfg.ray, args.address, log=lambda m: print(m, flush=True)):
-            run_pipeline(cfg, run_dir, until=args.until, only=args.only, log=lambda m: print(m, flush=True))
+            run_pipeline(cfg, run_dir, until=args.until, only=args.only, log=lambda m: print(m, flush=True),
+                         store=store)
     print()
     print(format_status(status_rows(run_dir)))
     summary = run_dir / "eval" / "summary.txt"
@@ -147,6 +163,7 @@ def _cmd_run(args) -> int:
 
     print(f"\ncapline: finished in {time.time() - t0:.0f}s; run folder {run_dir.resolve()}")
     print(f"report: {write_report(run_dir)}")
+    store.push(None)
     if (run_dir / "mlflow.db").is_file():
         print(f"MLflow: .venv/bin/mlflow ui --backend-store-uri sqlite:///{(run_dir / 'mlflow.db').resolve()} "
               "(then open http://127.0.0.1:5000)")
@@ -230,12 +247,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             from .inspect_run import format_status, status_rows
 
-            print(format_status(status_rows(Path(args.run_dir))))
+            print(format_status(status_rows(_local_run(args.run_dir))))
             return 0
         if args.command == "report":
             from .report import write_report
 
-            print(write_report(Path(args.run_dir), args.per_reason))
+            print(write_report(_local_run(args.run_dir), args.per_reason))
             return 0
         if args.command == "explain":
             from .inspect_run import explain, format_explain

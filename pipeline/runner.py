@@ -134,7 +134,7 @@ def select(until: str | None, only: str | None, stages: list[Stage] | None = Non
 
 
 def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: str | None = None,
-                 log=print, stages: list[Stage] | None = None) -> dict:
+                 log=print, stages: list[Stage] | None = None, store=None) -> dict:
     """Run (or resume) the selected stages. Returns {stage: stats}."""
     stages = stages or STAGES
     wanted = select(until, only, stages)
@@ -157,11 +157,14 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
                                 f"run `capline run --until {stage.name}` first")
             break
         else:
-            marker, artifacts = _run_stage(stage, cfg, run_dir, sdir, in_digest, upstream, upstream_kept, log)
+            marker, artifacts = _run_stage(stage, cfg, run_dir, sdir, in_digest, upstream, upstream_kept, log,
+                                           store.location if store is not None and store.uri else None)
             manifest.record_stage(stage.name, marker, artifacts)
             if artifacts.get("mlflow_run_id"):
                 manifest.data["mlflow_runs"][stage.name] = artifacts["mlflow_run_id"]
                 manifest.save()
+            if store is not None:
+                store.push(stage.name, log)
         stats = json.loads((sdir / "stats.json").read_text())
         summary[stage.name] = stats
         ledger = pq.read_table(sdir / "ledger.parquet", columns=["key", "verdict"]).to_pydict()
@@ -183,7 +186,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
 
 
 def _run_stage(stage: Stage, cfg: RunConfig, run_dir: Path, sdir: Path, in_digest: str,
-               upstream: dict[str, Path], upstream_kept: list[str] | None, log) -> dict:
+               upstream: dict[str, Path], upstream_kept: list[str] | None, log, location=None) -> dict:
     started = read_marker(sdir, "_STARTED")
     if sdir.exists() and (started is None or started.get("input_digest") != in_digest):
         # made from other inputs: nothing in it can be trusted, except the stage's own
@@ -198,7 +201,7 @@ def _run_stage(stage: Stage, cfg: RunConfig, run_dir: Path, sdir: Path, in_diges
     log(f"{stage.name}: running" + (" (resuming partial work)" if started else ""))
     t0 = time.time()
     ctx = StageContext(run_dir=run_dir, stage_dir=sdir, config=cfg, upstream=dict(upstream),
-                       upstream_kept=upstream_kept, log=log)
+                       upstream_kept=upstream_kept, log=log, location=location)
     result = stage.run(ctx)
     table = result.ledger.table()
     counts = check_invariant(stage.name, table.column("key").to_pylist(),

@@ -76,6 +76,8 @@ class StageContext:
     upstream: dict[str, Path]        # finished earlier stages: name -> their folder
     upstream_kept: list[str] | None  # keys the previous stage kept (None for the first stage)
     log: Callable[[str], None] = print
+    # for a run folder in object storage: relative path -> its URI there (None: a local run)
+    location: Callable[[str], Any] | None = None
 
 
 @dataclass

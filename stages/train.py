@@ -28,7 +28,8 @@ class TrainStage(Stage):
             return StageResult(ledger, {"trained": False})
         manifest = json.loads((ctx.run_dir / "manifest.json").read_text())
         digest = manifest["stages"]["shard"]["output_digest"]
-        result = train(ctx.run_dir, ctx.upstream["shard"] / "shards", ctx.upstream["tokenizer"] / "spm.model", tc,
+        shards = ctx.location("shard/shards") if ctx.location else ctx.upstream["shard"] / "shards"
+        result = train(ctx.run_dir, shards, ctx.upstream["tokenizer"] / "spm.model", tc,
                        ctx.config.seed, digest, ctx.stage_dir, log=ctx.log)
         ctx.log(f"train: finished at step {result['step']}, loss {result['loss']:.4f}")
         return StageResult(ledger, {"trained": True, **result},

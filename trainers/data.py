@@ -34,8 +34,11 @@ class LoaderState:
         return {"epoch": self.epoch, "batch": self.batch}
 
 
-def list_shards(shard_dir: Path) -> list[Path]:
-    shards = sorted(Path(shard_dir).glob("*.tar"))
+def list_shards(shard_dir) -> list:
+    """The shard files of a folder (Paths) or of an object-storage prefix (URIs, read streaming)."""
+    from .remote import is_uri, list_files
+
+    shards = list_files(shard_dir, ".tar") if is_uri(shard_dir) else sorted(Path(shard_dir).glob("*.tar"))
     if not shards:
         raise UserError(f"no shards (*.tar) in {shard_dir}; run the pipeline's shard stage first")
     return shards
@@ -67,8 +70,10 @@ def epoch_shards(shards: list[Path], seed: int, epoch: int, rank: int, world: in
 
 def iter_samples(shards: list[Path]):
     """(key, jpg bytes, caption) in file order."""
+    from .remote import open_input
+
     for path in shards:
-        with tarfile.open(path) as tar:
+        with open_input(path) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
             current, parts = None, {}
             for m in tar:
                 key, _, ext = m.name.partition(".")

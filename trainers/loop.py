@@ -35,6 +35,7 @@ def train_loop_per_worker(c: dict) -> None:
 
     from .configtools import build
     from .data import LoaderState, ShardStream, list_shards, make_loader, next_state
+    from .remote import location
     from .models import ModelConfig
     from .optim import build_optimizer, build_schedule
     from .tasks import LossModule, make_task
@@ -74,7 +75,7 @@ def train_loop_per_worker(c: dict) -> None:
     device = ray.train.torch.get_device()
     wrapped = ray.train.torch.prepare_model(LossModule(model))
     use_amp = device.type == "cuda"
-    stream = ShardStream(list_shards(Path(c["shard_dir"])), c["tokenizer"], tc.micro_batch or tc.per_worker_batch,
+    stream = ShardStream(list_shards(location(c["shard_dir"])), c["tokenizer"], tc.micro_batch or tc.per_worker_batch,
                          mc.image_size, mc.max_len, c["seed"], rank, world, state)
     batches = iter(make_loader(stream, tc.loader_workers))
     sp = spm.SentencePieceProcessor(model_file=c["tokenizer"])

@@ -8,6 +8,7 @@ from pathlib import Path
 from .configtools import build
 from .data import check_readers, list_shards
 from .errors import UserError
+from .remote import location
 from .models import ModelConfig
 from .tracking import flatten, log_dataset, start_run, tracking_uri
 from .train_config import TrainConfig
@@ -32,7 +33,8 @@ def train(run_dir: Path, shard_dir: Path, tokenizer: Path, tc: TrainConfig, seed
     from .loop import train_loop_per_worker
 
     # workers run elsewhere (another directory, maybe another node): hand them absolute paths
-    run_dir, shard_dir, tokenizer, out_dir = (Path(p).resolve() for p in (run_dir, shard_dir, tokenizer, out_dir))
+    run_dir, tokenizer, out_dir = (Path(p).resolve() for p in (run_dir, tokenizer, out_dir))
+    shard_dir = location(shard_dir)   # an s3:// URI stays one: workers read the shards from there
     shards = list_shards(shard_dir)
     check_readers(len(shards), tc.num_workers, tc.loader_workers)
     if not Path(tokenizer).is_file():
@@ -61,6 +63,8 @@ def train(run_dir: Path, shard_dir: Path, tokenizer: Path, tc: TrainConfig, seed
                             f"{str(err).splitlines()[0][:200] if str(err) else ''}); is the server up? "
                             "(unset MLFLOW_TRACKING_URI to track in the run folder)") from None
         id_file.write_text(run_id)
+    if isinstance(shard_dir, str):
+        log(f"train: workers read the {len(shards)} shards from {shard_dir}")
     log(f"train: {tc.model}/{tc.size}, {tc.steps} steps of {tc.global_batch} on {tc.num_workers} workers "
         f"({tc.accumulation} micro-batches each), MLflow run {run_id} at {uri}")
     trainer = TorchTrainer(
