@@ -3,7 +3,6 @@ strict, KubeRay v1, Ray's cluster launcher), and checked against capline itself:
 config loads, the commands parse, the Dockerfile copies what exists. Nothing is built or pulled."""
 import copy
 import shlex
-from pathlib import Path
 
 import pytest
 import yaml
