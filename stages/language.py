@@ -26,6 +26,7 @@ from .base import Ledger, Stage, StageContext, StageResult
 from .captions import caption_map
 from .examples import write_examples
 from .langid import load_backend
+from .source import file_sha256
 
 
 @dataclass
@@ -121,6 +122,7 @@ class LanguageStage(Stage):
         top_found = dict(sorted(found.items(), key=lambda kv: -kv[1])[:20])
         return StageResult(ledger, {"enabled": True, "backend": cfg.backend,
                                     "model": str(backend.path) if backend.path else "langid (bundled)",
+                                    "model_sha256": file_sha256(backend.path) if backend.path else None,
                                     "languages": cfg.languages, "min_confidence": cfg.min_confidence,
                                     "detected": top_found},
                            artifacts={"report": "language/report.html"})

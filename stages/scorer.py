@@ -98,14 +98,26 @@ class Scorer:
         self.model.to(self.device).eval()
         self.sp = spm.SentencePieceProcessor(model_file=str(tokenizer or Path(checkpoint) / "spm.model"))
 
+    CHUNK = 64   # every forward pass has exactly this many rows
+
     def score(self, images: list[bytes], captions: list[str]) -> np.ndarray:
+        """Cosine per pair. Ray Data hands actors batches whose size depends on how blocks arrived,
+        and a matrix product's last bits depend on its row count; so the model always sees chunks
+        of CHUNK rows (the last padded with copies of its first), and a pair's score does not
+        depend on which other pairs shared its batch."""
         from trainers.data import decode_image, encode_caption
 
         torch = self.torch
-        x = torch.from_numpy(np.stack([decode_image(b, self.cfg.image_size) for b in images])).to(self.device)
-        t = torch.from_numpy(np.stack([encode_caption(self.sp, c, self.cfg.max_len) for c in captions])).to(self.device)
-        with torch.no_grad():
-            return self.model.score(x, t).diagonal().float().cpu().numpy().astype(np.float64)
+        out = []
+        for i in range(0, len(images), self.CHUNK):
+            imgs, caps = images[i:i + self.CHUNK], captions[i:i + self.CHUNK]
+            n = len(imgs)
+            imgs, caps = imgs + [imgs[0]] * (self.CHUNK - n), caps + [caps[0]] * (self.CHUNK - n)
+            x = torch.from_numpy(np.stack([decode_image(b, self.cfg.image_size) for b in imgs])).to(self.device)
+            t = torch.from_numpy(np.stack([encode_caption(self.sp, c, self.cfg.max_len) for c in caps])).to(self.device)
+            with torch.no_grad():
+                out.append(self.model.score(x, t).diagonal()[:n].float().cpu().numpy().astype(np.float64))
+        return np.concatenate(out) if out else np.zeros(0)
 
 
 def _decode_all(images: list[bytes], size: int) -> np.ndarray:

@@ -229,3 +229,37 @@ def test_examples_page_groups_by_reason():
     page = render_html("t", groups, {"kept": 1, "language:de": 2}, {"a": "a <cat>", "b": "ein Hund", "c": "x"},
                        {"a": b"\xff\xd8jpeg"})
     assert "language:de (1 of 2 shown)" in page and "a &lt;cat&gt;" in page and "data:image/jpeg;base64," in page
+
+
+def test_scores_do_not_depend_on_batch_company(tmp_path):
+    """A pair scores the same alone, in a batch of 5 or of 100: verdicts cannot move with Ray's batching."""
+    import io
+
+    from stages import synthetic
+    from stages.scorer import Scorer
+    from stages.tokenizer import TokenizerConfig, train_sentencepiece
+    from trainers.models import build_model
+    from trainers.models.checkpoint import save_model
+    from trainers.models.config import ModelConfig
+
+    rng = np.random.default_rng(0)
+    scenes = [synthetic.random_scene(rng) for _ in range(100)]
+    caps = [synthetic.caption_en(s) for s in scenes]
+    jpgs = []
+    for s in scenes:
+        buf = io.BytesIO()
+        synthetic.render(s, 32).save(buf, "JPEG")
+        jpgs.append(buf.getvalue())
+    spm = train_sentencepiece(caps * 5, TokenizerConfig(vocab_size=300))
+    import sentencepiece
+
+    vocab = sentencepiece.SentencePieceProcessor(model_proto=spm).get_piece_size()
+    cfg = ModelConfig(family="clip", vocab_size=vocab, max_len=16, image_size=32, width=32, depth=1, heads=2,
+                      mlp=64, patch=8)
+    save_model(build_model(cfg), cfg, tmp_path)
+    (tmp_path / "spm.model").write_bytes(spm)
+    scorer = Scorer(str(tmp_path))
+    whole = scorer.score(jpgs, caps)
+    assert len(whole) == 100
+    assert scorer.score(jpgs[7:8], caps[7:8])[0] == whole[7]
+    assert (scorer.score(jpgs[5:10], caps[5:10]) == whole[5:10]).all()
