@@ -50,6 +50,11 @@ class _Handler(BaseHTTPRequestHandler):
             pass  # the client gave up (a timeout): expected for /slow
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256   # listen() backlog: 16 download threads per shard task, several tasks at once
+
+
 class DemoServer:
     def __init__(self, root: Path, slow_seconds: float = 6.0):
         self.root = Path(root)
@@ -71,9 +76,7 @@ class DemoServer:
     def __enter__(self) -> "DemoServer":
         handler = type("Handler", (_Handler,), {
             "root": self.root, "slow_seconds": self.slow_seconds, "stop_event": self._stop})
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self._server.daemon_threads = True
-        self._server.request_queue_size = 256
+        self._server = _Server(("127.0.0.1", 0), handler)
         self._thread = threading.Thread(target=self._server.serve_forever, name="capline-demo-server",
                                         daemon=True)
         self._thread.start()

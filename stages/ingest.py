@@ -66,8 +66,14 @@ def _shard_task():
     import ray
 
     @ray.remote
-    def download_shard(downloader, shard_id: int, shard_file: str, staging: str, final: str) -> dict:
-        """Download one shard into staging, then move it into `final` whole (stats file last)."""
+    def download_shard(downloader, shard_id: int, shard_file: str, staging: str, final: str,
+                       server: tuple[str, int, float] | None = None) -> dict:
+        """Download one shard into staging, then move it into `final` whole (stats file last).
+
+        `server`: (host, pid, start time) of the process serving a served source over loopback (the
+        driver). If it died while this shard downloaded, the failures recorded are its death, not
+        the URLs': the shard is discarded, and a resumed run downloads it again.
+        """
         import copy
 
         from . import fetch  # noqa: F401 - installs the safe fetcher in this worker
@@ -78,6 +84,9 @@ def _shard_task():
         d = copy.copy(downloader)
         d.output_folder = str(stage_dir)
         d.download_shard((shard_id, shard_file))
+        if server is not None and not _alive(*server):
+            shutil.rmtree(stage_dir, ignore_errors=True)
+            raise RuntimeError(f"shard {shard_id}: the loopback server (pid {server[1]}) went away mid-download")
         name = f"{shard_id:05d}"
         for suffix in (".tar", ".parquet", "_stats.json"):
             os.replace(stage_dir / f"{name}{suffix}", Path(final) / f"{name}{suffix}")
@@ -87,6 +96,19 @@ def _shard_task():
                 "node": ray.get_runtime_context().get_node_id()}
 
     return download_shard
+
+
+def _alive(host: str, pid: int, started: float) -> bool:
+    import socket
+
+    import psutil
+
+    if host != socket.gethostname():
+        return True   # cannot tell from here (and a loopback server is reachable only on its host)
+    try:
+        return abs(psutil.Process(pid).create_time() - started) < 1.0
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _by_partition(rows: list[dict]) -> list[tuple[str, list[dict]]]:
@@ -242,7 +264,14 @@ class IngestStage(Stage):
         if done:
             ctx.log(f"ingest: {len(done)}/{total_shards} shards already complete, resuming the rest")
         start = time.time()
-        pending = [task.remote(downloader, sid, f, str(staging), str(shards_dir)) for sid, f in reader]
+        server = None
+        if base:   # a served source: its server is this process
+            import socket
+
+            import psutil
+
+            server = (socket.gethostname(), os.getpid(), psutil.Process().create_time())
+        pending = [task.remote(downloader, sid, f, str(staging), str(shards_dir), server) for sid, f in reader]
         results = []
         ok = count = 0
         while pending:

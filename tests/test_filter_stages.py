@@ -34,10 +34,10 @@ def _status_row(run_dir, stage):
 
 @pytest.fixture(scope="module")
 def demo_filtered(tmp_path_factory):
-    """The demo as `make demo` configures it (2,000 samples), through the CLIP-score stage."""
+    """The demo as `make demo` configures it (2,000 samples), with a short training (30 steps)."""
     run_dir = tmp_path_factory.mktemp("demo") / "run"
-    proc = capline("run", str(ROOT / "configs" / "demo.yaml"), "--run-dir", str(run_dir), "--until", "clip_score",
-                   *CACHE, timeout=900)
+    proc = capline("run", str(ROOT / "configs" / "demo.yaml"), "--run-dir", str(run_dir), "--set", "train.steps=30",
+                   "--set", "train.checkpoint_every=30", "--set", "train.sample_every=30", *CACHE, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_dir, proc.stdout
 
@@ -107,7 +107,7 @@ def test_bootstrap_on_a_trusted_subset(demo_filtered, tmp_path):
     pq.write_table(pa.table({"key": trusted}), tmp_path / "trusted.parquet")
     proc = capline("run", str(ROOT / "configs" / "demo.yaml"), "--run-dir", str(copy), "--until", "clip_score",
                    "--set", f"stages.clip_score.bootstrap.trusted_keys={tmp_path / 'trusted.parquet'}",
-                   "--set", "stages.clip_score.bootstrap.steps=100", *CACHE, timeout=900)
+                   "--set", "stages.clip_score.bootstrap.steps=40", *CACHE, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     scorer = json.loads((copy / "clip_score" / "stats.json").read_text())["scorer"]
     assert scorer["trained_on"] == len(trusted) - 1 and scorer["trusted_keys"].endswith("trusted.parquet")
@@ -123,14 +123,14 @@ def test_openclipart_through_the_data_pipeline(tmp_path):
         pytest.fail("Debian's openclipart-svg is not installed; `make test` installs it (apt, as root)")
     run_dir = tmp_path / "oc"
     proc = capline("run", str(ROOT / "configs" / "openclipart.yaml"), "--run-dir", str(run_dir),
-                   "--set", "source.limit=400", "--set", "stages.clip_score.bootstrap.steps=60", *CACHE, timeout=900)
+                   "--set", "source.limit=150", "--set", "stages.clip_score.bootstrap.steps=30", *CACHE, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     funnel = {}
     for stage in ("source", "ingest", "dedup", "basic", "language", "clip_score", "shard"):
         _status_row(run_dir, stage)
         funnel[stage] = json.loads((run_dir / stage / "stats.json").read_text())
     print({s: (f["in"], f["kept"], f["dropped"]) for s, f in funnel.items()})
-    assert funnel["source"]["in"] == 400
+    assert funnel["source"]["in"] == 150
     # real alt-text in other languages is found and named
     assert any(r.startswith("language:") for r in funnel["language"]["dropped"])
     assert funnel["clip_score"]["dropped"]["clip_score"] == funnel["clip_score"]["in"] - funnel["clip_score"]["kept"]
@@ -140,3 +140,26 @@ def test_openclipart_through_the_data_pipeline(tmp_path):
     assert all(c == c.strip() and "  " not in c for c in captions["caption"])
     page = (run_dir / "language" / "report.html").read_text()
     assert "language:" in page and "data:image/jpeg;base64," in page
+
+
+def test_run_report_renders_in_chromium(demo_filtered):
+    """`capline run` wrote report.html; `capline report` writes it again; Chromium shows it cleanly."""
+    from test_report import chromium_console
+
+    run_dir, out = demo_filtered
+    assert f"report: {run_dir}/report.html" in out
+    again = capline("report", str(run_dir), "--per-reason", "4")
+    assert again.returncode == 0, again.stderr
+    page = (run_dir / "report.html").read_text()
+    for section in ("Funnel", "Scores and thresholds", "Samples kept and dropped", "Training", "Evaluation"):
+        assert f"<h2>{section}</h2>" in page
+    for reason in ("http_404", "eval_duplicate:demo", "language:de", "clip_score"):
+        assert reason in page
+    assert "MLflow run" in page and "Training curves unavailable" not in page
+    assert re.search(r"few-shot demo_colour", page)
+    assert page.count("data:image/png;base64,") >= 5       # funnel, 3 score histograms, curves
+    assert page.count("class='card kept'") >= 4 and page.count("class='card dropped'") >= 8
+    shot = run_dir / "report.png"
+    console = chromium_console(run_dir / "report.html", shot)
+    assert console == [], console
+    assert shot.stat().st_size > 50_000

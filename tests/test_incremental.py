@@ -30,7 +30,8 @@ def test_appending_a_partition(tmp_path, ray_local):
                 "source.kind=urls", f"source.path={folder}", f"stages.ingest.allow_hosts=['{server.netloc}']",
                 "stages.ingest.samples_per_shard=50", "stages.tokenizer.vocab_size=400",
                 f"stages.dedup.cache_dir={tmp_path / 'cache'}", "stages.shard.samples_per_shard=60",
-                "stages.dedup.eval_sets=[{name: digits, kind: builtin, path: digits}]", "train.steps=0"])
+                "stages.dedup.eval_sets=[{name: digits, kind: builtin, path: digits}]", "train.steps=0",
+                "stages.clip_score.bootstrap.steps=20"])
 
         inc, one = tmp_path / "inc_urls", tmp_path / "one_urls"
         inc.mkdir()

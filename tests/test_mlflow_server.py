@@ -41,45 +41,62 @@ def test_metric_buffer_survives_an_unreachable_server(tmp_path):
     assert any("steps 1..4 could not be logged" in m for m in said)
 
 
-@pytest.mark.slow
-def test_data_build_and_training_runs_linked_by_digest(tmp_path):
-    proc, url = start(tmp_path / "server", _free_port(), log_file=tmp_path / "server.log")
-    try:
-        run_dir = tmp_path / "run"
-        out = capline("run", "--run-dir", str(run_dir), *BASE, "--set", "train.steps=20",
-                      "--set", "train.checkpoint_every=10", "--set", "train.sample_every=10",
-                      env={"MLFLOW_TRACKING_URI": url}, timeout=900)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        assert not (run_dir / "mlflow.db").exists()               # everything went to the server
-        manifest = json.loads((run_dir / "manifest.json").read_text())
-        digest = manifest["stages"]["shard"]["output_digest"]
-        c = client(url)
-        runs = c.search_runs([e.experiment_id for e in c.search_experiments()],
-                             filter_string=f"tags.`capline.dataset_digest` = '{digest}'")
-        kinds = {r.data.tags.get("capline.kind", "training"): r for r in runs}
-        assert set(kinds) == {"data-build", "training"}, [r.data.tags for r in runs]
-        data, train = kinds["data-build"], kinds["training"]
-        assert data.info.run_id == manifest["mlflow_runs"]["data"] and train.info.run_id == manifest["mlflow_runs"]["train"]
-        assert data.data.metrics["ingest.dropped.http_404"] > 0 and data.data.metrics["shard.kept"] > 0
-        assert [m.step for m in c.get_metric_history(train.info.run_id, "loss")] == list(range(1, 21))
-        assert {a.path for a in c.list_artifacts(train.info.run_id)} >= {"model", "encoder", "tokenizer"}
-        # a rerun of the finished folder logs nothing twice
-        again = capline("run", "--run-dir", str(run_dir), *BASE, "--set", "train.steps=20",
-                        "--set", "train.checkpoint_every=10", "--set", "train.sample_every=10",
-                        env={"MLFLOW_TRACKING_URI": url}, timeout=600)
-        assert again.returncode == 0 and "mlflow: data-build run" not in again.stdout
-    finally:
-        stop(proc)
-
-
-@pytest.mark.slow
-def test_server_down_mid_training_then_back(tmp_path):
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One MLflow server for the module: [process, url, root, port] (the down test restarts it)."""
+    root = tmp_path_factory.mktemp("mlflow")
     port = _free_port()
-    root = tmp_path / "server"
-    proc, url = start(root, port, log_file=tmp_path / "server.log")
+    proc, url = start(root / "server", port, log_file=root / "server.log")
+    state = [proc, url, root, port]
+    yield state
+    stop(state[0])
+
+
+@pytest.fixture(scope="module")
+def data_run(server, tmp_path_factory):
+    """The data pipeline, once, tracked on the server: the training tests start from its shards."""
+    run_dir = tmp_path_factory.mktemp("data") / "run"
+    out = capline("run", "--run-dir", str(run_dir), *BASE[:-2], "--until", "shard",
+                  env={"MLFLOW_TRACKING_URI": server[1]}, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "mlflow: data-build run" in out.stdout
+    return run_dir
+
+
+@pytest.mark.slow
+def test_data_build_and_training_runs_linked_by_digest(server, data_run):
+    url = server[1]
+    args = ["run", "--run-dir", str(data_run), *BASE, "--set", "train.steps=20", "--set", "train.checkpoint_every=10",
+            "--set", "train.sample_every=10"]
+    out = capline(*args, env={"MLFLOW_TRACKING_URI": url}, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert not (data_run / "mlflow.db").exists()               # everything went to the server
+    manifest = json.loads((data_run / "manifest.json").read_text())
+    digest = manifest["stages"]["shard"]["output_digest"]
+    c = client(url)
+    runs = c.search_runs([e.experiment_id for e in c.search_experiments()],
+                         filter_string=f"tags.`capline.dataset_digest` = '{digest}'")
+    kinds = {r.data.tags.get("capline.kind", "training"): r for r in runs}
+    assert set(kinds) == {"data-build", "training"}, [r.data.tags for r in runs]
+    data, train = kinds["data-build"], kinds["training"]
+    assert data.info.run_id == manifest["mlflow_runs"]["data"] and train.info.run_id == manifest["mlflow_runs"]["train"]
+    assert data.data.metrics["ingest.dropped.http_404"] > 0 and data.data.metrics["shard.kept"] > 0
+    assert [m.step for m in c.get_metric_history(train.info.run_id, "loss")] == list(range(1, 21))
+    assert {a.path for a in c.list_artifacts(train.info.run_id)} >= {"model", "encoder", "tokenizer"}
+    # a rerun of the finished folder logs nothing twice
+    again = capline(*args, env={"MLFLOW_TRACKING_URI": url}, timeout=600)
+    assert again.returncode == 0 and "mlflow: data-build run" not in again.stdout
+
+
+@pytest.mark.slow
+def test_server_down_mid_training_then_back(server, data_run, tmp_path):
+    import shutil
+
+    url = server[1]
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "pipeline.cli", "run", "--run-dir", str(run_dir), *BASE, "--set", "train.steps=300",
-           "--set", "train.checkpoint_every=20", "--set", "train.sample_every=0"]
+    shutil.copytree(data_run, run_dir, ignore=shutil.ignore_patterns("train", "eval"))
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", "--run-dir", str(run_dir), *BASE, "--set", "train.steps=160",
+           "--set", "train.checkpoint_every=10", "--set", "train.sample_every=0"]
     log = open(tmp_path / "capline.log", "w")
     job = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                            env={**os.environ, "MLFLOW_TRACKING_URI": url})
@@ -93,18 +110,17 @@ def test_server_down_mid_training_then_back(tmp_path):
             time.sleep(1)
         else:
             pytest.fail("training never logged a step")
-        stop(proc)                          # the server goes down mid-training ...
-        time.sleep(25)
-        proc, _ = start(root, port, log_file=tmp_path / "server.log")   # ... and comes back
+        stop(server[0])                     # the server goes down mid-training ...
+        time.sleep(5)
+        server[0], _ = start(server[2] / "server", server[3], log_file=server[2] / "server.log")   # ... and comes back
         assert job.wait(timeout=900) == 0, (tmp_path / "capline.log").read_text()[-3000:]
         text = (tmp_path / "capline.log").read_text()
         assert "mlflow: could not log" in text
         assert "mlflow: reachable again" in text or "mlflow: logged" in text
         run_id = id_file.read_text().strip()
         steps = [m.step for m in client(url).get_metric_history(run_id, "loss")]
-        assert sorted(steps) == list(range(1, 301))                # every step once, none lost
+        assert sorted(steps) == list(range(1, 161))                # every step once, none lost
         assert not (run_dir / "train" / "unlogged_metrics.jsonl").exists()
     finally:
         if job.poll() is None:
             job.kill()
-        stop(proc)
