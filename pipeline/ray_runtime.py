@@ -62,7 +62,13 @@ def ray_session(cfg: RayConfig, address: str | None = None, log=print):
         host = address.split("://", 1)[-1].rpartition(":")[0]
         if host in ("127.0.0.1", "localhost"):
             common["_node_ip_address"] = "127.0.0.1"   # a loopback cluster: the driver lives there too
-        ray.init(address=address, **common)
+        # Workers of a cluster started by `ray start` inherit that shell's environment, not this
+        # driver's: hand them capline's quiet switches (else e.g. albumentations asks pypi.org for
+        # updates from every worker that imports img2dataset).
+        from .offline import QUIET_ENV
+
+        quiet = {k: os.environ[k] for k in QUIET_ENV if k in os.environ}
+        ray.init(address=address, runtime_env={"env_vars": quiet} if quiet else None, **common)
     else:
         num_cpus = cfg.num_cpus or os.cpu_count() or 1
         log(f"ray: starting a local cluster ({num_cpus} CPUs, {cfg.object_store_memory_mb} MB object store)")

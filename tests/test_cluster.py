@@ -58,7 +58,11 @@ def two_node_cluster():
     before = _ray_pids()
     common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--object-store-memory", str(200 * 2**20),
               "--disable-usage-stats"]
-    env = dict(os.environ)
+    # the nodes get the guard but none of capline's quiet switches, as a user's shell would:
+    # capline must pass them to its workers itself
+    from pipeline.offline import QUIET_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in QUIET_ENV}
     started = set()
     try:
         head = subprocess.run([RAY, "start", "--head", "--port", str(port), "--dashboard-host", "127.0.0.1",
