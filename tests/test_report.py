@@ -3,6 +3,7 @@ offline and returns its console messages. The report itself is rendered and chec
 in tests/test_filter_stages.py."""
 import shutil
 import subprocess
+import tempfile
 
 import pytest
 
@@ -13,8 +14,10 @@ def chromium_console(page, screenshot, size="1300,3000") -> list[str]:
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     if not exe:
         pytest.fail("Debian's chromium is not installed; `make test` installs it (apt, as root)")
+    profile = tempfile.mkdtemp(prefix="capline-chromium-")   # a new empty profile every time
     proc = subprocess.run(
-        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", f"--user-data-dir={profile}",
+         "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--disable-default-apps", "--disable-extensions",
          "--proxy-server=socks5://127.0.0.1:9", "--proxy-bypass-list=<-loopback>", "--enable-logging=stderr",
          "--v=0", f"--window-size={size}", f"--screenshot={screenshot}", f"file://{page}"],
