@@ -25,7 +25,7 @@ from .actor_map import collect, map_actors, table_dataset
 from .base import Ledger, Stage, StageContext, StageResult
 from .captions import caption_map
 from .examples import write_examples
-from .langid import load_backend
+from .langid import fasttext_model_path, load_backend
 from .source import file_sha256
 
 
@@ -115,14 +115,14 @@ class LanguageStage(Stage):
                 ledger.drop(str(key), str(reason), score=float(score), detail=str(top))
             else:
                 ledger.keep(str(key), score=float(score), detail=str(top))
-        backend = load_backend(cfg.backend)
+        model = fasttext_model_path() if cfg.backend == "fasttext" else None   # the actors loaded it; name it only
         shown = write_examples(ctx, ledger.table(), captions, cfg.examples_per_reason, "Language filter")
         ctx.log(f"language: {cfg.backend} backend, keeping {', '.join(cfg.languages)} at confidence >= "
                 f"{cfg.min_confidence}; examples in {shown}")
         top_found = dict(sorted(found.items(), key=lambda kv: -kv[1])[:20])
         return StageResult(ledger, {"enabled": True, "backend": cfg.backend,
-                                    "model": str(backend.path) if backend.path else "langid (bundled)",
-                                    "model_sha256": file_sha256(backend.path) if backend.path else None,
+                                    "model": str(model) if model else "langid (bundled)",
+                                    "model_sha256": file_sha256(model) if model else None,
                                     "languages": cfg.languages, "min_confidence": cfg.min_confidence,
                                     "detected": top_found},
                            artifacts={"report": "language/report.html"})

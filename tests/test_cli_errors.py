@@ -97,6 +97,8 @@ def test_eval_bad_input(tmp_path):
                     "few-shot on digits", "too few for 500-shot")
 
 
+# a capline process each (~2 s): the same refusals are unit-tested in-process in tests/test_filters.py
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, needles", [
     (["stages.clip_score.scorer=checkpoint", "stages.clip_score.checkpoint=/nonexistent/scorer"],
      ["stages.clip_score.checkpoint /nonexistent/scorer: no such folder"]),
@@ -112,6 +114,7 @@ def test_filter_config_errors_before_any_work(tmp_path, overrides, needles):
     assert not (run_dir / "source").exists()   # refused before the first stage
 
 
+@pytest.mark.slow
 def test_scorer_checkpoint_that_does_not_fit(tmp_path):
     from trainers.models import build_model
     from trainers.models.checkpoint import save_model
