@@ -4,8 +4,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from trainers.errors import UserError
 
@@ -59,24 +57,21 @@ def _n(v) -> str:
 def explain(run_dir: Path, key: str) -> list[dict]:
     _require_run(run_dir)
     out = []
-    urls = run_dir / "source" / "urls.parquet"
-    if urls.is_file():
-        t = pq.read_table(urls).filter(pc.equal(pq.read_table(urls).column("key"), key)).to_pylist()
-        if t:
-            out.append({"stage": "(input)", "verdict": "", "reason": "", "score": None,
-                        "detail": f"url={t[0]['url']} caption={t[0]['caption']!r}"})
+    from stages.base import has_ledger, read_ledger
+
     for name in stage_names():
-        path = run_dir / name / "ledger.parquet"
-        if not path.is_file():
+        if not has_ledger(run_dir / name):
             continue
-        table = pq.read_table(path)
-        rows = table.filter(pc.equal(table.column("key"), key)).to_pylist()
-        out.extend(rows)
+        rows = read_ledger(run_dir / name, filters=[("key", "==", key)]).to_pylist()
+        if name == "source" and rows:
+            out.append({"stage": "(input)", "verdict": "", "reason": "", "score": None,
+                        "detail": f"url={rows[0]['url']} caption={rows[0]['caption']!r}"})
+        out.extend({c: r[c] for c in ("key", "stage", "verdict", "reason", "score", "detail")} for r in rows)
         if rows and rows[0]["verdict"] == "dropped":
             break
     if not any(r["stage"] != "(input)" for r in out):
         raise UserError(f"no sample with key {key!r} in {run_dir} "
-                        f"(see the key column of {run_dir}/source/ledger.parquet)")
+                        f"(see the key column of {run_dir}/source/ledger/)")
     return out
 
 

@@ -14,7 +14,9 @@ import json
 import re
 from pathlib import Path
 
-import pyarrow.parquet as pq
+
+
+from stages.base import has_ledger, read_ledger
 
 from trainers.errors import UserError
 
@@ -67,10 +69,9 @@ def _score_charts(run_dir: Path, config: dict) -> list[str]:
             "dedup": [("eval_threshold", stages.get("dedup", {}).get("eval_threshold")),
                       ("within_threshold", stages.get("dedup", {}).get("within_threshold"))]}
     for stage in ("dedup", "language", "clip_score"):   # basic's scores are lengths and ratios: no one axis
-        path = run_dir / stage / "ledger.parquet"
-        if not path.is_file():
+        if not has_ledger(run_dir / stage):
             continue
-        t = pq.read_table(path, columns=["verdict", "score"]).to_pylist()
+        t = read_ledger(run_dir / stage, ["verdict", "score"]).to_pylist()
         kept = [r["score"] for r in t if r["score"] is not None and r["verdict"] == "kept"]
         dropped = [r["score"] for r in t if r["score"] is not None and r["verdict"] == "dropped"]
         if len(kept) + len(dropped) < 2:
@@ -92,20 +93,24 @@ def _score_charts(run_dir: Path, config: dict) -> list[str]:
 
 
 def _sample_grid(run_dir: Path, seed: int, per_reason: int) -> str:
-    from stages.examples import pick, read_images
+    import json as _json
 
-    captions = {}
-    for src in (run_dir / "source" / "urls.parquet", run_dir / "basic" / "captions.parquet"):
-        if src.is_file():
-            t = pq.read_table(src, columns=["key", "caption"]).to_pydict()
-            captions.update(zip(t["key"], t["caption"]))
+    import pyarrow as pa
+
+    from stages.dataplane import Storage, read_images
+    from stages.examples import pick
+
+    storage = Storage.local(run_dir)
     parts = []
     for stage in FILTER_STAGES:
-        path = run_dir / stage / "ledger.parquet"
-        if not path.is_file():
+        if not (run_dir / stage / "parts.json").is_file():
             continue
-        groups = pick(pq.read_table(path), per_reason, seed)
-        images = read_images(run_dir / "ingest", [r["key"] for rows in groups.values() for r in rows])
+        files = [p["file"] for p in _json.loads((run_dir / stage / "parts.json").read_text())]
+        groups = pick(storage, files, per_reason, seed)
+        rows = [r for rs in groups.values() for r in rs]
+        found = read_images(storage, pa.Table.from_pylist(rows)) if rows else []
+        images = {r["key"]: b for r, b in zip(rows, found) if b is not None}
+        captions = {r["key"]: r.get("caption") or "" for r in rows}
         parts.append(f"<h3>{stage}</h3><div class='grid'>")
         for reason, rows in groups.items():
             for r in rows:

@@ -1,11 +1,15 @@
-"""Run the stages in order, each at most once per input.
+"""Run the registered stages in order, each at most once per input; the driver plans and counts.
 
-For each stage: its input digest is the hash of its fingerprint (config section, seed, input
-files) and the previous stage's output digest. If `_SUCCESS` holds that digest, the stage is
-skipped. Otherwise it runs: `_STARTED` records the digest first (a folder started under another
-digest is wiped; under the same one its partial work is resumed), then the stage runs, the runner
-checks in = kept + dropped against the previous stage's kept keys, and writes `ledger.parquet`,
-`stats.json` and, last, `_SUCCESS` with the output digest (a hash of every output file).
+For each stage: its input digest is the hash of its fingerprint (config section, seed, inputs) and
+the previous stage's output digest. If `_SUCCESS` holds that digest, the stage is skipped. Otherwise
+it runs: `_STARTED` records the digest first (a folder started under another digest is wiped; under
+the same one its partial work is resumed), then the stage's workers write their partitions and
+return counts and key-set checksums, which the runner checks (stages/dataplane.py: check_parts)
+before it writes `parts.json`, `stats.json` and, last, `_SUCCESS` with the output digest: a hash of
+the checksums the writers recorded, so nothing is read back to hash it.
+
+The runner treats every stage alike: the stages are `stages.registry.STAGES`, and what happens
+beside them (the demo audit, the MLflow data-build run) are observers called after each stage.
 """
 from __future__ import annotations
 
@@ -13,47 +17,30 @@ import hashlib
 import json
 import shutil
 import time
-from collections import Counter
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
-from stages.base import KEPT, Stage, StageContext
-from stages.basic import BasicStage
-from stages.clip_score import ClipScoreStage
-from stages.clip_score import preflight as clip_score_preflight
-from stages.dedup import DedupStage
-from stages.evaluate import EvalStage
-from stages.dedup import preflight as dedup_preflight
-from stages.ingest import IngestStage
-from stages.language import LanguageStage
-from stages.language import preflight as language_preflight
-from stages.shard import ShardStage
-from stages.tokenizer import TokenizerStage
-from stages.train import TrainStage
-from stages.source import SourceStage, check_url_list, file_sha256, partition_files
+from stages.base import Stage, StageContext
+from stages.dataplane import Storage, check_parts
+from stages.registry import STAGES
 from trainers.errors import UserError
 
-from . import audit
 from .config import RunConfig, save_config
 from .manifest import Manifest, write_json_atomic
+from .observers import OBSERVERS
 
-STAGES: list[Stage] = [SourceStage(), IngestStage(), DedupStage(), BasicStage(), LanguageStage(), ClipScoreStage(),
-                       TokenizerStage(), ShardStage(), TrainStage(), EvalStage()]
-CONTROL_FILES = {"_SUCCESS", "_STARTED", "stats.json"}
+CONTROL_FILES = {"_SUCCESS", "_STARTED", "stats.json", "parts.json"}
 
 
 def stage_names(stages: list[Stage] | None = None) -> list[str]:
     return [s.name for s in (stages or STAGES)]
 
 
-def output_digest(stage_dir: Path) -> str:
+def output_digest(parts: list[dict], files: dict[str, str]) -> str:
+    """From what the writers recorded: each partition's file and sha256, and the stage's other files."""
     h = hashlib.sha256()
-    for path in sorted(stage_dir.rglob("*")):
-        rel = path.relative_to(stage_dir)
-        if not path.is_file() or rel.parts[0] == "_work" or rel.name in CONTROL_FILES:
-            continue
-        h.update(str(rel).encode() + b"\0" + file_sha256(path).encode() + b"\n")
+    entries = sorted([(p["file"], p["sha256"]) for p in parts] + list(files.items()))
+    for rel, sha in entries:
+        h.update(f"{rel}\0{sha}\n".encode())
     return h.hexdigest()
 
 
@@ -67,54 +54,24 @@ def read_marker(stage_dir: Path, name: str = "_SUCCESS") -> dict | None:
         return None
 
 
-def check_invariant(stage: str, ledger_keys: list[str], verdicts: list[str], reasons: list[str],
-                    upstream_kept: list[str] | None) -> dict:
-    """in = kept + dropped, and exactly the upstream's kept samples came in. Returns the counts."""
-    if len(set(ledger_keys)) != len(ledger_keys):
-        raise RuntimeError(f"stage {stage}: a sample has more than one verdict")
-    if upstream_kept is not None:
-        came, got = set(upstream_kept), set(ledger_keys)
-        if came != got:
-            lost, extra = sorted(came - got), sorted(got - came)
-            raise RuntimeError(f"stage {stage}: {len(lost)} samples entered without a verdict "
-                               f"(e.g. {lost[:3]}), {len(extra)} verdicts for samples that never "
-                               f"entered (e.g. {extra[:3]})")
-    kept = sum(v == KEPT for v in verdicts)
-    dropped = Counter(r for v, r in zip(verdicts, reasons) if v != KEPT)
-    if kept + sum(dropped.values()) != len(ledger_keys):
-        raise RuntimeError(f"stage {stage}: in != kept + dropped")
-    return {"in": len(ledger_keys), "kept": kept, "dropped": dict(sorted(dropped.items()))}
+def read_parts(stage_dir: Path) -> list[dict]:
+    return json.loads((stage_dir / "parts.json").read_text())
 
 
-def input_fingerprints(cfg: RunConfig) -> dict:
-    if cfg.source.kind == "urls":
-        return {"source": {"kind": "urls", "path": str(cfg.source.path),
-                           "files": {f.name: file_sha256(f) for f in partition_files(cfg.source)}}}
-    if cfg.source.kind == "openclipart":
-        from stages import openclipart
-
-        root = openclipart.svg_root(cfg.source.path)
-        files = openclipart.list_svgs(root)
-        return {"source": {"kind": "openclipart", "path": str(root), "files": len(files),
-                           "digest": openclipart.tree_digest(root, files), "limit": cfg.source.limit}}
-    return {"source": {"kind": cfg.source.kind, "seed": cfg.seed, "num_samples": cfg.source.num_samples}}
+def input_fingerprints(cfg: RunConfig, stages: list[Stage] | None = None) -> dict:
+    """Each stage's fingerprint of the inputs it reads from outside the run (the source's files)."""
+    out = {}
+    for stage in stages or STAGES:
+        fp = getattr(stage, "input_fingerprint", None)
+        if fp is not None:
+            out[stage.name] = fp(cfg)
+    return out
 
 
-def preflight(cfg: RunConfig) -> None:
-    """Checks that need no cluster, run before one starts: bad inputs fail in a second, not mid-run."""
-    if cfg.source.kind == "urls":
-        check_url_list(cfg.source)
-    if cfg.source.kind == "openclipart":
-        from stages.openclipart import svg_root
-
-        svg_root(cfg.source.path)
-    dedup_preflight(cfg.stages.dedup, None)
-    language_preflight(cfg.stages.language)
-    clip_score_preflight(cfg.stages.clip_score)
-    for es in cfg.stages.dedup.eval_sets:
-        if es.kind == "builtin" and es.path == "demo_heldout" and cfg.source.kind != "synthetic":
-            raise UserError(f"stages.dedup.eval_sets: {es.name} (builtin demo_heldout) exists only for "
-                            "source.kind synthetic; remove it or list your own evaluation sets")
+def preflight(cfg: RunConfig, stages: list[Stage] | None = None) -> None:
+    """Every stage's checks that need no cluster, before one starts: bad inputs fail in a second."""
+    for stage in stages or STAGES:
+        stage.preflight(cfg)
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -134,22 +91,23 @@ def select(until: str | None, only: str | None, stages: list[Stage] | None = Non
 
 
 def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: str | None = None,
-                 log=print, stages: list[Stage] | None = None, store=None) -> dict:
+                 log=print, stages: list[Stage] | None = None, store=None, observers=None) -> dict:
     """Run (or resume) the selected stages. Returns {stage: stats}."""
     stages = stages or STAGES
+    observers = OBSERVERS if observers is None else observers
     wanted = select(until, only, stages)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
-    manifest = Manifest.open(run_dir, cfg.to_dict(), cfg.digest(), cfg.seed, input_fingerprints(cfg))
+    manifest = Manifest.open(run_dir, cfg.to_dict(), cfg.digest(), cfg.seed, input_fingerprints(cfg, stages))
+    storage = Storage.local(run_dir)
     prev_digest = ""
-    upstream: dict[str, Path] = {}
-    upstream_kept: list[str] | None = None
+    upstream: list[dict] | None = None
     summary = {}
     for stage in stages:
         sdir = run_dir / stage.name
         in_digest = hashlib.sha256((stage.fingerprint(cfg) + prev_digest).encode()).hexdigest()
         marker = read_marker(sdir)
-        if marker and marker.get("input_digest") == in_digest:
+        if marker and marker.get("input_digest") == in_digest and (sdir / "parts.json").is_file():
             log(f"{stage.name}: done before with the same input, skipped")
         elif stage.name not in wanted:
             if only:
@@ -157,36 +115,33 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
                                 f"run `capline run --until {stage.name}` first")
             break
         else:
-            marker, artifacts = _run_stage(stage, cfg, run_dir, sdir, in_digest, upstream, upstream_kept, log,
-                                           store.location if store is not None and store.uri else None)
+            ctx = StageContext(name=stage.name, run_dir=run_dir, stage_dir=sdir, config=cfg, storage=storage,
+                               upstream=upstream, artifacts=dict(manifest.data.get("artifacts", {})), log=log,
+                               location=store.location if store is not None and store.uri else None)
+            marker, artifacts = _run_stage(stage, ctx, in_digest)
             manifest.record_stage(stage.name, marker, artifacts)
             if artifacts.get("mlflow_run_id"):
                 manifest.data["mlflow_runs"][stage.name] = artifacts["mlflow_run_id"]
                 manifest.save()
             if store is not None:
                 store.push(stage.name, log)
-        stats = json.loads((sdir / "stats.json").read_text())
-        summary[stage.name] = stats
-        ledger = pq.read_table(sdir / "ledger.parquet", columns=["key", "verdict"]).to_pydict()
-        upstream_kept = [k for k, v in zip(ledger["key"], ledger["verdict"]) if v == KEPT]
-        upstream[stage.name] = sdir
+        summary[stage.name] = json.loads((sdir / "stats.json").read_text())
+        upstream = read_parts(sdir)
         prev_digest = marker["output_digest"]
-        if stage.name == "shard" and cfg.track_data:
-            from .data_tracking import log_data_build
-
-            log_data_build(run_dir, manifest, summary, cfg, log)
+        for obs in observers:
+            obs.after_stage(stage.name, run_dir=run_dir, cfg=cfg, manifest=manifest, summary=summary, log=log)
         if until == stage.name or only == stage.name:
             break
     else:
         # every stage finished: what a later `--incremental` run compares its source with
         manifest.data["completed"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                      "inputs": input_fingerprints(cfg)}
+                                      "inputs": input_fingerprints(cfg, stages)}
         manifest.save()
     return summary
 
 
-def _run_stage(stage: Stage, cfg: RunConfig, run_dir: Path, sdir: Path, in_digest: str,
-               upstream: dict[str, Path], upstream_kept: list[str] | None, log, location=None) -> dict:
+def _run_stage(stage: Stage, ctx: StageContext, in_digest: str) -> tuple[dict, dict]:
+    sdir = ctx.stage_dir
     started = read_marker(sdir, "_STARTED")
     if sdir.exists() and (started is None or started.get("input_digest") != in_digest):
         # made from other inputs: nothing in it can be trusted, except the stage's own
@@ -198,24 +153,23 @@ def _run_stage(stage: Stage, cfg: RunConfig, run_dir: Path, sdir: Path, in_diges
     sdir.mkdir(parents=True, exist_ok=True)
     (sdir / "_SUCCESS").unlink(missing_ok=True)
     write_json_atomic(sdir / "_STARTED", {"input_digest": in_digest})
-    log(f"{stage.name}: running" + (" (resuming partial work)" if started else ""))
+    ctx.log(f"{stage.name}: running" + (" (resuming partial work)" if started else ""))
     t0 = time.time()
-    ctx = StageContext(run_dir=run_dir, stage_dir=sdir, config=cfg, upstream=dict(upstream),
-                       upstream_kept=upstream_kept, log=log, location=location)
     result = stage.run(ctx)
-    table = result.ledger.table()
-    counts = check_invariant(stage.name, table.column("key").to_pylist(),
-                             table.column("verdict").to_pylist(), table.column("reason").to_pylist(),
-                             upstream_kept)
-    pq.write_table(table, sdir / "ledger.parquet")
+    counts = check_parts(stage.name, result.parts, ctx.upstream)
+    written = {p["file"] for p in result.parts}
+    for stale in ctx.storage.list(f"{stage.name}/ledger", ".parquet"):
+        if stale not in written:
+            ctx.storage.delete(stale)    # partitions of an earlier, larger input
     wall = time.time() - t0
-    stats = {"stage": stage.name, **counts, "wall_seconds": round(wall, 3), **result.extra_stats}
+    parts = sorted(result.parts, key=lambda p: p["part"])
+    write_json_atomic(sdir / "parts.json", parts)
+    stats = {"stage": stage.name, **counts, "partitions": len(parts), "wall_seconds": round(wall, 3),
+             **result.extra_stats}
     write_json_atomic(sdir / "stats.json", stats)
-    marker = {"input_digest": in_digest, "output_digest": output_digest(sdir),
+    marker = {"input_digest": in_digest, "output_digest": output_digest(parts, result.files),
               "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_json_atomic(sdir / "_SUCCESS", marker)
     dropped = ", ".join(f"{k}={v}" for k, v in counts["dropped"].items()) or "none"
-    log(f"{stage.name}: {counts['in']} in, {counts['kept']} kept, dropped: {dropped} ({wall:.1f}s)")
-    if cfg.source.kind == "synthetic":
-        audit.after_stage(stage.name, run_dir, log)
+    ctx.log(f"{stage.name}: {counts['in']} in, {counts['kept']} kept, dropped: {dropped} ({wall:.1f}s)")
     return marker, result.artifacts

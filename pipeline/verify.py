@@ -10,7 +10,6 @@ import json
 import tarfile
 from pathlib import Path
 
-import pyarrow.parquet as pq
 
 from stages.source import file_sha256 as sha256_file
 from trainers.errors import UserError
@@ -90,11 +89,12 @@ def compare_runs(a: Path, b: Path) -> list[str]:
 def drift(old_run: Path, new_run: Path) -> dict:
     """URLs that died and URLs whose content changed between two runs' downloads."""
     def load(run):
-        path = run / "ingest" / "content.parquet"
-        if not path.is_file():
-            raise UserError(f"{run}: no ingest/content.parquet to compare downloads with")
-        t = pq.read_table(path).to_pydict()
-        return {k: (s, h) for k, s, h in zip(t["key"], t["status"], t["sha256"])}
+        from stages.base import has_ledger, read_ledger
+
+        if not has_ledger(run / "ingest"):
+            raise UserError(f"{run}: no ingest ledger to compare downloads with")
+        t = read_ledger(run / "ingest", ["key", "verdict", "sha256"]).to_pydict()
+        return {k: ("success" if v == "kept" else "failed", h) for k, v, h in zip(t["key"], t["verdict"], t["sha256"])}
 
     old, new = load(old_run), load(new_run)
     died = sorted(k for k, (s, _) in old.items() if s == "success" and new.get(k, ("missing", None))[0] != "success")

@@ -1,10 +1,13 @@
 """The stage contract.
 
-A stage has a `name`, picks its config section out of the run config, and `run(ctx)` reads the
-previous stage's output (`ctx.upstream`) and writes its own under `ctx.stage_dir`. It returns a
-StageResult whose ledger holds one row per sample that entered it: kept, or dropped with a reason.
-The runner (pipeline/runner.py) does the rest: it checks in = kept + dropped against the upstream
-stage's kept keys, writes `ledger.parquet`, `stats.json` and, last, `_SUCCESS`.
+A stage declares its `name`, its config `section`, a `preflight` (checks that need no cluster), a
+`fingerprint` (what besides the previous stage's output decides its result) and `run(ctx)`. It
+reads the previous stage's kept samples through `ctx` (`ctx.upstream`: that stage's partitions;
+`ctx.map_parts`: a Ray task per partition; `ctx.samples()`: the same rows as a Ray Dataset), and
+other stages' outputs only through the artifacts they registered (`ctx.artifact`). Its per-sample
+results are partitions written by the workers (stages/dataplane.py); `run` returns their
+PartResults, never rows. The runner (pipeline/runner.py) checks in = kept + dropped from those,
+writes `parts.json`, `stats.json` and, last, `_SUCCESS`.
 """
 from __future__ import annotations
 
@@ -17,74 +20,56 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-KEPT, DROPPED = "kept", "dropped"
-
-LEDGER_SCHEMA = pa.schema([
-    ("key", pa.string()),
-    ("stage", pa.string()),
-    ("verdict", pa.string()),
-    ("reason", pa.string()),
-    ("score", pa.float64()),
-    ("detail", pa.string()),
-])
-
-
-class Ledger:
-    """Collects one verdict per sample key for one stage."""
-
-    def __init__(self, stage: str):
-        self.stage = stage
-        self._rows: dict[str, tuple[str, str, float | None, str]] = {}
-
-    def keep(self, key: str, score: float | None = None, detail: str = "") -> None:
-        self._add(key, KEPT, "", score, detail)
-
-    def drop(self, key: str, reason: str, score: float | None = None, detail: str = "") -> None:
-        if not reason:
-            raise ValueError(f"stage {self.stage}: dropping {key} needs a reason")
-        self._add(key, DROPPED, reason, score, detail)
-
-    def _add(self, key, verdict, reason, score, detail):
-        if key in self._rows:
-            raise ValueError(f"stage {self.stage}: sample {key} got two verdicts")
-        self._rows[key] = (verdict, reason, None if score is None else float(score), detail or "")
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def kept_keys(self) -> list[str]:
-        return [k for k, v in self._rows.items() if v[0] == KEPT]
-
-    def table(self) -> pa.Table:
-        keys = sorted(self._rows)
-        rows = [self._rows[k] for k in keys]
-        return pa.table({
-            "key": keys,
-            "stage": [self.stage] * len(keys),
-            "verdict": [r[0] for r in rows],
-            "reason": [r[1] for r in rows],
-            "score": [r[2] for r in rows],
-            "detail": [r[3] for r in rows],
-        }, schema=LEDGER_SCHEMA)
+from .dataplane import DROPPED, KEPT, PartTask, Storage, map_parts, one_to_one  # noqa: F401 - re-exported
 
 
 @dataclass
 class StageContext:
+    name: str                        # this stage
     run_dir: Path
     stage_dir: Path
     config: Any                      # the whole typed run config
-    upstream: dict[str, Path]        # finished earlier stages: name -> their folder
-    upstream_kept: list[str] | None  # keys the previous stage kept (None for the first stage)
+    storage: Storage                 # the run folder's filesystem, as workers reach it
+    upstream: list[dict] | None      # the previous stage's PartResults (None for the first stage)
+    artifacts: dict[str, dict] = field(default_factory=dict)   # finished stages' registered outputs
     log: Callable[[str], None] = print
     # for a run folder in object storage: relative path -> its URI there (None: a local run)
     location: Callable[[str], Any] | None = None
 
+    def map_parts(self, fn: Callable, tasks: list[PartTask] | None = None, num_cpus: float = 1.0,
+                  num_gpus: float = 0.0, **kwargs) -> list[dict]:
+        """`fn(table, **kwargs) -> (verdicts, extra)` over each partition (default: one task per
+        upstream partition, same name), in Ray tasks that write their own part files."""
+        return map_parts(self, fn, tasks if tasks is not None else one_to_one(self.upstream or [], **kwargs),
+                         num_cpus=num_cpus, num_gpus=num_gpus)
+
+    def samples(self, columns: list[str] | None = None):
+        """The previous stage's kept samples as a Ray Dataset, read by the workers from storage."""
+        import ray
+
+        files = [self.storage.path(u["file"]) for u in self.upstream or [] if u["kept"]]
+        ds = ray.data.read_parquet(files, filesystem=self.storage.fs)
+        ds = ds.filter(expr="verdict == 'kept'")
+        return ds.select_columns(columns) if columns else ds
+
+    def artifact(self, stage: str, key: str) -> Path:
+        """A file another stage registered (its StageResult.artifacts), as a path under the run folder."""
+        try:
+            return self.run_dir / self.artifacts[stage][key]
+        except KeyError:
+            raise RuntimeError(f"{self.name}: stage {stage} registered no artifact {key!r}") from None
+
+    @property
+    def n_in(self) -> int:
+        return sum(u["kept"] for u in self.upstream or [])
+
 
 @dataclass
 class StageResult:
-    ledger: Ledger
+    parts: list[dict]                                    # PartResults, one per partition written
     extra_stats: dict = field(default_factory=dict)
-    artifacts: dict = field(default_factory=dict)   # recorded in manifest.json (paths, checksums)
+    artifacts: dict = field(default_factory=dict)        # recorded in manifest.json (paths, checksums)
+    files: dict = field(default_factory=dict)            # other outputs: run-relative path -> sha256
 
 
 class Stage:
@@ -97,6 +82,9 @@ class Stage:
     def section(self, config) -> Any:
         raise NotImplementedError
 
+    def preflight(self, config) -> None:
+        """Checks that need no cluster (bad paths, unknown codes): fail in a second, not mid-run."""
+
     def fingerprint(self, config) -> str:
         """What, besides the upstream output, decides this stage's result (JSON text)."""
         section = self.section(config)
@@ -107,5 +95,20 @@ class Stage:
         raise NotImplementedError
 
 
-def read_ledger(stage_dir: Path) -> pa.Table:
-    return pq.read_table(stage_dir / "ledger.parquet")
+def read_ledger(stage_dir: Path, columns: list[str] | None = None, filters=None) -> pa.Table:
+    """A finished stage's ledger: all its partitions (for tools that inspect a run, not for stages)."""
+    stage_dir = Path(stage_dir)
+    if (stage_dir / "parts.json").is_file():
+        files = [stage_dir.parent / p["file"] for p in json.loads((stage_dir / "parts.json").read_text())]
+    else:   # a stage still running: what its workers have written so far
+        files = sorted((stage_dir / "ledger").glob("*.parquet"))
+    if not files:
+        from .dataplane import SAMPLE_SCHEMA
+
+        schema = SAMPLE_SCHEMA if columns is None else pa.schema([SAMPLE_SCHEMA.field(c) for c in columns])
+        return schema.empty_table()
+    return pq.read_table([str(f) for f in files], columns=columns, filters=filters)
+
+
+def has_ledger(stage_dir: Path) -> bool:
+    return (Path(stage_dir) / "parts.json").is_file() or (Path(stage_dir) / "ledger").is_dir()

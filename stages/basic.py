@@ -11,20 +11,19 @@ Per sample, in this order (the first failing check names the reason):
     words outside [min_words, max_words] -> `caption_too_few_words` / `caption_too_many_words`.
   image (its size as downloaded, before ingest resized it): shorter side < min_image_side ->
     `image_too_small`; long/short side > max_aspect_ratio -> `aspect_ratio`.
-Kept samples' cleaned captions go to `basic/captions.parquet`; a repaired caption's ledger detail is
-`repaired`. `report.html` shows examples of every drop reason.
+Kept samples carry their cleaned caption to every later stage (the partition's `caption` column); a
+repaired caption's ledger detail is `repaired`. A task per partition does the work. `report.html` shows examples of every drop reason.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from trainers.configtools import join, require
 
-from .base import Ledger, Stage, StageContext, StageResult
-from .captions import caption_map, clean_caption
+from .base import DROPPED, KEPT, Stage, StageContext, StageResult
+from .captions import clean_caption
 from .examples import write_examples
 
 
@@ -82,16 +81,28 @@ def judge_image(width: int | None, height: int | None, cfg: BasicConfig) -> tupl
     return "", None
 
 
-def original_sizes(ingest_dir) -> dict[str, tuple[int, int]]:
-    from .ingest import shard_paths
-
-    sizes = {}
-    for tar in shard_paths(ingest_dir):
-        t = pq.read_table(tar.with_suffix(".parquet"), columns=["uid", "status", "original_width", "original_height"])
-        for r in t.to_pylist():
-            if r["status"] == "success":
-                sizes[r["uid"]] = (r["original_width"], r["original_height"])
-    return sizes
+def judge(table: pa.Table, cfg: BasicConfig) -> tuple[pa.Table, dict]:
+    """One partition: each caption cleaned and judged, then its image's original size."""
+    out = {c: [] for c in ("key", "verdict", "reason", "score", "detail", "caption")}
+    repaired = 0
+    for key, raw, w, h in zip(*(table.column(c).to_pylist() for c in ("key", "caption", "width", "height"))):
+        raw = raw or ""
+        if not cfg.enabled:
+            row = (key, KEPT, "", None, "", raw)
+        else:
+            cleaned, reason, score = judge_caption(raw, cfg)
+            if not reason:
+                reason, score = judge_image(w, h, cfg)
+            if reason:
+                row = (key, DROPPED, reason, score, cleaned[:300], cleaned)
+            else:
+                repaired += cleaned != raw
+                row = (key, KEPT, "", None, "repaired" if cleaned != raw else "", cleaned)
+        for c, v in zip(out, row):
+            out[c].append(v)
+    return pa.table(out, schema=pa.schema([("key", pa.string()), ("verdict", pa.string()), ("reason", pa.string()),
+                                           ("score", pa.float64()), ("detail", pa.string()),
+                                           ("caption", pa.string())])), {"repaired": repaired}
 
 
 class BasicStage(Stage):
@@ -102,32 +113,10 @@ class BasicStage(Stage):
 
     def run(self, ctx: StageContext) -> StageResult:
         cfg: BasicConfig = ctx.config.stages.basic
-        captions = caption_map(ctx.upstream)
-        sizes = original_sizes(ctx.upstream["ingest"])
-        ledger = Ledger(self.name)
-        kept_keys, kept_caps, repaired = [], [], 0
-        for key in sorted(ctx.upstream_kept or []):
-            raw = captions[key]
-            if not cfg.enabled:
-                ledger.keep(key)
-                kept_keys.append(key)
-                kept_caps.append(raw)
-                continue
-            cleaned, reason, score = judge_caption(raw, cfg)
-            if not reason:
-                reason, score = judge_image(*sizes.get(key, (None, None)), cfg)
-            if reason:
-                ledger.drop(key, reason, score=score, detail=cleaned[:300])
-                continue
-            changed = cleaned != raw
-            repaired += changed
-            ledger.keep(key, detail="repaired" if changed else "")
-            kept_keys.append(key)
-            kept_caps.append(cleaned)
-        pq.write_table(pa.table({"key": kept_keys, "caption": kept_caps}), ctx.stage_dir / "captions.parquet")
-        shown = write_examples(ctx, ledger.table(), {**captions, **dict(zip(kept_keys, kept_caps))},
-                               cfg.examples_per_reason, "Basic filter")
+        parts = ctx.map_parts(judge, cfg=cfg)
+        repaired = sum(p["extra"]["repaired"] for p in parts)
+        shown = write_examples(ctx, parts, cfg.examples_per_reason, "Basic filter")
         ctx.log(f"basic: {repaired} captions repaired; examples in {shown}")
-        return StageResult(ledger, {"enabled": cfg.enabled, "captions_repaired": repaired,
-                                    "bounds": {k: v for k, v in vars(cfg).items() if k != "examples_per_reason"}},
-                           artifacts={"captions": "basic/captions.parquet", "report": "basic/report.html"})
+        return StageResult(parts, {"enabled": cfg.enabled, "captions_repaired": repaired,
+                                   "bounds": {k: v for k, v in vars(cfg).items() if k != "examples_per_reason"}},
+                           artifacts={"report": "basic/report.html"})

@@ -4,33 +4,36 @@ The score is the cosine of the image and caption embeddings of a scorer (stages/
 - `scorer: checkpoint`: a capline CLIP* / SigLIP / CoCa checkpoint folder (and its tokenizer);
 - `scorer: bootstrap`: a small CLIP* trained here, first, on a trusted subset
   (`bootstrap.trusted_keys`) or on this stage's own input (deduplicated, language-filtered data).
-Scoring runs as a Ray Data actor pool over the ingest shards; each actor loads the scorer once and
-scores batches on CPU or GPU (`device`).
+Scoring runs as a Ray task per partition, reading its images through the sample index; each worker
+process loads the scorer once and scores on CPU or GPU (`device`), writing `_work/scores/<part>`.
 
-What is kept: score >= `threshold` (LAION: 0.28 with CLIP B/32), or the top `keep_fraction` by one
-global sort over every score of the stage (DataComp: top 30 %), ties broken by key. Scores are
-rounded to 1e-6 first, so the last bits of a float sum cannot change a verdict. Dropped samples get
+What is kept: score >= `threshold` (LAION: 0.28 with CLIP B/32), or the top `keep_fraction` of every
+score of the stage (DataComp: top 30 %), ties broken by key (the smaller wins). Scores are rounded
+to 1e-6 first, so the last bits of a float sum cannot change a verdict, and so a score is one of
+2,000,001 values: the cut is an exact distributed quantile, from the partitions' counts per value,
+and only the keys tied at the cut value come to the driver. Dropped samples get
 reason `clip_score` with the score and the cut in the detail. Stats name the scorer, its checksum,
 the cut and a histogram of scores.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
+import pyarrow.compute as pc
 
 from trainers.configtools import join, require
 from trainers.errors import UserError
 
-from .actor_map import collect, ingest_dataset, map_actors
-from .base import Ledger, Stage, StageContext, StageResult
-from .captions import caption_map
-from .examples import read_images, write_examples
+from .base import DROPPED, KEPT, PartTask, Stage, StageContext, StageResult
+from .dataplane import read_images, read_kept, run_tasks
+from .examples import write_examples
 from .scorer import BootstrapConfig, Scorer, check_scorer, read_trusted_keys, train_bootstrap
 from .tokenizer import order_key
 
@@ -45,7 +48,7 @@ class ClipScoreConfig:
     keep_fraction: float | None = 0.3  # ... or the top fraction (DataComp's best: 30 %); set one of them
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
     num_workers: int = 2
-    cpus_per_worker: float = 0.75    # < 1: see stages/actor_map.py
+    cpus_per_worker: float = 0.75    # < 1 leaves room for the tasks that read partitions
     gpus_per_worker: float = 0.0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     batch_size: int = 256
@@ -70,37 +73,84 @@ def preflight(cfg: ClipScoreConfig) -> None:
         check_scorer(cfg.checkpoint, cfg.tokenizer)
 
 
+SCALE = 1_000_000   # scores as integers of 1e-6
+
+
 def select(keys: list[str], scores: np.ndarray, threshold: float | None, keep_fraction: float | None):
-    """-> (boolean keep mask, the cut). Pure and deterministic: ties go to the smaller key."""
-    scores = np.round(np.asarray(scores, np.float64), 6)
+    """-> (boolean keep mask, the cut). The rule, on one table: ties go to the smaller key.
+    The stage applies the same rule distributed (`cut_from_counts` + `keeps`)."""
+    ints = np.round(np.asarray(scores, np.float64) * SCALE).astype(np.int64)
     if threshold is not None:
-        return scores >= threshold, float(threshold)
-    n = len(keys)
+        return ints >= round(threshold * SCALE), float(threshold)
+    c, m = cut_from_counts(Counter(ints.tolist()), len(keys), keep_fraction)
+    tie_keys = sorted(k for k, v in zip(keys, ints) if v == c)
+    last = tie_keys[m - 1] if m else None
+    keep = np.array([keeps(v, k, c, last) for k, v in zip(keys, ints)], bool)
+    return keep, (c / SCALE if c is not None else float("inf"))
+
+
+def cut_from_counts(counts: Counter, n: int, keep_fraction: float) -> tuple[int | None, int]:
+    """From the count of each integer score: (the cut value c, how many samples tied at c to keep)."""
     n_keep = min(n, math.ceil(keep_fraction * n - 1e-9))
-    order = sorted(range(n), key=lambda i: (-scores[i], keys[i]))
-    keep = np.zeros(n, bool)
-    keep[order[:n_keep]] = True
-    return keep, float(scores[order[n_keep - 1]]) if n_keep else float("inf")
+    if n_keep == 0:
+        return None, 0
+    above = 0
+    for value in sorted(counts, reverse=True):
+        if above + counts[value] >= n_keep:
+            return value, n_keep - above
+        above += counts[value]
+    raise AssertionError("counts add up to fewer than n samples")
 
 
-class _Score:
-    """Ray Data actor: score the batch's pairs that are in this stage's input."""
+def keeps(score: int, key: str, cut: int | None, last_tied: str | None) -> bool:
+    if cut is None:
+        return False
+    return score > cut or (score == cut and last_tied is not None and key <= last_tied)
 
-    def __init__(self, checkpoint: str, tokenizer: str | None, device: str, pairs_path: str):
-        t = pq.read_table(pairs_path).to_pydict()
-        self.captions = dict(zip(t["key"], t["caption"]))
-        self.scorer = Scorer(checkpoint, tokenizer, device)
 
-    def __call__(self, batch: dict) -> dict:
-        keys, images, caps = [], [], []
-        for img, meta in zip(batch["jpg"], batch["json"]):
-            key = json.loads(meta)["uid"]
-            if key in self.captions:
-                keys.append(key)
-                images.append(bytes(img))
-                caps.append(self.captions[key])
-        scores = self.scorer.score(images, caps) if keys else np.zeros(0)
-        return {"key": np.array(keys, dtype=object), "score": np.asarray(scores, np.float64)}
+@functools.lru_cache(maxsize=2)
+def _scorer(checkpoint: str, tokenizer: str | None, device: str) -> Scorer:
+    return Scorer(checkpoint, tokenizer, device)   # once per worker process
+
+
+def _score_task(storage, part: str, file: str, checkpoint: str, tokenizer: str | None, device: str) -> dict:
+    """Ray task: score one partition, write its scores, return how many of each value."""
+    rows = read_kept(storage, file, ["key", "caption", "tar", "offset", "size"])
+    images = read_images(storage, rows)
+    scores = _scorer(checkpoint, tokenizer, device).score(images, rows.column("caption").to_pylist()) \
+        if rows.num_rows else np.zeros(0)
+    ints = np.round(np.asarray(scores, np.float64) * SCALE).astype(np.int64)
+    storage.write_table(f"clip_score/_work/scores/{part}.parquet",
+                        pa.table({"key": rows.column("key"), "score": pa.array(ints, pa.int64())}))
+    values, counts = np.unique(ints, return_counts=True)
+    return {"part": part, "values": values.tolist(), "counts": counts.tolist()}
+
+
+def _tied_task(storage, part: str, cut: int) -> list[str]:
+    t = storage.read_table(f"clip_score/_work/scores/{part}.parquet")
+    return t.filter(pc.equal(t.column("score"), cut)).column("key").to_pylist()
+
+
+def _decide(table: pa.Table, storage, part: str, threshold: float | None, cut: int | None, last_tied: str | None,
+            how: str) -> tuple[pa.Table, dict]:
+    t = storage.read_table(f"clip_score/_work/scores/{part}.parquet")
+    score = dict(zip(t.column("key").to_pylist(), t.column("score").to_pylist()))
+    out = {c: [] for c in ("key", "verdict", "reason", "score", "detail")}
+    for k in table.column("key").to_pylist():
+        v = score[k]
+        kept = v >= round(threshold * SCALE) if threshold is not None else keeps(v, k, cut, last_tied)
+        for c, x in zip(out, (k, KEPT if kept else DROPPED, "" if kept else "clip_score", v / SCALE,
+                              "" if kept else f"below {how}")):
+            out[c].append(x)
+    return pa.table(out, schema=pa.schema([("key", pa.string()), ("verdict", pa.string()), ("reason", pa.string()),
+                                           ("score", pa.float64()), ("detail", pa.string())])), {}
+
+
+def _sample_task(storage, file: str, seed: int, below: str, trusted: frozenset | None) -> list[dict]:
+    """Ray task: the partition's rows whose seeded order key is below `below` (and trusted, if listed)."""
+    rows = read_kept(storage, file, ["key", "caption", "tar", "offset", "size"]).to_pylist()
+    return [dict(r, order=order_key(seed, r["key"])) for r in rows
+            if order_key(seed, r["key"]) < below and (trusted is None or r["key"] in trusted)]
 
 
 class ClipScoreStage(Stage):
@@ -109,47 +159,63 @@ class ClipScoreStage(Stage):
     def section(self, config) -> ClipScoreConfig:
         return config.stages.clip_score
 
+    def preflight(self, config) -> None:
+        preflight(config.stages.clip_score)
+
     def run(self, ctx: StageContext) -> StageResult:
+        import ray
+
         cfg: ClipScoreConfig = ctx.config.stages.clip_score
-        ledger = Ledger(self.name)
-        keys = sorted(ctx.upstream_kept or [])
-        if not cfg.enabled or not keys:
-            for k in keys:
-                ledger.keep(k)
-            return StageResult(ledger, {"enabled": cfg.enabled})
-        captions = caption_map(ctx.upstream)
-        scorer = self._scorer(ctx, cfg, keys, captions)
-        work = ctx.stage_dir / "_work"
-        work.mkdir(exist_ok=True)
-        pairs = work / "pairs.parquet"
-        pq.write_table(pa.table({"key": keys, "caption": [captions[k] for k in keys]}), pairs)
-        ds = map_actors(ingest_dataset(ctx.upstream["ingest"]), _Score,
-                        (scorer["path"], scorer.get("tokenizer"), cfg.device, str(pairs)),
-                        cfg.num_workers, cfg.batch_size, cfg.cpus_per_worker, cfg.gpus_per_worker)
-        out = collect(ds, ["key", "score"])
-        got = [str(k) for k in out["key"]]
-        if got != keys:
-            raise RuntimeError(f"clip_score: scored {len(got)} of {len(keys)} samples; "
-                               f"missing e.g. {sorted(set(keys) - set(got))[:3]}")
-        keep, cut = select(keys, out["score"], cfg.threshold, cfg.keep_fraction)
-        how = (f"threshold {cfg.threshold}" if cfg.threshold is not None
-               else f"top {cfg.keep_fraction:.0%} cut {cut:.6f}")
-        for k, s, kept in zip(keys, out["score"], keep):
-            if kept:
-                ledger.keep(k, score=round(float(s), 6))
-            else:
-                ledger.drop(k, "clip_score", score=round(float(s), 6), detail=f"below {how}")
-        counts, edges = np.histogram(out["score"], bins=40)
-        shown = write_examples(ctx, ledger.table(), captions, cfg.examples_per_reason, "CLIP-score filter")
-        ctx.log(f"clip_score: {scorer['kind']} scorer {scorer['sha256'][:12]}, kept {int(keep.sum())} "
-                f"of {len(keys)} at {how}; examples in {shown}")
-        return StageResult(ledger, {
+        upstream = ctx.upstream or []
+        n = ctx.n_in
+        if not cfg.enabled or not n:
+            from .dataplane import passthrough
+
+            return StageResult(ctx.map_parts(passthrough), {"enabled": cfg.enabled})
+        scorer = self._scorer(ctx, cfg)
+        score = ray.remote(num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker or None,
+                           max_retries=2)(_score_task)
+        found = run_tasks(score, [(ctx.storage, u["part"], u["file"], scorer["path"], scorer.get("tokenizer"),
+                                   cfg.device) for u in upstream], "clip_score", ctx.log,
+                          max_in_flight=cfg.num_workers, describe=lambda c: f"partition {c[1]}")
+        counts: Counter = Counter()
+        for f in found:
+            counts.update(dict(zip(f["values"], f["counts"])))
+        cut = last = None
+        if cfg.threshold is not None:
+            how, cut_value = f"threshold {cfg.threshold}", float(cfg.threshold)
+        else:
+            cut, m = cut_from_counts(counts, n, cfg.keep_fraction)
+            if cut is not None and m < counts[cut]:   # only then do ties decide: fetch the tied keys alone
+                tied = ray.remote(num_cpus=0.25)(_tied_task)
+                keys = sorted(k for ks in ray.get([tied.remote(ctx.storage, u["part"], cut) for u in upstream])
+                              for k in ks)
+                last = keys[m - 1]
+            elif cut is not None:
+                last = "\uffff"   # every sample at the cut value is kept
+            cut_value = cut / SCALE if cut is not None else float("inf")
+            how = f"top {cfg.keep_fraction:.0%} cut {cut_value:.6f}"
+        tasks = [PartTask(u["part"], u["file"], u["part"],
+                          kwargs={"storage": ctx.storage, "part": u["part"], "threshold": cfg.threshold, "cut": cut,
+                                  "last_tied": last, "how": how}) for u in upstream]
+        parts = ctx.map_parts(_decide, tasks, num_cpus=0.5)
+        kept = sum(p["kept"] for p in parts)
+        values = np.array(sorted(counts), np.float64) / SCALE
+        weights = np.array([counts[v] for v in sorted(counts)], np.float64)
+        hist, edges = np.histogram(values, bins=40, weights=weights)
+        mean = float((values * weights).sum() / weights.sum())
+        shown = write_examples(ctx, parts, cfg.examples_per_reason, "CLIP-score filter")
+        ctx.log(f"clip_score: {scorer['kind']} scorer {scorer['sha256'][:12]}, kept {kept} "
+                f"of {n} at {how}; examples in {shown}")
+        return StageResult(parts, {
             "enabled": True, "scorer": scorer, "threshold": cfg.threshold, "keep_fraction": cfg.keep_fraction,
-            "cut": cut, "score_mean": float(np.mean(out["score"])),
-            "histogram": {"counts": counts.tolist(), "edges": [round(float(e), 6) for e in edges]}},
+            "cut": cut_value, "score_mean": mean,
+            "histogram": {"counts": hist.astype(int).tolist(), "edges": [round(float(e), 6) for e in edges]}},
             artifacts={"scorer": scorer["path"], "scorer_sha256": scorer["sha256"], "report": "clip_score/report.html"})
 
-    def _scorer(self, ctx: StageContext, cfg: ClipScoreConfig, keys: list[str], captions: dict[str, str]) -> dict:
+    def _scorer(self, ctx: StageContext, cfg: ClipScoreConfig) -> dict:
+        import ray
+
         if cfg.scorer == "checkpoint":
             return check_scorer(cfg.checkpoint, cfg.tokenizer)
         out = ctx.stage_dir / "scorer"
@@ -158,19 +224,26 @@ class ClipScoreStage(Stage):
             ctx.log("clip_score: reusing the bootstrap scorer trained before the interruption")
             return json.loads(done.read_text())
         b = cfg.bootstrap
-        pool = keys
-        if b.trusted_keys:
-            trusted = set(read_trusted_keys(b.trusted_keys))
-            pool = [k for k in keys if k in trusted]
-            if len(pool) < 2:
-                raise UserError(f"stages.clip_score.bootstrap.trusted_keys: {len(pool)} of its keys reach this "
-                                f"stage ({len(trusted)} listed); name keys of samples that survive the earlier stages")
-        train_keys = sorted(pool, key=lambda k: order_key(ctx.config.seed, k))[: b.max_samples]
-        images = read_images(ctx.upstream["ingest"], train_keys)
-        ctx.log(f"clip_score: training the bootstrap scorer on {len(train_keys)} "
+        trusted = frozenset(read_trusted_keys(b.trusted_keys)) if b.trusted_keys else None
+        pool = len(trusted) if trusted is not None else ctx.n_in
+        # the first max_samples keys in seeded order, without sorting them all: take those whose order
+        # key falls under a threshold that should catch a few more, widen it if it caught too few
+        frac = min(1.0, 1.5 * b.max_samples / max(1, min(pool, ctx.n_in)))
+        sample = ray.remote(num_cpus=0.25)(_sample_task)
+        while True:
+            below = "f" * 64 if frac >= 1 else format(int(frac * 16 ** 16), "016x") + "0" * 48
+            rows = [r for rs in ray.get([sample.remote(ctx.storage, u["file"], ctx.config.seed, below, trusted)
+                                         for u in ctx.upstream or []]) for r in rs]
+            if len(rows) >= b.max_samples or frac >= 1:
+                break
+            frac = min(1.0, frac * 2)
+        rows = sorted(rows, key=lambda r: r["order"])[: b.max_samples]
+        if trusted is not None and len(rows) < 2:
+            raise UserError(f"stages.clip_score.bootstrap.trusted_keys: {len(rows)} of its keys reach this "
+                            f"stage ({len(trusted)} listed); name keys of samples that survive the earlier stages")
+        ctx.log(f"clip_score: training the bootstrap scorer on {len(rows)} "
                 f"{'trusted' if b.trusted_keys else 'input'} pairs ({b.steps} steps of {b.batch_size})")
-        info = _train_remote(images=[images[k] for k in train_keys], captions=[captions[k] for k in train_keys],
-                             cfg=b, seed=ctx.config.seed, out_dir=str(out))
+        info = _train_remote(storage=ctx.storage, rows=rows, cfg=b, seed=ctx.config.seed, out_dir=str(out))
         info["trusted_keys"] = b.trusted_keys
         done.write_text(json.dumps(info, indent=1, sort_keys=True))
         return info
@@ -185,8 +258,9 @@ def _train_remote(**kwargs) -> dict:
     return ray.get(task.remote(**kwargs))
 
 
-def _train_task(**kwargs) -> dict:
+def _train_task(storage, rows: list[dict], **kwargs) -> dict:
     import torch
 
     torch.set_num_threads(max(1, int(kwargs["cfg"].cpus)))
-    return train_bootstrap(**kwargs)
+    images = read_images(storage, pa.Table.from_pylist(rows))
+    return train_bootstrap(images=images, captions=[r["caption"] for r in rows], **kwargs)

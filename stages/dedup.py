@@ -2,33 +2,39 @@
 
 1. Each evaluation set in `eval_sets` gets a reference index (stages/eval_sets.py; built once and
    cached by content and parameters).
-2. Ray Data reads the ingest shards; `map_batches` with an actor pool describes every image
-   (stages/imagehash.py) and searches the evaluation indexes, each actor loading them once.
-3. On the driver, deterministically (same result with any number of workers, on every rerun):
-   - a match at cosine >= `eval_threshold` is dropped as `eval_duplicate:<set>` (detail
-     `eval_duplicate:<set>:<id>`, the cosine as score);
-   - identical pixels, or the same URL and caption, are `exact_duplicate`; images at cosine >=
-     `within_threshold` are `near_duplicate`; of each cluster the smallest key is kept, the rest
-     name it in their detail `duplicate_of=<key>`.
+2. A Ray task per partition reads its images through the sample index, describes each
+   (stages/imagehash.py), searches the evaluation indexes (loaded once per worker), writes the
+   descriptors to `_work/desc/<part>.parquet` and each sample's signatures into hash buckets
+   (`_work/sig/bNNN/<part>.parquet`): its pixel hash, its URL+caption hash, and the bands of its
+   SimHash code (banded LSH).
+3. A task per bucket groups the signatures: equal pixels or URL+caption make `exact_duplicate`
+   pairs; codes that share a band, are within the Hamming radius the cosine threshold implies and
+   agree in colour make candidate pairs, which one task checks by exact cosine.
+4. The driver joins the (few) pairs into clusters: of each cluster the smallest key is kept, the
+   rest name it in their detail `duplicate_of=<key>`. A task per partition writes the verdicts,
+   with a match at cosine >= `eval_threshold` dropped as `eval_duplicate:<set>` (detail
+   `eval_duplicate:<set>:<id>`, the cosine as score). The same result with any number of workers.
 
 With `encoder_checkpoint` (a capline model directory), encoder embeddings are compared as well, by
 cosine at `encoder_threshold`, through the same index class: either path can flag a match.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
-import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from trainers.configtools import join, require
 from trainers.errors import UserError
 
-from .actor_map import collect, ingest_dataset, map_actors
-from .base import Ledger, Stage, StageContext, StageResult
+from .base import Stage, StageContext, StageResult
+from .dataplane import DROPPED, KEPT, PartTask, key_hashes, read_images, run_tasks
 from .eval_sets import EvalSetConfig, build_reference, check_exists
 from .imagehash import describe, to_rgb_array
 from .neardup import NearDupIndex
@@ -85,62 +91,191 @@ class EncoderDescriber:
         return (f / (np.linalg.norm(f) + 1e-6)).astype(np.float32), np.zeros(3, np.float32)
 
 
-class _Describe:
-    """Ray Data actor: describe a batch of images and search every evaluation index (loaded once)."""
-
-    def __init__(self, index_paths: dict[str, str], encoder_paths: dict[str, str], encoder_checkpoint: str | None):
-        self.indexes = {name: NearDupIndex.load(Path(p)) for name, p in index_paths.items()}
-        self.enc_indexes = {name: NearDupIndex.load(Path(p)) for name, p in encoder_paths.items()}
-        self.encoder = EncoderDescriber(encoder_checkpoint) if encoder_checkpoint else None
-
-    def __call__(self, batch: dict) -> dict:
-        n = len(batch["__key__"])
-        vecs, means, pix, ok = [], [], [], []
-        for img in batch["jpg"]:
-            try:
-                arr = to_rgb_array(bytes(img))   # decode once: for the descriptor and the pixel hash
-                d, m = describe(arr)
-                pix.append(hashlib.sha256(arr.tobytes()).hexdigest())
-                ok.append(True)
-            except Exception:  # noqa: BLE001 - ingest verified decodability; count it if it happens
-                d, m = np.zeros(768, np.float32), np.zeros(3, np.float32)
-                pix.append("")
-                ok.append(False)
-            vecs.append(d)
-            means.append(m)
-        vecs, means = np.stack(vecs), np.stack(means)
-        out = {"uid": [json.loads(j)["uid"] for j in batch["json"]], "vec": vecs.astype(np.float16),
-               "mean": means, "pixel_sha": np.array(pix), "ok": np.array(ok)}
-        best_set, best_id, best_sim = [""] * n, [""] * n, np.full(n, -1.0, np.float32)
-        for kind, indexes, qv, qm in (("hash", self.indexes, vecs, means), ("encoder", self.enc_indexes, None, None)):
-            if not indexes:
-                continue
-            if kind == "encoder":
-                qv, qm = map(np.stack, zip(*(self.encoder(bytes(img)) for img in batch["jpg"])))
-            for name, index in indexes.items():
-                idx, sim = index.search(qv, qm)
-                for q in range(n):
-                    if idx[q] >= 0 and sim[q] > best_sim[q] and ok[q]:
-                        best_set[q], best_id[q], best_sim[q] = f"{name}|{kind}", index.ids[idx[q]], sim[q]
-        out.update({"eval_set": np.array(best_set), "eval_id": np.array(best_id), "eval_sim": best_sim})
-        return out
+BANDS, BAND_BITS = 8, 16     # banded LSH over the first 128 bits of the SimHash code
+MAX_GROUP = 2000             # members of one signature compared pairwise (a larger group: with its first)
 
 
-def _clusters(pairs: list[tuple[int, int]], n: int) -> np.ndarray:
-    """Union-find over index pairs; returns each item's root (the smallest index in its cluster)."""
-    parent = np.arange(n)
+@functools.lru_cache(maxsize=4)
+def _indexes(index_paths: tuple, encoder_paths: tuple, encoder_checkpoint: str | None):
+    """Loaded once per worker process, however many partitions it describes."""
+    return ({n: NearDupIndex.load(Path(p)) for n, p in index_paths},
+            {n: NearDupIndex.load(Path(p)) for n, p in encoder_paths},
+            EncoderDescriber(encoder_checkpoint) if encoder_checkpoint else None)
+
+
+def _describe_task(storage, part: str, file: str, index_paths: tuple, encoder_paths: tuple,
+                   encoder_checkpoint: str | None, cfg: DedupConfig, n_buckets: int) -> dict:
+    """Ray task: describe one partition's images, search the evaluation sets, write descriptors and
+    bucketed signatures. -> small counts."""
+    from .dataplane import read_kept
+    from .imagehash import simhash
+
+    rows = read_kept(storage, file, ["key", "url", "caption", "tar", "offset", "size"])
+    indexes, enc_indexes, encoder = _indexes(index_paths, encoder_paths, encoder_checkpoint)
+    images = read_images(storage, rows)
+    n = rows.num_rows
+    vecs, means = np.zeros((n, 768), np.float32), np.zeros((n, 3), np.float32)
+    pix, ok = [""] * n, np.zeros(n, bool)
+    for i, img in enumerate(images):
+        try:
+            arr = to_rgb_array(img)   # decode once: for the descriptor and the pixel hash
+            vecs[i], means[i] = describe(arr)
+            pix[i] = hashlib.sha256(arr.tobytes()).hexdigest()
+            ok[i] = True
+        except Exception:  # noqa: BLE001 - ingest verified decodability; count it if it happens
+            pass
+    best_set, best_id, best_sim = [""] * n, [""] * n, np.full(n, -1.0, np.float32)
+    for kind, idx_map in (("hash", indexes), ("encoder", enc_indexes)):
+        if not idx_map or n == 0:
+            continue
+        if kind == "encoder":
+            qv, qm = map(np.stack, zip(*(encoder(img) if good else (np.zeros(768, np.float32), np.zeros(3, np.float32))
+                                         for img, good in zip(images, ok))))
+        else:
+            qv, qm = vecs, means
+        for name, index in idx_map.items():
+            idx, sim = index.search(qv, qm)
+            for q in range(n):
+                if idx[q] >= 0 and sim[q] > best_sim[q] and ok[q]:
+                    best_set[q], best_id[q], best_sim[q] = f"{name}|{kind}", index.ids[idx[q]], sim[q]
+    keys = rows.column("key").to_pylist()
+    storage.write_table(f"dedup/_work/desc/{part}.parquet", pa.table({
+        "key": keys, "vec": pa.array([v.astype(np.float16).tobytes() for v in vecs], pa.binary()),
+        "ok": ok, "eval_set": best_set, "eval_id": best_id, "eval_sim": best_sim}))
+    # signatures of the samples the within-data step considers: decodable, not an evaluation match
+    live = [i for i in range(n) if ok[i] and not _eval_hit(best_set[i], best_sim[i], cfg)]
+    codes = simhash(vecs[live], cfg.bits) if live else np.zeros((0, cfg.bits // 8), np.uint8)
+    uc = key_hashes([f"{u}\0{c}" for u, c in zip(rows.column("url").to_pylist(), rows.column("caption").to_pylist())])
+    sig, kind, sk, code, mean = [], [], [], [], []
+    for j, i in enumerate(live):
+        entries = [("px:" + pix[i], "exact"), (f"uc:{uc[i]:016x}", "exact")]
+        entries += [(f"b{b}:" + codes[j][b * 2:(b + 1) * 2].tobytes().hex(), "lsh") for b in range(BANDS)]
+        for s_, k_ in entries:
+            sig.append(s_)
+            kind.append(k_)
+            sk.append(keys[i])
+            code.append(codes[j].tobytes())
+            mean.append(means[i])
+    table = pa.table({"sig": sig, "kind": kind, "key": sk, "part": [part] * len(sig),
+                      "code": pa.array(code, pa.binary()),
+                      "mean": pa.array([m.tolist() for m in mean], pa.list_(pa.float32(), 3))})
+    bucket = np.array([int(h % n_buckets) for h in key_hashes(sig)], np.int64) if sig else np.zeros(0, np.int64)
+    for b in range(n_buckets):
+        storage.write_table(f"dedup/_work/sig/b{b:03d}/{part}.parquet", table.filter(pa.array(bucket == b)))
+    return {"part": part, "described": n, "undecodable": int((~ok).sum())}
+
+
+def _eval_hit(set_kind: str, sim: float, cfg: DedupConfig) -> bool:
+    if not set_kind:
+        return False
+    kind = set_kind.split("|")[1]
+    return sim >= (cfg.eval_threshold if kind == "hash" else cfg.encoder_threshold)
+
+
+def hamming_radius(threshold: float, bits: int) -> int:
+    """Bits two SimHash codes may differ by and still be at cosine >= threshold (generously)."""
+    expected = bits * math.acos(min(1.0, threshold)) / math.pi
+    return int(2.5 * expected) + 8
+
+
+def _group_task(storage, bucket: int, cfg: DedupConfig) -> list[tuple]:
+    """Ray task: one signature bucket -> pairs (key_a, part_a, key_b, part_b, kind) with key_a < key_b."""
+    files = storage.list(f"dedup/_work/sig/b{bucket:03d}", ".parquet")
+    if not files:
+        return []
+    t = pa.concat_tables([storage.read_table(f) for f in files]).sort_by([("sig", "ascending"), ("key", "ascending")])
+    sig, kind, keys, parts = (t.column(c).to_pylist() for c in ("sig", "kind", "key", "part"))
+    codes = t.column("code").to_pylist()
+    means = t.column("mean").to_pylist()
+    radius = hamming_radius(cfg.within_threshold, cfg.bits)
+    pairs = []
+    i = 0
+    while i < len(sig):
+        j = i
+        while j < len(sig) and sig[j] == sig[i]:
+            j += 1
+        if j - i > 1:
+            members = list(range(i, j))
+            if kind[i] == "exact":
+                first = members[0]
+                pairs += [(keys[first], parts[first], keys[m], parts[m], "exact_duplicate") for m in members[1:]]
+            else:
+                cand = members[:MAX_GROUP]
+                bits = np.unpackbits(np.frombuffer(b"".join(codes[m] for m in cand), np.uint8).reshape(len(cand), -1), axis=1)
+                mv = np.array([means[m] for m in cand], np.float32)
+                ham = (bits[:, None, :] != bits[None, :, :]).sum(-1)
+                close = (ham <= radius) & (np.abs(mv[:, None] - mv[None, :]).max(-1) <= cfg.colour_tol)
+                for a, b in zip(*np.nonzero(np.triu(close, 1))):
+                    pairs.append((keys[cand[a]], parts[cand[a]], keys[cand[b]], parts[cand[b]], "near_duplicate"))
+        i = j
+    return sorted(set(pairs))
+
+
+def _verify_task(storage, pairs: list[tuple], threshold: float) -> list[tuple]:
+    """Ray task: the candidate pairs' exact cosines; -> (key_a, key_b, cosine) at >= threshold."""
+    wanted: dict[str, set] = {}
+    for a, pa_, b, pb, _ in pairs:
+        wanted.setdefault(pa_, set()).add(a)
+        wanted.setdefault(pb, set()).add(b)
+    vec = {}
+    for part, keys in wanted.items():
+        t = storage.read_table(f"dedup/_work/desc/{part}.parquet", ["key", "vec"])
+        t = t.filter(pc.is_in(t.column("key"), pa.array(sorted(keys))))
+        for k, v in zip(t.column("key").to_pylist(), t.column("vec").to_pylist()):
+            x = np.frombuffer(v, np.float16).astype(np.float32)
+            vec[k] = x / (np.linalg.norm(x) + 1e-6)
+    out = []
+    for a, _, b, _, _ in pairs:
+        s = float(vec[a] @ vec[b])
+        if s >= threshold:
+            out.append((a, b, s))
+    return out
+
+
+def clusters(edges: list[tuple[str, str]]) -> dict[str, str]:
+    """Union-find over the keys in edges only; -> each such key's root (the smallest key of its cluster)."""
+    parent: dict[str, str] = {}
 
     def find(a):
+        parent.setdefault(a, a)
         while parent[a] != a:
             parent[a] = parent[parent[a]]
             a = parent[a]
         return a
 
-    for a, b in pairs:
+    for a, b in edges:
         ra, rb = find(a), find(b)
         if ra != rb:
             parent[max(ra, rb)] = min(ra, rb)
-    return np.array([find(i) for i in range(n)])
+    return {k: find(k) for k in list(parent)}
+
+
+def _verdicts(table: pa.Table, part: str, decisions: dict, cfg: DedupConfig, storage=None) -> tuple[pa.Table, dict]:
+    """A partition's verdicts: undecodable, evaluation-set matches, then the driver's duplicate decisions."""
+    desc = storage.read_table(f"dedup/_work/desc/{part}.parquet", ["key", "ok", "eval_set", "eval_id", "eval_sim"])
+    info = {k: (o, s, i, sim) for k, o, s, i, sim in zip(*(desc.column(c).to_pylist() for c in desc.column_names))}
+    out = {c: [] for c in ("key", "verdict", "reason", "score", "detail")}
+    evals: dict[str, int] = {}
+
+    def add(k, v, r="", s=None, d=""):
+        for c, x in zip(out, (k, v, r, s, d)):
+            out[c].append(x)
+
+    for k in table.column("key").to_pylist():
+        ok, set_kind, eval_id, sim = info[k]
+        if not ok:
+            add(k, DROPPED, "undecodable_image", d="could not be described")
+        elif _eval_hit(set_kind, sim, cfg):
+            name, kind = set_kind.split("|")
+            add(k, DROPPED, f"eval_duplicate:{name}", float(sim), f"eval_duplicate:{name}:{eval_id} ({kind})")
+            evals[name] = evals.get(name, 0) + 1
+        elif k in decisions:
+            reason, score, root = decisions[k]
+            add(k, DROPPED, reason, score, f"duplicate_of={root}")
+        else:
+            add(k, KEPT)
+    return pa.table(out, schema=pa.schema([("key", pa.string()), ("verdict", pa.string()), ("reason", pa.string()),
+                                           ("score", pa.float64()), ("detail", pa.string())])), {"eval_matches": evals}
 
 
 class DedupStage(Stage):
@@ -148,6 +283,13 @@ class DedupStage(Stage):
 
     def section(self, config) -> DedupConfig:
         return config.stages.dedup
+
+    def preflight(self, config) -> None:
+        preflight(config.stages.dedup, None)
+        for es in config.stages.dedup.eval_sets:
+            if es.kind == "builtin" and es.path == "demo_heldout" and config.source.kind != "synthetic":
+                raise UserError(f"stages.dedup.eval_sets: {es.name} (builtin demo_heldout) exists only for "
+                                "source.kind synthetic; remove it or list your own evaluation sets")
 
     def fingerprint(self, config) -> str:
         # the evaluation sets' content decides the result as much as their config
@@ -158,6 +300,7 @@ class DedupStage(Stage):
             sorted(f"{e.name}:{stat_fingerprint(e)}" for e in cfg.eval_sets))
 
     def run(self, ctx: StageContext) -> StageResult:
+        import ray
 
         cfg: DedupConfig = ctx.config.stages.dedup
         for es in cfg.eval_sets:
@@ -174,84 +317,52 @@ class DedupStage(Stage):
                 epath, _ = build_reference(es, ctx.run_dir, cache, enc_params,
                                            describer=EncoderDescriber(cfg.encoder_checkpoint), log=ctx.log)
                 enc_paths[es.name] = str(epath)
-
-        ds = map_actors(ingest_dataset(ctx.upstream["ingest"]), _Describe,
-                        (index_paths, enc_paths, cfg.encoder_checkpoint), cfg.num_workers, cfg.batch_size,
-                        cfg.cpus_per_worker)
-        data = collect(ds, ["uid", "vec", "mean", "pixel_sha", "ok", "eval_set", "eval_id", "eval_sim"], key="uid")
-        ctx.log(f"dedup: described {len(data['uid'])} images with {cfg.num_workers} workers")
-        return self._decide(ctx, cfg, data, set_stats)
-
-    def _decide(self, ctx, cfg: DedupConfig, data: dict, set_stats: dict) -> StageResult:
-        ledger = Ledger(self.name)
-        order = np.argsort(data["uid"], kind="stable")           # by key: worker count cannot matter
-        data = {k: v[order] for k, v in data.items()}
-        keys = [str(k) for k in data["uid"]]
-        upstream = set(ctx.upstream_kept or [])
-        missing = upstream - set(keys)
-        if missing:
-            raise RuntimeError(f"dedup: {len(missing)} kept ingest samples not found in the shards (e.g. {sorted(missing)[:3]})")
-        src = pq.read_table(ctx.upstream["source"] / "urls.parquet", columns=["key", "url", "caption"]).to_pydict()
-        url_caption = dict(zip(src["key"], zip(src["url"], src["caption"])))
-        n = len(keys)
-        decided = np.zeros(n, bool)
-        eval_counts: dict[str, int] = {}
-        for i in range(n):
-            if not data["ok"][i]:
-                ledger.drop(keys[i], "undecodable_image", detail="could not be described")
-                decided[i] = True
-                continue
-            set_kind = str(data["eval_set"][i])
-            if set_kind:
-                name, kind = set_kind.split("|")
-                thr = cfg.eval_threshold if kind == "hash" else cfg.encoder_threshold
-                sim = float(data["eval_sim"][i])
-                if sim >= thr:
-                    ledger.drop(keys[i], f"eval_duplicate:{name}", score=sim,
-                                detail=f"eval_duplicate:{name}:{data['eval_id'][i]} ({kind})")
-                    eval_counts[name] = eval_counts.get(name, 0) + 1
-                    decided[i] = True
-        # within the data: exact pairs by pixels and by (url, caption), near pairs by the index
-        pairs: list[tuple[int, int]] = []
-        kinds: dict[tuple[int, int], str] = {}
-        first_by: dict = {}
-        for i in np.where(~decided)[0]:
-            for sig in (("px", data["pixel_sha"][i]), ("uc", url_caption.get(keys[i]))):
-                j = first_by.setdefault(sig, i)
-                if j != i:
-                    pairs.append((j, i))
-                    kinds[(j, i)] = "exact_duplicate"
-        live = np.where(~decided)[0]
-        vecs = data["vec"][live].astype(np.float32)
-        vecs /= np.linalg.norm(vecs, axis=1, keepdims=True) + 1e-6
-        within = NearDupIndex(bits=cfg.bits, colour_tol=cfg.colour_tol).build([keys[i] for i in live], vecs, data["mean"][live])
-        nn_i, nn_s = within.search(vecs, data["mean"][live], exclude_self=True)
-        sims = {}
-        for q, (j, s) in enumerate(zip(nn_i, nn_s)):
-            if j >= 0 and s >= cfg.within_threshold:
-                a, b = sorted((int(live[q]), int(live[j])))
-                pairs.append((a, b))
-                kinds.setdefault((a, b), "near_duplicate")
-                sims[b] = max(sims.get(b, -1), float(s))
-        root = _clusters(pairs, n)
-        reason_of = {}
-        for (a, b), kind in kinds.items():
-            reason_of[b] = "exact_duplicate" if kind == "exact_duplicate" or reason_of.get(b) == "exact_duplicate" else kind
-        clusters = 0
-        for i in np.where(~decided)[0]:
-            r = int(root[i])
-            if r == i:
-                ledger.keep(keys[i])
-                continue
-            clusters += 1
-            ledger.drop(keys[i], reason_of.get(i, "near_duplicate"), score=sims.get(i),
-                        detail=f"duplicate_of={keys[r]}")
-        ctx.log(f"dedup: {sum(eval_counts.values())} evaluation-set matches, "
-                f"{clusters} within-data duplicates")
-        return StageResult(ledger, {"eval_sets": set_stats, "eval_matches": eval_counts,
-                                    "method": {"descriptor": "thumb16-v2", "eval_threshold": cfg.eval_threshold,
-                                               "within_threshold": cfg.within_threshold,
-                                               "encoder_checkpoint": cfg.encoder_checkpoint}})
+        upstream = [u for u in ctx.upstream or []]
+        n_buckets = max(1, min(64, len(upstream)))
+        describe_ = ray.remote(num_cpus=cfg.cpus_per_worker, max_retries=2)(_describe_task)
+        args = (tuple(sorted(index_paths.items())), tuple(sorted(enc_paths.items())), cfg.encoder_checkpoint)
+        described = run_tasks(describe_, [(ctx.storage, u["part"], u["file"], *args, cfg, n_buckets) for u in upstream],
+                              "dedup describe", ctx.log, max_in_flight=cfg.num_workers,
+                              describe=lambda c: f"partition {c[1]}")
+        ctx.log(f"dedup: described {sum(d['described'] for d in described)} images with {cfg.num_workers} workers")
+        group = ray.remote(num_cpus=cfg.cpus_per_worker, max_retries=2)(_group_task)
+        found = run_tasks(group, [(ctx.storage, b, cfg) for b in range(n_buckets)], "dedup group", ctx.log,
+                          max_in_flight=cfg.num_workers)
+        pairs = sorted({p for bucket in found for p in bucket})
+        exact = [(a, b) for a, _, b, _, kind in pairs if kind == "exact_duplicate"]
+        exact_set = set(exact)
+        cand = sorted({p for p in pairs if p[4] == "near_duplicate" and (p[0], p[2]) not in exact_set})
+        near = ray.get(ray.remote(num_cpus=cfg.cpus_per_worker)(_verify_task).remote(
+            ctx.storage, cand, cfg.within_threshold)) if cand else []
+        roots = clusters(exact + [(a, b) for a, b, _ in near])
+        part_of = {k: p for a, pa_, b, pb, _ in pairs for k, p in ((a, pa_), (b, pb))}
+        exact_nodes = {k for e in exact for k in e}
+        best: dict[str, float] = {}
+        for a, b, s in near:
+            for k in (a, b):
+                best[k] = max(best.get(k, -1.0), s)
+        decisions: dict[str, dict] = {}
+        for k, r in roots.items():
+            if k != r:
+                reason = "exact_duplicate" if k in exact_nodes else "near_duplicate"
+                decisions.setdefault(part_of[k], {})[k] = (reason, None if reason == "exact_duplicate" else best.get(k), r)
+        ctx.log(f"dedup: {len(exact)} exact pairs, {len(cand)} near candidates, {len(near)} near pairs, "
+                f"{sum(len(d) for d in decisions.values())} within-data duplicates")
+        tasks = [PartTask(u["part"], u["file"], u["part"],
+                          kwargs={"part": u["part"], "decisions": decisions.get(u["part"], {}), "cfg": cfg,
+                                  "storage": ctx.storage}) for u in upstream]
+        parts = ctx.map_parts(_verdicts, tasks, num_cpus=0.5)
+        evals: dict[str, int] = {}
+        for p in parts:
+            for name, c in p["extra"].get("eval_matches", {}).items():
+                evals[name] = evals.get(name, 0) + c
+        return StageResult(parts, {"eval_sets": set_stats, "eval_matches": evals,
+                                   "pairs": {"exact": len(exact), "near_candidates": len(cand), "near": len(near)},
+                                   "method": {"descriptor": "thumb16-v2", "eval_threshold": cfg.eval_threshold,
+                                              "within_threshold": cfg.within_threshold,
+                                              "lsh": f"{BANDS} bands of {BAND_BITS} bits, Hamming radius "
+                                                     f"{hamming_radius(cfg.within_threshold, cfg.bits)}",
+                                              "encoder_checkpoint": cfg.encoder_checkpoint}})
 
 
 def _dir_digest(path: str) -> str:

@@ -2,7 +2,8 @@
 (trainers/evaluation/run.py). Every sample is kept; nothing is judged here."""
 from __future__ import annotations
 
-from .base import Ledger, Stage, StageContext, StageResult
+from .base import Stage, StageContext, StageResult
+from .dataplane import passthrough
 
 
 class EvalStage(Stage):
@@ -14,15 +15,13 @@ class EvalStage(Stage):
     def run(self, ctx: StageContext) -> StageResult:
         from trainers.evaluation.run import evaluate, summary
 
-        ledger = Ledger(self.name)
-        for k in ctx.upstream_kept or []:
-            ledger.keep(k)
-        model_dir = ctx.upstream["train"] / "model"
+        parts = ctx.map_parts(passthrough, num_cpus=0.25)
+        model_dir = ctx.run_dir / "train" / "model"
         if not (model_dir / "model.json").is_file():
             ctx.log("eval: no trained model (train.steps is 0), nothing to evaluate")
-            return StageResult(ledger, {"evaluated": False})
+            return StageResult(parts, {"evaluated": False})
         results = evaluate(model_dir, ctx.run_dir, log=ctx.log, strict=False)
         text = summary(results)
         (ctx.stage_dir / "summary.txt").write_text(text + "\n")
         ctx.log(text)
-        return StageResult(ledger, {"evaluated": True}, artifacts={"summary": "eval/summary.txt"})
+        return StageResult(parts, {"evaluated": True}, artifacts={"summary": "eval/summary.txt"})

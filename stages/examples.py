@@ -1,18 +1,15 @@
 """A filter stage's examples page: for each drop reason (and for kept samples) up to N samples, each a
 picture next to its caption, reason and score, so a person can judge the stage's choices.
 
-Examples are picked deterministically (by sha256(seed:key)), images are read from the ingest shards
-and inlined as data URIs: `<stage>/report.html` is one file that opens anywhere.
+Examples are picked deterministically (by sha256(seed:key)), each partition in its own task; images
+are read from the ingest shards through the sample index and inlined as data URIs: `<stage>/report.html` is one file that opens anywhere.
 """
 from __future__ import annotations
 
 import base64
 import html
-import tarfile
 from collections import defaultdict
 from pathlib import Path
-
-import pyarrow as pa
 
 from .tokenizer import order_key
 
@@ -22,36 +19,37 @@ _STYLE = """body{font:14px sans-serif;margin:1.5em;color:#222}h2{margin-top:1.6e
 .meta{color:#666;font-size:12px}"""
 
 
-def read_images(ingest_dir: Path, keys: list[str]) -> dict[str, bytes]:
-    """key -> image bytes as ingest stored them, for the given keys (each tar opened once)."""
-    from .shard import ingest_locations
-
-    where = ingest_locations(ingest_dir)
-    by_tar: dict[str, dict[str, str]] = defaultdict(dict)
-    for k in keys:
-        if k in where:
-            tar, member = where[k]
-            by_tar[tar][f"{member}.jpg"] = k
-    out = {}
-    for tar, wanted in by_tar.items():
-        with tarfile.open(tar) as t:
-            for m in t:
-                if m.name in wanted:
-                    out[wanted[m.name]] = t.extractfile(m).read()
-    return out
-
-
-def pick(ledger: pa.Table, per_reason: int, seed: int) -> dict[str, list[dict]]:
-    """reason ("kept" for kept samples) -> up to per_reason ledger rows, in a seeded order."""
+def _pick_task(storage, file: str, per_reason: int, seed: int) -> dict[str, list[dict]]:
+    """Ray task: one partition's first `per_reason` rows per reason in the seeded order."""
+    t = storage.read_table(file, ["key", "verdict", "reason", "score", "detail", "caption", "tar", "offset", "size"])
     groups: dict[str, list[dict]] = defaultdict(list)
-    for r in ledger.to_pylist():
+    for r in t.to_pylist():
         groups[r["reason"] or "kept"].append(r)
     return {reason: sorted(rows, key=lambda r: order_key(seed, r["key"]))[:per_reason]
-            for reason, rows in sorted(groups.items())}
+            for reason, rows in groups.items()}
+
+
+def pick(ctx_storage, files: list[str], per_reason: int, seed: int) -> dict[str, list[dict]]:
+    """reason ("kept" for kept samples) -> up to per_reason rows over all partitions, in a seeded
+    order: each partition picks its own, the driver merges the few it gets back."""
+    import ray
+
+    from .dataplane import run_tasks
+
+    calls = [(ctx_storage, f, per_reason, seed) for f in files]
+    if ray.is_initialized():
+        results = run_tasks(ray.remote(num_cpus=0.25)(_pick_task), calls, "examples", lambda m: None)
+    else:   # `capline report` on a finished run: no cluster, one partition at a time
+        results = (_pick_task(*c) for c in calls)
+    merged: dict[str, list[dict]] = defaultdict(list)
+    for found in results:
+        for reason, rows in found.items():
+            merged[reason] = sorted(merged[reason] + rows, key=lambda r: order_key(seed, r["key"]))[:per_reason]
+    return dict(sorted(merged.items()))
 
 
 def render_html(title: str, groups: dict[str, list[dict]], totals: dict[str, int],
-                captions: dict[str, str], images: dict[str, bytes]) -> str:
+                images: dict[str, bytes]) -> str:
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
              f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>"]
     parts.append("<p>" + ", ".join(f"<a href='#{html.escape(r)}'>{html.escape(r)}</a>: {totals[r]}"
@@ -65,20 +63,28 @@ def render_html(title: str, groups: dict[str, list[dict]], totals: dict[str, int
             score = "" if r["score"] is None else f" · score {r['score']:.4g}"
             detail = f"<div class='meta'>{html.escape(r['detail'][:200])}</div>" if r["detail"] else ""
             parts.append(f"<div class='card'><img alt='{html.escape(r['key'])}' src='{src}'>"
-                         f"<div class='cap'>{html.escape(captions.get(r['key'], ''))}</div>"
+                         f"<div class='cap'>{html.escape(r.get('caption') or '')}</div>"
                          f"<div class='meta'>{html.escape(r['key'])}{score}</div>{detail}</div>")
         parts.append("</div>")
     parts.append("</body></html>")
     return "".join(parts)
 
 
-def write_examples(ctx, ledger: pa.Table, captions: dict[str, str], per_reason: int, title: str) -> Path:
-    groups = pick(ledger, per_reason, ctx.config.seed)
-    totals = defaultdict(int)
-    for reason in ledger.column("reason").to_pylist():
-        totals[reason or "kept"] += 1
-    keys = [r["key"] for rows in groups.values() for r in rows]
-    images = read_images(ctx.upstream["ingest"], keys)
+def write_examples(ctx, parts: list[dict], per_reason: int, title: str) -> Path:
+    """`<stage>/report.html` from the stage's partitions (its PartResults)."""
+    from .dataplane import read_images
+
+    groups = pick(ctx.storage, [p["file"] for p in parts], per_reason, ctx.config.seed) if per_reason else {}
+    totals: dict[str, int] = defaultdict(int)
+    for p in parts:
+        totals["kept"] += p["kept"]
+        for reason, n in p["dropped"].items():
+            totals[reason] += n
+    rows = [r for rs in groups.values() for r in rs]
+    import pyarrow as pa
+
+    found = read_images(ctx.storage, pa.Table.from_pylist(rows)) if rows else []
+    images = {r["key"]: b for r, b in zip(rows, found) if b is not None}
     path = ctx.stage_dir / "report.html"
-    path.write_text(render_html(f"{title}: {ctx.config.name}", groups, totals, captions, images))
+    path.write_text(render_html(f"{title}: {ctx.config.name}", groups, dict(totals), images))
     return path

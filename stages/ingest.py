@@ -1,21 +1,26 @@
-"""The ingest stage: download the URL list with img2dataset into WebDataset shards.
+"""The ingest stage: download the URL list with img2dataset into WebDataset shards, and index them.
 
-img2dataset's own pieces do the work (Reader splits the list into shards, Downloader fetches with
-a thread pool per shard, Resizer re-encodes, WebDatasetSampleWriter writes tar + parquet), each
-shard as one Ray task, so the same code fans out over a cluster. capline adds:
+Each shard is one Ray task: it reads its slice of a source partition from the run folder's storage,
+downloads it with img2dataset's own pieces (Downloader with a thread pool, Resizer re-encodes,
+WebDatasetSampleWriter writes tar + parquet) into the worker's own temporary folder, moves the
+files into the run folder, and writes the shard's ledger partition, which is also the sample index:
+key -> (tar, member, byte offset, size, sha256, original width and height) that every later stage
+reaches images by. The driver gets counts back. capline adds:
 
 - safety (stages/fetch.py): no private/metadata addresses, capped bytes and pixels;
-- completeness: each shard is written to a staging folder and moved into `shards/` only when
-  whole (tar and parquet first, `_stats.json` last), so a killed ingest never leaves a truncated
-  tar where a later stage would read it, and a rerun redoes only the shards that did not finish;
+- completeness: each shard's files are moved into `shards/` only when whole (tar and parquet
+  first, `_stats.json` last) and its result (`results/NNNNN.json`) is written after its ledger, so
+  a killed ingest never leaves a truncated tar where a later stage would read it, and a rerun
+  redoes only the shards without a result;
 - a verdict per URL: img2dataset's per-shard parquet keeps failed rows with their error, which
   become ledger reasons (`http_404`, `timeout`, `undecodable_image`, `image_too_large`, ...);
 - incremental runs: each source partition downloads into `parts/<partition>-<digest>/`, named by
-  its rows and this config, and marked `_DONE` when whole. Those folders survive a change of the
-  stage's input (the runner keeps `preserve` paths), so appending a partition downloads only it.
+  its content (the checksum its writer recorded) and this config. Those folders survive a change of
+  the stage's input (the runner keeps `preserve` paths), so appending a partition downloads only it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -25,11 +30,14 @@ from pathlib import Path
 from typing import Literal
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from trainers.configtools import join, require
 
-from .base import Ledger, Stage, StageContext, StageResult
+from .base import Stage, StageContext, StageResult
+from .dataplane import DROPPED, KEPT, SAMPLE_SCHEMA, read_kept, run_tasks, write_part
+from .source import safe_name
 from .synthetic import SERVER_PLACEHOLDER
 
 
@@ -62,40 +70,113 @@ class IngestConfig:
         require(self.max_aspect_ratio >= 1, join(prefix, "max_aspect_ratio"), "must be >= 1")
 
 
-def _shard_task():
+@dataclass
+class ShardJob:
+    """One ingest shard: rows [start, stop) of a source partition's kept samples."""
+    unit: str          # parts/<unit>/: the source partition's download folder
+    shard: int
+    source_part: str
+    source_file: str
+    start: int
+    stop: int
+
+
+def _shard_task(storage, job: ShardJob, downloader, base: str, server) -> dict:
+    """Ray task: download one shard in a local temporary folder, move it into the run folder, index it.
+
+    `server`: (host, pid, start time) of the process serving a served source over loopback (the
+    driver). If it died while this shard downloaded, the failures recorded are its death, not the
+    URLs': the shard is discarded, and a resumed run downloads it again.
+    """
+    import copy
+    import tempfile
+
     import ray
 
-    @ray.remote
-    def download_shard(downloader, shard_id: int, shard_file: str, staging: str, final: str,
-                       server: tuple[str, int, float] | None = None) -> dict:
-        """Download one shard into staging, then move it into `final` whole (stats file last).
+    from . import fetch  # noqa: F401 - installs the safe fetcher in this worker
 
-        `server`: (host, pid, start time) of the process serving a served source over loopback (the
-        driver). If it died while this shard downloaded, the failures recorded are its death, not
-        the URLs': the shard is discarded, and a resumed run downloads it again.
-        """
-        import copy
+    rows = read_kept(storage, job.source_file).slice(job.start, job.stop - job.start)
+    keys = rows.column("key").to_pylist()
+    caps = rows.column("caption").to_pylist()
+    empty = [not (c or "").strip() for c in caps]
+    todo = rows.filter(pa.array([not e for e in empty]))
+    name = f"{job.shard:05d}"
+    unit = f"ingest/parts/{job.unit}"
+    verdicts: dict[str, list] = {c: [] for c in ("key", "verdict", "reason", "detail", "tar", "member", "offset",
+                                                 "size", "sha256", "width", "height", "url")}
 
-        from . import fetch  # noqa: F401 - installs the safe fetcher in this worker
+    def add(key, verdict, reason="", detail="", url=None, tar=None, member=None, offset=None, size=None,
+            sha=None, w=None, h=None):
+        for col, v in zip(verdicts, (key, verdict, reason, detail, tar, member, offset, size, sha, w, h, url)):
+            verdicts[col].append(v)
 
-        stage_dir = Path(staging) / f"{shard_id:05d}"
-        shutil.rmtree(stage_dir, ignore_errors=True)
-        stage_dir.mkdir(parents=True)
+    for k, e in zip(keys, empty):
+        if e:
+            add(k, DROPPED, "empty_caption", "the caption is empty")
+    with tempfile.TemporaryDirectory(prefix="capline-ingest-") as tmp:
+        tmp = Path(tmp)
+        feather = tmp / f"{name}.feather"
+        with pa.ipc.new_file(str(feather), pa.schema([("uid", pa.string()), ("caption", pa.string()),
+                                                       ("url", pa.string())])) as w:
+            w.write_table(pa.table({
+                "uid": todo.column("key"), "caption": todo.column("caption"),
+                "url": pa.array([u.replace(SERVER_PLACEHOLDER, base) for u in todo.column("url").to_pylist()],
+                                pa.string())}))
+        out = tmp / "out"
+        out.mkdir()
         d = copy.copy(downloader)
-        d.output_folder = str(stage_dir)
-        d.download_shard((shard_id, shard_file))
-        if server is not None and not _alive(*server):
-            shutil.rmtree(stage_dir, ignore_errors=True)
-            raise RuntimeError(f"shard {shard_id}: the loopback server (pid {server[1]}) went away mid-download")
-        name = f"{shard_id:05d}"
-        for suffix in (".tar", ".parquet", "_stats.json"):
-            os.replace(stage_dir / f"{name}{suffix}", Path(final) / f"{name}{suffix}")
-        shutil.rmtree(stage_dir, ignore_errors=True)
-        stats = json.loads((Path(final) / f"{name}_stats.json").read_text())
-        return {"shard": shard_id, "count": stats.get("count", 0), "successes": stats.get("successes", 0),
-                "node": ray.get_runtime_context().get_node_id()}
+        d.output_folder = str(out)
+        if todo.num_rows:
+            d.download_shard((job.shard, str(feather)))
+            if server is not None and not _alive(*server):
+                raise RuntimeError(f"shard {name}: the loopback server (pid {server[1]}) went away mid-download")
+            tar_local, meta = out / f"{name}.tar", pq.read_table(out / f"{name}.parquet")
+            members = _tar_index(tar_local)
+            for suffix in (".tar", ".parquet", "_stats.json"):   # stats last: the shard is whole
+                storage.write_bytes(f"{unit}/shards/{name}{suffix}", (out / f"{name}{suffix}").read_bytes())
+            tar_rel = f"{unit}/shards/{name}.tar"
+            for r in meta.select(["uid", "key", "url", "status", "error_message", "sha256", "original_width",
+                                  "original_height"]).to_pylist():
+                if r["status"] == "success":
+                    member = f"{r['key']}.{downloader.encode_format}"
+                    off, size = members.get(member, (None, None))
+                    if off is None:
+                        add(r["uid"], DROPPED, "download_error", "img2dataset recorded it but wrote no image",
+                            url=r["url"])
+                        continue
+                    add(r["uid"], KEPT, "", f"shard {name}, member {member}", r["url"], tar_rel, member, off,
+                        size, r["sha256"], r["original_width"], r["original_height"])
+                else:
+                    from .fetch import reason_of
 
-    return download_shard
+                    add(r["uid"], DROPPED, reason_of(r["status"], r["error_message"]) or "download_error",
+                        (r["error_message"] or "")[:300], url=r["url"])
+    table = pa.table({c: pa.array(v, SAMPLE_SCHEMA.field(c).type) for c, v in verdicts.items()})
+    result = write_part(storage, "ingest", f"{job.unit}-{name}", job.source_part, keys,
+                        _with_state(table, rows), rel=f"{unit}/ledger/{name}.parquet",
+                        extra={"node": ray.get_runtime_context().get_node_id(),
+                               "successes": sum(v == KEPT for v in verdicts["verdict"])})
+    storage.write_bytes(f"{unit}/results/{name}.json", json.dumps(result, sort_keys=True).encode())
+    return result
+
+
+def _with_state(verdicts: pa.Table, rows: pa.Table) -> pa.Table:
+    """Carry the source's caption, partition and URL as the list had it (a served source's URL names
+    no port, so the shards' json is the same on every run)."""
+    state = rows.select(["key", "caption", "partition", "url", "notes"] if "notes" in rows.column_names
+                        else ["key", "caption", "partition", "url"]).rename_columns(
+        ["key", "caption", "partition", "src_url", *(["notes"] if "notes" in rows.column_names else [])])
+    t = verdicts.join(state, "key", join_type="left outer")
+    url = pc.if_else(pc.is_null(t.column("src_url")), t.column("url"), t.column("src_url"))
+    return t.set_column(t.column_names.index("url"), "url", url).drop_columns(["src_url"])
+
+
+def _tar_index(path: Path) -> dict[str, tuple[int, int]]:
+    """member name -> (offset of its data, size): what a reader needs to fetch one image by range."""
+    import tarfile
+
+    with tarfile.open(path) as tar:
+        return {m.name: (m.offset_data, m.size) for m in tar if m.isfile()}
 
 
 def _alive(host: str, pid: int, started: float) -> bool:
@@ -111,47 +192,6 @@ def _alive(host: str, pid: int, started: float) -> bool:
         return False
 
 
-def _by_partition(rows: list[dict]) -> list[tuple[str, list[dict]]]:
-    out: dict[str, list[dict]] = {}
-    for r in rows:
-        out.setdefault(r.get("partition") or "all", []).append(r)
-    return list(out.items())
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:60]
-
-
-def _part_digest(rows: list[dict], fingerprint: str) -> str:
-    import hashlib
-
-    h = hashlib.sha256(fingerprint.encode())
-    for r in rows:
-        h.update(f"{r['key']}\t{r['url']}\t{r['caption']}\n".encode())
-    return h.hexdigest()[:12]
-
-
-def content_table(part_dirs: list[Path]) -> pa.Table:
-    """key, url, status, sha256 of the bytes as downloaded: what `capline rebuild` compares for drift."""
-    cols = {"key": [], "url": [], "status": [], "sha256": []}
-    for pf in sorted(pf for d in part_dirs for pf in (d / "shards").glob("*.parquet")):
-        t = pq.read_table(pf, columns=["uid", "url", "status", "sha256"]).to_pydict()
-        cols["key"] += t["uid"]
-        cols["url"] += t["url"]
-        cols["status"] += t["status"]
-        cols["sha256"] += t["sha256"]
-    return pa.table(cols)
-
-
-def done_shard_ids(shards_dir: Path) -> set[int]:
-    return {int(p.name.split("_")[0]) for p in shards_dir.glob("*_stats.json")}
-
-
-def shard_paths(ingest_dir: Path) -> list[Path]:
-    """Every complete ingest shard (tar) of the current partitions."""
-    return sorted(ingest_dir.glob("parts/*/shards/*.tar"))
-
-
 class IngestStage(Stage):
     name = "ingest"
     preserve = ("parts",)
@@ -162,134 +202,72 @@ class IngestStage(Stage):
     def run(self, ctx: StageContext) -> StageResult:
         from contextlib import nullcontext
 
+        import ray
+
         from .demo_server import DemoServer
-        from .fetch import reason_of
 
         cfg: IngestConfig = ctx.config.stages.ingest
-        src = pq.read_table(ctx.upstream["source"] / "urls.parquet").to_pylist()
-        ledger = Ledger(self.name)
-        todo = []
-        for row in src:
-            if not row["caption"] or not row["caption"].strip():
-                ledger.drop(row["key"], "empty_caption")
-            else:
-                todo.append(row)
         served = ctx.config.source.served   # files the source stage made: served over loopback here
-        server = (DemoServer(ctx.upstream["source"] / "www", ctx.config.source.slow_seconds)
-                  if served else nullcontext())
-        parts_root = ctx.stage_dir / "parts"
-        current, infos = [], []
-        with server:
-            allow = tuple(cfg.allow_hosts) + ((server.netloc,) if served else ())
-            base = server.base_url if served else ""
-            for part, rows in _by_partition(todo):
-                part_dir = parts_root / f"{_safe(part)}-{_part_digest(rows, self.fingerprint(ctx.config))}"
-                current.append(part_dir)
-                if (part_dir / "_DONE").is_file():
-                    ctx.log(f"ingest: partition {part}: downloaded before, reused ({len(rows)} URLs)")
-                    infos.append(json.loads((part_dir / "_DONE").read_text()))
+        fp = hashlib.sha256(self.fingerprint(ctx.config).encode()).hexdigest()
+        jobs, reused, units = [], [], set()
+        for u in ctx.upstream or []:
+            unit = f"{safe_name(u['part'])}-{hashlib.sha256((fp + u['sha256']).encode()).hexdigest()[:12]}"
+            units.add(unit)
+            done = {Path(r).stem: r for r in ctx.storage.list(f"ingest/parts/{unit}/results", ".json")}
+            for i, start in enumerate(range(0, u["kept"], cfg.samples_per_shard)):
+                name = f"{i:05d}"
+                if name in done:
+                    reused.append(json.loads(ctx.storage.read_bytes(done[name])))
                     continue
-                info = self._download(ctx, cfg, part_dir, rows, allow, base)
-                info["partition"] = part
-                tmp = part_dir / "_DONE.tmp"   # whole or absent: a kill here must not leave half a marker
-                tmp.write_text(json.dumps(info, sort_keys=True))
-                os.replace(tmp, part_dir / "_DONE")
-                infos.append(info)
-        for stale in set(parts_root.iterdir()) - set(current) if parts_root.exists() else ():
-            shutil.rmtree(stale)  # a partition no longer in the source
-        seen = set()
-        for part_dir in current:
-            for pf in sorted((part_dir / "shards").glob("*.parquet")):
-                t = pq.read_table(pf, columns=["uid", "key", "status", "error_message"]).to_pylist()
-                for r in t:
-                    seen.add(r["uid"])
-                    if r["status"] == "success":
-                        ledger.keep(r["uid"], detail=f"{part_dir.name}/{pf.stem}/{r['key']}")
-                    else:
-                        ledger.drop(r["uid"], reason_of(r["status"], r["error_message"]) or "download_error",
-                                    detail=(r["error_message"] or "")[:300])
-        missing = [r["key"] for r in todo if r["key"] not in seen]
-        if missing:
-            raise RuntimeError(f"ingest: {len(missing)} URLs have no result in any shard "
-                               f"(first: {missing[:3]}); rerun to redo the incomplete shards")
-        (ctx.stage_dir / "shards.json").write_text(json.dumps(infos, indent=1, sort_keys=True))
-        pq.write_table(content_table(current), ctx.stage_dir / "content.parquet")
-        nodes = sorted({s["node"] for i in infos for s in i["shards"] if s.get("node")})
-        rates = [i["images_per_second"] for i in infos if i.get("images_per_second")]
-        return StageResult(ledger, {"shards": sum(len(i["shards"]) for i in infos), "partitions": len(infos),
-                                    "nodes": nodes, "images_per_second": rates[-1] if rates else None},
-                           artifacts={"content": "ingest/content.parquet"})
-
-    def _download(self, ctx: StageContext, cfg: IngestConfig, part_dir: Path, todo: list[dict], allow: tuple,
-                  base: str) -> dict:
-        import ray
-        from img2dataset.reader import Reader
-        from img2dataset.resizer import Resizer
-        from img2dataset.writer import WebDatasetSampleWriter
-
-        from .fetch import FetchPolicy, SafeDownloader
-
-        work = part_dir / "_work"
-        work.mkdir(parents=True, exist_ok=True)
-        shards_dir = part_dir / "shards"
-        shards_dir.mkdir(parents=True, exist_ok=True)
-        staging = work / "staging"
-        shutil.rmtree(staging, ignore_errors=True)  # leftovers of a killed run are never trusted
-        tmp = work / "reader_tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        input_path = work / "input.parquet"
-        pq.write_table(pa.table({
-            "uid": [r["key"] for r in todo],
-            "url": [r["url"].replace(SERVER_PLACEHOLDER, base) for r in todo],
-            "caption": [r["caption"] for r in todo],
-        }), input_path)
-        done = done_shard_ids(shards_dir)
-        reader = Reader(str(input_path), "parquet", "url", "caption", None, None, ["uid"],
-                        cfg.samples_per_shard, done, str(tmp))
-        resizer = Resizer(image_size=cfg.image_size, resize_mode=cfg.resize_mode,
-                          resize_only_if_bigger=False, encode_quality=cfg.encode_quality,
-                          encode_format=cfg.encode_format, min_image_size=cfg.min_image_size,
-                          max_aspect_ratio=cfg.max_aspect_ratio)
-        downloader = SafeDownloader(
-            sample_writer_class=WebDatasetSampleWriter, resizer=resizer, thread_count=cfg.thread_count,
-            save_caption=True, extract_exif=False, output_folder=str(staging),
-            column_list=reader.column_list, timeout=cfg.timeout,
-            number_sample_per_shard=cfg.samples_per_shard, oom_shard_count=5, compute_hash="sha256",
-            verify_hash_type=None, encode_format=cfg.encode_format, retries=cfg.retries,
-            user_agent_token=None, disallowed_header_directives=["noai", "noimageai", "noindex", "noimageindex"],
-            policy=FetchPolicy(allow_hosts=allow, max_bytes=cfg.max_bytes, max_pixels=cfg.max_pixels))
-        task = _shard_task().options(max_retries=cfg.task_retries)
-        total_shards = -(-len(todo) // cfg.samples_per_shard) if todo else 0
-        if done:
-            ctx.log(f"ingest: {len(done)}/{total_shards} shards already complete, resuming the rest")
-        start = time.time()
-        server = None
-        if base:   # a served source: its server is this process
-            import socket
-
-            import psutil
-
-            server = (socket.gethostname(), os.getpid(), psutil.Process().create_time())
-        pending = [task.remote(downloader, sid, f, str(staging), str(shards_dir), server) for sid, f in reader]
+                jobs.append(ShardJob(unit, i, u["part"], u["file"], start, min(u["kept"], start + cfg.samples_per_shard)))
+        parts_root = ctx.stage_dir / "parts"
+        for stale in (set(p.name for p in parts_root.iterdir()) - units) if parts_root.exists() else ():
+            shutil.rmtree(parts_root / stale)   # a partition no longer in the source
+        if reused:
+            ctx.log(f"ingest: {len(reused)} shards downloaded before, reused; {len(jobs)} to download")
         results = []
-        ok = count = 0
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            res = ray.get(ready[0])
-            results.append(res)
-            ok += res["successes"]
-            count += res["count"]
-            rate = count / max(time.time() - start, 1e-6)
-            ctx.log(f"ingest: {len(done) + len(results)}/{total_shards} shards, {ok} images ok, "
-                    f"{count - ok} failed, {rate:.0f} URLs/s")
-        elapsed = time.time() - start
-        shutil.rmtree(tmp, ignore_errors=True)
-        previous = {s["shard"]: s for s in results}
-        shards = []
-        for sid in sorted(done_shard_ids(shards_dir)):
-            stats = json.loads((shards_dir / f"{sid:05d}_stats.json").read_text())
-            shards.append({"shard": f"{sid:05d}", "count": stats.get("count", 0),
-                           "successes": stats.get("successes", 0),
-                           "node": previous.get(sid, {}).get("node", "")})
-        return {"shards": shards, "images_per_second": (ok / elapsed) if results and elapsed > 0 else None}
+        if jobs:
+            server = (DemoServer(ctx.stage_dir.parent / "source" / "www", ctx.config.source.slow_seconds)
+                      if served else nullcontext())
+            with server:
+                allow = tuple(cfg.allow_hosts) + ((server.netloc,) if served else ())
+                base = server.base_url if served else ""
+                alive = None
+                if served:   # the loopback server is this process
+                    import socket
+
+                    import psutil
+
+                    alive = (socket.gethostname(), os.getpid(), psutil.Process().create_time())
+                task = ray.remote(num_cpus=1, max_retries=cfg.task_retries)(_shard_task)
+                downloader = _downloader(cfg, allow)
+                start = time.time()
+                results = run_tasks(task, [(ctx.storage, j, downloader, base, alive) for j in jobs], "ingest",
+                                    ctx.log, describe=lambda c: f"shard {c[1].unit}/{c[1].shard:05d}")
+                elapsed = time.time() - start
+        parts = reused + results
+        ok = sum(p["extra"]["successes"] for p in results)
+        nodes = sorted({p["extra"]["node"] for p in results if p["extra"].get("node")})
+        return StageResult(parts, {"shards": len(parts), "partitions": len(units), "nodes": nodes,
+                                   "images_per_second": (ok / elapsed) if results and elapsed > 0 else None},
+                           artifacts={"ledger": "ingest/parts.json"})
+
+
+def _downloader(cfg: IngestConfig, allow: tuple):
+    from img2dataset.resizer import Resizer
+    from img2dataset.writer import WebDatasetSampleWriter
+
+    from .fetch import FetchPolicy, SafeDownloader
+
+    resizer = Resizer(image_size=cfg.image_size, resize_mode=cfg.resize_mode,
+                      resize_only_if_bigger=False, encode_quality=cfg.encode_quality,
+                      encode_format=cfg.encode_format, min_image_size=cfg.min_image_size,
+                      max_aspect_ratio=cfg.max_aspect_ratio)
+    return SafeDownloader(
+        sample_writer_class=WebDatasetSampleWriter, resizer=resizer, thread_count=cfg.thread_count,
+        save_caption=True, extract_exif=False, output_folder="/nonexistent",
+        column_list=["uid", "caption", "url"], timeout=cfg.timeout,
+        number_sample_per_shard=cfg.samples_per_shard, oom_shard_count=5, compute_hash="sha256",
+        verify_hash_type=None, encode_format=cfg.encode_format, retries=cfg.retries,
+        user_agent_token=None, disallowed_header_directives=["noai", "noimageai", "noindex", "noimageindex"],
+        policy=FetchPolicy(allow_hosts=allow, max_bytes=cfg.max_bytes, max_pixels=cfg.max_pixels))

@@ -6,24 +6,22 @@ languages with probabilities. The caption's confidence is the probability of the
 `language:<code>` for the language it was taken for (its probability as score), or
 `language_low_confidence` when that language is allowed but too uncertain.
 
-Identification runs as a Ray Data actor pool over the captions (each actor loads the model once).
+Identification runs as a Ray task per partition (each worker process loads the model once).
 Short alt-text is hard: fastText gives "a small yellow circle" only 0.19 English (and calls it
 Persian), so the demo sets a low `min_confidence`; on web alt-text 0.25-0.5 is usual.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
 import pyarrow as pa
 
 from trainers.configtools import join, require
 from trainers.errors import UserError
 
-from .actor_map import collect, map_actors, table_dataset
-from .base import Ledger, Stage, StageContext, StageResult
-from .captions import caption_map
+from .base import DROPPED, KEPT, Stage, StageContext, StageResult
 from .examples import write_examples
 from .langid import fasttext_model_path, load_backend
 from .source import file_sha256
@@ -70,22 +68,29 @@ def decide(probs: dict[str, float], languages: list[str], min_confidence: float)
     return f"language:{top}", top, probs.get(top, 0.0)
 
 
-class _Identify:
-    """Ray Data actor: identify a batch of captions' languages."""
+@functools.lru_cache(maxsize=2)
+def _backend(name: str):
+    return load_backend(name)   # once per worker process
 
-    def __init__(self, backend: str, languages: list[str], min_confidence: float):
-        self.lid = load_backend(backend)
-        self.languages, self.min_confidence = languages, min_confidence
 
-    def __call__(self, batch: dict) -> dict:
-        reasons, tops, scores = [], [], []
-        for text in batch["caption"]:
-            reason, top, score = decide(self.lid.predict(str(text)), self.languages, self.min_confidence)
-            reasons.append(reason)
-            tops.append(top)
-            scores.append(score)
-        return {"key": batch["key"], "reason": np.array(reasons, dtype=object), "top": np.array(tops, dtype=object),
-                "score": np.array(scores, np.float64)}
+def identify(table: pa.Table, cfg: LanguageConfig) -> tuple[pa.Table, dict]:
+    """One partition: each caption's language, kept when the allowed ones are likely enough."""
+    keys, caps = table.column("key").to_pylist(), table.column("caption").to_pylist()
+    if not cfg.enabled:
+        n = len(keys)
+        return pa.table({"key": keys, "verdict": [KEPT] * n, "reason": [""] * n}), {"detected": {}}
+    lid = _backend(cfg.backend)
+    verdicts, reasons, scores, tops = [], [], [], []
+    found: dict[str, int] = {}
+    for text in caps:
+        reason, top, score = decide(lid.predict(str(text or "")), cfg.languages, cfg.min_confidence)
+        verdicts.append(DROPPED if reason else KEPT)
+        reasons.append(reason)
+        scores.append(float(score))
+        tops.append(str(top))
+        found[str(top)] = found.get(str(top), 0) + 1
+    return pa.table({"key": keys, "verdict": verdicts, "reason": reasons, "score": pa.array(scores, pa.float64()),
+                     "detail": tops}), {"detected": found}
 
 
 class LanguageStage(Stage):
@@ -94,35 +99,26 @@ class LanguageStage(Stage):
     def section(self, config) -> LanguageConfig:
         return config.stages.language
 
+    def preflight(self, config) -> None:
+        preflight(config.stages.language)
+
     def run(self, ctx: StageContext) -> StageResult:
         cfg: LanguageConfig = ctx.config.stages.language
-        ledger = Ledger(self.name)
-        keys = sorted(ctx.upstream_kept or [])
-        captions = caption_map(ctx.upstream)
-        if not cfg.enabled or not keys:
-            for k in keys:
-                ledger.keep(k)
-            return StageResult(ledger, {"enabled": cfg.enabled})
-        table = pa.table({"key": keys, "caption": [captions[k] for k in keys]})
-        ds = map_actors(table_dataset(table, cfg.batch_size, cfg.num_workers), _Identify,
-                        (cfg.backend, cfg.languages, cfg.min_confidence), cfg.num_workers, cfg.batch_size,
-                        cfg.cpus_per_worker)
-        out = collect(ds, ["key", "reason", "top", "score"])
+        parts = ctx.map_parts(identify, num_cpus=cfg.cpus_per_worker, cfg=cfg)
+        if not cfg.enabled:
+            return StageResult(parts, {"enabled": False})
         found: dict[str, int] = {}
-        for key, reason, top, score in zip(out["key"], out["reason"], out["top"], out["score"]):
-            found[str(top)] = found.get(str(top), 0) + 1
-            if reason:
-                ledger.drop(str(key), str(reason), score=float(score), detail=str(top))
-            else:
-                ledger.keep(str(key), score=float(score), detail=str(top))
-        model = fasttext_model_path() if cfg.backend == "fasttext" else None   # the actors loaded it; name it only
-        shown = write_examples(ctx, ledger.table(), captions, cfg.examples_per_reason, "Language filter")
+        for p in parts:
+            for lang, n in p["extra"]["detected"].items():
+                found[lang] = found.get(lang, 0) + n
+        model = fasttext_model_path() if cfg.backend == "fasttext" else None   # the workers loaded it; name it only
+        shown = write_examples(ctx, parts, cfg.examples_per_reason, "Language filter")
         ctx.log(f"language: {cfg.backend} backend, keeping {', '.join(cfg.languages)} at confidence >= "
                 f"{cfg.min_confidence}; examples in {shown}")
         top_found = dict(sorted(found.items(), key=lambda kv: -kv[1])[:20])
-        return StageResult(ledger, {"enabled": True, "backend": cfg.backend,
-                                    "model": str(model) if model else "langid (bundled)",
-                                    "model_sha256": file_sha256(model) if model else None,
-                                    "languages": cfg.languages, "min_confidence": cfg.min_confidence,
-                                    "detected": top_found},
+        return StageResult(parts, {"enabled": True, "backend": cfg.backend,
+                                   "model": str(model) if model else "langid (bundled)",
+                                   "model_sha256": file_sha256(model) if model else None,
+                                   "languages": cfg.languages, "min_confidence": cfg.min_confidence,
+                                   "detected": top_found},
                            artifacts={"report": "language/report.html"})

@@ -1,30 +1,36 @@
 """The shard stage: the kept samples as final WebDataset shards, byte-reproducible.
 
-Order: a global shuffle by sha256(seed:key), independent of arrival order and worker count.
+Order: a global shuffle by sha256(seed:key), independent of arrival order and worker count: a
+sample goes to output shard (that hash mod the number of shards), and each shard holds its samples
+in hash order. A map task per input partition reads its images once through the sample index and
+writes them to their shards' buckets; a reduce task per output shard writes the tar, its index and
+its ledger partition, and records the tar's sha256. The driver only counts.
 Each sample is `<key>.jpg` (the bytes ingest stored), `<key>.txt` (the caption) and `<key>.json`
 (key, source URL, caption, scores and verdict details from every earlier stage). Tar members have
-mtime 0, owner 0:0, mode 0444 and USTAR headers, so equal content gives equal bytes. Shards hold
-`samples_per_shard` samples or stop before `max_shard_bytes`; each is written as `.tmp` and renamed
-when complete. Beside them: `sizes.json` (shard -> samples, as open_clip reads), `shards.json`
-(name, samples, bytes, sha256 per shard) and `index.parquet` (key -> shard, byte offset of the
-sample's first member) so a reader can count and seek.
+mtime 0, owner 0:0, mode 0444 and USTAR headers, so equal content gives equal bytes. There are
+enough shards that each holds about `samples_per_shard` samples and stays under `max_shard_bytes`;
+each is written whole (temp file and rename, or one PUT). Beside them: `sizes.json` (shard -> samples, as open_clip reads), `shards.json`
+(name, samples, bytes, sha256 per shard) and `index/<shard>.parquet` (key -> shard, byte offset of
+the sample's first member) so a reader can count and seek.
 """
 from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
+import pyarrow.compute  # noqa: F401 - pa.compute
 
 from trainers.configtools import join, require
 
-from .base import Ledger, Stage, StageContext, StageResult
-from .captions import caption_map
+from .base import KEPT, Stage, StageContext, StageResult
+from .dataplane import read_images, read_kept, run_tasks, write_part
 from .tokenizer import order_key
 
 
@@ -62,39 +68,57 @@ def write_shard(path: Path, samples: list[dict]) -> dict:
     return {"offsets": offsets}
 
 
-def ingest_locations(ingest_dir: Path) -> dict[str, tuple[str, str]]:
-    """key -> (ingest shard path, img2dataset key), from the ingest ledger's details."""
-    t = pq.read_table(ingest_dir / "ledger.parquet", columns=["key", "verdict", "detail"]).to_pylist()
-    out = {}
-    for r in t:
-        if r["verdict"] == "kept":
-            part, shard, i2d_key = r["detail"].split("/")
-            out[r["key"]] = (str(ingest_dir / "parts" / part / "shards" / f"{shard}.tar"), i2d_key)
-    return out
+def _bytes_task(storage, file: str) -> int:
+    t = read_kept(storage, file, ["size", "caption"])
+    return int(pa.compute.sum(t.column("size")).as_py() or 0) + 1600 * t.num_rows
 
 
-def _task():
-    import ray
+def _map_task(storage, part: str, file: str, seed: int, n_out: int) -> dict:
+    """Ray task: one input partition's samples, images read once, into their output shards' buckets."""
+    rows = read_kept(storage, file, ["key", "url", "caption", "notes", "tar", "member", "offset", "size"])
+    images = read_images(storage, rows)
+    keys = rows.column("key").to_pylist()
+    order = [order_key(seed, k) for k in keys]
+    out = np.array([int(o[:16], 16) % n_out for o in order], np.int64)
+    meta = []
+    for k, u, c, n in zip(keys, *(rows.column(x).to_pylist() for x in ("url", "caption", "notes"))):
+        meta.append(json.dumps({"key": k, "url": u, "caption": c, **(json.loads(n) if n else {})},
+                               sort_keys=True, ensure_ascii=False))
+    ext = [(m or "x.jpg").rsplit(".", 1)[-1] for m in rows.column("member").to_pylist()]
+    table = pa.table({"key": keys, "order": order, "image": pa.array(images, pa.binary()), "ext": ext,
+                      "caption": rows.column("caption"), "meta": meta})
+    for s in np.unique(out):
+        storage.write_table(f"shard/_work/map/{s:06d}/{part}.parquet", table.filter(pa.array(out == s)))
+    storage.write_bytes(f"shard/_work/mapdone/{part}.json", b"{}")
+    return {"part": part, "samples": len(keys)}
 
-    @ray.remote
-    def build(path: str, plan: list[dict]) -> dict:
-        """plan: [{key, tar, member, caption, meta}] in output order; reads images from ingest tars."""
-        by_tar: dict[str, list[dict]] = {}
-        for p in plan:
-            by_tar.setdefault(p["tar"], []).append(p)
-        images = {}
-        for tar_path, items in by_tar.items():
-            wanted = {f"{p['member']}.jpg": p["key"] for p in items}
-            with tarfile.open(tar_path) as tar:
-                for m in tar:
-                    if m.name in wanted:
-                        images[wanted[m.name]] = tar.extractfile(m).read()
-        samples = [{"key": p["key"], "image": images[p["key"]], "ext": "jpg", "caption": p["caption"],
-                    "meta": p["meta"]} for p in plan]
-        index = write_shard(Path(path), samples)
-        return {"name": Path(path).name, "offsets": index["offsets"]}
 
-    return build
+def _reduce_task(storage, shard: int) -> dict:
+    """Ray task: one output shard from its buckets: the tar, its index, its ledger partition."""
+    files = storage.list(f"shard/_work/map/{shard:06d}", ".parquet")
+    t = (pa.concat_tables([storage.read_table(f) for f in files]) if files
+         else pa.table({"key": pa.array([], pa.string()), "order": pa.array([], pa.string()),
+                        "image": pa.array([], pa.binary()), "ext": pa.array([], pa.string()),
+                        "caption": pa.array([], pa.string()), "meta": pa.array([], pa.string())}))
+    t = t.sort_by("order")
+    name = f"{shard:06d}.tar"
+    buf = io.BytesIO()
+    offsets = []
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for k, img, ext, cap, meta in zip(*(t.column(c).to_pylist() for c in ("key", "image", "ext", "caption", "meta"))):
+            offsets.append(buf.tell())
+            for e, data in ((ext, img), ("txt", (cap or "").encode()), ("json", meta.encode())):
+                tar.addfile(*_member(f"{k}.{e}", data))
+    data = buf.getvalue()
+    sha = storage.write_bytes(f"shard/shards/{name}", data)
+    keys = t.column("key").to_pylist()
+    storage.write_table(f"shard/index/{shard:06d}.parquet",
+                        pa.table({"key": keys, "shard": [name] * len(keys), "offset": pa.array(offsets, pa.int64())}))
+    ledger = pa.table({"key": keys, "verdict": [KEPT] * len(keys), "reason": [""] * len(keys),
+                       "caption": t.column("caption"), "tar": [f"shard/shards/{name}"] * len(keys),
+                       "offset": pa.array(offsets, pa.int64())})
+    return write_part(storage, "shard", f"{shard:06d}", None, keys, ledger,
+                      extra={"name": name, "samples": len(keys), "bytes": len(data), "sha256": sha})
 
 
 class ShardStage(Stage):
@@ -104,102 +128,35 @@ class ShardStage(Stage):
         return config.stages.shard
 
     def run(self, ctx: StageContext) -> StageResult:
-        import hashlib
-
         import ray
 
         cfg: ShardConfig = ctx.config.stages.shard
-        keys = sorted(ctx.upstream_kept or [], key=lambda k: order_key(ctx.config.seed, k))
-        ledger = Ledger(self.name)
-        src = pq.read_table(ctx.upstream["source"] / "urls.parquet", columns=["key", "url"]).to_pydict()
-        url_of = dict(zip(src["key"], src["url"]))
-        caption_of = caption_map(ctx.upstream)
-        where = ingest_locations(ctx.upstream["ingest"])
-        extra = _stage_notes(ctx)
-        out_dir = ctx.stage_dir / "shards"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for stale in out_dir.glob("*.tmp"):
-            stale.unlink()
-        # plan shards: by count, and by bytes using the ingest images' sizes
-        sizes = _image_sizes(set(where[k][0] for k in keys))
-        plans, current, current_bytes = [], [], 0
-        for k in keys:
-            tar_path, member = where[k]
-            nbytes = sizes.get((tar_path, member), 0) + len(caption_of[k]) + 1536  # headers and json
-            if current and (len(current) >= cfg.samples_per_shard or current_bytes + nbytes > cfg.max_shard_bytes):
-                plans.append(current)
-                current, current_bytes = [], 0
-            meta = {"key": k, "url": url_of[k], "caption": caption_of[k], **extra.get(k, {})}
-            current.append({"key": k, "tar": tar_path, "member": member, "caption": caption_of[k], "meta": meta})
-            current_bytes += nbytes
-            ledger.keep(k)
-        if current:
-            plans.append(current)
-        build = _task()
-        names = [f"{i:06d}.tar" for i in range(len(plans))]
-        done = {n for n in names if (out_dir / n).is_file()}
-        refs = [build.remote(str(out_dir / n), p) for n, p in zip(names, plans) if n not in done]
-        results = {}
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            r = ray.get(ready[0])
-            results[r["name"]] = r
-            ctx.log(f"shard: {len(done) + len(results)}/{len(plans)} shards written")
-        for n in sorted(set(names) - set(os.listdir(out_dir))):
-            raise RuntimeError(f"shard: {n} missing after writing")
-        for stale in set(os.listdir(out_dir)) - set(names):
-            (out_dir / stale).unlink()  # shards of an earlier, larger plan
-        shards, index_rows = [], {"key": [], "shard": [], "offset": []}
-        for n, plan in zip(names, plans):
-            data = (out_dir / n).read_bytes()
-            shards.append({"name": n, "samples": len(plan), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-            offsets = results[n]["offsets"] if n in results else _offsets(out_dir / n)
-            for key, off in offsets:
-                index_rows["key"].append(key)
-                index_rows["shard"].append(n)
-                index_rows["offset"].append(off)
+        upstream = [u for u in ctx.upstream or [] if u["kept"]]
+        n = ctx.n_in
+        if not n:
+            raise RuntimeError("shard: no samples left to write; every sample was dropped upstream")
+        sizes = ray.get([ray.remote(num_cpus=0.25)(_bytes_task).remote(ctx.storage, u["file"]) for u in upstream])
+        n_out = max(1, math.ceil(n / cfg.samples_per_shard), math.ceil(sum(sizes) / (0.9 * cfg.max_shard_bytes)))
+        done = {r.rsplit("/", 1)[-1][:-5] for r in ctx.storage.list("shard/_work/mapdone", ".json")}
+        todo = [u for u in upstream if u["part"] not in done]
+        mapper = ray.remote(num_cpus=1, max_retries=2)(_map_task)
+        run_tasks(mapper, [(ctx.storage, u["part"], u["file"], ctx.config.seed, n_out) for u in todo],
+                  "shard map", ctx.log, max_in_flight=cfg.num_workers, describe=lambda c: f"partition {c[1]}")
+        reducer = ray.remote(num_cpus=1, max_retries=2)(_reduce_task)
+        parts = run_tasks(reducer, [(ctx.storage, i) for i in range(n_out)], "shard write", ctx.log,
+                          max_in_flight=cfg.num_workers, describe=lambda c: f"shard {c[1]:06d}")
+        names = {p["extra"]["name"] for p in parts}
+        for stale in ctx.storage.list("shard/shards", ".tar"):
+            if stale.rsplit("/", 1)[-1] not in names:
+                ctx.storage.delete(stale)   # shards of an earlier, larger plan
+        for stale in ctx.storage.list("shard/index", ".parquet"):
+            if stale.rsplit("/", 1)[-1][:-8] + ".tar" not in names:
+                ctx.storage.delete(stale)
+        ctx.storage.delete("shard/_work")
+        shards = [{k: p["extra"][k] for k in ("name", "samples", "bytes", "sha256")} for p in parts]
         (ctx.stage_dir / "sizes.json").write_text(json.dumps({s["name"]: s["samples"] for s in shards}, indent=1))
         (ctx.stage_dir / "shards.json").write_text(json.dumps(shards, indent=1))
-        pq.write_table(pa.table(index_rows), ctx.stage_dir / "index.parquet")
-        ctx.log(f"shard: {len(keys)} samples in {len(shards)} shards")
-        return StageResult(ledger, {"shards": len(shards), "bytes": sum(s["bytes"] for s in shards)},
-                           artifacts={"folder": "shard/shards", "shards": shards})
-
-
-def _offsets(path: Path) -> list[tuple[str, int]]:
-    out, seen = [], set()
-    with tarfile.open(path) as tar:
-        for m in tar:
-            key = m.name.split(".", 1)[0]
-            if key not in seen:
-                seen.add(key)
-                out.append((key, m.offset))
-    return out
-
-
-def _image_sizes(tar_paths) -> dict[tuple[str, str], int]:
-    sizes = {}
-    for t in tar_paths:
-        with tarfile.open(t) as tar:
-            for m in tar:
-                if m.name.endswith(".jpg"):
-                    sizes[(t, m.name[:-4])] = m.size
-    return sizes
-
-
-def _stage_notes(ctx: StageContext) -> dict[str, dict]:
-    """Scores and details the earlier stages recorded for kept samples, for each sample's json."""
-    notes: dict[str, dict] = {}
-    for name, sdir in ctx.upstream.items():
-        if name in ("source", "ingest", "tokenizer"):
-            continue
-        t = pq.read_table(sdir / "ledger.parquet", columns=["key", "verdict", "score", "detail"]).to_pylist()
-        for r in t:
-            if r["verdict"] == "kept" and (r["score"] is not None or r["detail"]):
-                entry = notes.setdefault(r["key"], {})
-                if r["score"] is not None:
-                    entry[f"{name}_score"] = r["score"]
-                if r["detail"]:
-                    entry[f"{name}_detail"] = r["detail"]
-    return notes
+        ctx.log(f"shard: {n} samples in {len(shards)} shards")
+        return StageResult(parts, {"shards": len(shards), "bytes": sum(s["bytes"] for s in shards)},
+                           artifacts={"folder": "shard/shards", "shards": shards},
+                           files={f"shard/shards/{s['name']}": s["sha256"] for s in shards})

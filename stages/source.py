@@ -1,4 +1,4 @@
-"""The source stage: turn the configured source into one URL list, `source/urls.parquet`.
+"""The source stage: turn the configured source into partitions of a URL list, `source/ledger/*.parquet`.
 
 - `kind: synthetic` generates the demo's captioned scenes (stages/synthetic.py), served later over
   loopback by the ingest stage.
@@ -11,11 +11,17 @@
   named column, is an error.
 
 Every sample gets a stable key (no dots: WebDataset splits on them): `key_col` if given, else a
-hash of URL and caption (a repeat of the same pair gets a `_N` suffix).
+hash of URL and caption (a repeat of the same pair within a file gets a `_N` suffix).
+
+A URL list is read by the workers: a Ray task per file computes the keys and writes the file's
+partitions (`rows_per_part` rows each) itself; the driver learns only their counts. The generated
+sources (synthetic, openclipart) build their files on the driver, as the loopback server that
+serves them runs there too, and are partitioned the same way.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -29,7 +35,8 @@ from trainers.configtools import join, require
 from trainers.errors import UserError
 
 from . import openclipart, synthetic
-from .base import Ledger, Stage, StageContext, StageResult
+from .base import Stage, StageContext, StageResult
+from .dataplane import DROPPED, KEPT, run_tasks, write_part
 
 
 @dataclass
@@ -79,6 +86,7 @@ class SourceConfig:
     # kind: openclipart
     limit: int | None = None         # a seeded subset of this many drawings (null: all 8,121)
     render_size: int = 128           # longest side of the rendered PNG
+    rows_per_part: int = 100_000     # a partition of the URL list: the unit every later stage works in
 
     @property
     def served(self) -> bool:
@@ -95,16 +103,23 @@ class SourceConfig:
             require(bool(self.path), join(prefix, "path"), "kind 'urls' needs the path of a URL list file")
         require(self.limit is None or self.limit > 0, join(prefix, "limit"), f"must be > 0 or null, got {self.limit}")
         require(16 <= self.render_size <= 2048, join(prefix, "render_size"), "must be 16..2048 pixels")
+        require(self.rows_per_part >= 1, join(prefix, "rows_per_part"), f"must be >= 1, got {self.rows_per_part}")
+
+
+def _format(path: Path, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
+    fmt = {".parquet": "parquet", ".csv": "csv", ".csv.gz": "csv", ".tsv": "tsv", ".tsv.gz": "tsv",
+           ".jsonl": "jsonl", ".json": "jsonl"}.get(suffix.lower(), "")
+    if not fmt:
+        raise UserError(f"source.path {path}: cannot tell the format from '{suffix}'; "
+                        "set source.format to parquet, csv, tsv or jsonl")
+    return fmt
 
 
 def _read_table(path: Path, fmt: str) -> pa.Table:
-    if fmt == "auto":
-        suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
-        fmt = {".parquet": "parquet", ".csv": "csv", ".csv.gz": "csv", ".tsv": "tsv", ".tsv.gz": "tsv",
-               ".jsonl": "jsonl", ".json": "jsonl"}.get(suffix.lower(), "")
-        if not fmt:
-            raise UserError(f"source.path {path}: cannot tell the format from '{suffix}'; "
-                            "set source.format to parquet, csv, tsv or jsonl")
+    fmt = _format(path, fmt)
     try:
         if fmt == "parquet":
             return pq.read_table(path)
@@ -113,6 +128,25 @@ def _read_table(path: Path, fmt: str) -> pa.Table:
         if fmt == "tsv":
             return pacsv.read_csv(path, parse_options=pacsv.ParseOptions(delimiter="\t"))
         return pajson.read_json(path)
+    except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"source.path {path}: not a readable {fmt} URL list ({first})") from None
+
+
+def _read_columns(path: Path, fmt: str) -> list[str]:
+    """The file's column names, from its header or metadata alone: preflight reads no rows."""
+    fmt = _format(path, fmt)
+    try:
+        if fmt == "parquet":
+            return pq.read_schema(path).names
+        if fmt in ("csv", "tsv"):
+            opts = pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",")
+            with pacsv.open_csv(path, parse_options=opts) as reader:
+                return reader.schema.names
+        with open(path, "rb") as f:
+            head = f.read(1 << 20)
+        first = head.split(b"\n", 1)[0]
+        return pajson.read_json(pa.BufferReader(first)).column_names if first.strip() else []
     except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"source.path {path}: not a readable {fmt} URL list ({first})") from None
@@ -146,19 +180,65 @@ def partition_files(cfg: SourceConfig) -> list[Path]:
     return [path]
 
 
-def check_url_list(cfg: SourceConfig) -> list[tuple[str, pa.Table]]:
-    """Read and check a `kind: urls` list; -> [(partition name, table)]; UserError names what is wrong."""
-    return [(f.name, _check_file(f, cfg)) for f in partition_files(cfg)]
+def check_url_list(cfg: SourceConfig) -> None:
+    """Check a `kind: urls` list's files and columns; UserError names what is wrong."""
+    for f in partition_files(cfg):
+        names = _read_columns(f, cfg.format)
+        wanted = [c for c in (cfg.url_col, cfg.caption_col, cfg.key_col) if c]
+        missing = [c for c in wanted if c not in names]
+        if missing:
+            raise UserError(f"source.path {f}: missing column(s) {', '.join(missing)}; the file has "
+                            f"{', '.join(names) or 'no columns'} (set source.url_col / caption_col)")
 
 
-def _check_file(path: Path, cfg: SourceConfig) -> pa.Table:
-    table = _read_table(path, cfg.format)
-    wanted = [c for c in (cfg.url_col, cfg.caption_col, cfg.key_col) if c]
-    missing = [c for c in wanted if c not in table.column_names]
-    if missing:
-        raise UserError(f"source.path {path}: missing column(s) {', '.join(missing)}; the file has "
-                        f"{', '.join(table.column_names) or 'no columns'} (set source.url_col / caption_col)")
-    return table
+def safe_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:60]
+
+
+def keyed_rows(table: pa.Table, cfg: SourceConfig, part: str) -> pa.Table:
+    """A URL list file's rows -> key, url, caption, partition, verdict, reason, detail (one per row)."""
+    for c in (cfg.url_col, cfg.caption_col, cfg.key_col):
+        if c and c not in table.column_names:
+            raise UserError(f"source partition {part}: missing column {c}")
+    urls = table.column(cfg.url_col).to_pylist()
+    caps = table.column(cfg.caption_col).to_pylist()
+    ids = table.column(cfg.key_col).to_pylist() if cfg.key_col else None
+    seen: dict[str, int] = {}
+    keys, out_urls, out_caps, verdicts, reasons, details = [], [], [], [], [], []
+    for i, (url, cap) in enumerate(zip(urls, caps)):
+        url = url.strip() if isinstance(url, str) else url
+        cap = "" if cap is None else str(cap)
+        base = str(ids[i]).replace(".", "_").replace("/", "_") if ids is not None else sample_key(str(url), cap)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        key = base if n == 0 else f"{base}_{n}"
+        ok = isinstance(url, str) and bool(url)
+        keys.append(key)
+        out_urls.append(url if ok else None)
+        out_caps.append(cap)
+        verdicts.append(KEPT if ok else DROPPED)
+        reasons.append("" if ok else "malformed_row:missing_url")
+        details.append(f"{part} row {i}")
+    return pa.table({"key": keys, "url": pa.array(out_urls, pa.string()), "caption": out_caps,
+                     "partition": [part] * len(keys), "verdict": verdicts, "reason": reasons, "detail": details})
+
+
+def write_partitions(storage, rows: pa.Table, name: str, rows_per_part: int) -> list[dict]:
+    """Split one source file's keyed rows into partitions `<name>-NNNNN` and write them."""
+    out = []
+    n = rows.num_rows
+    for i, start in enumerate(range(0, max(n, 1), rows_per_part)):
+        chunk = rows.slice(start, rows_per_part)
+        part = f"{safe_name(name)}-{i:05d}"
+        out.append(write_part(storage, "source", part, None, chunk.column("key").to_pylist(), chunk))
+    return out
+
+
+def _read_file_task(storage, path: str, cfg: SourceConfig) -> list[dict]:
+    """Ray task: read one URL list file, key its rows, write its partitions."""
+    name = Path(path).name
+    return write_partitions(storage, keyed_rows(_read_table(Path(path), cfg.format), cfg, name), name,
+                            cfg.rows_per_part)
 
 
 class SourceStage(Stage):
@@ -167,61 +247,57 @@ class SourceStage(Stage):
     def section(self, config) -> SourceConfig:
         return config.source
 
-    def fingerprint(self, config) -> str:
-        base = super().fingerprint(config)
+    def preflight(self, config) -> None:
         if config.source.kind == "urls":
-            return base + "".join(f.name + file_sha256(f) for f in partition_files(config.source))
+            check_url_list(config.source)
         if config.source.kind == "openclipart":
-            root = openclipart.svg_root(config.source.path)
-            return base + openclipart.tree_digest(root, openclipart.list_svgs(root))
-        return base
+            openclipart.svg_root(config.source.path)
+
+    def input_fingerprint(self, config) -> dict:
+        """The source as a scheduled run compares it (for a URL folder: each file's name and sha256)."""
+        cfg = config.source
+        if cfg.kind == "urls":
+            return {"kind": "urls", "path": str(cfg.path),
+                    "files": {f.name: file_sha256(f) for f in partition_files(cfg)}}
+        if cfg.kind == "openclipart":
+            root = openclipart.svg_root(cfg.path)
+            files = openclipart.list_svgs(root)
+            return {"kind": "openclipart", "path": str(root), "files": {"count": len(files)},
+                    "digest": openclipart.tree_digest(root, files), "limit": cfg.limit}
+        return {"kind": cfg.kind, "seed": config.seed, "num_samples": cfg.num_samples}
+
+    def fingerprint(self, config) -> str:
+        return super().fingerprint(config) + json.dumps(self.input_fingerprint(config), sort_keys=True)
 
     def run(self, ctx: StageContext) -> StageResult:
+        import ray
+
         cfg: SourceConfig = ctx.config.source
-        ledger = Ledger(self.name)
-        out = ctx.stage_dir / "urls.parquet"
         if cfg.kind == "synthetic":
             counts = synthetic.generate(ctx.stage_dir, cfg.num_samples, cfg.eval_size, cfg.image_size,
                                         ctx.config.seed, vars(cfg.defects), cfg.huge_pixels, cfg.huge_bytes)
             ctx.log(f"source: generated {cfg.num_samples} demo samples, "
                     f"{sum(v for k, v in counts.items() if k != 'clean')} with planted defects")
-            for key in pq.read_table(out, columns=["key"]).column("key").to_pylist():
-                ledger.keep(key)
-            return StageResult(ledger, {"planted": counts})
+            return self._generated(ctx, cfg, pq.read_table(ctx.stage_dir / "urls.parquet"), "demo",
+                                   {"planted": counts})
         if cfg.kind == "openclipart":
-            return self._openclipart(ctx, cfg, ledger)
+            return self._openclipart(ctx, cfg)
+        files = partition_files(cfg)
+        task = ray.remote(num_cpus=1, max_retries=2)(_read_file_task)
+        results = run_tasks(task, [(ctx.storage, str(f), cfg) for f in files], "source", ctx.log,
+                            describe=lambda c: f"URL list file {Path(c[1]).name}")
+        parts = [p for r in results for p in r]
+        rows = sum(p["in"] for p in parts)
+        ctx.log(f"source: {rows} rows from {cfg.path} in {len(files)} file(s), {len(parts)} partitions")
+        return StageResult(parts, {"rows": rows, "files": len(files)})
 
-        keys, kept_urls, kept_caps, parts = [], [], [], []
-        seen: dict[str, int] = {}
-        rows = 0
-        for part, table in check_url_list(cfg):
-            urls = table.column(cfg.url_col).to_pylist()
-            caps = table.column(cfg.caption_col).to_pylist()
-            ids = table.column(cfg.key_col).to_pylist() if cfg.key_col else None
-            for i, (url, cap) in enumerate(zip(urls, caps)):
-                url = url.strip() if isinstance(url, str) else url
-                cap = "" if cap is None else str(cap)
-                if ids is not None:
-                    base = str(ids[i]).replace(".", "_").replace("/", "_")
-                else:
-                    base = sample_key(str(url), cap)
-                n = seen.get(base, 0)
-                seen[base] = n + 1
-                key = base if n == 0 else f"{base}_{n}"
-                if not isinstance(url, str) or not url:
-                    ledger.drop(key, "malformed_row:missing_url", detail=f"{part} row {i}")
-                    continue
-                ledger.keep(key, detail=f"{part} row {i}")
-                keys.append(key)
-                kept_urls.append(url)
-                kept_caps.append(cap)
-                parts.append(part)
-            rows += len(urls)
-        pq.write_table(pa.table({"key": keys, "url": kept_urls, "caption": kept_caps, "partition": parts}), out)
-        ctx.log(f"source: {rows} rows from {cfg.path}, {len(keys)} with a URL")
-        return StageResult(ledger, {"rows": rows})
+    def _generated(self, ctx: StageContext, cfg: SourceConfig, table: pa.Table, name: str, extra: dict) -> StageResult:
+        n = table.num_rows
+        rows = table.append_column("verdict", pa.array([KEPT] * n, pa.string())).append_column(
+            "reason", pa.array([""] * n, pa.string()))
+        return StageResult(write_partitions(ctx.storage, rows, name, cfg.rows_per_part), extra)
 
-    def _openclipart(self, ctx: StageContext, cfg: SourceConfig, ledger: Ledger) -> StageResult:
+    def _openclipart(self, ctx: StageContext, cfg: SourceConfig) -> StageResult:
         from .tokenizer import order_key
 
         root = openclipart.svg_root(cfg.path)
@@ -230,15 +306,15 @@ class SourceStage(Stage):
             files = sorted(sorted(files, key=lambda f: order_key(ctx.config.seed, f))[: cfg.limit])
         ctx.log(f"source: rendering {len(files)} openclipart SVGs from {root} at {cfg.render_size} px")
         rows = openclipart.build(root, files, ctx.stage_dir / "www" / "img", cfg.render_size, log=ctx.log)
-        keys, urls, caps = [], [], []
-        for r in rows:
-            if r["reason"]:
-                ledger.drop(r["key"], r["reason"], detail=f"{r['relpath']}: {r['detail']}")
-                continue
-            ledger.keep(r["key"], detail=r["relpath"])
-            keys.append(r["key"])
-            urls.append(f"{synthetic.SERVER_PLACEHOLDER}/img/{r['file']}")
-            caps.append(r["caption"])
-        pq.write_table(pa.table({"key": keys, "url": urls, "caption": caps, "partition": ["openclipart"] * len(keys)}),
-                       ctx.stage_dir / "urls.parquet")
-        return StageResult(ledger, {"svg_root": str(root), "svgs": len(files), "rendered": len(keys)})
+        ok = [not r["reason"] for r in rows]
+        table = pa.table({
+            "key": [r["key"] for r in rows],
+            "url": [f"{synthetic.SERVER_PLACEHOLDER}/img/{r['file']}" if good else None for r, good in zip(rows, ok)],
+            "caption": [r["caption"] if good else "" for r, good in zip(rows, ok)],
+            "partition": ["openclipart"] * len(rows),
+            "verdict": [KEPT if good else DROPPED for good in ok],
+            "reason": [r["reason"] or "" for r in rows],
+            "detail": [r["relpath"] if good else f"{r['relpath']}: {r['detail']}" for r, good in zip(rows, ok)],
+        })
+        parts = write_partitions(ctx.storage, table, "openclipart", cfg.rows_per_part)
+        return StageResult(parts, {"svg_root": str(root), "svgs": len(files), "rendered": sum(ok)})

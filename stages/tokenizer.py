@@ -1,7 +1,8 @@
 """The tokenizer stage: train a SentencePiece model on the kept captions.
 
-Captions are sampled deterministically (the `max_sentences` keys first in sha256(seed:key) order),
-training runs single-threaded, so the same captions and config give the same model bytes.
+Captions are sampled deterministically (the `max_sentences` keys first in sha256(seed:key) order,
+found by a threshold on that hash in a task per partition, never by sorting every key), training runs
+single-threaded in one Ray task, so the same captions and config give the same model bytes.
 Ids: pad 0 (also the decoders' BOS), EOS 1, unknown 2, no BOS; byte fallback on, so nothing is ever
 unknown. `vocab_size` is a soft limit (a small corpus cannot fill 32k pieces): the model's real size
 is in stats.json and the manifest. Every sample is kept; this stage only learns from them.
@@ -16,8 +17,7 @@ from typing import Literal
 
 from trainers.configtools import join, require
 
-from .base import Ledger, Stage, StageContext, StageResult
-from .captions import caption_map
+from .base import Stage, StageContext, StageResult
 
 
 @dataclass
@@ -54,6 +54,43 @@ def train_sentencepiece(captions: list[str], cfg: TokenizerConfig) -> bytes:
     return buf.getvalue()
 
 
+def _sample_task(storage, file: str, seed: int, below: str) -> list[tuple[str, str]]:
+    """Ray task: (order key, caption) of the partition's samples whose order key is below `below`."""
+    from .dataplane import read_kept
+
+    t = read_kept(storage, file, ["key", "caption"])
+    out = []
+    for k, c in zip(t.column("key").to_pylist(), t.column("caption").to_pylist()):
+        o = order_key(seed, k)
+        if o < below:
+            out.append((o, c or ""))
+    return out
+
+
+def _train_task(storage, files: list[str], n: int, seed: int, cfg: TokenizerConfig) -> dict:
+    """Ray task: sample the captions by a hash threshold, train, write spm.model to the run folder."""
+    import ray
+    import sentencepiece as spm
+
+    frac = min(1.0, 1.2 * cfg.max_sentences / max(1, n))
+    sample = ray.remote(num_cpus=0.25)(_sample_task)
+    while True:
+        below = "f" * 64 if frac >= 1 else format(int(frac * 16 ** 16), "016x") + "0" * 48
+        rows = [r for rs in ray.get([sample.remote(storage, f, seed, below) for f in files]) for r in rs]
+        if len(rows) >= min(n, cfg.max_sentences) or frac >= 1:
+            break
+        frac = min(1.0, frac * 2)
+    captions = [c for _, c in sorted(rows)[: cfg.max_sentences]]
+    if not captions:
+        raise RuntimeError("tokenizer: no captions left to train on; every sample was dropped upstream")
+    model = train_sentencepiece(captions, cfg)
+    sha = storage.write_bytes("tokenizer/spm.model", model)
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    lengths = [len(ids) + 1 for ids in sp.encode(captions[:2000])]  # + EOS
+    return {"vocab_size": sp.get_piece_size(), "trained_on": len(captions), "sha256": sha,
+            "mean_tokens": sum(lengths) / len(lengths), "max_tokens": max(lengths)}
+
+
 class TokenizerStage(Stage):
     name = "tokenizer"
 
@@ -61,24 +98,17 @@ class TokenizerStage(Stage):
         return config.stages.tokenizer
 
     def run(self, ctx: StageContext) -> StageResult:
-        import sentencepiece as spm
+        import ray
+
+        from .dataplane import passthrough
 
         cfg: TokenizerConfig = ctx.config.stages.tokenizer
-        caption_of = caption_map(ctx.upstream)
-        ledger = Ledger(self.name)
-        keys = sorted(ctx.upstream_kept or [], key=lambda k: order_key(ctx.config.seed, k))
-        for k in keys:
-            ledger.keep(k)
-        sample = [caption_of[k] for k in keys[: cfg.max_sentences]]
-        if not sample:
-            raise RuntimeError("tokenizer: no captions left to train on; every sample was dropped upstream")
-        model = train_sentencepiece(sample, cfg)
-        (ctx.stage_dir / "spm.model").write_bytes(model)
-        sp = spm.SentencePieceProcessor(model_proto=model)
-        lengths = [len(ids) + 1 for ids in sp.encode(sample[:2000])]  # + EOS
-        ctx.log(f"tokenizer: trained a {cfg.model_type} model of {sp.get_piece_size()} pieces on {len(sample)} captions")
-        digest = hashlib.sha256(model).hexdigest()
-        return StageResult(ledger, {
-            "vocab_size": sp.get_piece_size(), "requested_vocab_size": cfg.vocab_size, "trained_on": len(sample),
-            "sha256": digest, "mean_tokens": sum(lengths) / len(lengths), "max_tokens": max(lengths)},
-            artifacts={"model": "tokenizer/spm.model", "sha256": digest, "vocab_size": sp.get_piece_size()})
+        files = [u["file"] for u in ctx.upstream or [] if u["kept"]]
+        info = ray.get(ray.remote(num_cpus=1)(_train_task).remote(ctx.storage, files, ctx.n_in, ctx.config.seed, cfg))
+        parts = ctx.map_parts(passthrough, num_cpus=0.25)
+        ctx.log(f"tokenizer: trained a {cfg.model_type} model of {info['vocab_size']} pieces on "
+                f"{info['trained_on']} captions")
+        return StageResult(parts, {**info, "requested_vocab_size": cfg.vocab_size},
+                           artifacts={"model": "tokenizer/spm.model", "sha256": info["sha256"],
+                                      "vocab_size": info["vocab_size"]},
+                           files={"tokenizer/spm.model": info["sha256"]})

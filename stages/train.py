@@ -5,7 +5,8 @@ Every sample that reached the shards is kept (training consumes, it does not jud
 """
 from __future__ import annotations
 
-from .base import Ledger, Stage, StageContext, StageResult
+from .base import Stage, StageContext, StageResult
+from .dataplane import passthrough
 
 
 class TrainStage(Stage):
@@ -19,19 +20,17 @@ class TrainStage(Stage):
 
         from trainers.run import train
 
-        ledger = Ledger(self.name)
-        for k in ctx.upstream_kept or []:
-            ledger.keep(k)
+        parts = ctx.map_parts(passthrough, num_cpus=0.25)
         tc = ctx.config.train
         if tc.steps == 0:
             ctx.log("train: train.steps is 0, nothing to train")
-            return StageResult(ledger, {"trained": False})
+            return StageResult(parts, {"trained": False})
         manifest = json.loads((ctx.run_dir / "manifest.json").read_text())
         digest = manifest["stages"]["shard"]["output_digest"]
-        shards = ctx.location("shard/shards") if ctx.location else ctx.upstream["shard"] / "shards"
-        result = train(ctx.run_dir, shards, ctx.upstream["tokenizer"] / "spm.model", tc,
+        shards = ctx.location("shard/shards") if ctx.location else ctx.artifact("shard", "folder")
+        result = train(ctx.run_dir, shards, ctx.artifact("tokenizer", "model"), tc,
                        ctx.config.seed, digest, ctx.stage_dir, log=ctx.log)
         ctx.log(f"train: finished at step {result['step']}, loss {result['loss']:.4f}")
-        return StageResult(ledger, {"trained": True, **result},
+        return StageResult(parts, {"trained": True, **result},
                            artifacts={"model": "train/model", "encoder": "train/export",
                                       "mlflow_run_id": result["mlflow_run_id"]})

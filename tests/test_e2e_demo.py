@@ -13,6 +13,8 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
+
+from stages.base import read_ledger
 import webdataset as wds
 
 from helpers import ROOT, capline, kill_driver
@@ -33,7 +35,7 @@ def _content(run_dir):
 
 
 def _verdicts(run_dir):
-    t = pq.read_table(run_dir / "ingest" / "ledger.parquet").to_pylist()
+    t = read_ledger(run_dir / "ingest").to_pylist()
     return {r["key"]: (r["verdict"], r["reason"]) for r in t}
 
 

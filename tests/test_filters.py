@@ -218,16 +218,23 @@ def test_missing_openclipart_package_is_a_clear_error(tmp_path):
         svg_root(str(tmp_path / "absent"))
 
 
-def test_examples_page_groups_by_reason():
+def test_examples_page_groups_by_reason(tmp_path):
+    from stages.dataplane import Storage
     from stages.examples import pick, render_html
 
-    ledger = pa.table({"key": ["a", "b", "c"], "stage": ["s"] * 3, "verdict": ["kept", "dropped", "dropped"],
-                       "reason": ["", "language:de", "language:de"], "score": [0.9, 0.8, None],
-                       "detail": ["en", "de", "de"]})
-    groups = pick(ledger, 1, seed=0)
+    storage = Storage.local(tmp_path)
+    for name, rows in (("p0", {"key": ["a", "b"], "verdict": ["kept", "dropped"], "reason": ["", "language:de"],
+                               "score": [0.9, 0.8], "detail": ["en", "de"], "caption": ["a <cat>", "ein Hund"]}),
+                       ("p1", {"key": ["c"], "verdict": ["dropped"], "reason": ["language:de"], "score": [None],
+                               "detail": ["de"], "caption": ["x"]})):
+        storage.write_table(f"s/ledger/{name}.parquet", pa.table({**rows, "tar": pa.nulls(len(rows["key"]), pa.string()),
+                                                                   "offset": pa.nulls(len(rows["key"]), pa.int64()),
+                                                                   "size": pa.nulls(len(rows["key"]), pa.int64())}))
+    groups = pick(storage, ["s/ledger/p0.parquet", "s/ledger/p1.parquet"], 1, seed=0)   # no Ray: one at a time
     assert sorted(groups) == ["kept", "language:de"] and len(groups["language:de"]) == 1
-    page = render_html("t", groups, {"kept": 1, "language:de": 2}, {"a": "a <cat>", "b": "ein Hund", "c": "x"},
-                       {"a": b"\xff\xd8jpeg"})
+    both = pick(storage, ["s/ledger/p0.parquet", "s/ledger/p1.parquet"], 5, seed=0)
+    assert sorted(r["key"] for r in both["language:de"]) == ["b", "c"]     # merged over the partitions
+    page = render_html("t", groups, {"kept": 1, "language:de": 2}, {"a": b"\xff\xd8jpeg"})
     assert "language:de (1 of 2 shown)" in page and "a &lt;cat&gt;" in page and "data:image/jpeg;base64," in page
 
 

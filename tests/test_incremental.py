@@ -3,6 +3,8 @@ second run does not download A again."""
 import pyarrow.parquet as pq
 import pytest
 
+from stages.base import read_ledger
+
 from pipeline.config import load_config
 from pipeline.runner import run_pipeline
 from pipeline.verify import sample_digests
@@ -39,17 +41,17 @@ def test_appending_a_partition(tmp_path, ray_local):
         _write_partition(inc / "a.csv", rows[:150], server.base_url)
         run_pipeline(cfg(inc), tmp_path / "inc", log=lambda m: None)
         (part_a,) = (tmp_path / "inc" / "ingest" / "parts").iterdir()
-        stamp = (part_a / "_DONE").stat().st_mtime_ns
+        stamp = sorted(p.stat().st_mtime_ns for p in (part_a / "shards").glob("*.tar"))
         _write_partition(inc / "b.csv", rows[150:], server.base_url)
         logs = []
         run_pipeline(cfg(inc), tmp_path / "inc", log=logs.append)
-        assert any("partition a.csv: downloaded before, reused (150 URLs)" in m for m in logs), logs
-        assert (part_a / "_DONE").stat().st_mtime_ns == stamp
+        assert any("ingest: 3 shards downloaded before, reused; 2 to download" in m for m in logs), logs
+        assert sorted(p.stat().st_mtime_ns for p in (part_a / "shards").glob("*.tar")) == stamp
         _write_partition(one / "a.csv", rows[:150], server.base_url)
         _write_partition(one / "b.csv", rows[150:], server.base_url)
         run_pipeline(cfg(one), tmp_path / "one", log=lambda m: None)
     a, b = sample_digests(tmp_path / "inc"), sample_digests(tmp_path / "one")
     assert len(a) > 150
     assert a == b
-    dedup = pq.read_table(tmp_path / "inc" / "dedup" / "ledger.parquet").to_pylist()
+    dedup = read_ledger(tmp_path / "inc" / "dedup").to_pylist()
     assert any(r["reason"] == "near_duplicate" for r in dedup)   # duplicates across partitions found

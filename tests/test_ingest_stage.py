@@ -5,6 +5,8 @@ import tarfile
 
 import pyarrow.parquet as pq
 import pytest
+
+from stages.base import read_ledger
 import webdataset as wds
 
 from pipeline.config import load_config
@@ -29,7 +31,7 @@ SMALL = ["source.num_samples=300", "source.eval_size=20", "source.slow_seconds=4
 
 
 def _ledger(run_dir, stage):
-    return {r["key"]: r for r in pq.read_table(run_dir / stage / "ledger.parquet").to_pylist()}
+    return {r["key"]: r for r in read_ledger(run_dir / stage).to_pylist()}
 
 
 def test_every_planted_defect_gets_its_reason(tmp_path, ray_local):
@@ -52,7 +54,7 @@ def test_every_planted_defect_gets_its_reason(tmp_path, ray_local):
     # Shards: whole tars only, nothing left in staging, readable by webdataset, one per kept key.
     shards = sorted((tmp_path / "ingest").glob("parts/*/shards/*.tar"))
     assert len(shards) == 5
-    assert not any((tmp_path / "ingest").glob("parts/*/_work/staging/*/*"))
+    assert not list((tmp_path / "ingest").glob("parts/*/shards/*.tmp*"))
     seen = []
     for sample in wds.WebDataset([str(s) for s in shards], shardshuffle=False):
         meta = json.loads(sample["json"])
@@ -64,6 +66,14 @@ def test_every_planted_defect_gets_its_reason(tmp_path, ray_local):
     for s in shards:
         with tarfile.open(s) as t:
             assert len(t.getmembers()) > 0
+    # the sample index: each kept key's image, read by byte range, is the member's bytes
+    for r in [r for r in ledger.values() if r["verdict"] == "kept"][:20]:
+        with open(tmp_path / r["tar"], "rb") as f:
+            f.seek(r["offset"])
+            data = f.read(r["size"])
+        with tarfile.open(tmp_path / r["tar"]) as t:
+            assert t.extractfile(r["member"]).read() == data
+        assert r["width"] and r["height"] and len(r["sha256"]) == 64
 
 
 def test_urls_source_csv_with_allow_list(tmp_path, ray_local):
@@ -109,17 +119,13 @@ def test_rerun_resumes_only_missing_shards(tmp_path, ray_local):
     before = _content(tmp_path)
     (part,) = (tmp_path / "ingest" / "parts").iterdir()
     shards = part / "shards"
-    # Simulate a kill mid-ingest: markers gone, one shard never finished, a half-written tar in staging.
+    # Simulate a kill mid-ingest: the stage marker gone, one shard never finished (no result), its tar half written.
     (tmp_path / "ingest" / "_SUCCESS").unlink()
-    (part / "_DONE").unlink()
-    for suffix in (".tar", ".parquet", "_stats.json"):
-        (shards / f"00002{suffix}").unlink()
+    (part / "results" / "00002.json").unlink()
+    (shards / "00002.tar").write_bytes(b"half a tar")
     untouched = (shards / "00001.tar").stat().st_mtime_ns
-    staging = part / "_work" / "staging" / "00002"
-    staging.mkdir(parents=True)
-    (staging / "00002.tar").write_bytes(b"half a tar")
     logs = []
     run_pipeline(cfg, tmp_path, until="ingest", log=logs.append)
-    assert any("4/5 shards already complete" in m for m in logs), logs
+    assert any("4 shards downloaded before, reused; 1 to download" in m for m in logs), logs
     assert (shards / "00001.tar").stat().st_mtime_ns == untouched
     assert _content(tmp_path) == before

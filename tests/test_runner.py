@@ -1,15 +1,31 @@
-"""Unit: the runner's skip/resume logic and the in = kept + dropped invariant, with small fake stages."""
+"""The runner's skip/resume logic and the in = kept + dropped invariant at scale: partitions written by
+Ray tasks, checked from counts and key-set checksums alone. Small fake stages on a real local Ray."""
 import json
+import sys
 
+import pyarrow as pa
 import pytest
+import ray.cloudpickle
+
 
 from pipeline.config import load_config
-from pipeline.runner import check_invariant, run_pipeline
-from stages.base import Ledger, Stage, StageResult
+from pipeline.runner import run_pipeline
+from stages.base import DROPPED, KEPT, PartTask, Stage, StageResult
+from stages.dataplane import add_sums, check_parts, keyset_sum, write_part
 from trainers.errors import UserError
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # Ray workers cannot import tests/
+
+
+def _numbers(storage, part: str, start: int, stop: int) -> dict:
+    keys = [f"k{i:04d}" for i in range(start, stop)]
+    t = pa.table({"key": keys, "verdict": [KEPT] * len(keys), "reason": [""] * len(keys),
+                  "caption": [f"caption {i}" for i in range(start, stop)]})
+    return write_part(storage, "numbers", part, None, keys, t)
 
 
 class Numbers(Stage):
+    """A first stage: num_samples keys in partitions of 4, each written by its own Ray task."""
     name = "numbers"
 
     def __init__(self):
@@ -19,84 +35,124 @@ class Numbers(Stage):
         return {"n": config.source.num_samples}
 
     def run(self, ctx):
+        import ray
+
         self.calls += 1
-        ledger = Ledger(self.name)
-        for i in range(ctx.config.source.num_samples):
-            ledger.keep(f"k{i}")
-        (ctx.stage_dir / "out.txt").write_text("numbers")
-        return StageResult(ledger)
+        n = ctx.config.source.num_samples
+        task = ray.remote(num_cpus=0.25)(_numbers)
+        parts = ray.get([task.remote(ctx.storage, f"p{i // 4}", i, min(n, i + 4)) for i in range(0, n, 4)])
+        return StageResult(parts)
+
+
+def drop_odd(table, lose: str | None = None, add: bool = False):
+    keys = [k for k in table.column("key").to_pylist() if k != lose]
+    if add and keys:
+        keys.append("intruder")
+    odd = [k != "intruder" and int(k[1:]) % 2 == 1 for k in keys]
+    return pa.table({"key": keys, "verdict": [DROPPED if o else KEPT for o in odd],
+                     "reason": ["odd" if o else "" for o in odd], "score": [1.0 if o else None for o in odd]}), {}
 
 
 class DropOdd(Stage):
     name = "dropodd"
 
-    def __init__(self, lose_one=False):
-        self.calls = 0
-        self.lose_one = lose_one
+    def __init__(self, lose=None, add=False):
+        self.calls, self.lose, self.add = 0, lose, add
 
     def section(self, config):
         return {}
 
     def run(self, ctx):
         self.calls += 1
-        ledger = Ledger(self.name)
-        keys = ctx.upstream_kept[1:] if self.lose_one else ctx.upstream_kept
-        for k in keys:
-            if int(k[1:]) % 2:
-                ledger.drop(k, "odd", score=1.0)
-            else:
-                ledger.keep(k)
-        return StageResult(ledger)
+        tasks = [PartTask(u["part"], u["file"], u["part"],
+                          kwargs={"lose": self.lose, "add": self.add and u["part"] == "p1"}) for u in ctx.upstream]
+        return StageResult(ctx.map_parts(drop_odd, tasks, num_cpus=0.25))
 
 
 def _cfg(n=10):
     return load_config(None, [f"source.num_samples={n}"])
 
 
-def test_runs_then_skips_then_reruns_when_input_changes(tmp_path):
+def _run(tmp_path, stages, **kw):
+    return run_pipeline(_cfg(kw.pop("n", 10)), tmp_path, log=lambda m: None, stages=stages, observers=[], **kw)
+
+
+def test_runs_then_skips_then_reruns_when_input_changes(tmp_path, ray_local):
     a, b = Numbers(), DropOdd()
-    summary = run_pipeline(_cfg(), tmp_path, log=lambda m: None, stages=[a, b])
-    assert summary["dropodd"] == {**summary["dropodd"], "in": 10, "kept": 5, "dropped": {"odd": 5}}
+    summary = _run(tmp_path, [a, b])
+    assert summary["dropodd"] == {**summary["dropodd"], "in": 10, "kept": 5, "dropped": {"odd": 5}, "partitions": 3}
     assert (tmp_path / "dropodd" / "_SUCCESS").is_file()
-    run_pipeline(_cfg(), tmp_path, log=lambda m: None, stages=[a, b])
+    assert sorted(p.name for p in (tmp_path / "dropodd" / "ledger").iterdir()) == ["p0.parquet", "p1.parquet", "p2.parquet"]
+    _run(tmp_path, [a, b])
     assert (a.calls, b.calls) == (1, 1)          # same inputs: nothing redone
-    run_pipeline(_cfg(12), tmp_path, log=lambda m: None, stages=[a, b])
+    _run(tmp_path, [a, b], n=5)
     assert (a.calls, b.calls) == (2, 2)          # changed upstream: downstream redone too
+    assert sorted(p.name for p in (tmp_path / "dropodd" / "ledger").iterdir()) == ["p0.parquet", "p1.parquet"]
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert set(manifest["stages"]) == {"numbers", "dropodd"}
-    assert manifest["config"]["source"]["num_samples"] == 12
+    assert manifest["config"]["source"]["num_samples"] == 5
+    from stages.base import read_ledger
+
+    rows = read_ledger(tmp_path / "dropodd").to_pylist()
+    assert [r["key"] for r in rows] == [f"k{i:04d}" for i in range(5)]
+    assert rows[1]["caption"] == "caption 1"         # a stage's state travels with its verdicts
 
 
-def test_a_lost_sample_fails_the_stage_and_leaves_no_marker(tmp_path):
-    with pytest.raises(RuntimeError, match="1 samples entered without a verdict"):
-        run_pipeline(_cfg(), tmp_path, log=lambda m: None, stages=[Numbers(), DropOdd(lose_one=True)])
+def test_a_lost_sample_fails_the_stage_naming_its_partition(tmp_path, ray_local):
+    with pytest.raises(RuntimeError, match=r"stage dropodd, partition p1: 4 samples entered and 3 got a verdict"):
+        _run(tmp_path, [Numbers(), DropOdd(lose="k0005")])
     assert not (tmp_path / "dropodd" / "_SUCCESS").exists()
     assert (tmp_path / "numbers" / "_SUCCESS").exists()
 
 
-def test_until_and_only(tmp_path):
+def test_an_added_sample_fails_the_stage_naming_its_partition(tmp_path, ray_local):
+    with pytest.raises(RuntimeError, match=r"stage dropodd, partition p1: 4 samples entered and 5 got a verdict"):
+        _run(tmp_path, [Numbers(), DropOdd(add=True)])
+    assert not (tmp_path / "dropodd" / "_SUCCESS").exists()
+
+
+def test_until_and_only(tmp_path, ray_local):
     a, b = Numbers(), DropOdd()
     with pytest.raises(UserError, match="has not finished"):
-        run_pipeline(_cfg(), tmp_path, only="dropodd", log=lambda m: None, stages=[a, b])
-    run_pipeline(_cfg(), tmp_path, until="numbers", log=lambda m: None, stages=[a, b])
+        _run(tmp_path, [a, b], only="dropodd")
+    _run(tmp_path, [a, b], until="numbers")
     assert not (tmp_path / "dropodd").exists()
-    run_pipeline(_cfg(), tmp_path, only="dropodd", log=lambda m: None, stages=[a, b])
+    _run(tmp_path, [a, b], only="dropodd")
     assert (a.calls, b.calls) == (1, 1)
     with pytest.raises(UserError, match="no such stage"):
-        run_pipeline(_cfg(), tmp_path, until="nope", log=lambda m: None, stages=[a, b])
+        _run(tmp_path, [a, b], until="nope")
 
 
-def test_invariant_counts():
-    counts = check_invariant("s", ["a", "b", "c"], ["kept", "dropped", "dropped"], ["", "x", "y"], ["a", "b", "c"])
-    assert counts == {"in": 3, "kept": 1, "dropped": {"x": 1, "y": 1}}
-    with pytest.raises(RuntimeError, match="never entered"):
-        check_invariant("s", ["a", "z"], ["kept", "kept"], ["", ""], ["a"])
+def _part(name, keys_in, kept, dropped, input_=None):
+    return {"part": name, "input": input_, "in": len(keys_in), "in_sum": str(keyset_sum(keys_in)),
+            "kept": len(kept), "kept_sum": str(keyset_sum(kept)), "file": f"s/ledger/{name}.parquet",
+            "dropped": {"x": len(dropped)} if dropped else {}, "dropped_sum": str(keyset_sum(dropped))}
 
 
-def test_ledger_refuses_two_verdicts_and_reasonless_drops():
-    led = Ledger("s")
-    led.keep("a")
-    with pytest.raises(ValueError, match="two verdicts"):
-        led.drop("a", "x")
-    with pytest.raises(ValueError, match="needs a reason"):
-        led.drop("b", "")
+def test_key_set_checksums_catch_what_counts_alone_miss():
+    up = [_part("u0", ["a", "b"], ["a", "b"], []), _part("u1", ["c", "d"], ["c", "d"], [])]
+    good = [_part("u0", ["a", "b"], ["a"], ["b"], "u0"), _part("u1", ["c", "d"], ["c", "d"], [], "u1")]
+    assert check_parts("s", good, up) == {"in": 4, "kept": 3, "dropped": {"x": 1}}
+    # the same counts, but partition u1 judged a sample that never came in place of one that did
+    swapped = [good[0], _part("u1", ["c", "d"], ["c", "z"], [], "u1")]
+    with pytest.raises(RuntimeError, match="partition u1: 2 samples entered and 2 got a verdict, and the key-set"):
+        check_parts("s", swapped, up)
+    # the stage read the wrong samples of upstream partition u1 (same count)
+    misread = [good[0], _part("u1", ["c", "y"], ["c", "y"], [], "u1")]
+    with pytest.raises(RuntimeError, match="upstream partition u1 kept 2 samples, but 2 entered .* differ"):
+        check_parts("s", misread, up)
+    # a whole upstream partition never processed
+    with pytest.raises(RuntimeError, match="upstream partition u1 kept 2 samples, but 0 entered"):
+        check_parts("s", good[:1], up)
+    # a stage that repartitions (no single input per partition) is checked on the totals
+    merged = [_part("m0", ["a", "b", "c"], ["a", "b", "c"], [])]
+    with pytest.raises(RuntimeError, match="4 samples were kept upstream, 3 entered"):
+        check_parts("s", merged, up)
+
+
+def test_keyset_sum_is_order_independent_and_wraps():
+    keys = [f"key{i}" for i in range(1000)]
+    assert keyset_sum(keys) == keyset_sum(list(reversed(keys)))
+    assert add_sums(keyset_sum(keys[:400]), keyset_sum(keys[400:])) == keyset_sum(keys)
+    assert 0 <= keyset_sum(keys) < 2 ** 64
+    assert keyset_sum(keys[:-1]) != keyset_sum(keys)

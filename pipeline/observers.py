@@ -1,0 +1,30 @@
+"""What watches the stages without being one: called by the runner after every stage, run or skipped.
+
+- the demo audit (pipeline/audit.py): a synthetic run's filters against its planted ground truth;
+- the MLflow data-build run (pipeline/data_tracking.py), once the shards exist.
+An observer never changes a stage's result; adding one is a class here and a line in OBSERVERS.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class DemoAudit:
+    def after_stage(self, stage: str, run_dir: Path, cfg, log=print, **_) -> None:
+        from . import audit
+
+        if cfg.source.kind != "synthetic" or (run_dir / stage / "audit.json").is_file():
+            return   # only the demo has ground truth; audited already for this stage's result
+        audit.after_stage(stage, run_dir, log)
+
+
+class DataBuildRun:
+    def after_stage(self, stage: str, run_dir: Path, cfg, manifest, summary: dict, log=print, **_) -> None:
+        if stage != "shard" or not cfg.track_data:
+            return
+        from .data_tracking import log_data_build
+
+        log_data_build(run_dir, manifest, summary, cfg, log)
+
+
+OBSERVERS = [DemoAudit(), DataBuildRun()]

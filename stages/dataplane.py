@@ -1,0 +1,392 @@
+"""The data plane: every stage's per-sample results as partitioned Parquet, written by the workers.
+
+A stage's output is `<stage>/ledger/<part>.parquet`, one file per partition, each written by the Ray
+task that computed it, through the run folder's filesystem (`Storage`: a pyarrow.fs filesystem and a
+root, so a local folder and a bucket are the same code). Every row is one sample that entered the
+stage, in one schema (`SAMPLE_SCHEMA`): the ledger columns (key, stage, verdict, reason, score,
+detail) and the sample's current state that later stages read (url, caption, and, from ingest on,
+the sample index: tar, member, offset, size, sha256 and the original width and height).
+
+The driver never sees rows. A task returns a `PartResult`: counts per verdict and reason, and an
+order-independent checksum of its key sets (the sum mod 2^64 of a 64-bit hash of each key) over what
+it read and over what it wrote. `check_parts` proves in = kept + dropped per partition and that the
+partitions together took exactly the previous stage's kept samples, naming the partition that lost
+or gained one. Driver memory grows with the number of partitions only.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+KEPT, DROPPED = "kept", "dropped"
+LEDGER_COLUMNS = ("key", "stage", "verdict", "reason", "score", "detail")
+SAMPLE_SCHEMA = pa.schema([
+    ("key", pa.string()),
+    ("stage", pa.string()),
+    ("verdict", pa.string()),
+    ("reason", pa.string()),
+    ("score", pa.float64()),
+    ("detail", pa.string()),
+    # the sample as later stages see it
+    ("partition", pa.string()),     # the source partition (URL list file) it came from
+    ("url", pa.string()),
+    ("caption", pa.string()),       # the current caption (cleaned once the basic stage ran)
+    ("notes", pa.string()),         # JSON: scores and details earlier stages recorded for it
+    # the sample index, from ingest on
+    ("tar", pa.string()),           # run-folder-relative path of the ingest tar holding the image
+    ("member", pa.string()),        # the image's member name in that tar
+    ("offset", pa.int64()),         # byte offset of the member's data in the tar
+    ("size", pa.int64()),           # bytes of the image as stored
+    ("sha256", pa.string()),        # of the bytes as downloaded
+    ("width", pa.int64()),          # original size, before ingest resized it
+    ("height", pa.int64()),
+])
+CARRIED = [f.name for f in SAMPLE_SCHEMA if f.name not in LEDGER_COLUMNS]
+MASK = (1 << 64) - 1
+
+
+# -- key-set checksums ---------------------------------------------------------------------------
+def key_hashes(keys) -> np.ndarray:
+    """64-bit hash of each key (blake2b), as uint64."""
+    raw = b"".join(hashlib.blake2b(str(k).encode(), digest_size=8).digest() for k in keys)
+    return np.frombuffer(raw, dtype="<u8")
+
+
+def keyset_sum(keys) -> int:
+    """Order-independent checksum of a set of keys: the sum mod 2^64 of their hashes."""
+    h = key_hashes(keys)
+    return int(h.sum(dtype=np.uint64)) if len(h) else 0   # numpy's uint64 sum wraps mod 2^64
+
+
+def add_sums(*sums: int) -> int:
+    return sum(int(s) for s in sums) & MASK
+
+
+# -- the run folder's storage --------------------------------------------------------------------
+@dataclass
+class Storage:
+    """The run folder's filesystem, picklable into any task: local, or s3:// through pyarrow.fs."""
+    fs: Any
+    root: str
+
+    @classmethod
+    def local(cls, path) -> "Storage":
+        import pyarrow.fs as pafs
+        from pathlib import Path
+
+        return cls(pafs.LocalFileSystem(), str(Path(path).resolve()))
+
+    @classmethod
+    def from_uri(cls, uri: str) -> "Storage":
+        import pyarrow.fs as pafs
+
+        fs, root = pafs.FileSystem.from_uri(uri)
+        return cls(fs, root.rstrip("/"))
+
+    def path(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def _ensure_parent(self, rel: str) -> None:
+        parent = self.path(rel).rsplit("/", 1)[0]
+        self.fs.create_dir(parent, recursive=True)
+
+    def write_bytes(self, rel: str, data: bytes) -> str:
+        """Write whole or not at all (temp + move where moves exist); -> sha256 of the bytes."""
+        self._ensure_parent(rel)
+        target = self.path(rel)
+        if self.fs.type_name == "local":
+            tmp = f"{target}.tmp{time.monotonic_ns()}"
+            with self.fs.open_output_stream(tmp) as out:
+                out.write(data)
+            self.fs.move(tmp, target)
+        else:   # an object store's PUT is atomic already
+            with self.fs.open_output_stream(target) as out:
+                out.write(data)
+        return hashlib.sha256(data).hexdigest()
+
+    def read_bytes(self, rel: str) -> bytes:
+        with self.fs.open_input_stream(self.path(rel)) as f:
+            return f.read()
+
+    def read_range(self, rel: str, offset: int, size: int) -> bytes:
+        with self.fs.open_input_file(self.path(rel)) as f:
+            return f.read_at(size, offset)
+
+    def write_table(self, rel: str, table: pa.Table) -> tuple[str, int]:
+        """-> (sha256, bytes) of the Parquet file as written."""
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, compression="zstd")
+        data = sink.getvalue().to_pybytes()
+        return self.write_bytes(rel, data), len(data)
+
+    def read_table(self, rel: str, columns=None) -> pa.Table:
+        return pq.read_table(self.path(rel), columns=columns, filesystem=self.fs)
+
+    def exists(self, rel: str) -> bool:
+        import pyarrow.fs as pafs
+
+        return self.fs.get_file_info(self.path(rel)).type != pafs.FileType.NotFound
+
+    def delete(self, rel: str) -> None:
+        import pyarrow.fs as pafs
+
+        info = self.fs.get_file_info(self.path(rel))
+        if info.type == pafs.FileType.Directory:
+            self.fs.delete_dir(self.path(rel))
+        elif info.type == pafs.FileType.File:
+            self.fs.delete_file(self.path(rel))
+
+    def list(self, rel_dir: str, suffix: str = "") -> list[str]:
+        """Run-folder-relative paths of the files directly in rel_dir, sorted."""
+        import pyarrow.fs as pafs
+
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel_dir), allow_not_found=True))
+        base = len(self.root) + 1
+        return sorted(i.path[base:] for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffix))
+
+
+# -- one partition's result ----------------------------------------------------------------------
+def part_file(stage: str, part: str) -> str:
+    return f"{stage}/ledger/{part}.parquet"
+
+
+def summarize(stage: str, part: str, input_name: str | None, in_keys, out: pa.Table, sha: str, nbytes: int,
+              extra: dict | None = None) -> dict:
+    """The PartResult a task returns: counts and key-set checksums, never rows."""
+    verdicts = out.column("verdict")
+    kept_mask = pc.equal(verdicts, KEPT)
+    kept_keys = out.column("key").filter(kept_mask).to_pylist()
+    dropped = out.filter(pc.invert(kept_mask))
+    reasons = Counter(dropped.column("reason").to_pylist())
+    return {"part": part, "file": part_file(stage, part), "input": input_name, "sha256": sha, "bytes": nbytes,
+            "in": len(in_keys), "in_sum": str(keyset_sum(in_keys)),
+            "kept": len(kept_keys), "kept_sum": str(keyset_sum(kept_keys)),
+            "dropped": dict(sorted(reasons.items())),
+            "dropped_sum": str(keyset_sum(dropped.column("key").to_pylist())),
+            "extra": extra or {}}
+
+
+def check_parts(stage: str, parts: list[dict], upstream: list[dict] | None) -> dict:
+    """in = kept + dropped per partition, and the partitions took exactly upstream's kept samples.
+
+    A partition whose verdicts do not match what it read, or an upstream partition whose kept
+    samples did not all arrive, fails the stage with that partition named. -> the stage's counts.
+    """
+    for p in parts:
+        n_out = p["kept"] + sum(p["dropped"].values())
+        if n_out != p["in"] or add_sums(p["kept_sum"], p["dropped_sum"]) != int(p["in_sum"]):
+            raise RuntimeError(
+                f"stage {stage}, partition {p['part']}: {p['in']} samples entered and {n_out} got a verdict, "
+                f"and the key-set checksums differ: a sample was lost or added")
+    if upstream is not None:
+        if all(p.get("input") for p in parts):
+            came: dict[str, list] = {}
+            for p in parts:
+                came.setdefault(p["input"], []).append(p)
+            known = {u["part"] for u in upstream}
+            for name in sorted(set(came) - known):
+                raise RuntimeError(f"stage {stage}: partition(s) read {name}, which the previous stage never wrote")
+            for u in upstream:
+                got = came.get(u["part"], [])
+                n, s = sum(p["in"] for p in got), add_sums(*(p["in_sum"] for p in got))
+                if n != u["kept"] or s != int(u["kept_sum"]):
+                    raise RuntimeError(
+                        f"stage {stage}: upstream partition {u['part']} kept {u['kept']} samples, but "
+                        f"{n} entered this stage from it (partitions {', '.join(p['part'] for p in got) or 'none'}) "
+                        f"and the key-set checksums {'match' if s == int(u['kept_sum']) else 'differ'}")
+        else:
+            n, s = sum(p["in"] for p in parts), add_sums(*(p["in_sum"] for p in parts))
+            want_n, want_s = sum(u["kept"] for u in upstream), add_sums(*(u["kept_sum"] for u in upstream))
+            if n != want_n or s != want_s:
+                raise RuntimeError(f"stage {stage}: {want_n} samples were kept upstream, {n} entered this stage "
+                                   "(key-set checksums differ): a sample was lost or added between stages")
+    names = [p["part"] for p in parts]
+    if len(set(names)) != len(names):
+        raise RuntimeError(f"stage {stage}: partition names repeat: {sorted(n for n, c in Counter(names).items() if c > 1)[:3]}")
+    dropped: Counter = Counter()
+    for p in parts:
+        dropped.update(p["dropped"])
+    kept = sum(p["kept"] for p in parts)
+    return {"in": kept + sum(dropped.values()), "kept": kept, "dropped": dict(sorted(dropped.items()))}
+
+
+# -- writing a partition -------------------------------------------------------------------------
+def conform(table: pa.Table, stage: str) -> pa.Table:
+    """Any subset of SAMPLE_SCHEMA's columns -> the full schema (missing ones null), key order."""
+    n = table.num_rows
+    cols = []
+    for f in SAMPLE_SCHEMA:
+        if f.name == "stage":
+            cols.append(pa.array([stage] * n, pa.string()))
+        elif f.name in table.column_names:
+            cols.append(table.column(f.name).cast(f.type))
+        else:
+            cols.append(pa.nulls(n, f.type))
+    out = pa.Table.from_arrays(cols, schema=SAMPLE_SCHEMA)
+    return out.sort_by("key")
+
+
+def with_state(verdicts: pa.Table, state: pa.Table) -> pa.Table:
+    """The stage's verdicts (key + ledger columns, maybe new state) joined with the input's carried state."""
+    verdicts = pa.table({c: verdicts.column(c).cast(SAMPLE_SCHEMA.field(c).type)
+                         if SAMPLE_SCHEMA.get_field_index(c) >= 0 else verdicts.column(c)
+                         for c in verdicts.column_names})
+    keep = [c for c in CARRIED if c in state.column_names and c not in verdicts.column_names]
+    if not keep:
+        return verdicts
+    return verdicts.join(state.select(["key", *keep]), "key", join_type="left outer")
+
+
+def add_notes(table: pa.Table, stage: str) -> pa.Table:
+    """Record a kept sample's score and detail in its notes, for the final shards' json."""
+    if table.num_rows == 0 or "notes" not in table.column_names:
+        return table
+    verdict, score, detail = (table.column(c).to_pylist() for c in ("verdict", "score", "detail"))
+    notes = table.column("notes").to_pylist()
+    out = []
+    for v, s, d, n in zip(verdict, score, detail, notes):
+        if v != KEPT or (s is None and not d):
+            out.append(n)
+            continue
+        entry = json.loads(n) if n else {}
+        if s is not None:
+            entry[f"{stage}_score"] = s
+        if d:
+            entry[f"{stage}_detail"] = d
+        out.append(json.dumps(entry, sort_keys=True))
+    return table.set_column(table.column_names.index("notes"), "notes", pa.array(out, pa.string()))
+
+
+def write_part(storage: Storage, stage: str, part: str, input_name: str | None, in_keys, out: pa.Table,
+               extra: dict | None = None, rel: str | None = None) -> dict:
+    out = add_notes(conform(out, stage), stage)
+    keys = out.column("key")
+    if len(pc.unique(keys)) != len(keys):
+        raise RuntimeError(f"stage {stage}, partition {part}: a sample got two verdicts")
+    missing = pc.sum(pc.and_(pc.not_equal(out.column("verdict"), KEPT),
+                             pc.equal(pc.fill_null(out.column("reason"), ""), ""))).as_py()
+    if missing:
+        raise RuntimeError(f"stage {stage}, partition {part}: {missing} dropped samples have no reason")
+    rel = rel or part_file(stage, part)
+    sha, nbytes = storage.write_table(rel, out)
+    result = summarize(stage, part, input_name, in_keys, out, sha, nbytes, extra)
+    result["file"] = rel
+    return result
+
+
+def read_kept(storage: Storage, rel: str, columns=None) -> pa.Table:
+    t = storage.read_table(rel, columns=None if columns is None else sorted(set(columns) | {"verdict"}))
+    t = t.filter(pc.equal(t.column("verdict"), KEPT))
+    return t if columns is None else t.select(columns)
+
+
+# -- running one task per partition --------------------------------------------------------------
+@dataclass
+class PartTask:
+    """One partition's work: read `file` (the previous stage's part; rows [start, stop) of its kept
+    samples), call `fn(table, **kwargs) -> (verdicts table, extra stats)`, write `part`."""
+    part: str
+    file: str | None
+    input: str | None
+    start: int = 0
+    stop: int | None = None
+    kwargs: dict = field(default_factory=dict)
+
+
+def _run_part(storage: Storage, stage: str, fn: Callable, task: PartTask) -> dict:
+    table = read_kept(storage, task.file) if task.file else pa.table({"key": pa.array([], pa.string())})
+    if task.start or task.stop is not None:
+        table = table.slice(task.start, (task.stop if task.stop is not None else table.num_rows) - task.start)
+    verdicts, extra = fn(table, **task.kwargs)
+    return write_part(storage, stage, task.part, task.input, table.column("key").to_pylist(),
+                      with_state(verdicts, table), extra)
+
+
+def passthrough(table: pa.Table) -> tuple[pa.Table, dict]:
+    """Every sample kept, as it came (stages that learn from the data or consume it)."""
+    n = table.num_rows
+    return pa.table({"key": table.column("key"), "verdict": pa.array([KEPT] * n, pa.string()),
+                     "reason": pa.array([""] * n, pa.string())}), {}
+
+
+def run_tasks(remote_fn, calls: list[tuple], what: str, log=print, max_in_flight: int | None = None,
+              describe: Callable[[tuple], str] = lambda c: "", poll_seconds: float = 10.0) -> list:
+    """Run `remote_fn.remote(*call)` for every call with a bounded number in flight; results in call order.
+
+    Progress (done/total, rate, ETA) is logged as results come; `ray.wait` polls with a timeout, so a
+    stuck task is reported as such instead of hanging the run silently. A task's failure names it.
+    """
+    import ray
+
+    if max_in_flight is None:
+        max_in_flight = max(2, int(2 * ray.cluster_resources().get("CPU", 1)))
+    results: list = [None] * len(calls)
+    pending: dict = {}
+    nxt = done = 0
+    start = last_log = time.time()
+    total = len(calls)
+    while done < total:
+        while nxt < total and len(pending) < max_in_flight:
+            pending[remote_fn.remote(*calls[nxt])] = nxt
+            nxt += 1
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=poll_seconds)
+        if not ready:
+            log(f"{what}: {done}/{total} done, {len(pending)} running for {time.time() - last_log:.0f}s "
+                "without finishing")
+            continue
+        for ref in ready:
+            i = pending.pop(ref)
+            try:
+                results[i] = ray.get(ref)
+            except Exception as err:
+                label = describe(calls[i]) or f"task {i}"
+                raise RuntimeError(f"{what}: {label} failed: {type(err).__name__}: "
+                                   f"{str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}") from err
+            done += 1
+        now = time.time()
+        if done == total or now - last_log >= 2.0:
+            rate = done / max(now - start, 1e-6)
+            eta = (total - done) / rate if rate > 0 else float("inf")
+            log(f"{what}: {done}/{total} partitions, {rate:.1f}/s, ETA {eta:.0f}s")
+            last_log = now
+    return results
+
+
+def map_parts(ctx, fn: Callable, tasks: list[PartTask], num_cpus: float = 1.0, num_gpus: float = 0.0,
+              what: str | None = None) -> list[dict]:
+    """Run `fn` over partitions in Ray tasks that write their own results; -> PartResults."""
+    import ray
+
+    remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus or None, max_retries=2)(_run_part)
+    return run_tasks(remote, [(ctx.storage, ctx.name, fn, t) for t in tasks],
+                     what or ctx.name, ctx.log, describe=lambda c: f"partition {c[3].part}")
+
+
+def one_to_one(upstream: list[dict], **kwargs) -> list[PartTask]:
+    """A task per upstream partition, named like it (the usual shape of a per-sample stage)."""
+    return [PartTask(part=u["part"], file=u["file"], input=u["part"], kwargs=kwargs) for u in upstream]
+
+
+# -- images through the sample index -------------------------------------------------------------
+def read_images(storage: Storage, table: pa.Table) -> list[bytes | None]:
+    """The image bytes of each row (tar, offset, size from the sample index), each tar opened once."""
+    tars, offsets, sizes = (table.column(c).to_pylist() for c in ("tar", "offset", "size"))
+    out: list[bytes | None] = [None] * len(tars)
+    by_tar: dict[str, list[int]] = {}
+    for i, t in enumerate(tars):
+        if t is not None and offsets[i] is not None:
+            by_tar.setdefault(t, []).append(i)
+    for t, rows in by_tar.items():
+        with storage.fs.open_input_file(storage.path(t)) as f:
+            for i in sorted(rows, key=lambda i: offsets[i]):
+                out[i] = f.read_at(sizes[i], offsets[i])
+    return out
