@@ -105,7 +105,7 @@ def test_scheduled_incremental_runs_and_a_concurrent_one(tmp_path):
         second = capline(*args)
         assert second.returncode == 0, second.stderr[-2000:]
         assert "incremental: 1 new partition(s): 0002.csv" in second.stdout
-        assert "partition 0001.csv: downloaded before, reused (100 URLs)" in second.stdout
+        assert "ingest: 2 shards downloaded before, reused; 2 to download" in second.stdout   # 0001.csv's two
         assert json.loads((run_dir / "ingest" / "stats.json").read_text())["in"] == 200
 
         # a scheduled run while another is still going: refused, naming the holder

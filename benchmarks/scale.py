@@ -1,0 +1,202 @@
+"""The whole data path (source through shard) at growing sizes: is each stage's cost per sample flat,
+and does the driver's memory stay flat?
+
+A URL list of N rows points at a loopback server (its own process) that renders a distinct small JPEG
+for every URL, so ingest really downloads with img2dataset and dedup finds no accidental copies.
+The pipeline runs in this process on a local Ray cluster; a sampler thread records this (the driver)
+process's RSS and the largest RSS of any Ray worker process under it, per stage.
+
+Goals (issue 13): per-sample cost of every stage flat within 1.5x from the smallest to the largest
+size; driver peak RSS under 1 GB and growing less than 2x from 10^5 to 10^6; the data path at 10^5
+at most 1.5x the time of ingest alone.
+
+    python benchmarks/scale.py [--sizes 10000,100000]      # -> benchmarks/results/scale.json
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline import offline  # noqa: E402
+
+offline.apply()
+
+import psutil  # noqa: E402
+
+from benchmarks._common import write_results  # noqa: E402
+
+STAGES = ["source", "ingest", "dedup", "basic", "language", "clip_score", "tokenizer", "shard"]
+WORDS = ("red green blue small large round square bright dark striped dotted soft old new tall "
+         "flat curved shiny matte wooden metal paper glass stone").split()
+NOUNS = "cat dog house tree car boat chair lamp cup bird flower hill cloud door window road".split()
+
+SERVER = r'''
+import io, sys, zlib
+from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
+import numpy as np
+from PIL import Image
+
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        i = int(self.path.rsplit("/", 1)[-1].split(".")[0])
+        rng = np.random.default_rng(i)
+        img = (rng.random((8, 8, 3)) * 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(img).resize((48, 48), Image.BILINEAR).save(buf, "JPEG", quality=85)
+        data = buf.getvalue()
+        self.send_response(200)
+        self.send_header("Content-Type", "image/jpeg")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def log_message(self, *a):
+        pass
+
+ThreadingHTTPServer.request_queue_size = 256
+s = ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(s.server_address[1], flush=True)
+s.serve_forever()
+'''
+
+
+def caption(i: int) -> str:
+    a, b, c = WORDS[i % len(WORDS)], WORDS[(i // 7) % len(WORDS)], NOUNS[(i // 3) % len(NOUNS)]
+    return f"a photo of a {a} and {b} {c} number {i}"
+
+
+def url_list(path: Path, n: int, base: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = max(1, n // 50_000)
+    per = -(-n // files)
+    for f in range(files):
+        ids = range(f * per, min(n, (f + 1) * per))
+        pq.write_table(pa.table({"url": [f"{base}/{i}.jpg" for i in ids], "caption": [caption(i) for i in ids]}),
+                       path / f"part-{f:04d}.parquet")
+
+
+class Sampler(threading.Thread):
+    """Peak RSS of this process and of the largest Ray worker under it, per stage."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.me = psutil.Process()
+        self.stage = "start"
+        self.peaks: dict[str, dict] = {}
+        self.stop = False
+
+    def run(self):
+        while not self.stop:
+            driver = self.me.memory_info().rss
+            worker = 0
+            for p in self.me.children(recursive=True):
+                try:
+                    if p.name().startswith("ray::"):
+                        worker = max(worker, p.memory_info().rss)
+                except psutil.Error:
+                    pass
+            peak = self.peaks.setdefault(self.stage, {"driver": 0, "worker": 0})
+            peak["driver"] = max(peak["driver"], driver)
+            peak["worker"] = max(peak["worker"], worker)
+            time.sleep(0.25)
+
+
+def run_size(n: int, work: Path, base: str, netloc: str) -> dict:
+    from pipeline.config import load_config
+    from pipeline.ray_runtime import RayConfig, ray_session
+    from pipeline.runner import run_pipeline
+
+    urls = work / f"urls-{n}"
+    urls.mkdir()
+    url_list(urls, n, base)
+    cfg = load_config(None, [
+        "source.kind=urls", f"source.path={urls}", "source.rows_per_part=20000",
+        f"stages.ingest.allow_hosts=['{netloc}']", "stages.ingest.samples_per_shard=2000",
+        "stages.ingest.image_size=32", "stages.ingest.thread_count=32", "stages.dedup.eval_sets=[]",
+        "stages.basic.min_image_side=16", "stages.language.min_confidence=0.0",
+        "stages.clip_score.keep_fraction=0.9", "stages.clip_score.bootstrap.steps=50",
+        "stages.clip_score.bootstrap.max_samples=2000", "stages.clip_score.bootstrap.image_size=32",
+        "stages.tokenizer.vocab_size=400", "stages.tokenizer.max_sentences=100000",
+        "stages.shard.samples_per_shard=10000", "train.steps=0", "track_data=false"])
+    sampler = Sampler()
+    walls: dict[str, float] = {}
+    t_stage = [time.time()]
+
+    def log(msg: str):
+        head = msg.split(":", 1)[0]
+        if msg.endswith(": running") and head in STAGES:
+            sampler.stage = head
+            t_stage[0] = time.time()
+        elif head in STAGES and " in, " in msg and " kept" in msg:
+            walls[head] = time.time() - t_stage[0]
+        if "ETA" not in msg:
+            print(f"  [{n}] {msg}", flush=True)
+
+    with ray_session(RayConfig(num_cpus=2, object_store_memory_mb=512), log=lambda m: None):
+        sampler.start()
+        run_pipeline(cfg, work / f"run-{n}", until="shard", log=log, observers=[])
+        sampler.stop = True
+        sampler.join()
+    out = {}
+    for s in STAGES:
+        peak = sampler.peaks.get(s, {"driver": 0, "worker": 0})
+        out[s] = {"wall_s": round(walls.get(s, float("nan")), 2),
+                  "us_per_sample": round(1e6 * walls.get(s, float("nan")) / n, 1),
+                  "driver_peak_rss_mb": round(peak["driver"] / 2 ** 20), "max_worker_rss_mb": round(peak["worker"] / 2 ** 20)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="10000,100000", help="comma-separated sample counts")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        base, netloc = f"http://127.0.0.1:{port}", f"127.0.0.1:{port}"
+        results = {}
+        with tempfile.TemporaryDirectory(prefix="capline-scale-") as tmp:
+            for n in sizes:
+                results[str(n)] = run_size(n, Path(tmp), base, netloc)
+    finally:
+        server.kill()
+        server.wait()
+    lines = [f"{'stage':<11}" + "".join(f"{'n=' + str(n):>34}" for n in sizes),
+             f"{'':<11}" + "".join(f"{'wall s  us/sample  driverMB  workerMB':>34}" for _ in sizes)]
+    for s in STAGES:
+        lines.append(f"{s:<11}" + "".join(
+            f"{results[str(n)][s]['wall_s']:>8} {results[str(n)][s]['us_per_sample']:>10} "
+            f"{results[str(n)][s]['driver_peak_rss_mb']:>9} {results[str(n)][s]['max_worker_rss_mb']:>9}" for n in sizes))
+    verdicts = []
+    if len(sizes) > 1:
+        lo, hi = str(sizes[0]), str(sizes[-1])
+        for s in STAGES:
+            a, b = results[lo][s]["us_per_sample"], results[hi][s]["us_per_sample"]
+            if a and b and b > 1.5 * a:
+                verdicts.append(f"MISS per-sample cost of {s}: {a} -> {b} us ({b / a:.2f}x > 1.5x)")
+    for n in sizes:
+        r = results[str(n)]
+        peak = max(r[s]["driver_peak_rss_mb"] for s in STAGES)
+        verdicts.append(f"{'ok  ' if peak < 1024 else 'MISS'} driver peak RSS at {n}: {peak} MB (goal < 1024)")
+        total = sum(r[s]["wall_s"] for s in STAGES)
+        ratio = total / r["ingest"]["wall_s"]
+        verdicts.append(f"{'ok  ' if ratio <= 1.5 else 'MISS'} data path / ingest at {n}: {total:.1f} s / "
+                        f"{r['ingest']['wall_s']:.1f} s = {ratio:.2f}x (goal <= 1.5x)")
+    if "1000000" not in results:
+        verdicts.append("NOT RUN: 10^6 samples (see the closing note: too long for this 2-core machine's session)")
+    print("\n".join(lines + [""] + verdicts))
+    write_results("scale", {"sizes": sizes, "results": results, "verdicts": verdicts, "table": lines})
+
+
+if __name__ == "__main__":
+    main()
