@@ -15,7 +15,6 @@ at most 1.5x the time of ingest alone.
 from __future__ import annotations
 
 import argparse
-import io
 import subprocess
 import sys
 import tempfile
@@ -171,11 +170,11 @@ def main() -> None:
     finally:
         server.kill()
         server.wait()
-    lines = [f"{'stage':<11}" + "".join(f"{'n=' + str(n):>34}" for n in sizes),
-             f"{'':<11}" + "".join(f"{'wall s  us/sample  driverMB  workerMB':>34}" for _ in sizes)]
+    lines = [f"{'stage':<11}" + "".join(f"{'n=' + str(n):>36}" for n in sizes),
+             f"{'':<11}" + "".join(f"{'wall s  us/sample  driverMB  workerMB':>36}" for _ in sizes)]
     for s in STAGES:
         lines.append(f"{s:<11}" + "".join(
-            f"{results[str(n)][s]['wall_s']:>8} {results[str(n)][s]['us_per_sample']:>10} "
+            f"  {results[str(n)][s]['wall_s']:>8} {results[str(n)][s]['us_per_sample']:>10} "
             f"{results[str(n)][s]['driver_peak_rss_mb']:>9} {results[str(n)][s]['max_worker_rss_mb']:>9}" for n in sizes))
     verdicts = []
     if len(sizes) > 1:
