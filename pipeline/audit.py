@@ -17,11 +17,11 @@ def _truth(run_dir: Path) -> dict[str, dict]:
     return {r["key"]: r for r in pq.read_table(run_dir / "source" / "_ground_truth.parquet").to_pylist()}
 
 
-def _ledger(run_dir: Path, stage: str) -> dict[str, dict]:
+def _ledger(storage, stage: str) -> dict[str, dict]:
     from stages.base import read_ledger
 
     # the demo's few thousand rows: an observer of the demo may hold them
-    return {r["key"]: r for r in read_ledger(run_dir / stage, ["key", "verdict", "reason", "score"]).to_pylist()}
+    return {r["key"]: r for r in read_ledger(storage, stage, ["key", "verdict", "reason", "score"]).to_pylist()}
 
 
 def rates(ledger: dict, truth: dict, defect: str, reason_prefix: str) -> dict:
@@ -54,10 +54,13 @@ AUDITS = {"dedup": [("eval_near_copy", "eval_duplicate:"), ("repeat_row", "exact
           "clip_score": [("mismatched_caption", "clip_score")]}
 
 
-def after_stage(stage: str, run_dir: Path, log=print) -> dict | None:
+def after_stage(stage: str, run_dir: Path, log=print, storage=None) -> dict | None:
+    from stages.dataplane import Storage
+
+    storage = storage or Storage.local(run_dir)
     if stage not in AUDITS or not (run_dir / "source" / "_ground_truth.parquet").is_file():
         return None
-    ledger, truth = _ledger(run_dir, stage), _truth(run_dir)
+    ledger, truth = _ledger(storage, stage), _truth(run_dir)
     result = {}
     for defect, prefix in AUDITS[stage]:
         r = result[defect] = rates(ledger, truth, defect, prefix)
@@ -74,5 +77,7 @@ def after_stage(stage: str, run_dir: Path, log=print) -> dict | None:
         result["roc_auc_clean_vs_mismatched"] = auc
         if auc is not None:
             log(f"{stage} audit (demo ground truth): ROC AUC of the score, clean vs mismatched captions {auc:.3f}")
-    (run_dir / stage / "audit.json").write_text(json.dumps(result, indent=2))
+    storage.write_bytes(f"{stage}/audit.json", json.dumps(result, indent=2).encode())
+    if not storage.is_local:   # the working copy's tools (the report) read it there too
+        (run_dir / stage / "audit.json").write_text(json.dumps(result, indent=2))
     return result

@@ -116,8 +116,20 @@ def _local_run(where: str) -> Path:
     store = RunStore(where)
     if store.uri:
         store.check()
-        store.pull(log=lambda m: print(m, file=sys.stderr))
+        store.pull(log=lambda m: print(m, file=sys.stderr), full=True)
     return store.local
+
+
+def _check_tracking(cfg, store, stages: set[str]) -> None:
+    """An s3:// run folder is shared by machines; the default MLflow store (a SQLite file in one
+    machine's working copy) is not. Say so before any work, not after the data path."""
+    import os
+
+    tracks = ("train" in stages and cfg.train.steps > 0) or ("shard" in stages and cfg.track_data)
+    if store.uri and tracks and not os.environ.get("MLFLOW_TRACKING_URI"):
+        raise UserError(f"run folder {store.uri} is in object storage, so MLflow needs a server every node can "
+                        "reach: set MLFLOW_TRACKING_URI (e.g. http://mlflow.internal:5000; infra/mlflow/serve.py "
+                        "starts one), or set track_data: false and train.steps: 0")
 
 
 def _cmd_train(args) -> int:
@@ -138,10 +150,11 @@ def _cmd_run(args) -> int:
     preflight(cfg)
     store = RunStore(args.run_dir or cfg.run_dir or str(default_run_dir(cfg)))
     store.check()                  # a missing bucket or refused credentials: before any work
+    _check_tracking(cfg, store, select(args.until, args.only))
     run_dir = store.local
     t0 = time.time()
     print(f"capline: run {cfg.name} in {store}" + (f" (working copy {run_dir})" if store.uri else ""), flush=True)
-    with run_lock(run_dir, log=lambda m: print(m, flush=True)):
+    with run_lock(run_dir, log=lambda m: print(m, flush=True), uri=store.uri):
         store.pull(log=lambda m: print(m, flush=True))
         if getattr(args, "incremental", False):
             from .runner import input_fingerprints
@@ -162,7 +175,7 @@ def _cmd_run(args) -> int:
     from .report import write_report
 
     print(f"\ncapline: finished in {time.time() - t0:.0f}s; run folder {run_dir.resolve()}")
-    print(f"report: {write_report(run_dir)}")
+    print(f"report: {write_report(run_dir, storage=store.storage())}")
     store.push(None)
     if (run_dir / "mlflow.db").is_file():
         print(f"MLflow: .venv/bin/mlflow ui --backend-store-uri sqlite:///{(run_dir / 'mlflow.db').resolve()} "

@@ -19,7 +19,7 @@ def _metric_name(text: str) -> str:
     return re.sub(r"[^0-9A-Za-z_\-. /]", "/", text)
 
 
-def log_data_build(run_dir: Path, manifest, summary: dict, cfg, log=print) -> str | None:
+def log_data_build(run_dir: Path, manifest, summary: dict, cfg, log=print, shards: str | None = None) -> str | None:
     from trainers.tracking import client, flatten, log_dataset, start_run, tracking_uri
 
     digest = manifest.data["stages"]["shard"]["output_digest"]
@@ -45,7 +45,7 @@ def log_data_build(run_dir: Path, manifest, summary: dict, cfg, log=print) -> st
         for i in range(0, len(metrics), 900):
             c.log_batch(run_id, metrics=metrics[i:i + 900])
         log_dataset(uri, run_id, name=f"{Path(run_dir).name}-shards", digest=digest,
-                    source=str((Path(run_dir) / "shard" / "shards").resolve()))
+                    source=shards or str((Path(run_dir) / "shard" / "shards").resolve()))
         c.log_artifact(run_id, str(Path(run_dir) / "manifest.json"))
         for stage in summary:
             c.log_artifact(run_id, str(Path(run_dir) / stage / "stats.json"), f"stats/{stage}")

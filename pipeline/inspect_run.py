@@ -60,9 +60,9 @@ def explain(run_dir: Path, key: str) -> list[dict]:
     from stages.base import has_ledger, read_ledger
 
     for name in stage_names():
-        if not has_ledger(run_dir / name):
+        if not has_ledger(run_dir, name):
             continue
-        rows = read_ledger(run_dir / name, filters=[("key", "==", key)]).to_pylist()
+        rows = read_ledger(run_dir, name, filters=[("key", "==", key)]).to_pylist()
         if name == "source" and rows:
             out.append({"stage": "(input)", "verdict": "", "reason": "", "score": None,
                         "detail": f"url={rows[0]['url']} caption={rows[0]['caption']!r}"})

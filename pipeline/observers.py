@@ -10,21 +10,22 @@ from pathlib import Path
 
 
 class DemoAudit:
-    def after_stage(self, stage: str, run_dir: Path, cfg, log=print, **_) -> None:
+    def after_stage(self, stage: str, run_dir: Path, cfg, storage, log=print, **_) -> None:
         from . import audit
 
-        if cfg.source.kind != "synthetic" or (run_dir / stage / "audit.json").is_file():
+        if cfg.source.kind != "synthetic" or storage.exists(f"{stage}/audit.json"):
             return   # only the demo has ground truth; audited already for this stage's result
-        audit.after_stage(stage, run_dir, log)
+        audit.after_stage(stage, run_dir, log, storage)
 
 
 class DataBuildRun:
-    def after_stage(self, stage: str, run_dir: Path, cfg, manifest, summary: dict, log=print, **_) -> None:
+    def after_stage(self, stage: str, run_dir: Path, cfg, manifest, summary: dict, storage, log=print,
+                    **_) -> None:
         if stage != "shard" or not cfg.track_data:
             return
         from .data_tracking import log_data_build
 
-        log_data_build(run_dir, manifest, summary, cfg, log)
+        log_data_build(run_dir, manifest, summary, cfg, log, shards=storage.uri("shard/shards"))
 
 
 OBSERVERS = [DemoAudit(), DataBuildRun()]

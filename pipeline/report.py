@@ -59,7 +59,7 @@ def _funnel_chart(rows: list[dict]) -> str:
     return _png(fig)
 
 
-def _score_charts(run_dir: Path, config: dict) -> list[str]:
+def _score_charts(run_dir: Path, config: dict, storage) -> list[str]:
     """Per filter stage with scores: a histogram of kept and dropped scores and the cut it used."""
     import matplotlib.pyplot as plt
 
@@ -69,9 +69,9 @@ def _score_charts(run_dir: Path, config: dict) -> list[str]:
             "dedup": [("eval_threshold", stages.get("dedup", {}).get("eval_threshold")),
                       ("within_threshold", stages.get("dedup", {}).get("within_threshold"))]}
     for stage in ("dedup", "language", "clip_score"):   # basic's scores are lengths and ratios: no one axis
-        if not has_ledger(run_dir / stage):
+        if not has_ledger(storage, stage):
             continue
-        t = read_ledger(run_dir / stage, ["verdict", "score"]).to_pylist()
+        t = read_ledger(storage, stage, ["verdict", "score"]).to_pylist()
         kept = [r["score"] for r in t if r["score"] is not None and r["verdict"] == "kept"]
         dropped = [r["score"] for r in t if r["score"] is not None and r["verdict"] == "dropped"]
         if len(kept) + len(dropped) < 2:
@@ -92,20 +92,18 @@ def _score_charts(run_dir: Path, config: dict) -> list[str]:
     return out
 
 
-def _sample_grid(run_dir: Path, seed: int, per_reason: int) -> str:
-    import json as _json
-
+def _sample_grid(storage, seed: int, per_reason: int) -> str:
     import pyarrow as pa
 
-    from stages.dataplane import Storage, read_images
+    from stages.dataplane import read_images
     from stages.examples import pick
 
-    storage = Storage.local(run_dir)
     parts = []
     for stage in FILTER_STAGES:
-        if not (run_dir / stage / "parts.json").is_file():
+        done = storage.read_json(f"{stage}/parts.json")
+        if done is None:
             continue
-        files = [p["file"] for p in _json.loads((run_dir / stage / "parts.json").read_text())]
+        files = [p["file"] for p in done]
         groups = pick(storage, files, per_reason, seed)
         rows = [r for rs in groups.values() for r in rs]
         found = read_images(storage, pa.Table.from_pylist(rows)) if rows else []
@@ -158,7 +156,12 @@ def _evaluation(run_dir: Path) -> str:
     return f"<p>{html.escape(lines[0] if lines else '')}</p><table>{''.join(rows)}</table>"
 
 
-def write_report(run_dir: Path, per_reason: int = 6) -> Path:
+def write_report(run_dir: Path, per_reason: int = 6, storage=None) -> Path:
+    """`report.html` in the working copy; the ledgers and images are read where they are (`storage`:
+    the run folder's, default the local folder itself)."""
+    from stages.dataplane import Storage
+
+    storage = storage or Storage.local(run_dir)
     manifest_path = run_dir / "manifest.json"
     if not manifest_path.is_file():
         raise UserError(f"{run_dir}: not a capline run folder (no manifest.json)")
@@ -177,8 +180,8 @@ def write_report(run_dir: Path, per_reason: int = 6) -> Path:
             f"<p>Run folder {html.escape(str(run_dir))}; config {html.escape(manifest.get('config_hash', '')[:12])}, "
             f"capline {html.escape(str(manifest.get('git_revision', ''))[:12])}.</p>",
             "<h2>Funnel</h2>", "".join(table), _funnel_chart(rows),
-            "<h2>Scores and thresholds</h2>", "".join(_score_charts(run_dir, config)) or "<p>No scores yet.</p>",
-            "<h2>Samples kept and dropped</h2>", _sample_grid(run_dir, int(config.get("seed", 0)), per_reason),
+            "<h2>Scores and thresholds</h2>", "".join(_score_charts(run_dir, config, storage)) or "<p>No scores yet.</p>",
+            "<h2>Samples kept and dropped</h2>", _sample_grid(storage, int(config.get("seed", 0)), per_reason),
             "<h2>Training</h2>", _training(run_dir, manifest),
             "<h2>Evaluation</h2>", _evaluation(run_dir),
             f"<h2>Status as text</h2><pre>{html.escape(format_status(rows))}</pre></body></html>"]

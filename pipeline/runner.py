@@ -58,6 +58,43 @@ def read_parts(stage_dir: Path) -> list[dict]:
     return json.loads((stage_dir / "parts.json").read_text())
 
 
+class Controls:
+    """A stage's control files (`_STARTED`, `parts.json`, `stats.json`, `_SUCCESS`) in the run
+    folder's storage, where every machine reads them, mirrored into the driver's working copy for
+    the tools that read a run locally (status, report). For a local run folder both are one file."""
+
+    def __init__(self, storage: Storage, run_dir: Path):
+        self.storage, self.run_dir = storage, run_dir
+        self.mirror = not (storage.is_local and Path(storage.root) == run_dir.resolve())
+
+    def read(self, stage: str, name: str):
+        return self.storage.read_json(f"{stage}/{name}")
+
+    def write(self, stage: str, name: str, obj) -> None:
+        self.storage.write_json(f"{stage}/{name}", obj)
+        if self.mirror:
+            (self.run_dir / stage).mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.run_dir / stage / name, obj)
+
+    def remove(self, stage: str, name: str) -> None:
+        self.storage.delete(f"{stage}/{name}")
+        (self.run_dir / stage / name).unlink(missing_ok=True)
+
+    def wipe(self, stage: str, keep: tuple[str, ...]) -> None:
+        """Remove a stage's files made from other inputs, except its content-addressed caches."""
+        for where in ([self.run_dir / stage] + ([None] if self.mirror else [])):
+            if where is None:    # the storage's copy
+                for f in self.storage.list(stage):
+                    self.storage.delete(f)
+                for d in self.storage.list_dirs(stage):
+                    if d not in keep:
+                        self.storage.delete(f"{stage}/{d}")
+            elif where.exists():
+                for child in where.iterdir():
+                    if child.name not in keep:
+                        shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+
 def input_fingerprints(cfg: RunConfig, stages: list[Stage] | None = None) -> dict:
     """Each stage's fingerprint of the inputs it reads from outside the run (the source's files)."""
     out = {}
@@ -99,16 +136,22 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     manifest = Manifest.open(run_dir, cfg.to_dict(), cfg.digest(), cfg.seed, input_fingerprints(cfg, stages))
-    storage = Storage.local(run_dir)
+    # workers read and write the run folder's storage itself: a bucket for an s3:// run folder
+    storage = Storage.from_uri(store.uri) if store is not None and store.uri else Storage.local(run_dir)
+    controls = Controls(storage, run_dir)
     prev_digest = ""
     upstream: list[dict] | None = None
     summary = {}
     for stage in stages:
         sdir = run_dir / stage.name
         in_digest = hashlib.sha256((stage.fingerprint(cfg) + prev_digest).encode()).hexdigest()
-        marker = read_marker(sdir)
-        if marker and marker.get("input_digest") == in_digest and (sdir / "parts.json").is_file():
+        marker = controls.read(stage.name, "_SUCCESS")
+        parts = controls.read(stage.name, "parts.json") if marker else None
+        if marker and marker.get("input_digest") == in_digest and parts is not None:
             log(f"{stage.name}: done before with the same input, skipped")
+            if controls.mirror and not (sdir / "_SUCCESS").is_file():
+                for name in ("parts.json", "stats.json", "_SUCCESS"):
+                    controls.write(stage.name, name, controls.read(stage.name, name))
         elif stage.name not in wanted:
             if only:
                 raise UserError(f"--only {only}: stage {stage.name} before it has not finished; "
@@ -118,18 +161,19 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
             ctx = StageContext(name=stage.name, run_dir=run_dir, stage_dir=sdir, config=cfg, storage=storage,
                                upstream=upstream, artifacts=dict(manifest.data.get("artifacts", {})), log=log,
                                location=store.location if store is not None and store.uri else None)
-            marker, artifacts = _run_stage(stage, ctx, in_digest)
+            marker, artifacts, parts = _run_stage(stage, ctx, in_digest, controls, store)
             manifest.record_stage(stage.name, marker, artifacts)
             if artifacts.get("mlflow_run_id"):
                 manifest.data["mlflow_runs"][stage.name] = artifacts["mlflow_run_id"]
                 manifest.save()
             if store is not None:
-                store.push(stage.name, log)
-        summary[stage.name] = json.loads((sdir / "stats.json").read_text())
-        upstream = read_parts(sdir)
+                store.push(None, log)    # the manifest, so another machine sees what finished
+        upstream = parts
         prev_digest = marker["output_digest"]
-        for obs in observers:
-            obs.after_stage(stage.name, run_dir=run_dir, cfg=cfg, manifest=manifest, summary=summary, log=log)
+        summary[stage.name] = controls.read(stage.name, "stats.json")
+        for obs in observers:   # run or skipped: they skip what they did before
+            obs.after_stage(stage.name, run_dir=run_dir, cfg=cfg, manifest=manifest, summary=summary,
+                            log=log, storage=storage)
         if until == stage.name or only == stage.name:
             break
     else:
@@ -140,19 +184,18 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
     return summary
 
 
-def _run_stage(stage: Stage, ctx: StageContext, in_digest: str) -> tuple[dict, dict]:
+def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Controls,
+               store) -> tuple[dict, dict, list[dict]]:
     sdir = ctx.stage_dir
-    started = read_marker(sdir, "_STARTED")
-    if sdir.exists() and (started is None or started.get("input_digest") != in_digest):
+    started = controls.read(stage.name, "_STARTED")
+    if started is None or started.get("input_digest") != in_digest:
         # made from other inputs: nothing in it can be trusted, except the stage's own
         # content-addressed caches (ingest's per-partition downloads)
-        for child in sdir.iterdir():
-            if child.name in stage.preserve:
-                continue
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
+        controls.wipe(stage.name, stage.preserve)
     sdir.mkdir(parents=True, exist_ok=True)
-    (sdir / "_SUCCESS").unlink(missing_ok=True)
-    write_json_atomic(sdir / "_STARTED", {"input_digest": in_digest})
+    before = (controls.read(stage.name, "_SUCCESS") or {}).get("files", {})   # what the last finish produced
+    controls.remove(stage.name, "_SUCCESS")
+    controls.write(stage.name, "_STARTED", {"input_digest": in_digest})
     ctx.log(f"{stage.name}: running" + (" (resuming partial work)" if started else ""))
     t0 = time.time()
     result = stage.run(ctx)
@@ -163,13 +206,21 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str) -> tuple[dict, d
             ctx.storage.delete(stale)    # partitions of an earlier, larger input
     wall = time.time() - t0
     parts = sorted(result.parts, key=lambda p: p["part"])
-    write_json_atomic(sdir / "parts.json", parts)
+    controls.write(stage.name, "parts.json", parts)
     stats = {"stage": stage.name, **counts, "partitions": len(parts), "wall_seconds": round(wall, 3),
              **result.extra_stats}
-    write_json_atomic(sdir / "stats.json", stats)
+    controls.write(stage.name, "stats.json", stats)
+    files = {p["file"]: p["sha256"] for p in parts}
+    files.update(result.files)
+    driver = store.push_stage(stage.name, ctx.log, before) if store is not None and store.uri else {}
+    files.update(driver)
+    for stale in sorted(set(before) - set(files)):
+        ctx.storage.delete(stale)        # produced by the last finish, not by this one
     marker = {"input_digest": in_digest, "output_digest": output_digest(parts, result.files),
-              "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    write_json_atomic(sdir / "_SUCCESS", marker)
+              "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "outputs": dict(sorted(result.files.items())), "files": dict(sorted(files.items())),
+              "driver_files": sorted(driver)}
+    controls.write(stage.name, "_SUCCESS", marker)    # last: the stage is finished once this exists
     dropped = ", ".join(f"{k}={v}" for k, v in counts["dropped"].items()) or "none"
     ctx.log(f"{stage.name}: {counts['in']} in, {counts['kept']} kept, dropped: {dropped} ({wall:.1f}s)")
-    return marker, result.artifacts
+    return marker, result.artifacts, parts

@@ -1,16 +1,25 @@
 """Run folders in object storage: `--run-dir s3://bucket/prefix`.
 
-Stages work on local files, so an object-storage run folder is mirrored: capline works in a local
-copy (`~/.cache/capline/runs/<bucket>/<prefix>`, or CAPLINE_CACHE) and the bucket holds the durable
-run. At start it downloads what the bucket has (finished stages, the manifest), so a run killed on
-one machine resumes on another where it stopped; after every finished stage it uploads that
-stage's files, `_SUCCESS` last, then the manifest. Training reads its shards from the bucket itself.
+The bucket is the run folder. Ray tasks, actors and training workers read and write it directly
+(stages/dataplane.py: Storage), so a node needs no disk in common with the driver; the runner keeps
+each stage's control files there too. The driver keeps a working copy
+(`~/.cache/capline/runs/<bucket>/<prefix>`, or CAPLINE_CACHE) of what it writes itself (the
+manifest, config, reports, the demo's site) and mirrors it by content:
+
+- `push_stage` uploads the files of a stage the driver wrote whose sha256 differs from what the
+  bucket's last `_SUCCESS` recorded; the runner writes `_SUCCESS` (with every file's sha256) last;
+- `pull` downloads, for every stage the bucket has finished, what the working copy lacks or holds
+  with another checksum, `_SUCCESS` last, refuses object keys that would land outside the working
+  copy, checks each file against its recorded sha256 and the stage's output digest, and says which
+  stage is inconsistent if one is.
 
 Credentials come from the environment (see trainers/remote.py) and are never written anywhere.
 Checked before any work: the bucket exists and the credentials are accepted.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -18,11 +27,20 @@ from trainers.errors import UserError
 from trainers.remote import filesystem, is_uri
 
 TOP_FILES = ("manifest.json", "config.yaml", "report.html")
+CONTROL = ("parts.json", "stats.json", "_STARTED", "_SUCCESS")
 SKIP = ("_work", ".capline.lock")
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("CAPLINE_CACHE", "~/.cache/capline")).expanduser() / "runs"
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 class RunStore:
@@ -63,62 +81,111 @@ class RunStore:
                 raise UserError(f"run folder {self.uri}: the bucket {bucket} does not exist") from None
             raise UserError(f"run folder {self.uri}: cannot reach the storage ({text.splitlines()[0][:200]})") from None
 
-    # -- mirror -------------------------------------------------------------------------------
-    def _remote_files(self, prefix: str) -> dict[str, int]:
-        import pyarrow.fs as pafs
+    # -- mirror ----------------------------------------------------------------------------------
+    def storage(self):
+        from stages.dataplane import Storage
 
-        base = f"{self.root}/{prefix}".rstrip("/")
-        infos = self.fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-        return {i.path[len(self.root) + 1:]: i.size for i in infos if i.type == pafs.FileType.File}
+        return Storage.from_uri(self.uri) if self.uri else Storage.local(self.local)
 
-    def pull(self, log=print) -> int:
-        """Download the finished stages and the manifest that the bucket has and the cache lacks. -> files."""
+    def _inside(self, rel: str) -> Path:
+        """The working-copy path of an object key; a key that would land outside it is refused."""
+        root = self.local.resolve()
+        dst = (root / rel).resolve()
+        if rel.startswith("/") or "\\" in rel or (dst != root and root not in dst.parents):
+            raise UserError(f"storage: {self.uri}: object key {rel!r} would be written outside the working copy "
+                            f"{root}; refusing to pull it (someone wrote a hostile key into the bucket)")
+        return dst
+
+    def _download(self, storage, rel: str, expect: str | None) -> bool:
+        """Fetch one object unless the working copy holds it with the expected checksum. -> fetched."""
+        dst = self._inside(rel)
+        if expect and dst.is_file() and file_sha256(dst) == expect:
+            return False
+        data = storage.read_bytes(rel)
+        if not expect and dst.is_file() and file_sha256(dst) == hashlib.sha256(data).hexdigest():
+            return False    # a small control file, recorded nowhere: compared after reading it
+        if expect and hashlib.sha256(data).hexdigest() != expect:
+            raise UserError(f"storage: {self.uri}/{rel} does not match the sha256 its stage's _SUCCESS recorded; "
+                            f"the bucket's copy of stage {rel.split('/', 1)[0]} is inconsistent (rerun it)")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(dst.name + ".part")
+        tmp.write_bytes(data)
+        os.replace(tmp, dst)
+        return True
+
+    def pull(self, log=print, full: bool = False) -> int:
+        """Bring the bucket's finished stages into the working copy. The run itself needs only what the
+        driver reads (control files, driver-written files); `full` takes every file (for the tools
+        that inspect a run locally). -> files fetched."""
         if not self.uri:
             return 0
-        remote = self._remote_files("")
-        finished = {rel.split("/", 1)[0] for rel in remote if rel.endswith("/_SUCCESS") and rel.count("/") == 1}
-        wanted = [rel for rel in remote if rel in TOP_FILES or rel.split("/", 1)[0] in finished]
+        from .runner import output_digest
+
+        storage = self.storage()
         n = 0
-        # _SUCCESS last: a stage counts as finished here only once all its files are
-        for rel in sorted(wanted, key=lambda r: r.endswith("/_SUCCESS")):
-            dst = self.local / rel
-            if dst.is_file() and dst.stat().st_size == remote[rel]:
-                continue
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dst.with_name(dst.name + ".part")
-            with self.fs.open_input_stream(f"{self.root}/{rel}") as src, open(tmp, "wb") as out:
-                while chunk := src.read(1 << 22):
-                    out.write(chunk)
-            os.replace(tmp, dst)
-            n += 1
+        for rel in TOP_FILES:
+            if storage.exists(rel):
+                n += self._download(storage, rel, None)
+        stages = [d for d in storage.list_dirs("") if storage.exists(f"{d}/_SUCCESS")]
+        for stage in stages:
+            marker = storage.read_json(f"{stage}/_SUCCESS") or {}
+            files = marker.get("files", {})
+            wanted = set(marker.get("driver_files", []))
+            if full:
+                wanted |= set(files) | {r for r in storage.list(stage, recursive=True)
+                                        if not any(p in SKIP for p in r.split("/"))}
+            for rel in sorted(wanted - {f"{stage}/{c}" for c in CONTROL}):
+                n += self._download(storage, rel, files.get(rel))
+            for name in CONTROL[:-1]:
+                if storage.exists(f"{stage}/{name}"):
+                    n += self._download(storage, f"{stage}/{name}", None)
+            parts = json.loads((self.local / stage / "parts.json").read_text()) \
+                if (self.local / stage / "parts.json").is_file() else []
+            outputs = marker.get("outputs", {})
+            if "files" in marker and (output_digest(parts, outputs) != marker.get("output_digest") or any(
+                    files.get(p["file"]) != p["sha256"] for p in parts)):
+                raise UserError(f"storage: {self.uri}/{stage}: its _SUCCESS does not match its parts.json "
+                                "(a stale _SUCCESS, or files rewritten after it); rerun the stage")
+            n += self._download(storage, f"{stage}/_SUCCESS", None)   # last: finished here once whole
         if n:
-            log(f"storage: fetched {n} files of {len(finished)} finished stages from {self.uri}")
+            log(f"storage: fetched {n} files of {len(stages)} finished stages from {self.uri}")
         return n
 
+    def push_stage(self, stage: str, log=print, before: dict | None = None) -> dict[str, str]:
+        """Upload the files of `stage` the driver wrote in the working copy (the workers wrote theirs
+        to the bucket already), skipping those whose sha256 the bucket's last record (`before`) has.
+        -> {path: sha256} of those files, for the stage's `_SUCCESS`."""
+        if not self.uri:
+            return {}
+        storage, before = self.storage(), before or {}
+        out, n = {}, 0
+        folder = self.local / stage
+        for p in sorted(folder.rglob("*")) if folder.is_dir() else ():
+            rel = p.relative_to(self.local).as_posix()
+            if not p.is_file() or p.name in CONTROL or p.name.endswith((".tmp", ".part")) or \
+                    any(part in SKIP for part in rel.split("/")):
+                continue
+            out[rel] = file_sha256(p)
+            if before.get(rel) == out[rel] and storage.exists(rel):
+                continue
+            with open(p, "rb") as f, storage.fs.open_output_stream(storage.path(rel)) as dst:
+                while chunk := f.read(1 << 22):
+                    dst.write(chunk)
+            n += 1
+        if n:
+            log(f"storage: {stage}: uploaded {n} files the driver wrote to {self.uri}/{stage}")
+        return out
+
     def push(self, rel_dir: str | None = None, log=print) -> int:
-        """Upload one stage folder (or only the top files), `_SUCCESS` last, then the manifest."""
+        """Upload the working copy's top files (manifest, config, report)."""
         if not self.uri:
             return 0
-        local_files = []
-        if rel_dir:
-            for p in sorted((self.local / rel_dir).rglob("*")):
-                rel = p.relative_to(self.local).as_posix()
-                if p.is_file() and not any(part in SKIP for part in rel.split("/")) and not p.name.endswith(".tmp"):
-                    local_files.append(rel)
-        local_files.sort(key=lambda r: r.endswith("/_SUCCESS"))
-        local_files += [f for f in TOP_FILES if (self.local / f).is_file()]
-        remote = self._remote_files(rel_dir or "") if rel_dir else {}
+        storage = self.storage()
         n = 0
-        for rel in local_files:
-            src = self.local / rel
-            if rel not in TOP_FILES and remote.get(rel) == src.stat().st_size:
-                continue
-            with open(src, "rb") as f, self.fs.open_output_stream(f"{self.root}/{rel}") as out:
-                while chunk := f.read(1 << 22):
-                    out.write(chunk)
-            n += 1
-        if rel_dir:
-            log(f"storage: {rel_dir}: uploaded {n} files to {self.uri}/{rel_dir}")
+        for rel in TOP_FILES:
+            if (self.local / rel).is_file():
+                storage.write_bytes(rel, (self.local / rel).read_bytes())
+                n += 1
         return n
 
     def location(self, rel: str):

@@ -91,9 +91,9 @@ def drift(old_run: Path, new_run: Path) -> dict:
     def load(run):
         from stages.base import has_ledger, read_ledger
 
-        if not has_ledger(run / "ingest"):
+        if not has_ledger(run, "ingest"):
             raise UserError(f"{run}: no ingest ledger to compare downloads with")
-        t = read_ledger(run / "ingest", ["key", "verdict", "sha256"]).to_pydict()
+        t = read_ledger(run, "ingest", ["key", "verdict", "sha256"]).to_pydict()
         return {k: ("success" if v == "kept" else "failed", h) for k, v, h in zip(t["key"], t["verdict"], t["sha256"])}
 
     old, new = load(old_run), load(new_run)

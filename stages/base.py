@@ -52,10 +52,10 @@ class StageContext:
         ds = ds.filter(expr="verdict == 'kept'")
         return ds.select_columns(columns) if columns else ds
 
-    def artifact(self, stage: str, key: str) -> Path:
-        """A file another stage registered (its StageResult.artifacts), as a path under the run folder."""
+    def artifact(self, stage: str, key: str) -> str:
+        """A file another stage registered (its StageResult.artifacts): its path in `storage`."""
         try:
-            return self.run_dir / self.artifacts[stage][key]
+            return self.artifacts[stage][key]
         except KeyError:
             raise RuntimeError(f"{self.name}: stage {stage} registered no artifact {key!r}") from None
 
@@ -95,20 +95,28 @@ class Stage:
         raise NotImplementedError
 
 
-def read_ledger(stage_dir: Path, columns: list[str] | None = None, filters=None) -> pa.Table:
-    """A finished stage's ledger: all its partitions (for tools that inspect a run, not for stages)."""
-    stage_dir = Path(stage_dir)
-    if (stage_dir / "parts.json").is_file():
-        files = [stage_dir.parent / p["file"] for p in json.loads((stage_dir / "parts.json").read_text())]
+def _as_storage(where) -> Storage:
+    return where if isinstance(where, Storage) else Storage.local(where)
+
+
+def read_ledger(where, stage: str, columns: list[str] | None = None, filters=None) -> pa.Table:
+    """A finished stage's ledger: all its partitions (for tools that inspect a run, not for stages).
+    `where`: the run folder's Storage, or a local run folder."""
+    storage = _as_storage(where)
+    parts = storage.read_json(f"{stage}/parts.json")
+    if parts is not None:
+        files = [p["file"] for p in parts]
     else:   # a stage still running: what its workers have written so far
-        files = sorted((stage_dir / "ledger").glob("*.parquet"))
+        files = storage.list(f"{stage}/ledger", ".parquet")
     if not files:
         from .dataplane import SAMPLE_SCHEMA
 
         schema = SAMPLE_SCHEMA if columns is None else pa.schema([SAMPLE_SCHEMA.field(c) for c in columns])
         return schema.empty_table()
-    return pq.read_table([str(f) for f in files], columns=columns, filters=filters)
+    return pq.read_table([storage.path(f) for f in files], columns=columns, filters=filters,
+                         filesystem=storage.fs)
 
 
-def has_ledger(stage_dir: Path) -> bool:
-    return (Path(stage_dir) / "parts.json").is_file() or (Path(stage_dir) / "ledger").is_dir()
+def has_ledger(where, stage: str) -> bool:
+    storage = _as_storage(where)
+    return storage.exists(f"{stage}/parts.json") or bool(storage.list(f"{stage}/ledger", ".parquet"))

@@ -17,11 +17,10 @@ the cut and a histogram of scores.
 """
 from __future__ import annotations
 
-import functools
-import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -108,16 +107,24 @@ def keeps(score: int, key: str, cut: int | None, last_tied: str | None) -> bool:
     return score > cut or (score == cut and last_tied is not None and key <= last_tied)
 
 
-@functools.lru_cache(maxsize=2)
-def _scorer(checkpoint: str, tokenizer: str | None, device: str) -> Scorer:
-    return Scorer(checkpoint, tokenizer, device)   # once per worker process
+SCORER_DIR = "clip_score/scorer"   # in the run folder's storage
+_SCORERS: dict = {}
 
 
-def _score_task(storage, part: str, file: str, checkpoint: str, tokenizer: str | None, device: str) -> dict:
+def _scorer(storage, folder: str, sha: str, device: str) -> Scorer:
+    """Once per worker process, from the run folder's storage (a copy fetched on another node)."""
+    key = (storage.uri(folder), sha, device)
+    if key not in _SCORERS:
+        _SCORERS.clear()
+        _SCORERS[key] = Scorer(str(storage.local_dir(folder)), None, device)
+    return _SCORERS[key]
+
+
+def _score_task(storage, part: str, file: str, folder: str, sha: str, device: str) -> dict:
     """Ray task: score one partition, write its scores, return how many of each value."""
     rows = read_kept(storage, file, ["key", "caption", "tar", "offset", "size"])
     images = read_images(storage, rows)
-    scores = _scorer(checkpoint, tokenizer, device).score(images, rows.column("caption").to_pylist()) \
+    scores = _scorer(storage, folder, sha, device).score(images, rows.column("caption").to_pylist()) \
         if rows.num_rows else np.zeros(0)
     ints = np.round(np.asarray(scores, np.float64) * SCALE).astype(np.int64)
     storage.write_table(f"clip_score/_work/scores/{part}.parquet",
@@ -175,7 +182,7 @@ class ClipScoreStage(Stage):
         scorer = self._scorer(ctx, cfg)
         score = ray.remote(num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker or None,
                            max_retries=2)(_score_task)
-        found = run_tasks(score, [(ctx.storage, u["part"], u["file"], scorer["path"], scorer.get("tokenizer"),
+        found = run_tasks(score, [(ctx.storage, u["part"], u["file"], SCORER_DIR, scorer["sha256"],
                                    cfg.device) for u in upstream], "clip_score", ctx.log,
                           max_in_flight=cfg.num_workers, describe=lambda c: f"partition {c[1]}")
         counts: Counter = Counter()
@@ -211,18 +218,21 @@ class ClipScoreStage(Stage):
             "enabled": True, "scorer": scorer, "threshold": cfg.threshold, "keep_fraction": cfg.keep_fraction,
             "cut": cut_value, "score_mean": mean,
             "histogram": {"counts": hist.astype(int).tolist(), "edges": [round(float(e), 6) for e in edges]}},
-            artifacts={"scorer": scorer["path"], "scorer_sha256": scorer["sha256"], "report": "clip_score/report.html"})
+            artifacts={"scorer": SCORER_DIR, "scorer_sha256": scorer["sha256"], "report": "clip_score/report.html"})
 
     def _scorer(self, ctx: StageContext, cfg: ClipScoreConfig) -> dict:
+        """The scorer folder, in the run folder's storage (SCORER_DIR), where every worker reads it."""
         import ray
 
         if cfg.scorer == "checkpoint":
-            return check_scorer(cfg.checkpoint, cfg.tokenizer)
-        out = ctx.stage_dir / "scorer"
-        done = out / "scorer.json"
-        if done.is_file():   # trained before this stage was interrupted: same input, same model
+            info = check_scorer(cfg.checkpoint, cfg.tokenizer)
+            ctx.storage.put_dir(SCORER_DIR, cfg.checkpoint)
+            ctx.storage.write_bytes(f"{SCORER_DIR}/spm.model", Path(info["tokenizer"]).read_bytes())
+            return info
+        done = f"{SCORER_DIR}/scorer.json"
+        if ctx.storage.exists(done):   # trained before this stage was interrupted: same input, same model
             ctx.log("clip_score: reusing the bootstrap scorer trained before the interruption")
-            return json.loads(done.read_text())
+            return ctx.storage.read_json(done)
         b = cfg.bootstrap
         trusted = frozenset(read_trusted_keys(b.trusted_keys)) if b.trusted_keys else None
         pool = len(trusted) if trusted is not None else ctx.n_in
@@ -243,9 +253,9 @@ class ClipScoreStage(Stage):
                             f"stage ({len(trusted)} listed); name keys of samples that survive the earlier stages")
         ctx.log(f"clip_score: training the bootstrap scorer on {len(rows)} "
                 f"{'trusted' if b.trusted_keys else 'input'} pairs ({b.steps} steps of {b.batch_size})")
-        info = _train_remote(storage=ctx.storage, rows=rows, cfg=b, seed=ctx.config.seed, out_dir=str(out))
+        info = _train_remote(storage=ctx.storage, rows=rows, cfg=b, seed=ctx.config.seed)
         info["trusted_keys"] = b.trusted_keys
-        done.write_text(json.dumps(info, indent=1, sort_keys=True))
+        ctx.storage.write_json(done, info)
         return info
 
 
@@ -259,8 +269,14 @@ def _train_remote(**kwargs) -> dict:
 
 
 def _train_task(storage, rows: list[dict], **kwargs) -> dict:
+    """Train where the task runs, into a local temp folder, then put the folder in storage."""
+    import tempfile
+
     import torch
 
     torch.set_num_threads(max(1, int(kwargs["cfg"].cpus)))
     images = read_images(storage, pa.Table.from_pylist(rows))
-    return train_bootstrap(images=images, captions=[r["caption"] for r in rows], **kwargs)
+    with tempfile.TemporaryDirectory(prefix="capline-scorer-") as tmp:
+        info = train_bootstrap(images=images, captions=[r["caption"] for r in rows], out_dir=tmp, **kwargs)
+        storage.put_dir(SCORER_DIR, tmp)
+    return {**info, "path": SCORER_DIR}

@@ -92,8 +92,16 @@ class Storage:
         fs, root = pafs.FileSystem.from_uri(uri)
         return cls(fs, root.rstrip("/"))
 
+    @property
+    def is_local(self) -> bool:
+        return self.fs.type_name == "local"
+
     def path(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
+
+    def uri(self, rel: str = "") -> str:
+        """What a user or another tool opens: a local path, or `s3://bucket/key`."""
+        return self.path(rel) if self.is_local else f"{self.fs.type_name}://{self.path(rel)}"
 
     def _ensure_parent(self, rel: str) -> None:
         parent = self.path(rel).rsplit("/", 1)[0]
@@ -145,13 +153,69 @@ class Storage:
         elif info.type == pafs.FileType.File:
             self.fs.delete_file(self.path(rel))
 
-    def list(self, rel_dir: str, suffix: str = "") -> list[str]:
-        """Run-folder-relative paths of the files directly in rel_dir, sorted."""
+    def list(self, rel_dir: str, suffix: str = "", recursive: bool = False) -> list[str]:
+        """Run-folder-relative paths of the files in rel_dir (directly in it unless recursive), sorted."""
+        import pyarrow.fs as pafs
+
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel_dir), allow_not_found=True,
+                                                        recursive=recursive))
+        base = len(self.root) + 1
+        return sorted(i.path[base:] for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffix))
+
+    def list_dirs(self, rel_dir: str) -> list[str]:
+        """Names of the folders directly in rel_dir (an object store's common prefixes)."""
         import pyarrow.fs as pafs
 
         infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel_dir), allow_not_found=True))
-        base = len(self.root) + 1
-        return sorted(i.path[base:] for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffix))
+        return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
+
+    def write_json(self, rel: str, obj) -> str:
+        return self.write_bytes(rel, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+    def read_json(self, rel: str, default=None):
+        """The JSON at rel; `default` if there is none or it is not whole JSON (a torn write)."""
+        if not self.exists(rel):
+            return default
+        try:
+            return json.loads(self.read_bytes(rel))
+        except ValueError:
+            return default
+
+    def put_dir(self, rel: str, local_dir) -> dict[str, str]:
+        """Copy a local folder's files (not sub-folders) to rel. -> {file name: sha256}."""
+        from pathlib import Path
+
+        return {f.name: self.write_bytes(f"{rel}/{f.name}", f.read_bytes())
+                for f in sorted(Path(local_dir).iterdir()) if f.is_file()}
+
+    def local_dir(self, rel: str):
+        """A folder of the run as a local path this process can open: itself for a local run folder,
+        else a copy fetched once per process (for model folders: libraries that want a path)."""
+        from pathlib import Path
+
+        if self.is_local:
+            return Path(self.path(rel))
+        return _fetched(self, rel)
+
+
+_FETCHED: dict = {}
+
+
+def _fetched(storage: "Storage", rel: str):
+    """Download rel's files into a temp folder of this process, once (keyed by their sizes and names)."""
+    import tempfile
+    from pathlib import Path
+
+    files = storage.list(rel)
+    if not files:
+        raise FileNotFoundError(f"{storage.uri(rel)}: no files there")
+    key = (storage.uri(rel), tuple(files))
+    if key not in _FETCHED:
+        out = Path(tempfile.mkdtemp(prefix="capline-fetch-"))
+        for f in files:
+            (out / f.rsplit("/", 1)[-1]).write_bytes(storage.read_bytes(f))
+        _FETCHED[key] = out
+    return _FETCHED[key]
 
 
 # -- one partition's result ----------------------------------------------------------------------

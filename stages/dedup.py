@@ -20,8 +20,8 @@ cosine at `encoder_threshold`, through the same index class: either path can fla
 """
 from __future__ import annotations
 
-import functools
 import hashlib
+import io
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,15 +95,26 @@ BANDS, BAND_BITS = 8, 16     # banded LSH over the first 128 bits of the SimHash
 MAX_GROUP = 2000             # members of one signature compared pairwise (a larger group: with its first)
 
 
-@functools.lru_cache(maxsize=4)
-def _indexes(index_paths: tuple, encoder_paths: tuple, encoder_checkpoint: str | None):
-    """Loaded once per worker process, however many partitions it describes."""
-    return ({n: NearDupIndex.load(Path(p)) for n, p in index_paths},
-            {n: NearDupIndex.load(Path(p)) for n, p in encoder_paths},
-            EncoderDescriber(encoder_checkpoint) if encoder_checkpoint else None)
+_LOADED: dict = {}
 
 
-def _describe_task(storage, part: str, file: str, index_paths: tuple, encoder_paths: tuple,
+def _indexes(storage, blobs: dict, names: tuple, encoder_checkpoint: str | None):
+    """Loaded once per worker process, however many partitions it describes. The driver built them on
+    its own disk, which a worker on another node cannot see: they arrive through Ray's object store
+    (`blobs`: kind -> set name -> the index file's bytes; `names` identify them)."""
+    key = (storage.uri(), names, encoder_checkpoint)
+    if key not in _LOADED:
+        def load(data):
+            return NearDupIndex.load(io.BytesIO(data))
+
+        _LOADED.clear()
+        _LOADED[key] = ({n: load(b) for n, b in blobs["hash"].items()},
+                        {n: load(b) for n, b in blobs["encoder"].items()},
+                        EncoderDescriber(str(storage.local_dir(encoder_checkpoint))) if encoder_checkpoint else None)
+    return _LOADED[key]
+
+
+def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
                    encoder_checkpoint: str | None, cfg: DedupConfig, n_buckets: int) -> dict:
     """Ray task: describe one partition's images, search the evaluation sets, write descriptors and
     bucketed signatures. -> small counts."""
@@ -111,7 +122,7 @@ def _describe_task(storage, part: str, file: str, index_paths: tuple, encoder_pa
     from .imagehash import simhash
 
     rows = read_kept(storage, file, ["key", "url", "caption", "tar", "offset", "size"])
-    indexes, enc_indexes, encoder = _indexes(index_paths, encoder_paths, encoder_checkpoint)
+    indexes, enc_indexes, encoder = _indexes(storage, blobs, names, encoder_checkpoint)
     images = read_images(storage, rows)
     n = rows.num_rows
     vecs, means = np.zeros((n, 768), np.float32), np.zeros((n, 3), np.float32)
@@ -310,17 +321,25 @@ class DedupStage(Stage):
         index_paths, enc_paths, set_stats = {}, {}, {}
         for es in cfg.eval_sets:
             path, st = build_reference(es, ctx.run_dir, cache, params, log=ctx.log)
-            index_paths[es.name], set_stats[es.name] = str(path), st
+            index_paths[es.name], set_stats[es.name] = path, st
             if cfg.encoder_checkpoint:
                 enc_params = {"descriptor": "encoder", "checkpoint": _dir_digest(cfg.encoder_checkpoint),
                               "bits": cfg.bits, "colour_tol": None}
                 epath, _ = build_reference(es, ctx.run_dir, cache, enc_params,
                                            describer=EncoderDescriber(cfg.encoder_checkpoint), log=ctx.log)
-                enc_paths[es.name] = str(epath)
+                enc_paths[es.name] = epath
+        encoder_rel = None
+        if cfg.encoder_checkpoint:
+            encoder_rel = "dedup/_work/encoder"
+            ctx.storage.put_dir(encoder_rel, cfg.encoder_checkpoint)
         upstream = [u for u in ctx.upstream or []]
         n_buckets = max(1, min(64, len(upstream)))
         describe_ = ray.remote(num_cpus=cfg.cpus_per_worker, max_retries=2)(_describe_task)
-        args = (tuple(sorted(index_paths.items())), tuple(sorted(enc_paths.items())), cfg.encoder_checkpoint)
+        # one copy in the object store, shared by every task on a node (a path here means nothing there)
+        blobs = ray.put({"hash": {n: p.read_bytes() for n, p in index_paths.items()},
+                         "encoder": {n: p.read_bytes() for n, p in enc_paths.items()}})
+        names = tuple(sorted(p.name for p in [*index_paths.values(), *enc_paths.values()]))
+        args = (blobs, names, encoder_rel)
         described = run_tasks(describe_, [(ctx.storage, u["part"], u["file"], *args, cfg, n_buckets) for u in upstream],
                               "dedup describe", ctx.log, max_in_flight=cfg.num_workers,
                               describe=lambda c: f"partition {c[1]}")

@@ -17,6 +17,11 @@ class EvalStage(Stage):
 
         parts = ctx.map_parts(passthrough, num_cpus=0.25)
         model_dir = ctx.run_dir / "train" / "model"
+        if not ctx.storage.is_local:   # evaluation runs here, on the driver: fetch the model into the working copy
+            for rel in ctx.storage.list("train/model") + ctx.storage.list("train", "mlflow_run_id") + \
+                    ctx.storage.list("tokenizer", ".model"):
+                (ctx.run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+                (ctx.run_dir / rel).write_bytes(ctx.storage.read_bytes(rel))
         if not (model_dir / "model.json").is_file():
             ctx.log("eval: no trained model (train.steps is 0), nothing to evaluate")
             return StageResult(parts, {"evaluated": False})

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,9 +219,8 @@ class IngestStage(Stage):
                     reused.append(json.loads(ctx.storage.read_bytes(done[name])))
                     continue
                 jobs.append(ShardJob(unit, i, u["part"], u["file"], start, min(u["kept"], start + cfg.samples_per_shard)))
-        parts_root = ctx.stage_dir / "parts"
-        for stale in (set(p.name for p in parts_root.iterdir()) - units) if parts_root.exists() else ():
-            shutil.rmtree(parts_root / stale)   # a partition no longer in the source
+        for stale in set(ctx.storage.list_dirs("ingest/parts")) - units:
+            ctx.storage.delete(f"ingest/parts/{stale}")   # a partition no longer in the source
         if reused:
             ctx.log(f"ingest: {len(reused)} shards downloaded before, reused; {len(jobs)} to download")
         results = []

@@ -282,8 +282,12 @@ class SourceStage(Stage):
                                    {"planted": counts})
         if cfg.kind == "openclipart":
             return self._openclipart(ctx, cfg)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         files = partition_files(cfg)
-        task = ray.remote(num_cpus=1, max_retries=2)(_read_file_task)
+        # the URL list is a file on this machine's disk: read it on this node, which can see it
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        task = ray.remote(num_cpus=1, max_retries=2)(_read_file_task).options(scheduling_strategy=here)
         results = run_tasks(task, [(ctx.storage, str(f), cfg) for f in files], "source", ctx.log,
                             describe=lambda c: f"URL list file {Path(c[1]).name}")
         parts = [p for r in results for p in r]

@@ -27,9 +27,8 @@ class TrainStage(Stage):
             return StageResult(parts, {"trained": False})
         manifest = json.loads((ctx.run_dir / "manifest.json").read_text())
         digest = manifest["stages"]["shard"]["output_digest"]
-        shards = ctx.location("shard/shards") if ctx.location else ctx.artifact("shard", "folder")
-        result = train(ctx.run_dir, shards, ctx.artifact("tokenizer", "model"), tc,
-                       ctx.config.seed, digest, ctx.stage_dir, log=ctx.log)
+        result = train(ctx.storage, ctx.artifact("shard", "folder"), ctx.artifact("tokenizer", "model"), tc,
+                       ctx.config.seed, digest, "train", ctx.run_dir, log=ctx.log)
         ctx.log(f"train: finished at step {result['step']}, loss {result['loss']:.4f}")
         return StageResult(parts, {"trained": True, **result},
                            artifacts={"model": "train/model", "encoder": "train/export",

@@ -29,3 +29,65 @@ def kill_driver(proc: subprocess.Popen) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(tree, timeout=20)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def moto_s3(bucket: str):
+    """moto_server on loopback with IAM checks on: an IAM user with S3 rights, whose key is the only
+    one accepted, and `bucket` created. A generator: yields (env for a client process, boto3 client),
+    and stops the server by pid when closed."""
+    import json
+    import socket
+    import time
+
+    import boto3
+
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                              env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "4"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.time() < deadline and server.poll() is None, "moto_server did not start"
+                time.sleep(0.3)
+        admin = dict(endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="bootstrap",
+                     aws_secret_access_key="bootstrap")
+        iam = boto3.client("iam", **admin)
+        iam.create_user(UserName="capline")
+        key = iam.create_access_key(UserName="capline")["AccessKey"]
+        policy = iam.create_policy(PolicyName="s3-all", PolicyDocument=json.dumps(
+            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+        iam.attach_user_policy(UserName="capline", PolicyArn=policy["Policy"]["Arn"])
+        env = {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+               "AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                              aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
+        client.create_bucket(Bucket=bucket)
+        yield env, client
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+
+
+def bucket_keys(client, bucket: str, prefix: str) -> list[str]:
+    out, token = [], None
+    while True:
+        kw = {"Bucket": bucket, "Prefix": prefix, **({"ContinuationToken": token} if token else {})}
+        page = client.list_objects_v2(**kw)
+        out += [o["Key"] for o in page.get("Contents", [])]
+        if not page.get("IsTruncated"):
+            return out
+        token = page["NextContinuationToken"]

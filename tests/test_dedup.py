@@ -150,7 +150,7 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local):
     assert audit["repeat_row"]["recall"] == 1.0 and audit["train_near_copy"]["recall"] >= 0.95
 
     def kept():
-        t = read_ledger(tmp_path / "run" / "dedup").to_pylist()
+        t = read_ledger(tmp_path / "run", "dedup").to_pylist()
         return {r["key"] for r in t if r["verdict"] == "kept"}, {r["key"]: r["detail"] for r in t}
 
     first = kept()

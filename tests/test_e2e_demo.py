@@ -35,7 +35,7 @@ def _content(run_dir):
 
 
 def _verdicts(run_dir):
-    t = read_ledger(run_dir / "ingest").to_pylist()
+    t = read_ledger(run_dir, "ingest").to_pylist()
     return {r["key"]: (r["verdict"], r["reason"]) for r in t}
 
 

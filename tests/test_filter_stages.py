@@ -21,7 +21,7 @@ CACHE = ["--set", f"stages.dedup.cache_dir={tempfile.mkdtemp(prefix='capline-eva
 
 
 def _kept(run_dir, stage):
-    t = read_ledger(run_dir / stage).to_pylist()
+    t = read_ledger(run_dir, stage).to_pylist()
     return sorted(r["key"] for r in t if r["verdict"] == "kept")
 
 
@@ -137,7 +137,7 @@ def test_openclipart_through_the_data_pipeline(tmp_path):
     assert funnel["clip_score"]["dropped"]["clip_score"] == funnel["clip_score"]["in"] - funnel["clip_score"]["kept"]
     assert funnel["shard"]["kept"] == funnel["clip_score"]["kept"]
     # captions in the final shards are the cleaned ones, from the drawings' own metadata
-    captions = read_ledger(run_dir / "basic", ["caption", "verdict"]).to_pydict()
+    captions = read_ledger(run_dir, "basic", ["caption", "verdict"]).to_pydict()
     assert all(c == c.strip() and "  " not in c for c, v in zip(captions["caption"], captions["verdict"]) if v == "kept")
     page = (run_dir / "language" / "report.html").read_text()
     assert "language:" in page and "data:image/jpeg;base64," in page

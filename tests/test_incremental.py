@@ -53,5 +53,5 @@ def test_appending_a_partition(tmp_path, ray_local):
     a, b = sample_digests(tmp_path / "inc"), sample_digests(tmp_path / "one")
     assert len(a) > 150
     assert a == b
-    dedup = read_ledger(tmp_path / "inc" / "dedup").to_pylist()
+    dedup = read_ledger(tmp_path / "inc", "dedup").to_pylist()
     assert any(r["reason"] == "near_duplicate" for r in dedup)   # duplicates across partitions found

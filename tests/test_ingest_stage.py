@@ -31,7 +31,7 @@ SMALL = ["source.num_samples=300", "source.eval_size=20", "source.slow_seconds=4
 
 
 def _ledger(run_dir, stage):
-    return {r["key"]: r for r in read_ledger(run_dir / stage).to_pylist()}
+    return {r["key"]: r for r in read_ledger(run_dir, stage).to_pylist()}
 
 
 def test_every_planted_defect_gets_its_reason(tmp_path, ray_local):

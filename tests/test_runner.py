@@ -93,7 +93,7 @@ def test_runs_then_skips_then_reruns_when_input_changes(tmp_path, ray_local):
     assert manifest["config"]["source"]["num_samples"] == 5
     from stages.base import read_ledger
 
-    rows = read_ledger(tmp_path / "dropodd").to_pylist()
+    rows = read_ledger(tmp_path, "dropodd").to_pylist()
     assert [r["key"] for r in rows] == [f"k{i:04d}" for i in range(5)]
     assert rows[1]["caption"] == "caption 1"         # a stage's state travels with its verdicts
 

@@ -3,16 +3,14 @@ IAM checks on): the demo writes its run folder there, resumes there after a kill
 an empty working copy), training reads its shards from there, and the credentials appear nowhere."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, capline, kill_driver
+from helpers import ROOT, bucket_keys, capline, kill_driver, moto_s3
 
 pytestmark = pytest.mark.slow
 BUCKET = "capline-runs"
@@ -23,59 +21,13 @@ ARGS = ["--set", "source.num_samples=300", "--set", "source.eval_size=30", "--se
         "--until", "train"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3():
-    """moto_server on loopback; an IAM user with S3 rights; its key is the only one accepted."""
-    import boto3
-
-    port = _free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                              env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "4"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.time() < deadline and server.poll() is None, "moto_server did not start"
-                time.sleep(0.3)
-        admin = dict(endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="bootstrap",
-                     aws_secret_access_key="bootstrap")
-        iam = boto3.client("iam", **admin)
-        iam.create_user(UserName="capline")
-        key = iam.create_access_key(UserName="capline")["AccessKey"]
-        policy = iam.create_policy(PolicyName="s3-all", PolicyDocument=json.dumps(
-            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
-        iam.attach_user_policy(UserName="capline", PolicyArn=policy["Policy"]["Arn"])
-        env = {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
-               "AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                              aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
-        client.create_bucket(Bucket=BUCKET)
-        yield env, client
-    finally:
-        server.terminate()
-        server.wait(timeout=20)
+    yield from moto_s3(BUCKET)
 
 
 def _keys(client, prefix):
-    out, token = [], None
-    while True:
-        kw = {"Bucket": BUCKET, "Prefix": prefix, **({"ContinuationToken": token} if token else {})}
-        page = client.list_objects_v2(**kw)
-        out += [o["Key"] for o in page.get("Contents", [])]
-        if not page.get("IsTruncated"):
-            return out
-        token = page["NextContinuationToken"]
+    return bucket_keys(client, BUCKET, prefix)
 
 
 def test_missing_bucket_and_wrong_credentials(s3, tmp_path):

@@ -122,10 +122,12 @@ def test_bad_training_input_is_a_one_line_error(data_run, tmp_path):
     from trainers.run import train
     from trainers.train_config import TrainConfig
 
+    from stages.dataplane import Storage
+
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no shards"):
-        train(run, tmp_path / "empty", run / "tokenizer" / "spm.model", build(TrainConfig, {"steps": 5}), 0, "x",
-              tmp_path / "out")
+        train(Storage.local(tmp_path), "empty", "tokenizer/spm.model", build(TrainConfig, {"steps": 5}), 0, "x",
+              "out", tmp_path)
 
 
 def test_main_job_ends_with_an_evaluated_model(data_run):

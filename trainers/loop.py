@@ -34,8 +34,7 @@ def train_loop_per_worker(c: dict) -> None:
     from safetensors.torch import load_file
 
     from .configtools import build
-    from .data import LoaderState, ShardStream, list_shards, make_loader, next_state
-    from .remote import location
+    from .data import LoaderState, ShardStream, make_loader, next_state
     from .models import ModelConfig
     from .optim import build_optimizer, build_schedule
     from .tasks import LossModule, make_task
@@ -46,11 +45,14 @@ def train_loop_per_worker(c: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     tc: TrainConfig = build(TrainConfig, c["train"], "train")
     mc: ModelConfig = build(ModelConfig, c["model"], "model")
-    out = Path(c["out_dir"])
-    (out / "_pids").mkdir(parents=True, exist_ok=True)
-    (out / "_pids" / f"rank{rank}").write_text(str(os.getpid()))
-    (out / "_nodes").mkdir(exist_ok=True)   # which Ray node each rank ran on, for the stage's stats
-    (out / "_nodes" / f"rank{rank}").write_text(ray.get_runtime_context().get_node_id())
+    # every file goes to the run folder's storage: this worker may be on a node with no disk in common
+    storage, out = c["storage"], c["out"]
+    storage.write_bytes(f"{out}/_pids/rank{rank}", str(os.getpid()).encode())
+    # which Ray node each rank ran on, for the stage's stats
+    storage.write_bytes(f"{out}/_nodes/rank{rank}", ray.get_runtime_context().get_node_id().encode())
+    scratch = Path(tempfile.mkdtemp(prefix="capline-train-"))
+    tokenizer = scratch / "spm.model"   # SentencePiece and the loader processes want a file
+    tokenizer.write_bytes(c["tokenizer"])
     torch.manual_seed(c["seed"] * 1000 + rank)
     gen = torch.Generator().manual_seed(c["seed"] * 1000 + rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -71,14 +73,14 @@ def train_loop_per_worker(c: dict) -> None:
             gen.set_state(ts["gens"][rank])
             meta = json.loads((d / "meta.json").read_text())
             step, state = meta["step"], LoaderState(**meta["loader"][rank])
-        (out / f"_resumed_from_rank{rank}").write_text(f"resumed from step {step}\n")
+        storage.write_bytes(f"{out}/_resumed_from_rank{rank}", f"resumed from step {step}\n".encode())
     device = ray.train.torch.get_device()
     wrapped = ray.train.torch.prepare_model(LossModule(model))
     use_amp = device.type == "cuda"
-    stream = ShardStream(list_shards(location(c["shard_dir"])), c["tokenizer"], tc.micro_batch or tc.per_worker_batch,
+    stream = ShardStream(c["shards"], str(tokenizer), tc.micro_batch or tc.per_worker_batch,
                          mc.image_size, mc.max_len, c["seed"], rank, world, state)
     batches = iter(make_loader(stream, tc.loader_workers))
-    sp = spm.SentencePieceProcessor(model_file=c["tokenizer"])
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
     buffer = MetricBuffer(c["mlflow_uri"], c["run_id"], log=lambda m: print(m, flush=True)) if rank == 0 else None
     fixed = None
     last_finite, t_last = step, time.perf_counter()
@@ -125,10 +127,9 @@ def train_loop_per_worker(c: dict) -> None:
             try:
                 client(c["mlflow_uri"]).log_text(c["run_id"], "\n".join(caps), f"samples/step_{step:06d}.txt")
             except Exception as err:  # noqa: BLE001 - MLflow down: keep the samples beside the model
-                (out / "samples").mkdir(exist_ok=True)
-                (out / "samples" / f"step_{step:06d}.txt").write_text("\n".join(caps))
+                storage.write_bytes(f"{out}/samples/step_{step:06d}.txt", "\n".join(caps).encode())
                 print(f"mlflow: sample captions of step {step} not logged ({type(err).__name__}); "
-                      f"saved to {out / 'samples'}", flush=True)
+                      f"saved to {storage.uri(out + '/samples')}", flush=True)
         if step % tc.checkpoint_every == 0 or step == tc.steps:
             states = [state.to_dict()]
             gens = [gen.get_state()]
@@ -147,11 +148,16 @@ def train_loop_per_worker(c: dict) -> None:
         from .export import export_encoder
         from .models.checkpoint import save_model
 
-        save_model(model, task.model_cfg, out / "model")
-        export_encoder(model, task.model_cfg, out / "export")
-        unlogged = buffer.close(out / "unlogged_metrics.jsonl")
-        (out / "final.json").write_text(json.dumps({"step": step, "loss": total, "mlflow": unlogged,
-                                                    "data_wait_fraction": wait_total / max(wait_total + busy_total, 1e-9)}))
+        storage.put_dir(f"{out}/model", save_model(model, task.model_cfg, scratch / "model"))
+        storage.put_dir(f"{out}/export", export_encoder(model, task.model_cfg, scratch / "export"))
+        unlogged = buffer.close(scratch / "unlogged_metrics.jsonl")
+        if (scratch / "unlogged_metrics.jsonl").is_file():
+            spill = f"{out}/unlogged_metrics.jsonl"
+            old = storage.read_bytes(spill) if storage.exists(spill) else b""
+            storage.write_bytes(spill, old + (scratch / "unlogged_metrics.jsonl").read_bytes())
+            unlogged["file"] = storage.uri(spill)
+        storage.write_json(f"{out}/final.json", {"step": step, "loss": total, "mlflow": unlogged,
+                                                 "data_wait_fraction": wait_total / max(wait_total + busy_total, 1e-9)})
 
 
 class _null:

@@ -31,6 +31,7 @@ NAMES = {"cap": "Cap", "cappa": "CapPa", "clip": "CLIP*", "siglip": "SigLIP", "c
 def run_experiment(run_dir: Path, train_cfg, seed: int, models=("cap", "cappa", "clip"), budget="cpu-10min",
                    log=print) -> Path:
     from trainers.models.checkpoint import load_model
+    from stages.dataplane import Storage
     from trainers.run import train
     from trainers.train_config import TrainConfig
 
@@ -54,7 +55,8 @@ def run_experiment(run_dir: Path, train_cfg, seed: int, models=("cap", "cappa", 
         out = run_dir / "experiment" / m
         log(f"experiment: training {NAMES[m]} ({tc.size}, {tc.steps} steps of {tc.global_batch})")
         t0 = time.perf_counter()
-        result = train(run_dir, shards, tok, tc, seed, digest, out, log=log)
+        result = train(Storage.local(run_dir), "shard/shards", "tokenizer/spm.model", tc, seed, digest,
+                       f"experiment/{m}", run_dir, log=log)
         wall = time.perf_counter() - t0
         model, cfg = load_model(out / "model")
         params = sum(p.numel() for p in model.parameters())
