@@ -234,11 +234,32 @@ def write_partitions(storage, rows: pa.Table, name: str, rows_per_part: int) -> 
     return out
 
 
-def _read_file_task(storage, path: str, cfg: SourceConfig) -> list[dict]:
-    """Ray task: read one URL list file, key its rows, write its partitions."""
+def _read_file_task(storage, path: str, cfg: SourceConfig, pinned: str | None = None) -> list[dict]:
+    """Ray task: read one URL list file, key its rows, write its partitions. `pinned`: the file's copy
+    in the run folder's storage, for a worker that cannot see the driver's disk."""
+    import tempfile
+
     name = Path(path).name
-    return write_partitions(storage, keyed_rows(_read_table(Path(path), cfg.format), cfg, name), name,
-                            cfg.rows_per_part)
+    if pinned is None:
+        return write_partitions(storage, keyed_rows(_read_table(Path(path), cfg.format), cfg, name), name,
+                                cfg.rows_per_part)
+    with tempfile.TemporaryDirectory(prefix="capline-source-") as tmp:
+        local = Path(tmp) / name
+        with storage.fs.open_input_stream(storage.path(pinned)) as src, open(local, "wb") as out:
+            while chunk := src.read(1 << 22):
+                out.write(chunk)
+        return write_partitions(storage, keyed_rows(_read_table(local, cfg.format), cfg, name), name,
+                                cfg.rows_per_part)
+
+
+def _pin(storage, path: Path) -> str:
+    """Copy a URL list file from the driver's disk into the run folder: the run keeps the exact
+    list it was built from, and any node's worker can read it."""
+    rel = f"source/input/{path.name}"
+    with open(path, "rb") as src, storage.fs.open_output_stream(storage.path(rel)) as out:
+        while chunk := src.read(1 << 22):
+            out.write(chunk)
+    return rel
 
 
 class SourceStage(Stage):
@@ -282,14 +303,12 @@ class SourceStage(Stage):
                                    {"planted": counts})
         if cfg.kind == "openclipart":
             return self._openclipart(ctx, cfg)
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         files = partition_files(cfg)
-        # the URL list is a file on this machine's disk: read it on this node, which can see it
-        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-        task = ray.remote(num_cpus=1, max_retries=2)(_read_file_task).options(scheduling_strategy=here)
-        results = run_tasks(task, [(ctx.storage, str(f), cfg) for f in files], "source", ctx.log,
-                            describe=lambda c: f"URL list file {Path(c[1]).name}")
+        task = ray.remote(num_cpus=1, max_retries=2)(_read_file_task)
+        # a run folder in object storage means nodes that share no disk: the list travels through it
+        pinned = [_pin(ctx.storage, f) if not ctx.storage.is_local else None for f in files]
+        results = run_tasks(task, [(ctx.storage, str(f), cfg, p) for f, p in zip(files, pinned)], "source",
+                            ctx.log, describe=lambda c: f"URL list file {Path(c[1]).name}")
         parts = [p for r in results for p in r]
         rows = sum(p["in"] for p in parts)
         ctx.log(f"source: {rows} rows from {cfg.path} in {len(files)} file(s), {len(parts)} partitions")

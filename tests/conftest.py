@@ -23,6 +23,9 @@ from pipeline import offline  # noqa: E402
 os.environ.update(offline.guard_env(dict(os.environ), str(_GUARD_LOG)))
 offline.apply()  # quiet switches + the hook in this very process
 os.environ.setdefault("RAY_TMPDIR", "/tmp")
+# an S3 client without credentials asks the EC2 metadata service for some, from C++ the guard
+# cannot see: no process the tests start may try
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 
 
 def guard_log_lines() -> list[str]:

@@ -30,6 +30,13 @@ class Handler(SimpleHTTPRequestHandler):
         pass
 
 
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        pass    # a client that gave up mid-image (a killed run): expected here
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("root")
@@ -37,8 +44,7 @@ def main() -> None:
     p.add_argument("--log", required=True)
     args = p.parse_args()
     Handler.delay, Handler.log_path = args.delay, os.path.abspath(args.log)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(Handler, directory=args.root))
-    server.daemon_threads = True
+    server = Server(("127.0.0.1", 0), partial(Handler, directory=args.root))
     print(server.server_address[1], flush=True)
     sys.stdout.close()
     server.serve_forever()

@@ -1,27 +1,27 @@
-"""A real two-node Ray cluster on loopback: `ray start --head`, a second node with `ray start
---address` (its own resources and process tree), `capline run --address` on it, work seen on both
-nodes, and both stopped by pid afterwards."""
+"""A real two-node Ray cluster on loopback whose nodes share no filesystem: `ray start --head`, a
+second node started in its own mount namespace with an empty tmpfs over the driver's folder, the run
+folder in S3 (moto on loopback), `capline run --address` on it, work seen on both nodes, a driver
+killed mid-ingest and resumed from an empty working copy, and every process stopped by pid."""
 import json
 import os
-import socket
+import re
+import shlex
 import subprocess
 import sys
-import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from helpers import capline
+from helpers import ROOT, bucket_keys, free_port, kill_driver, moto_s3
 
 pytestmark = pytest.mark.slow
 RAY = str(Path(sys.executable).parent / "ray")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+BUCKET = "capline-cluster"
 
 
 def _ray_pids() -> set[int]:
@@ -52,9 +52,12 @@ def _stop(pids: set[int]) -> None:
     psutil.wait_procs(alive, timeout=10)
 
 
-@pytest.fixture
-def two_node_cluster():
-    port, dash = _free_port(), _free_port()
+@contextmanager
+def two_node_cluster(hidden: Path, node_env: dict):
+    """A head node, and a second node in its own mount namespace with an empty tmpfs over `hidden`
+    (the folder holding the driver's files): that node's workers see the code and the system, not
+    the driver's disk. Yields (address, pid of the second node's raylet); stops both by pid."""
+    port, dash = free_port(), free_port()
     before = _ray_pids()
     common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--object-store-memory", str(200 * 2**20),
               "--disable-usage-stats"]
@@ -62,18 +65,24 @@ def two_node_cluster():
     # capline must pass them to its workers itself
     from pipeline.offline import QUIET_ENV
 
-    env = {k: v for k, v in os.environ.items() if k not in QUIET_ENV}
+    # and the bucket's credentials, as a cluster's nodes have them (an instance role, or the environment)
+    env = {**{k: v for k, v in os.environ.items() if k not in QUIET_ENV}, **node_env}
     started = set()
     try:
         head = subprocess.run([RAY, "start", "--head", "--port", str(port), "--dashboard-host", "127.0.0.1",
-                               "--dashboard-port", str(dash), "--resources", '{"head": 1}', *common],
+                               "--dashboard-port", str(dash), *common],
                               capture_output=True, text=True, timeout=120, env=env)
         assert head.returncode == 0, head.stdout + head.stderr
-        second = subprocess.run([RAY, "start", "--address", f"127.0.0.1:{port}", "--resources", '{"second": 1}',
-                                 *common], capture_output=True, text=True, timeout=120, env=env)
+        head_pids = _ray_pids() - before
+        join = " ".join(shlex.quote(a) for a in [RAY, "start", "--address", f"127.0.0.1:{port}", *common])
+        second = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                                 f"mount -t tmpfs none {shlex.quote(str(hidden))} && exec {join}"],
+                                capture_output=True, text=True, timeout=120, env=env)
         assert second.returncode == 0, second.stdout + second.stderr
         started = _ray_pids() - before
-        yield f"127.0.0.1:{port}"
+        raylets = [p for p in started - head_pids if "raylet" in " ".join(psutil.Process(p).cmdline())]
+        assert raylets, "the second node's raylet did not start"
+        yield f"127.0.0.1:{port}", raylets[0]
     finally:
         _stop(started or (_ray_pids() - before))
         # `ray start --head` records itself for plain ray.init() calls to join; it is gone now
@@ -83,22 +92,106 @@ def two_node_cluster():
         assert not (_ray_pids() - before) & started, "the cluster's processes outlived the stop"
 
 
-def test_demo_pipeline_and_training_on_two_nodes(two_node_cluster, tmp_path):
-    run_dir = tmp_path / "run"
-    proc = capline("run", "--address", two_node_cluster, "--run-dir", str(run_dir),
-                   "--set", "source.num_samples=300", "--set", "source.eval_size=30",
-                   "--set", "stages.ingest.samples_per_shard=30", "--set", "stages.shard.samples_per_shard=100",
-                   "--set", "stages.clip_score.bootstrap.steps=30", "--set", "stages.clip_score.bootstrap.cpus=1",
-                   "--set", "stages.dedup.cpus_per_worker=0.5", "--set", "stages.clip_score.cpus_per_worker=0.5",
-                   "--set", f"stages.dedup.cache_dir={tempfile.mkdtemp(prefix='capline-eval-index-')}",
-                   "--set", "train.steps=20", "--set", "train.num_workers=2", "--set", "train.checkpoint_every=20",
-                   "--set", "train.sample_every=20", "--until", "train", timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"ray: joining the cluster at {two_node_cluster}" in proc.stdout
-    ingest = json.loads((run_dir / "ingest" / "stats.json").read_text())
-    train = json.loads((run_dir / "train" / "stats.json").read_text())
-    print("ingest nodes", ingest["nodes"], "train nodes", train["nodes"])
-    assert len(ingest["nodes"]) == 2, ingest["nodes"]          # download tasks ran on both nodes
-    assert len(train["nodes"]) == 2, train["nodes"]            # one training worker on each
-    assert set(train["nodes"]) == set(ingest["nodes"])
-    assert train["step"] == 20
+@contextmanager
+def site_server(root: Path, delay: float, log: Path):
+    """tests/site_server.py in its own process: the URL list's images, slowly, every request logged."""
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("site_server.py")), str(root),
+                             "--delay", str(delay), "--log", str(log)], stdout=subprocess.PIPE, text=True)
+    try:
+        yield f"127.0.0.1:{int(proc.stdout.readline())}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_no_shared_filesystem_two_nodes_s3_and_a_kill_mid_ingest(tmp_path):
+    """The run folder in S3, the second node blind to the driver's disk, a URL list served by its own
+    process. A driver killed mid-ingest is resumed from an empty working copy: only the shards
+    not yet in the bucket download again; then the data path and a short training finish on both nodes."""
+    from infra.mlflow.serve import start, stop
+    from stages import synthetic
+    from stages.source import DefectFractions
+    from stages.synthetic import SERVER_PLACEHOLDER
+
+    driver = tmp_path / "driver"          # everything of the driver's: working copies, URL list, caches
+    (driver / "urls").mkdir(parents=True)
+    fr = {k: 0 for k in vars(DefectFractions())}
+    synthetic.generate(tmp_path / "site", 240, 10, 48, 11, fr, 100, 100)
+    rows = pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()
+    requests = tmp_path / "requests.txt"
+    s3_env = moto_s3(BUCKET)
+    env, client = next(s3_env)
+    mlflow, mlflow_url = start(tmp_path / "mlflow", free_port(), log_file=tmp_path / "mlflow.log")
+    try:
+        with site_server(tmp_path / "site" / "www", 0.1, requests) as netloc, two_node_cluster(driver, env) as (address, raylet):
+            lines = ["url,caption"] + [f"{r['url'].replace(SERVER_PLACEHOLDER, 'http://' + netloc)},\"{r['caption']}\""
+                                       for r in rows]
+            (driver / "urls" / "list.csv").write_text("\n".join(lines) + "\n")
+            # the second node really cannot see it (/proc/PID/root is that process's view of the tree)
+            assert not Path(f"/proc/{raylet}/root{driver}/urls/list.csv").exists()
+            assert Path(f"/proc/{raylet}/root{ROOT}/pyproject.toml").exists()
+            uri = f"s3://{BUCKET}/runs/cluster"
+            args = ["run", "--address", address, "--run-dir", uri,
+                    "--set", "source.kind=urls", "--set", f"source.path={driver / 'urls' / 'list.csv'}",
+                    "--set", f"stages.ingest.allow_hosts=['{netloc}']", "--set", "stages.ingest.samples_per_shard=30",
+                    "--set", "stages.ingest.thread_count=4", "--set", "stages.tokenizer.vocab_size=400",
+                    "--set", "stages.dedup.eval_sets=[]", "--set", f"stages.dedup.cache_dir={driver / 'eval-index'}",
+                    "--set", "stages.basic.min_image_side=16", "--set", "stages.language.min_confidence=0.1",
+                    "--set", "stages.clip_score.bootstrap.steps=20", "--set", "stages.clip_score.bootstrap.cpus=1",
+                    "--set", "stages.dedup.cpus_per_worker=0.5", "--set", "stages.clip_score.cpus_per_worker=0.5",
+                    "--set", "stages.shard.samples_per_shard=60", "--set", "train.steps=10",
+                    "--set", "train.num_workers=2", "--set", "train.checkpoint_every=5", "--set", "train.sample_every=0",
+                    "--until", "train"]
+            run_env = {**os.environ, **env, "MLFLOW_TRACKING_URI": mlflow_url}
+
+            # machine A: killed once two shards are in the bucket
+            log_a = open(tmp_path / "a.log", "w")
+            proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, stdout=log_a,
+                                    stderr=subprocess.STDOUT, env={**run_env, "CAPLINE_CACHE": str(driver / "wc-a")})
+            deadline = time.time() + 600
+            while len(_results(client)) < 2:
+                assert proc.poll() is None, (tmp_path / "a.log").read_text()[-3000:]
+                assert time.time() < deadline, "no shard finished"
+                time.sleep(0.3)
+            kill_driver(proc)
+            done = _results(client)
+            assert 2 <= len(done) < 8, done
+            finished_urls = set()
+            for key in done:   # what those shards fetched: never again
+                ledger = key.replace("/results/", "/ledger/").replace(".json", ".parquet")
+                body = client.get_object(Bucket=BUCKET, Key=ledger)["Body"].read()
+                finished_urls |= {u.split(netloc, 1)[1] for u in pq.read_table(pa.BufferReader(body)).column("url").to_pylist()}
+            seen_before = len(requests.read_text().splitlines())
+
+            # machine B: an empty working copy
+            out = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=900, env={**run_env, "CAPLINE_CACHE": str(driver / "wc-b")})
+            assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
+            reused = re.search(r"ingest: (\d+) shards downloaded before, reused; (\d+) to download", out.stdout)
+            assert reused and int(reused[1]) >= len(done) and int(reused[1]) + int(reused[2]) == 8, out.stdout[-3000:]
+            again = set(requests.read_text().splitlines()[seen_before:])
+            assert again and not again & finished_urls, sorted(again & finished_urls)[:5]
+
+            def stats(stage):
+                return json.loads(client.get_object(Bucket=BUCKET, Key=f"runs/cluster/{stage}/stats.json")["Body"].read())
+
+            ingest, train = stats("ingest"), stats("train")
+            print("ingest nodes", ingest["nodes"], "train nodes", train["nodes"])
+            assert len(ingest["nodes"]) == 2, ingest["nodes"]          # download tasks ran on both nodes
+            assert len(train["nodes"]) == 2, train["nodes"]            # one training worker on each
+            assert train["step"] == 10
+            keys = set(bucket_keys(client, BUCKET, "runs/cluster/"))
+            for stage in ("source", "ingest", "dedup", "basic", "language", "clip_score", "tokenizer", "shard", "train"):
+                assert f"runs/cluster/{stage}/_SUCCESS" in keys, stage
+            assert any(k.startswith("runs/cluster/shard/shards/") and k.endswith(".tar") for k in keys)
+            assert any("/checkpoint_" in k and k.startswith("runs/cluster/train/ray/") for k in keys)
+            assert {"runs/cluster/train/model/model.safetensors", "runs/cluster/train/final.json"} <= keys
+            # the working copy holds what the driver wrote, not what the workers did
+            assert not list((driver / "wc-b").rglob("*.tar")) and not list((driver / "wc-b").rglob("ledger"))
+    finally:
+        stop(mlflow)
+        s3_env.close()
+
+
+def _results(client) -> list[str]:
+    return [k for k in bucket_keys(client, BUCKET, "runs/cluster/ingest/parts/") if "/results/" in k and k.endswith(".json")]

@@ -42,8 +42,19 @@ def test_missing_bucket_and_wrong_credentials(s3, tmp_path):
     assert "ray:" not in proc.stdout          # refused before any work
 
 
+def test_without_a_tracking_server_it_says_so_before_any_work(s3, tmp_path):
+    env, _ = s3
+    env = {**env, "CAPLINE_CACHE": str(tmp_path / "cache")}
+    proc = capline("run", "--run-dir", f"s3://{BUCKET}/runs/untracked", *ARGS, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "set MLFLOW_TRACKING_URI" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert "ray:" not in proc.stdout
+
+
 def test_run_folder_in_s3_resumes_after_a_kill_elsewhere(s3, tmp_path):
     env, client = s3
+    # one machine here, so a SQLite store both "machines" reach stands in for a tracking server
+    env = {**env, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     uri = f"s3://{BUCKET}/runs/demo"
     machine_a = {**env, "CAPLINE_CACHE": str(tmp_path / "machine-a")}
     cmd = [sys.executable, "-m", "pipeline.cli", "run", "--run-dir", uri, *ARGS]
