@@ -160,7 +160,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
         else:
             ctx = StageContext(name=stage.name, run_dir=run_dir, stage_dir=sdir, config=cfg, storage=storage,
                                upstream=upstream, artifacts=dict(manifest.data.get("artifacts", {})), log=log,
-                               location=store.location if store is not None and store.uri else None)
+                               location=store.location if store is not None and store.uri else None,
+                               fingerprint=stage.fingerprint(cfg))
             marker, artifacts, parts = _run_stage(stage, ctx, in_digest, controls, store)
             manifest.record_stage(stage.name, marker, artifacts)
             if artifacts.get("mlflow_run_id"):

@@ -35,21 +35,24 @@ class StageContext:
     log: Callable[[str], None] = print
     # for a run folder in object storage: relative path -> its URI there (None: a local run)
     location: Callable[[str], Any] | None = None
+    fingerprint: str = ""            # this stage's (Stage.fingerprint): with a partition's input, what decides it
 
     def map_parts(self, fn: Callable, tasks: list[PartTask] | None = None, num_cpus: float = 1.0,
-                  num_gpus: float = 0.0, **kwargs) -> list[dict]:
+                  num_gpus: float = 0.0, reuse: bool = False, **kwargs) -> list[dict]:
         """`fn(table, **kwargs) -> (verdicts, extra)` over each partition (default: one task per
-        upstream partition, same name), in Ray tasks that write their own part files."""
+        upstream partition, same name), in Ray tasks that write their own part files. `reuse`: for a
+        pure `fn`, partitions computed by an earlier run from the same input are taken as they are."""
         return map_parts(self, fn, tasks if tasks is not None else one_to_one(self.upstream or [], **kwargs),
-                         num_cpus=num_cpus, num_gpus=num_gpus)
+                         num_cpus=num_cpus, num_gpus=num_gpus, reuse=reuse)
 
     def samples(self, columns: list[str] | None = None):
         """The previous stage's kept samples as a Ray Dataset, read by the workers from storage."""
         import ray
+        from ray.data.expressions import col
 
         files = [self.storage.path(u["file"]) for u in self.upstream or [] if u["kept"]]
         ds = ray.data.read_parquet(files, filesystem=self.storage.fs)
-        ds = ds.filter(expr="verdict == 'kept'")
+        ds = ds.filter(expr=col("verdict") == KEPT)
         return ds.select_columns(columns) if columns else ds
 
     def artifact(self, stage: str, key: str) -> str:

@@ -107,13 +107,14 @@ def judge(table: pa.Table, cfg: BasicConfig) -> tuple[pa.Table, dict]:
 
 class BasicStage(Stage):
     name = "basic"
+    preserve = ("reuse",)   # partitions judged before, by content (a pure stage)
 
     def section(self, config) -> BasicConfig:
         return config.stages.basic
 
     def run(self, ctx: StageContext) -> StageResult:
         cfg: BasicConfig = ctx.config.stages.basic
-        parts = ctx.map_parts(judge, cfg=cfg)
+        parts = ctx.map_parts(judge, reuse=True, cfg=cfg)
         repaired = sum(p["extra"]["repaired"] for p in parts)
         shown = write_examples(ctx, parts, cfg.examples_per_reason, "Basic filter")
         ctx.log(f"basic: {repaired} captions repaired; examples in {shown}")

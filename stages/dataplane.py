@@ -364,15 +364,20 @@ class PartTask:
     start: int = 0
     stop: int | None = None
     kwargs: dict = field(default_factory=dict)
+    input_sha: str | None = None      # of `file`: with the stage's fingerprint, what decides the result
 
 
-def _run_part(storage: Storage, stage: str, fn: Callable, task: PartTask) -> dict:
+def _run_part(storage: Storage, stage: str, fn: Callable, task: PartTask, rel: str | None = None,
+              record: str | None = None) -> dict:
     table = read_kept(storage, task.file) if task.file else pa.table({"key": pa.array([], pa.string())})
     if task.start or task.stop is not None:
         table = table.slice(task.start, (task.stop if task.stop is not None else table.num_rows) - task.start)
     verdicts, extra = fn(table, **task.kwargs)
-    return write_part(storage, stage, task.part, task.input, table.column("key").to_pylist(),
-                      with_state(verdicts, table), extra)
+    result = write_part(storage, stage, task.part, task.input, table.column("key").to_pylist(),
+                        with_state(verdicts, table), extra, rel=rel)
+    if record:    # last: a partition counts as reusable only once its file is whole
+        storage.write_json(record, result)
+    return result
 
 
 def passthrough(table: pa.Table) -> tuple[pa.Table, dict]:
@@ -425,19 +430,59 @@ def run_tasks(remote_fn, calls: list[tuple], what: str, log=print, max_in_flight
     return results
 
 
+REUSE = "reuse"    # <stage>/reuse/<key>.{parquet,json}: a pure stage's partitions, by what decided them
+
+
+def reuse_key(fingerprint: str, task: PartTask) -> str | None:
+    if task.input_sha is None:
+        return None
+    text = json.dumps([fingerprint, task.part, task.input, task.input_sha, task.start, task.stop,
+                       sorted(task.kwargs)], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
 def map_parts(ctx, fn: Callable, tasks: list[PartTask], num_cpus: float = 1.0, num_gpus: float = 0.0,
-              what: str | None = None) -> list[dict]:
-    """Run `fn` over partitions in Ray tasks that write their own results; -> PartResults."""
+              what: str | None = None, reuse: bool = False) -> list[dict]:
+    """Run `fn` over partitions in Ray tasks that write their own results; -> PartResults.
+
+    `reuse` (a pure stage: its result depends on the partition and its config alone): a partition
+    whose input and the stage's fingerprint are those of an earlier run is not computed again, even
+    when other partitions changed (a scheduled run that appended a URL list file)."""
     import ray
 
     remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus or None, max_retries=2)(_run_part)
-    return run_tasks(remote, [(ctx.storage, ctx.name, fn, t) for t in tasks],
-                     what or ctx.name, ctx.log, describe=lambda c: f"partition {c[3].part}")
+    if not reuse:
+        return run_tasks(remote, [(ctx.storage, ctx.name, fn, t) for t in tasks],
+                         what or ctx.name, ctx.log, describe=lambda c: f"partition {c[3].part}")
+    folder = f"{ctx.name}/{REUSE}"
+    have = set(ctx.storage.list(folder, ".json"))
+    results: list = [None] * len(tasks)
+    calls, where, used = [], [], set()
+    for i, t in enumerate(tasks):
+        key = reuse_key(ctx.fingerprint, t)
+        record = f"{folder}/{key}.json" if key else None
+        if record:
+            used |= {record, f"{folder}/{key}.parquet"}
+        if record in have:
+            results[i] = ctx.storage.read_json(record)
+        else:
+            calls.append((ctx.storage, ctx.name, fn, t, f"{folder}/{key}.parquet" if key else None, record))
+            where.append(i)
+    if len(calls) < len(tasks):
+        ctx.log(f"{ctx.name}: {len(tasks) - len(calls)} partitions unchanged since an earlier run, reused; "
+                f"{len(calls)} to compute")
+    for i, r in zip(where, run_tasks(remote, calls, what or ctx.name, ctx.log,
+                                     describe=lambda c: f"partition {c[3].part}")):
+        results[i] = r
+    for stale in set(ctx.storage.list(folder)) - used:
+        ctx.storage.delete(stale)    # partitions no later run can match: the source lost them
+    return results
 
 
 def one_to_one(upstream: list[dict], **kwargs) -> list[PartTask]:
     """A task per upstream partition, named like it (the usual shape of a per-sample stage)."""
-    return [PartTask(part=u["part"], file=u["file"], input=u["part"], kwargs=kwargs) for u in upstream]
+    return [PartTask(part=u["part"], file=u["file"], input=u["part"], kwargs=kwargs, input_sha=u.get("sha256"))
+            for u in upstream]
 
 
 # -- images through the sample index -------------------------------------------------------------

@@ -95,6 +95,7 @@ def identify(table: pa.Table, cfg: LanguageConfig) -> tuple[pa.Table, dict]:
 
 class LanguageStage(Stage):
     name = "language"
+    preserve = ("reuse",)   # partitions judged before, by content (a pure stage)
 
     def section(self, config) -> LanguageConfig:
         return config.stages.language
@@ -104,7 +105,7 @@ class LanguageStage(Stage):
 
     def run(self, ctx: StageContext) -> StageResult:
         cfg: LanguageConfig = ctx.config.stages.language
-        parts = ctx.map_parts(identify, num_cpus=cfg.cpus_per_worker, cfg=cfg)
+        parts = ctx.map_parts(identify, num_cpus=cfg.cpus_per_worker, reuse=True, cfg=cfg)
         if not cfg.enabled:
             return StageResult(parts, {"enabled": False})
         found: dict[str, int] = {}

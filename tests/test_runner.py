@@ -55,15 +55,18 @@ def drop_odd(table, lose: str | None = None, add: bool = False):
 
 class DropOdd(Stage):
     name = "dropodd"
+    preserve = ("reuse",)
 
-    def __init__(self, lose=None, add=False):
-        self.calls, self.lose, self.add = 0, lose, add
+    def __init__(self, lose=None, add=False, reuse=False):
+        self.calls, self.lose, self.add, self.reuse = 0, lose, add, reuse
 
     def section(self, config):
         return {}
 
     def run(self, ctx):
         self.calls += 1
+        if self.reuse:
+            return StageResult(ctx.map_parts(drop_odd, num_cpus=0.25, reuse=True))
         tasks = [PartTask(u["part"], u["file"], u["part"],
                           kwargs={"lose": self.lose, "add": self.add and u["part"] == "p1"}) for u in ctx.upstream]
         return StageResult(ctx.map_parts(drop_odd, tasks, num_cpus=0.25))
@@ -156,3 +159,45 @@ def test_keyset_sum_is_order_independent_and_wraps():
     assert add_sums(keyset_sum(keys[:400]), keyset_sum(keys[400:])) == keyset_sum(keys)
     assert 0 <= keyset_sum(keys) < 2 ** 64
     assert keyset_sum(keys[:-1]) != keyset_sum(keys)
+
+
+def test_a_pure_stage_reuses_the_partitions_whose_input_did_not_change(tmp_path, ray_local):
+    said = []
+    run_pipeline(_cfg(10), tmp_path, log=said.append, stages=[Numbers(), DropOdd(reuse=True)], observers=[])
+    assert not any("reused" in m for m in said)
+    said.clear()
+    # 12 samples: p0 and p1 hold what they held, p2 gains two
+    grown = run_pipeline(_cfg(12), tmp_path, log=said.append, stages=[Numbers(), DropOdd(reuse=True)],
+                         observers=[])
+    assert "dropodd: 2 partitions unchanged since an earlier run, reused; 1 to compute" in said, said
+    fresh = run_pipeline(_cfg(12), tmp_path / "fresh", log=lambda m: None, stages=[Numbers(), DropOdd()],
+                         observers=[])
+    assert grown["dropodd"]["kept"] == fresh["dropodd"]["kept"] == 6
+    assert grown["dropodd"]["dropped"] == fresh["dropodd"]["dropped"]
+    from stages.base import read_ledger
+
+    assert read_ledger(tmp_path, "dropodd").sort_by("key").column("key").to_pylist() == [f"k{i:04d}" for i in range(12)]
+    # a partition that no longer exists leaves no reusable copy behind
+    run_pipeline(_cfg(4), tmp_path, log=lambda m: None, stages=[Numbers(), DropOdd(reuse=True)], observers=[])
+    assert len(list((tmp_path / "dropodd" / "reuse").glob("*.parquet"))) == 1
+
+
+class Captions(Stage):
+    """Reads the previous stage's kept samples as a Ray Dataset (ctx.samples)."""
+    name = "captions"
+
+    def section(self, config):
+        return {}
+
+    def run(self, ctx):
+        from stages.dataplane import passthrough
+
+        rows = ctx.samples(["key", "caption"]).take_all()
+        self.seen = sorted((r["key"], r["caption"]) for r in rows)
+        return StageResult(ctx.map_parts(passthrough, num_cpus=0.25))
+
+
+def test_samples_is_a_ray_dataset_of_what_the_previous_stage_kept(tmp_path, ray_local):
+    reader = Captions()
+    run_pipeline(_cfg(10), tmp_path, log=lambda m: None, stages=[Numbers(), DropOdd(), reader], observers=[])
+    assert reader.seen == [(f"k{i:04d}", f"caption {i}") for i in range(0, 10, 2)]
