@@ -5,21 +5,31 @@ a decompression bomb only after allocating it. capline's ingest therefore replac
 `download_image` (importing this module does it, in every process that unpickles a
 `SafeDownloader`) with one that:
 
-- refuses non-http(s) schemes and hosts that resolve to private, loopback, link-local, multicast,
-  reserved or cloud-metadata addresses, at every redirect hop (unless the host:port is allowed);
-- stops reading after `max_bytes`;
-- reads the image header to refuse more than `max_pixels` before anything is decoded, then
-  decodes once to catch corrupt and truncated files (cv2, used by img2dataset's resizer, silently
-  fills a truncated JPEG with grey).
+- refuses non-http(s) schemes and hosts whose addresses are not globally routable (`not
+  is_global`: private, loopback, link-local, carrier-grade NAT, 6to4/NAT64/Teredo/IPv4-mapped
+  forms of those, cloud metadata), at every redirect hop, unless the host:port is allowed;
+- connects to exactly the address it checked (the connection is pinned to it: a DNS answer that
+  changes between the check and the connect, "DNS rebinding", changes nothing);
+- bounds each URL by an overall deadline (connect, headers and body together), so a server that
+  trickles a byte at a time is dropped (`deadline_exceeded`), and stops reading after `max_bytes`;
+- decodes only the formats a pretraining image can be (`formats`: JPEG, PNG, WebP, GIF, BMP, TIFF
+  by default; never EPS, which runs Ghostscript), reads the header to refuse more than
+  `max_pixels` before anything is decoded, and decodes under a per-process budget of pixels in
+  flight (`pixels_in_flight`), so a task's decode memory is at most ~4 bytes x that budget
+  whatever its 32 threads fetch; then decodes once to catch corrupt and truncated files (cv2, used
+  by img2dataset's resizer, silently fills a truncated JPEG with grey).
 
 Every refusal comes back as an error string `capline:<reason>: <detail>` that img2dataset records
 in its per-shard parquet and the ingest stage turns into a ledger reason.
 """
 from __future__ import annotations
 
+import http.client
 import io
 import ipaddress
 import socket
+import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -30,7 +40,11 @@ from PIL import Image
 
 import img2dataset.downloader as _i2d
 
+from .ingest import FORMATS
+
 METADATA_HOSTS = {"metadata.google.internal", "metadata", "instance-data"}
+# special-purpose blocks refused whole (Python's is_global leaves a few of their addresses global)
+NOT_PUBLIC = [ipaddress.ip_network(n) for n in ("192.0.0.0/24", "100.64.0.0/10", "198.18.0.0/15")]
 METADATA_ADDRS = {ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")}
 
 
@@ -39,6 +53,32 @@ class FetchPolicy:
     allow_hosts: tuple[str, ...] = ()   # "host:port" or "host" that skip the address check
     max_bytes: int = 20_000_000
     max_pixels: int = 50_000_000
+    deadline: float = 60.0              # seconds per URL, connect + headers + body, every hop
+    formats: tuple[str, ...] = FORMATS  # what PIL may open
+    pixels_in_flight: int = 100_000_000  # decoded at once per process (>= max_pixels)
+
+
+class PixelBudget:
+    """At most `capacity` pixels being decoded at once in this process; a decode waits its turn."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.used, self.peak = capacity, 0, 0
+        self.cond = threading.Condition()
+
+    def take(self, n: int) -> "PixelBudget":
+        with self.cond:
+            self.cond.wait_for(lambda: self.used + n <= self.capacity or self.used == 0)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+        return self
+
+    def give(self, n: int) -> None:
+        with self.cond:
+            self.used -= n
+            self.cond.notify_all()
+
+
+_budget = PixelBudget(FetchPolicy().pixels_in_flight)
 
 
 _policy = FetchPolicy()
@@ -49,8 +89,47 @@ class Refused(Exception):
         super().__init__(f"capline:{reason}: {detail}")
 
 
-def check_url(url: str, policy: FetchPolicy) -> None:
-    """Raise Refused unless `url` may be fetched under `policy`."""
+def _embedded_v4(addr) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 form carries (IPv4-mapped, 6to4, Teredo's client, NAT64), if any."""
+    if addr.version != 6:
+        return None
+    if addr.ipv4_mapped:
+        return addr.ipv4_mapped
+    if addr.sixtofour:
+        return addr.sixtofour
+    if addr.teredo:
+        return addr.teredo[1]
+    if addr in ipaddress.ip_network("64:ff9b::/96"):
+        return ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF)
+    return None
+
+
+def address_refusal(addr) -> str | None:
+    """Why a connection to `addr` is refused ("metadata_address", "private_address"), or None."""
+    for a in (addr, _embedded_v4(addr)):
+        if a is None:
+            continue
+        if a in METADATA_ADDRS or a == ipaddress.ip_address("100.100.100.200"):
+            return "metadata_address"
+        if not a.is_global or a.is_multicast or any(a in net for net in NOT_PUBLIC if net.version == a.version):
+            return "private_address"
+    return None
+
+
+# The address each (host, port) was checked to have, per thread: the connection goes there and
+# nowhere else (the name is not looked up again), whatever a resolver answers by then.
+_pins = threading.local()
+
+
+def _pinned() -> dict:
+    if not hasattr(_pins, "map"):
+        _pins.map = {}
+    return _pins.map
+
+
+def check_url(url: str, policy: FetchPolicy) -> str:
+    """Raise Refused unless `url` may be fetched under `policy`; -> the address to connect to,
+    which is also pinned for this thread's next connection to that host and port."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https"):
         raise Refused("unsafe_url:scheme", parts.scheme or "no scheme")
@@ -61,9 +140,8 @@ def check_url(url: str, policy: FetchPolicy) -> None:
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
         raise Refused("malformed_url", f"bad port in {url[:200]}") from None
-    if f"{host}:{port}" in policy.allow_hosts or host in policy.allow_hosts:
-        return
-    if host.lower() in METADATA_HOSTS:
+    allowed = f"{host}:{port}" in policy.allow_hosts or host in policy.allow_hosts
+    if host.lower() in METADATA_HOSTS and not allowed:
         raise Refused("unsafe_url:metadata_address", host)
     try:
         addrs = [ipaddress.ip_address(host)]  # a literal address needs no lookup
@@ -73,12 +151,56 @@ def check_url(url: str, policy: FetchPolicy) -> None:
         except (OSError, UnicodeError) as err:  # OSError: also a network guard refusing the lookup
             raise Refused("dns_error", f"{host}: {err}") from None
         addrs = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
-    for addr in addrs:
-        if addr in METADATA_ADDRS:
-            raise Refused("unsafe_url:metadata_address", f"{host} -> {addr}")
-        if (addr.is_private or addr.is_loopback or addr.is_link_local or addr.is_multicast
-                or addr.is_reserved or addr.is_unspecified):
-            raise Refused("unsafe_url:private_address", f"{host} -> {addr}")
+    if not addrs:
+        raise Refused("dns_error", f"{host}: no address")
+    if not allowed:
+        for addr in addrs:
+            why = address_refusal(addr)
+            if why:
+                raise Refused(f"unsafe_url:{why}", f"{host} -> {addr}")
+    _pinned()[(host.lower(), port)] = str(addrs[0])
+    return str(addrs[0])
+
+
+class _PinnedConnection:
+    """http.client's connection, made to the checked address of its host, not a fresh lookup; the
+    socket is recorded so the URL's deadline can cut it."""
+
+    def _pinned_create(self, address, timeout=socket._GLOBAL_DEFAULT_TIMEOUT, source_address=None, **kw):
+        host, port = address
+        ip = _pinned().get((str(host).lower().strip("[]"), port))
+        if ip is None:
+            raise Refused("unsafe_url:unchecked_address", f"{host}:{port} was not checked before connecting")
+        sock = socket.create_connection((ip, port), timeout, source_address)
+        if sock.getpeername()[0].split("%")[0] != ip:
+            sock.close()
+            raise Refused("unsafe_url:private_address", f"{host} connected to {sock.getpeername()[0]}, not {ip}")
+        sockets = getattr(_pins, "sockets", None)
+        if sockets is not None:
+            sockets.append(sock)
+        return sock
+
+
+class _PinnedHTTP(_PinnedConnection, http.client.HTTPConnection):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._create_connection = self._pinned_create
+
+
+class _PinnedHTTPS(_PinnedConnection, http.client.HTTPSConnection):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._create_connection = self._pinned_create   # TLS still names (and verifies) the host
+
+
+class _PinnedHTTPHandler(urllib.request.HTTPHandler):
+    def http_open(self, req):
+        return self.do_open(_PinnedHTTP, req)
+
+
+class _PinnedHTTPSHandler(urllib.request.HTTPSHandler):
+    def https_open(self, req):
+        return self.do_open(_PinnedHTTPS, req, context=self._context)
 
 
 class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
@@ -87,26 +209,47 @@ class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-_opener = urllib.request.build_opener(_CheckedRedirects)
+class _NoProxy(urllib.request.ProxyHandler):
+    def __init__(self):
+        super().__init__({})    # a proxy would connect elsewhere than the pinned address
 
 
-def check_image(data: bytes, policy: FetchPolicy) -> None:
-    """Refuse images over the pixel cap (from the header alone) and files that do not decode fully."""
+_opener = urllib.request.build_opener(_NoProxy, _CheckedRedirects, _PinnedHTTPHandler, _PinnedHTTPSHandler)
+
+
+def check_image(data: bytes, policy: FetchPolicy, budget: PixelBudget | None = None) -> None:
+    """Refuse formats outside the policy, images over the pixel cap (from the header alone) and
+    files that do not decode fully; decode within the process's budget of pixels in flight."""
+    budget = budget or _budget
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PIL warns on big images; we decide ourselves below
         try:
-            img = Image.open(io.BytesIO(data))
-        except Image.DecompressionBombError as err:
-            raise Refused("image_too_large", str(err)[:120]) from None
+            img = Image.open(io.BytesIO(data), formats=list(policy.formats))
         except Exception as err:  # noqa: BLE001 - PIL raises many types for garbage
+            fmt = _sniff(data)
+            if fmt and fmt not in policy.formats:
+                raise Refused("unsupported_format", f"{fmt} (allowed: {', '.join(policy.formats)})") from None
             raise _decode_failure(err) from None
         w, h = img.size
         if w * h > policy.max_pixels:
             raise Refused("image_too_large", f"{w}x{h} pixels > max_pixels {policy.max_pixels}")
+        budget.take(w * h)
         try:
             img.load()
         except Exception as err:  # noqa: BLE001
             raise _decode_failure(err) from None
+        finally:
+            del img
+            budget.give(w * h)
+
+
+def _sniff(data: bytes) -> str | None:
+    """What a refused file is, by PIL's full list of formats (only to name it in the verdict)."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:   # identifies; nothing is decoded or run here
+            return img.format
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _decode_failure(err: Exception) -> Refused:
@@ -117,20 +260,43 @@ def _decode_failure(err: Exception) -> Refused:
 def safe_download_image(row, timeout, user_agent_token, disallowed_header_directives):
     """Drop-in for img2dataset.downloader.download_image: same arguments, same return value."""
     key, url = row
+    _pins.sockets = []
+    start = time.monotonic()
+    cut = threading.Timer(_policy.deadline, _cut, args=(_pins.sockets,))
+    cut.daemon = True
+    cut.start()
     try:
         check_url(url, _policy)
         request = urllib.request.Request(url, headers={"User-Agent": "capline/0.1 (img2dataset)"})
-        with _opener.open(request, timeout=timeout) as r:
-            if disallowed_header_directives and _i2d.is_disallowed(
-                    r.headers, user_agent_token, disallowed_header_directives):
-                return key, None, "capline:robots_disallowed: X-Robots-Tag"
-            length = r.headers.get("Content-Length")
-            if length and length.isdigit() and int(length) > _policy.max_bytes:
-                raise Refused("too_many_bytes", f"Content-Length {length} > max_bytes {_policy.max_bytes}")
-            data = r.read(_policy.max_bytes + 1)
-            if len(data) > _policy.max_bytes:
-                raise Refused("too_many_bytes", f"more than max_bytes {_policy.max_bytes}")
-            ctype = (r.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        try:
+            with _opener.open(request, timeout=timeout) as r:
+                if disallowed_header_directives and _i2d.is_disallowed(
+                        r.headers, user_agent_token, disallowed_header_directives):
+                    return key, None, "capline:robots_disallowed: X-Robots-Tag"
+                length = r.headers.get("Content-Length")
+                if length and length.isdigit() and int(length) > _policy.max_bytes:
+                    raise Refused("too_many_bytes", f"Content-Length {length} > max_bytes {_policy.max_bytes}")
+                chunks, n = [], 0
+                while n <= _policy.max_bytes:
+                    chunk = r.read(min(1 << 16, _policy.max_bytes + 1 - n))
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    n += len(chunk)
+                    if time.monotonic() - start > _policy.deadline:
+                        raise OSError("deadline")
+                data = b"".join(chunks)
+                if len(data) > _policy.max_bytes:
+                    raise Refused("too_many_bytes", f"more than max_bytes {_policy.max_bytes}")
+                ctype = (r.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        except Refused:
+            raise
+        except Exception:
+            if time.monotonic() - start >= _policy.deadline:
+                raise Refused("deadline_exceeded", f"not fetched within {_policy.deadline:g}s "
+                                                   "(connect, headers and body)") from None
+            raise
+        cut.cancel()
         try:
             check_image(data, _policy)
         except Refused as err:
@@ -143,6 +309,19 @@ def safe_download_image(row, timeout, user_agent_token, disallowed_header_direct
         return key, None, str(err)
     except Exception as err:  # noqa: BLE001 - every failure becomes the sample's recorded reason
         return key, None, str(err) or type(err).__name__
+    finally:
+        cut.cancel()
+        _pins.sockets = None
+        _pinned().clear()
+
+
+def _cut(sockets: list) -> None:
+    """The URL's deadline passed: end its connections, whatever read is blocked on them."""
+    for sock in list(sockets):
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 class SafeDownloader(_i2d.Downloader):
@@ -153,10 +332,15 @@ class SafeDownloader(_i2d.Downloader):
         self.policy = policy
 
     def download_shard(self, row):
-        global _policy
-        _policy = self.policy
+        global _policy, _budget
+        if _policy != self.policy:
+            _policy, _budget = self.policy, PixelBudget(self.policy.pixels_in_flight)
         return super().download_shard(row)
 
+
+# max_pixels, checked from the header above, is the limit: PIL's own bomb check (a fixed 89M
+# pixels, an exception only at twice that) would name its limit instead of the configured one.
+Image.MAX_IMAGE_PIXELS = None
 
 # Replace the module function the Downloader calls (through download_image_with_retry).
 _i2d.download_image = safe_download_image

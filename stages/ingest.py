@@ -40,6 +40,10 @@ from .source import safe_name
 from .synthetic import SERVER_PLACEHOLDER
 
 
+# the formats a pretraining image can be; PIL opens ~40 (EPS runs Ghostscript where it is installed)
+FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+
+
 @dataclass
 class IngestConfig:
     image_size: int = 256
@@ -55,6 +59,9 @@ class IngestConfig:
     max_bytes: int = 20_000_000      # a response longer than this is dropped (too_many_bytes)
     max_pixels: int = 50_000_000     # width x height, checked before decoding (image_too_large)
     allow_hosts: list[str] = field(default_factory=list)  # "host:port" let through the address check
+    deadline: float = 60.0           # seconds per URL in all (connect, headers, body, redirects)
+    formats: list[str] = field(default_factory=lambda: list(FORMATS))   # PIL formats a download may be
+    pixels_in_flight: int = 100_000_000   # decoded at once per task: its decode memory is ~4 B x this
     task_retries: int = 2            # Ray retries of a shard whose worker died
 
     def validate(self, prefix: str) -> None:
@@ -67,6 +74,13 @@ class IngestConfig:
         require(self.max_bytes > 0, join(prefix, "max_bytes"), "must be > 0")
         require(self.max_pixels > 0, join(prefix, "max_pixels"), "must be > 0")
         require(self.max_aspect_ratio >= 1, join(prefix, "max_aspect_ratio"), "must be >= 1")
+        require(self.deadline >= self.timeout, join(prefix, "deadline"),
+                f"must be >= timeout ({self.timeout}s): it bounds the whole URL, got {self.deadline}")
+        bad = [f for f in self.formats if f not in FORMATS]
+        require(bool(self.formats) and not bad, join(prefix, "formats"),
+                f"choose from {', '.join(FORMATS)}" + (f"; not {', '.join(bad)}" if bad else ""))
+        require(self.pixels_in_flight >= self.max_pixels, join(prefix, "pixels_in_flight"),
+                f"must be >= max_pixels ({self.max_pixels}), or the largest allowed image never decodes")
 
 
 @dataclass
@@ -268,4 +282,6 @@ def _downloader(cfg: IngestConfig, allow: tuple):
         number_sample_per_shard=cfg.samples_per_shard, oom_shard_count=5, compute_hash="sha256",
         verify_hash_type=None, encode_format=cfg.encode_format, retries=cfg.retries,
         user_agent_token=None, disallowed_header_directives=["noai", "noimageai", "noindex", "noimageindex"],
-        policy=FetchPolicy(allow_hosts=allow, max_bytes=cfg.max_bytes, max_pixels=cfg.max_pixels))
+        policy=FetchPolicy(allow_hosts=allow, max_bytes=cfg.max_bytes, max_pixels=cfg.max_pixels,
+                           deadline=cfg.deadline, formats=tuple(cfg.formats),
+                           pixels_in_flight=cfg.pixels_in_flight))

@@ -30,6 +30,16 @@ def _reason(fn, *args):
     ("http://169.254.169.254/latest/meta-data/", "unsafe_url:metadata_address"),
     ("http://metadata.google.internal/computeMetadata/v1", "unsafe_url:metadata_address"),
     ("http:///nohost.jpg", "malformed_url"),
+    # not globally routable, though the old private/reserved test let them through
+    ("http://100.100.100.200/latest/meta-data/", "unsafe_url:metadata_address"),   # Alibaba Cloud's
+    ("http://100.64.0.1/x.jpg", "unsafe_url:private_address"),                     # carrier-grade NAT
+    ("http://192.0.0.8/x.jpg", "unsafe_url:private_address"),
+    ("http://[2002:7f00:1::1]/x.jpg", "unsafe_url:private_address"),               # 6to4 of 127.0.0.1
+    ("http://[2002:a9fe:a9fe::1]/x.jpg", "unsafe_url:metadata_address"),           # 6to4 of the metadata IP
+    ("http://[::ffff:127.0.0.1]/x.jpg", "unsafe_url:private_address"),             # IPv4-mapped
+    ("http://[64:ff9b::a00:1]/x.jpg", "unsafe_url:private_address"),               # NAT64 of 10.0.0.1
+    ("http://0.0.0.0/x.jpg", "unsafe_url:private_address"),
+    ("http://[ff02::1]/x.jpg", "unsafe_url:private_address"),
 ])
 def test_unsafe_urls_refused_before_any_connection(url, reason):
     assert _reason(check_url, url, POLICY) == reason
@@ -119,3 +129,127 @@ def test_redirect_to_private_address_and_byte_cap(redirector, monkeypatch):
     assert stream is None and reason_of("failed_to_download", err) == "too_many_bytes"
     _, stream, err = safe_download_image((2, f"http://{redirector}/html"), 3, None, None)
     assert stream is None and reason_of("failed_to_download", err) == "not_an_image"
+
+
+class _Counting(BaseHTTPRequestHandler):
+    hits: list = []
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.hits.append(self.path)
+        if self.path == "/trickle":   # headers at once, then one byte every 0.2 s, for a minute
+            import time
+
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            for _ in range(300):
+                try:
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(0.2)
+            return
+        body = _jpeg()
+        self.send_response(200)
+        self.send_header("Content-Type", "image/jpeg")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture()
+def counting():
+    _Counting.hits = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Counting)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1], _Counting.hits
+    server.shutdown()
+    server.server_close()
+
+
+def test_dns_rebinding_connects_only_to_the_checked_address(counting, monkeypatch):
+    """The resolver answers a public address for the check, then loopback: the fetch still goes to
+    the address it checked (here unreachable), never to the loopback server behind the second answer."""
+    import socket
+
+    import stages.fetch as fetch
+
+    port, hits = counting
+    answers = iter(["93.184.216.34", "127.0.0.1", "127.0.0.1", "127.0.0.1"])
+    real = socket.getaddrinfo
+
+    def rebinding(host, *args, **kwargs):
+        if host == "rebind.example":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (next(answers), port))]
+        return real(host, *args, **kwargs)
+
+    connected = []
+
+    def no_network(address, *args, **kwargs):   # this machine reaches no public address: record it
+        connected.append(address[0])
+        if address[0] == "127.0.0.1":
+            return socket_create(address, *args, **kwargs)
+        raise ConnectionRefusedError(f"{address[0]} unreachable here")
+
+    socket_create = socket.create_connection
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    monkeypatch.setattr(fetch.socket, "create_connection", no_network)
+    monkeypatch.setattr(fetch, "_policy", FetchPolicy(deadline=10))
+    _, stream, err = safe_download_image((0, f"http://rebind.example:{port}/a.jpg"), 3, None, None)
+    assert stream is None and err
+    assert connected == ["93.184.216.34"] and hits == []
+
+
+def test_slow_loris_is_dropped_at_the_deadline(counting, monkeypatch):
+    import time
+
+    import stages.fetch as fetch
+
+    port, hits = counting
+    monkeypatch.setattr(fetch, "_policy", FetchPolicy(allow_hosts=(f"127.0.0.1:{port}",), deadline=1.0))
+    t0 = time.monotonic()
+    _, stream, err = safe_download_image((0, f"http://127.0.0.1:{port}/trickle"), 5, None, None)
+    assert stream is None and reason_of("failed_to_download", err) == "deadline_exceeded", err
+    assert time.monotonic() - t0 < 30     # the server trickles for a minute; each byte beats the 5 s timeout
+    _, stream, err = safe_download_image((1, f"http://127.0.0.1:{port}/ok.jpg"), 5, None, None)
+    assert stream is not None and err is None
+
+
+@pytest.mark.parametrize("fmt", ["EPS", "PCX", "ICO"])
+def test_formats_outside_the_allow_list_are_refused(fmt):
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 10, 10)).save(buf, fmt)
+    with pytest.raises(Refused, match=f"unsupported_format: {fmt}"):
+        check_image(buf.getvalue(), POLICY)
+
+
+def test_png_bombs_under_the_cap_decode_within_the_pixel_budget():
+    """7000x7000 (49M pixels, a 0.2 MB file) is allowed by max_pixels 50M; three threads decoding it
+    at once with a budget of 60M pixels in flight decode one after another: the budget holds."""
+    from stages.fetch import PixelBudget
+
+    data = png_bomb(7000, 7000)
+    assert len(data) < 400_000
+    policy = FetchPolicy(max_pixels=50_000_000, pixels_in_flight=60_000_000)
+    budget = PixelBudget(policy.pixels_in_flight)
+    errors = []
+
+    def decode():
+        try:
+            check_image(data, policy, budget)
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+
+    threads = [threading.Thread(target=decode) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and budget.used == 0
+    assert budget.peak == 49_000_000 <= policy.pixels_in_flight
+    assert _reason(check_image, png_bomb(8000, 8000), policy) == "image_too_large"
