@@ -418,6 +418,11 @@ def run_tasks(remote_fn, calls: list[tuple], what: str, log=print, max_in_flight
                 results[i] = ray.get(ref)
             except Exception as err:
                 label = describe(calls[i]) or f"task {i}"
+                from trainers.errors import UserError
+
+                cause = getattr(err, "cause", None)
+                if isinstance(cause, UserError):   # the input's fault, said in one line: not a crash
+                    raise UserError(f"{what}: {label}: {cause}") from None
                 raise RuntimeError(f"{what}: {label} failed: {type(err).__name__}: "
                                    f"{str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}") from err
             done += 1

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -118,15 +120,18 @@ def _format(path: Path, fmt: str) -> str:
     return fmt
 
 
-def _read_table(path: Path, fmt: str) -> pa.Table:
+def _read_table(path: Path, fmt: str, text_cols: tuple = ()) -> pa.Table:
     fmt = _format(path, fmt)
     try:
         if fmt == "parquet":
             return pq.read_table(path)
+        # text columns as bytes, decoded per row (texts()): type inference would turn an invalid byte
+        # into a binary column, or a column of numbers-looking captions into floats
+        convert = pacsv.ConvertOptions(column_types={c: pa.binary() for c in text_cols})
         if fmt == "csv":
-            return pacsv.read_csv(path)
+            return pacsv.read_csv(path, convert_options=convert)
         if fmt == "tsv":
-            return pacsv.read_csv(path, parse_options=pacsv.ParseOptions(delimiter="\t"))
+            return pacsv.read_csv(path, parse_options=pacsv.ParseOptions(delimiter="\t"), convert_options=convert)
         return pajson.read_json(path)
     except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -195,32 +200,95 @@ def safe_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:60]
 
 
+INVALID = object()     # a value whose bytes are not UTF-8
+# a key becomes the tar member name `<key>.<ext>` (ustar: 100 bytes) and a file name in every tool
+KEY_RE = re.compile(r"[A-Za-z0-9_\-+=,@~]{1,90}")
+
+
+def texts(column: pa.ChunkedArray) -> list:
+    """A text column's values, each str, None (missing: null or NaN) or INVALID (not UTF-8). Decoded
+    row by row: one bad byte costs its row, not the file, and never becomes a "b'...'" caption."""
+    t = column.type
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        column = column.cast(pa.large_binary() if pa.types.is_large_string(t) else pa.binary())
+        t = column.type
+    out = []
+    for v in column.to_pylist():
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            out.append(None)
+        elif isinstance(v, bytes):
+            try:
+                out.append(v.decode("utf-8"))
+            except UnicodeDecodeError:
+                out.append(INVALID)
+        else:
+            out.append(str(v))
+    return out
+
+
 def keyed_rows(table: pa.Table, cfg: SourceConfig, part: str) -> pa.Table:
-    """A URL list file's rows -> key, url, caption, partition, verdict, reason, detail (one per row)."""
+    """A URL list file's rows -> key, url, caption, partition, verdict, reason, detail (one per row).
+
+    A row with no URL or with bytes that are not UTF-8 is kept in the ledger as dropped with its
+    reason (`malformed_row:*`). With `key_col`, keys must be unique and usable as tar member names:
+    the file is refused before anything downloads, naming the first offending rows."""
     for c in (cfg.url_col, cfg.caption_col, cfg.key_col):
         if c and c not in table.column_names:
             raise UserError(f"source partition {part}: missing column {c}")
-    urls = table.column(cfg.url_col).to_pylist()
-    caps = table.column(cfg.caption_col).to_pylist()
-    ids = table.column(cfg.key_col).to_pylist() if cfg.key_col else None
+    urls = texts(table.column(cfg.url_col))
+    caps = texts(table.column(cfg.caption_col))
+    ids = texts(table.column(cfg.key_col)) if cfg.key_col else None
+    if ids is not None:
+        _check_keys(ids, cfg.key_col, part)
     seen: dict[str, int] = {}
     keys, out_urls, out_caps, verdicts, reasons, details = [], [], [], [], [], []
     for i, (url, cap) in enumerate(zip(urls, caps)):
-        url = url.strip() if isinstance(url, str) else url
-        cap = "" if cap is None else str(cap)
-        base = str(ids[i]).replace(".", "_").replace("/", "_") if ids is not None else sample_key(str(url), cap)
+        bad = "url" if url is INVALID else "caption" if cap is INVALID else None
+        url = url.strip() if isinstance(url, str) else None
+        cap = cap if isinstance(cap, str) else ""
+        base = ids[i].replace(".", "_").replace("/", "_") if ids is not None else sample_key(str(url), cap)
         n = seen.get(base, 0)
         seen[base] = n + 1
         key = base if n == 0 else f"{base}_{n}"
-        ok = isinstance(url, str) and bool(url)
+        ok = bool(url) and bad is None
         keys.append(key)
         out_urls.append(url if ok else None)
         out_caps.append(cap)
         verdicts.append(KEPT if ok else DROPPED)
-        reasons.append("" if ok else "malformed_row:missing_url")
-        details.append(f"{part} row {i}")
+        reasons.append("" if ok else "malformed_row:invalid_utf8" if bad else "malformed_row:missing_url")
+        details.append(f"{part} row {i}" + (f": its {bad} is not UTF-8" if bad else ""))
     return pa.table({"key": keys, "url": pa.array(out_urls, pa.string()), "caption": out_caps,
                      "partition": [part] * len(keys), "verdict": verdicts, "reason": reasons, "detail": details})
+
+
+def _check_keys(ids: list, column: str, part: str) -> None:
+    first: dict[str, int] = {}
+    dup, bad = [], []
+    for i, k in enumerate(ids):
+        if not isinstance(k, str) or not KEY_RE.fullmatch(k.replace(".", "_").replace("/", "_")):
+            bad.append(i)
+            continue
+        k = k.replace(".", "_").replace("/", "_")
+        if k in first:
+            dup.append((first[k], i, k))
+        else:
+            first[k] = i
+    if bad:
+        shown = ", ".join(f"row {i} ({_show(ids[i])})" for i in bad[:5])
+        raise UserError(f"source partition {part}: {len(bad)} {column} value(s) cannot be sample keys "
+                        f"(1-90 characters of A-Z a-z 0-9 _ - + = , @ ~; they name tar members): {shown}")
+    if dup:
+        shown = ", ".join(f"rows {a} and {b} ({k!r})" for a, b, k in dup[:5])
+        raise UserError(f"source partition {part}: {len(dup)} duplicate {column} value(s): {shown}; "
+                        "keys must be unique (drop key_col to let capline key rows by URL and caption)")
+
+
+def _show(v) -> str:
+    if v is INVALID:
+        return "not UTF-8"
+    if v is None:
+        return "missing"
+    return repr(v[:40] + ("..." if len(v) > 40 else ""))
 
 
 def write_partitions(storage, rows: pa.Table, name: str, rows_per_part: int) -> list[dict]:
@@ -241,15 +309,21 @@ def _read_file_task(storage, path: str, cfg: SourceConfig, pinned: str | None = 
 
     name = Path(path).name
     if pinned is None:
-        return write_partitions(storage, keyed_rows(_read_table(Path(path), cfg.format), cfg, name), name,
+        rows = keyed_rows(_read_table(Path(path), cfg.format, _text_cols(cfg)), cfg, name)
+        return write_partitions(storage, rows, name,
                                 cfg.rows_per_part)
     with tempfile.TemporaryDirectory(prefix="capline-source-") as tmp:
         local = Path(tmp) / name
         with storage.fs.open_input_stream(storage.path(pinned)) as src, open(local, "wb") as out:
             while chunk := src.read(1 << 22):
                 out.write(chunk)
-        return write_partitions(storage, keyed_rows(_read_table(local, cfg.format), cfg, name), name,
+        rows = keyed_rows(_read_table(local, cfg.format, _text_cols(cfg)), cfg, name)
+        return write_partitions(storage, rows, name,
                                 cfg.rows_per_part)
+
+
+def _text_cols(cfg: SourceConfig) -> tuple:
+    return tuple(c for c in (cfg.url_col, cfg.caption_col, cfg.key_col) if c)
 
 
 def _pin(storage, path: Path) -> str:

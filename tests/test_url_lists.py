@@ -1,0 +1,92 @@
+"""Hostile or broken URL lists: invalid UTF-8 is a verdict per row, never a "b'...'" caption or a
+crash; duplicate keys and keys that cannot name a tar member are refused before any download,
+naming the rows; a missing caption (null, NaN) is missing, not "nan". The source stage's task is
+called directly here (no Ray): it is plain Python that writes partitions through a Storage."""
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from helpers import capline
+from pipeline.config import load_config
+from stages.base import read_ledger
+from stages.dataplane import Storage
+from stages.source import _read_file_task
+from trainers.errors import UserError
+
+
+def _source(tmp_path, path, *overrides):
+    cfg = load_config(None, ["source.kind=urls", f"source.path={path}", *overrides]).source
+    storage = Storage.local(tmp_path / "run")
+    parts = _read_file_task(storage, str(path), cfg)
+    (tmp_path / "run" / "source").mkdir(parents=True, exist_ok=True)
+    import json
+
+    (tmp_path / "run" / "source" / "parts.json").write_text(json.dumps(parts))
+    return {r["detail"].split(" row ")[1].split(":")[0]: r for r in read_ledger(storage, "source").to_pylist()}
+
+
+def _bad_utf8_strings(values: list[bytes]) -> pa.Array:
+    """A string array holding bytes that are not UTF-8, as a broken writer leaves them in Parquet."""
+    raw = pa.array(values, pa.binary())
+    return pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())
+
+
+def test_invalid_utf8_in_a_csv_is_a_verdict_for_its_row(tmp_path):
+    path = tmp_path / "list.csv"
+    path.write_bytes(b"url,caption\nhttp://a.example/1.jpg,a red square\n"
+                     b"http://a.example/2.jpg,caf\xe9 au lait\nhttp://a.example/3.jpg,a blue circle\n")
+    rows = _source(tmp_path, path)
+    assert rows["0"]["caption"] == "a red square" and rows["2"]["caption"] == "a blue circle"
+    assert rows["1"]["verdict"] == "dropped" and rows["1"]["reason"] == "malformed_row:invalid_utf8"
+    assert "caption is not UTF-8" in rows["1"]["detail"]
+    assert not any(r["caption"].startswith("b'") for r in rows.values())
+
+
+def test_invalid_utf8_in_parquet_does_not_crash(tmp_path):
+    path = tmp_path / "list.parquet"
+    pq.write_table(pa.table({"url": _bad_utf8_strings([b"http://a.example/1.jpg", b"http://a.example/\xff.jpg"]),
+                             "caption": ["one", "two"]}), path)
+    rows = _source(tmp_path, path)
+    assert rows["0"]["verdict"] == "kept"
+    assert rows["1"]["reason"] == "malformed_row:invalid_utf8" and "url is not UTF-8" in rows["1"]["detail"]
+
+
+def test_a_missing_caption_is_empty_not_nan(tmp_path):
+    path = tmp_path / "list.parquet"
+    pq.write_table(pa.table({"url": [f"http://a.example/{i}.jpg" for i in range(3)],
+                             "caption": pa.array([1.5, float("nan"), None], pa.float64())}), path)
+    rows = _source(tmp_path, path)
+    assert [rows[str(i)]["caption"] for i in range(3)] == ["1.5", "", ""]
+    # numbers-looking captions in a CSV stay the text they were
+    csv = tmp_path / "nums.csv"
+    csv.write_text("url,caption\nhttp://a.example/1.jpg,007\nhttp://a.example/2.jpg,NaN\n")
+    rows = _source(tmp_path, csv)
+    assert rows["0"]["caption"] == "007" and rows["1"]["caption"] == "NaN"
+
+
+def test_duplicate_keys_are_refused_naming_the_rows(tmp_path):
+    path = tmp_path / "list.csv"
+    path.write_text("id,url,caption\na,http://x.example/1.jpg,one\na,http://x.example/2.jpg,two\n"
+                    "a_1,http://x.example/3.jpg,three\nb,http://x.example/4.jpg,four\nb,http://x.example/5.jpg,five\n")
+    with pytest.raises(UserError, match=r"2 duplicate id value\(s\): rows 0 and 1 \('a'\), rows 3 and 4 \('b'\)"):
+        _source(tmp_path, path, "source.key_col=id")
+
+
+@pytest.mark.parametrize("key", ["k" * 91, "has space", "tab\there", "ünïcode"])
+def test_keys_that_cannot_name_a_tar_member_are_refused(tmp_path, key):
+    path = tmp_path / "list.parquet"
+    pq.write_table(pa.table({"id": ["fine", key], "url": ["http://x.example/1.jpg", "http://x.example/2.jpg"],
+                             "caption": ["one", "two"]}), path)
+    with pytest.raises(UserError, match="1 id value\\(s\\) cannot be sample keys .* row 1"):
+        _source(tmp_path, path, "source.key_col=id")
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_duplicate_keys_before_downloading(tmp_path):
+    path = tmp_path / "list.csv"
+    path.write_text("id,url,caption\na,http://127.0.0.1:9/1.jpg,one\na,http://127.0.0.1:9/2.jpg,two\n")
+    out = capline("run", "--run-dir", str(tmp_path / "run"), "--set", "source.kind=urls", "--set", f"source.path={path}",
+                  "--set", "source.key_col=id", "--set", "stages.dedup.eval_sets=[]", "--set", "train.steps=0")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "duplicate id value(s): rows 0 and 1 ('a')" in out.stderr
+    assert "ingest: running" not in out.stdout
