@@ -109,6 +109,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _redact(text) -> str:
+    from trainers.tracking import redact
+
+    return redact(text)
+
+
+def _say(message: str) -> None:
+    """The run's log lines: a password in a URI (a tracking server's) never reaches the terminal."""
+    print(_redact(message), flush=True)
+
+
 def _local_run(where: str) -> Path:
     """A run folder to read: local as it is; an s3:// one fetched into its working copy first."""
     from .storage import RunStore
@@ -154,8 +165,8 @@ def _cmd_run(args) -> int:
     run_dir = store.local
     t0 = time.time()
     print(f"capline: run {cfg.name} in {store}" + (f" (working copy {run_dir})" if store.uri else ""), flush=True)
-    with run_lock(run_dir, log=lambda m: print(m, flush=True), uri=store.uri):
-        store.pull(log=lambda m: print(m, flush=True))
+    with run_lock(run_dir, log=_say, uri=store.uri):
+        store.pull(log=_say)
         if getattr(args, "incremental", False):
             from .runner import input_fingerprints
             from .schedule import plan
@@ -164,8 +175,8 @@ def _cmd_run(args) -> int:
             print(why, flush=True)
             if not needed:
                 return 0
-        with ray_session(cfg.ray, args.address, log=lambda m: print(m, flush=True)):
-            run_pipeline(cfg, run_dir, until=args.until, only=args.only, log=lambda m: print(m, flush=True),
+        with ray_session(cfg.ray, args.address, log=_say):
+            run_pipeline(cfg, run_dir, until=args.until, only=args.only, log=_say,
                          store=store)
     print()
     print(format_status(status_rows(run_dir)))
@@ -234,8 +245,8 @@ def _cmd_rebuild(args) -> int:
     if (old_dir / "source" / "_SUCCESS").is_file() and not (new_dir / "source").exists():
         shutil.copytree(old_dir / "source", new_dir / "source")  # the pinned URL list (and demo site)
     print(f"capline: rebuilding {old_dir} into {new_dir}", flush=True)
-    with ray_session(cfg.ray, args.address, log=lambda m: print(m, flush=True)):
-        run_pipeline(cfg, new_dir, log=lambda m: print(m, flush=True))
+    with ray_session(cfg.ray, args.address, log=_say):
+        run_pipeline(cfg, new_dir, log=_say)
     report = drift(old_dir, new_dir)
     (new_dir / "drift.json").write_text(json.dumps(report, indent=1))
     print(f"drift: {len(report['died'])} URLs died, {len(report['changed'])} changed content, "
@@ -250,6 +261,9 @@ def _cmd_rebuild(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     offline.apply()
+    from trainers.tracking import move_credentials_out_of_uri
+
+    move_credentials_out_of_uri()
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -281,9 +295,9 @@ def main(argv: list[str] | None = None) -> int:
 
             cfg = load_config(args.config, args.overrides)
             run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
-            with ray_session(cfg.ray, args.address, log=lambda m: print(m, flush=True)):
+            with ray_session(cfg.ray, args.address, log=_say):
                 path = run_experiment(run_dir, cfg.train, cfg.seed, tuple(args.models.split(",")), args.budget,
-                                      log=lambda m: print(m, flush=True))
+                                      log=_say)
             print(path.read_text())
             return 0
         if args.command == "eval":
@@ -319,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     except UserError as err:
-        print(f"capline: error: {err}", file=sys.stderr)
+        print(f"capline: error: {_redact(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("capline: interrupted; rerun the same command to resume", file=sys.stderr)

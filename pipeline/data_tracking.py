@@ -20,7 +20,7 @@ def _metric_name(text: str) -> str:
 
 
 def log_data_build(run_dir: Path, manifest, summary: dict, cfg, log=print, shards: str | None = None) -> str | None:
-    from trainers.tracking import client, flatten, log_dataset, start_run, tracking_uri
+    from trainers.tracking import client, flatten, log_dataset, redact, start_run, tracking_uri
 
     digest = manifest.data["stages"]["shard"]["output_digest"]
     if manifest.data.get("mlflow_runs", {}).get("data") and manifest.data.get("mlflow_data_digest") == digest:
@@ -51,11 +51,11 @@ def log_data_build(run_dir: Path, manifest, summary: dict, cfg, log=print, shard
             c.log_artifact(run_id, str(Path(run_dir) / stage / "stats.json"), f"stats/{stage}")
         c.set_terminated(run_id)
     except Exception as err:  # noqa: BLE001 - tracking is not the data; say so and let the run go on
-        log(f"mlflow: could not log the data-build run to {uri} ({type(err).__name__}: "
-            f"{str(err).splitlines()[0][:160] if str(err) else ''}); the next run of this folder tries again")
+        log(f"mlflow: could not log the data-build run to {redact(uri)} ({type(err).__name__}: "
+            f"{redact(str(err).splitlines()[0][:160]) if str(err) else ''}); the next run of this folder tries again")
         return None
     manifest.data["mlflow_runs"]["data"] = run_id
     manifest.data["mlflow_data_digest"] = digest
     manifest.save()
-    log(f"mlflow: data-build run {run_id} at {uri} (dataset digest {digest[:12]})")
+    log(f"mlflow: data-build run {run_id} at {redact(uri)} (dataset digest {digest[:12]})")
     return run_id

@@ -75,14 +75,29 @@ def explain(run_dir: Path, key: str) -> list[dict]:
     return out
 
 
+def printable(text) -> str:
+    """Text from the data (URLs, captions, servers' reason phrases) made safe for a terminal: control
+    characters, escape sequences (ESC, CSI) and bidirectional overrides shown as \\xNN / \\uNNNN."""
+    import unicodedata
+
+    out = []
+    for ch in str(text):
+        cat = unicodedata.category(ch)
+        if cat in ("Cc", "Cf", "Zl", "Zp") and ch != " ":
+            out.append(f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
 def format_explain(key: str, rows: list[dict]) -> str:
-    lines = [f"sample {key}:"]
+    lines = [f"sample {printable(key)}:"]
     for r in rows:
         if r["stage"] == "(input)":
-            lines.append(f"  input      {r['detail']}")
+            lines.append(f"  input      {printable(r['detail'])}")
             continue
         score = "" if r["score"] is None else f" score={r['score']:.4g}"
-        why = f" ({r['reason']})" if r["reason"] else ""
-        detail = f"  [{r['detail']}]" if r["detail"] else ""
+        why = f" ({printable(r['reason'])})" if r["reason"] else ""
+        detail = f"  [{printable(r['detail'])}]" if r["detail"] else ""
         lines.append(f"  {r['stage']:<10} {r['verdict']}{why}{score}{detail}")
     return "\n".join(lines)

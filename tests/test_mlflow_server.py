@@ -58,10 +58,19 @@ def data_run(server, tmp_path_factory):
     """The data pipeline, once, tracked on the server: the training tests start from its shards."""
     run_dir = tmp_path_factory.mktemp("data") / "run"
     out = capline("run", "--run-dir", str(run_dir), *BASE[:-2], "--until", "shard",
-                  env={"MLFLOW_TRACKING_URI": server[1]}, timeout=900)
+                  env={"MLFLOW_TRACKING_URI": _with_password(server[1])}, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "mlflow: data-build run" in out.stdout
+    assert SECRET not in out.stdout + out.stderr
     return run_dir
+
+
+SECRET = "s3cret-tr4cking-pw"
+
+
+def _with_password(url: str) -> str:
+    """The tracking URI as a user with a password in it writes it (the server here ignores it)."""
+    return url.replace("http://", f"http://capline:{SECRET}@")
 
 
 @pytest.mark.slow
@@ -69,9 +78,14 @@ def test_data_build_and_training_runs_linked_by_digest(server, data_run):
     url = server[1]
     args = ["run", "--run-dir", str(data_run), *BASE, "--set", "train.steps=20", "--set", "train.checkpoint_every=10",
             "--set", "train.sample_every=10"]
-    out = capline(*args, env={"MLFLOW_TRACKING_URI": url}, timeout=900)
+    out = capline(*args, env={"MLFLOW_TRACKING_URI": _with_password(url)}, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert not (data_run / "mlflow.db").exists()               # everything went to the server
+    # the password is in no log and no file of the run folder (stats, manifest, Ray Train's files)
+    assert SECRET not in out.stdout + out.stderr
+    leaked = [p for p in data_run.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+    assert not leaked, leaked
+    assert json.loads((data_run / "train" / "stats.json").read_text())["tracking_uri"] == url
     manifest = json.loads((data_run / "manifest.json").read_text())
     digest = manifest["stages"]["shard"]["output_digest"]
     c = client(url)
@@ -125,3 +139,28 @@ def test_server_down_mid_training_then_back(server, data_run, tmp_path):
     finally:
         if job.poll() is None:
             job.kill()
+
+
+def test_credentials_leave_the_tracking_uri_and_every_printed_uri():
+    from trainers.tracking import move_credentials_out_of_uri, redact
+
+    env = {"MLFLOW_TRACKING_URI": "https://ann:p%40ss@mlflow.example:5000/base"}
+    assert move_credentials_out_of_uri(env)
+    assert env == {"MLFLOW_TRACKING_URI": "https://mlflow.example:5000/base", "MLFLOW_TRACKING_USERNAME": "ann",
+                   "MLFLOW_TRACKING_PASSWORD": "p@ss"}
+    assert not move_credentials_out_of_uri(env)        # nothing left to move
+    assert redact("at https://u:pw@h:1/x, and postgresql://mlflow:PASS@db/mlflow") == \
+        "at https://u:***@h:1/x, and postgresql://mlflow:***@db/mlflow"
+    assert redact("s3://bucket/key and http://host/path") == "s3://bucket/key and http://host/path"
+
+
+def test_serve_refuses_an_exposed_address_without_authentication(tmp_path):
+    from infra.mlflow.serve import check_exposure
+
+    out = subprocess.run([sys.executable, "-m", "infra.mlflow.serve", "--root", str(tmp_path), "--host", "0.0.0.0"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 2 and "--host 0.0.0.0 would let anyone" in out.stderr and "--auth basic" in out.stderr
+    assert not (tmp_path / "mlflow.db").exists()       # nothing started
+    assert check_exposure("127.0.0.1", "none") is None and check_exposure("::1", "none") is None
+    assert check_exposure("10.0.0.5", "proxy") is None and check_exposure("0.0.0.0", "basic") is None
+    assert check_exposure("192.168.1.4", "none")

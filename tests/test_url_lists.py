@@ -90,3 +90,14 @@ def test_the_cli_refuses_duplicate_keys_before_downloading(tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "duplicate id value(s): rows 0 and 1 ('a')" in out.stderr
     assert "ingest: running" not in out.stdout
+
+
+def test_explain_shows_escape_sequences_from_the_data_instead_of_sending_them():
+    from pipeline.inspect_run import format_explain
+
+    text = format_explain("k1", [
+        {"stage": "(input)", "detail": "url http://x.example/\x1b[2J\x1b]0;pwned\x07.jpg"},
+        {"stage": "ingest", "verdict": "dropped", "reason": "http_404", "score": None,
+         "detail": "HTTP Error 404: \x1b[31mNot Found\u202e\r"}])
+    assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text and "\r" not in text
+    assert "\\x1b[2J" in text and "\\u202e" in text

@@ -8,7 +8,7 @@ from .configtools import build
 from .data import check_readers
 from .errors import UserError
 from .models import ModelConfig
-from .tracking import flatten, log_dataset, start_run, tracking_uri
+from .tracking import flatten, log_dataset, redact, start_run, tracking_uri
 from .train_config import TrainConfig
 
 
@@ -68,14 +68,14 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
                 (Path(tmp) / "spm.model").write_bytes(tokenizer)
                 client(uri).log_artifact(run_id, str(Path(tmp) / "spm.model"), "tokenizer")
         except Exception as err:  # noqa: BLE001 - before any work: say where tracking failed and stop
-            raise UserError(f"cannot start an MLflow run at {uri} ({type(err).__name__}: "
-                            f"{str(err).splitlines()[0][:200] if str(err) else ''}); is the server up? "
+            raise UserError(f"cannot start an MLflow run at {redact(uri)} ({type(err).__name__}: "
+                            f"{redact(str(err).splitlines()[0][:200]) if str(err) else ''}); is the server up? "
                             "(unset MLFLOW_TRACKING_URI to track in the run folder)") from None
         storage.write_bytes(id_file, run_id.encode())
     if not storage.is_local:
         log(f"train: workers read the {len(shards)} shards from {storage.uri(shards_rel)}")
     log(f"train: {tc.model}/{tc.size}, {tc.steps} steps of {tc.global_batch} on {tc.num_workers} workers "
-        f"({tc.accumulation} micro-batches each), MLflow run {run_id} at {uri}")
+        f"({tc.accumulation} micro-batches each), MLflow run {run_id} at {redact(uri)}")
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"train": dataclasses.asdict(tc), "model": dataclasses.asdict(mc), "seed": seed,
@@ -109,10 +109,10 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
         final["mlflow"] = {"unlogged": 0}
     except Exception as err:  # noqa: BLE001 - the model is saved; tracking is what failed
         lost = storage.exists(f"{out_rel}/unlogged_metrics.jsonl")
-        log(f"mlflow: could not finish the run's tracking at {uri} ({type(err).__name__}); the model is in "
+        log(f"mlflow: could not finish the run's tracking at {redact(uri)} ({type(err).__name__}); the model is in "
             f"{storage.uri(out_rel + '/model')}; not logged: the model and encoder artifacts"
             + (f" and the metrics in {storage.uri(out_rel + '/unlogged_metrics.jsonl')}" if lost else ""))
         final["mlflow"] = {"unlogged_artifacts": ["model", "encoder"], "unlogged_metrics_file":
                            storage.uri(f"{out_rel}/unlogged_metrics.jsonl") if lost else None}
     nodes = sorted({storage.read_bytes(p).decode().strip() for p in storage.list(f"{out_rel}/_nodes")})
-    return {**final, "mlflow_run_id": run_id, "tracking_uri": uri, "nodes": nodes}
+    return {**final, "mlflow_run_id": run_id, "tracking_uri": redact(uri), "nodes": nodes}

@@ -9,8 +9,37 @@ The store is a local SQLite file under the run folder unless MLFLOW_TRACKING_URI
 from __future__ import annotations
 
 import os
+import re
+import urllib.parse
 import time
 from pathlib import Path
+
+
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^/@:\s]*):(?P<pw>[^/@\s]*)@")
+
+
+def redact(text) -> str:
+    """Any `scheme://user:password@host` in `text` with the password replaced: for every URI capline
+    writes (stats, manifests) or prints (logs, errors). A tracking URI may carry a password."""
+    return _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:***@", str(text))
+
+
+def move_credentials_out_of_uri(environ=os.environ) -> bool:
+    """`MLFLOW_TRACKING_URI=https://user:pw@host` -> the URI without them, and MLflow's own
+    MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD holding them: MLflow prints and stores the
+    URI it is given (run links on stdout, run tags), the variables it only sends. Called first
+    thing, before any process starts, so the processes capline starts inherit the split. -> moved."""
+    uri = environ.get("MLFLOW_TRACKING_URI", "")
+    parts = urllib.parse.urlsplit(uri)
+    if not uri or parts.password is None and not parts.username:
+        return False
+    host = parts.hostname or ""
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
+    environ.setdefault("MLFLOW_TRACKING_USERNAME", urllib.parse.unquote(parts.username or ""))
+    if parts.password is not None:
+        environ.setdefault("MLFLOW_TRACKING_PASSWORD", urllib.parse.unquote(parts.password))
+    environ["MLFLOW_TRACKING_URI"] = urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    return True
 
 
 def tracking_uri(run_dir: Path) -> str:
@@ -111,7 +140,8 @@ class MetricBuffer:
         if self.failing_since is None:
             first = min((r[3] for r in self.rows), default=None)
             self.failing_since = str(first) if first is not None else "the start"
-            self.log(f"mlflow: could not log to {self.uri} ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}); "
+            self.log(f"mlflow: could not log to {redact(self.uri)} ({type(err).__name__}: "
+                     f"{redact(str(err).splitlines()[0][:160]) if str(err) else ''}); "
                      "training goes on, values are kept and retried at the next checkpoint")
 
     def close(self, spill: Path) -> dict:

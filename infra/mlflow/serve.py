@@ -2,13 +2,15 @@
 
     python -m infra.mlflow.serve --root /srv/mlflow --port 5000           # SQLite + a folder
     python -m infra.mlflow.serve --backend-store-uri postgresql://mlflow:PASS@db/mlflow \\
-        --artifacts-destination s3://my-bucket/mlflow --host 0.0.0.0 --port 5000
+        --artifacts-destination s3://my-bucket/mlflow --host 0.0.0.0 --port 5000 --auth proxy
 
 Then point capline at it: `MLFLOW_TRACKING_URI=http://HOST:5000 capline run ...` (every process
 capline starts, and Ray Train's workers, get the URI from the driver). With `--artifacts-destination`
 the server proxies artifact uploads, so clients need no storage credentials; the server does
 (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, MLFLOW_S3_ENDPOINT_URL for S3-compatible stores).
-Telemetry is off (capline's quiet environment) and the server binds 127.0.0.1 unless told otherwise.
+Telemetry is off (capline's quiet environment) and the server binds 127.0.0.1 unless told otherwise;
+an address other machines reach needs `--auth basic` (MLflow's basic-auth app) or `--auth proxy`
+(an authenticating reverse proxy in front), else the server refuses to start.
 """
 from __future__ import annotations
 
@@ -21,11 +23,35 @@ import urllib.request
 from pathlib import Path
 
 
-def command(backend_uri: str, artifacts: str, host: str, port: int, workers: int = 1) -> list[str]:
+def command(backend_uri: str, artifacts: str, host: str, port: int, workers: int = 1,
+            auth: str = "none") -> list[str]:
     mlflow = Path(sys.executable).parent / "mlflow"
     return [str(mlflow) if mlflow.exists() else "mlflow", "server", "--backend-store-uri", backend_uri,
             "--artifacts-destination", artifacts, "--serve-artifacts", "--host", host, "--port", str(port),
-            "--workers", str(workers)]
+            "--workers", str(workers)] + (["--app-name", "basic-auth"] if auth == "basic" else [])
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, auth: str) -> str | None:
+    """Why serving on `host` with `auth` is refused (None: allowed). MLflow's server has no
+    authentication of its own: on an address other machines reach, anyone there could read and
+    rewrite every run and artifact."""
+    if is_loopback(host) or auth in ("basic", "proxy"):
+        return None
+    return (f"--host {host} would let anyone who reaches it read and change every run, without a password; "
+            "add --auth basic (MLflow's basic-auth app: pip install 'mlflow[auth]', users in "
+            "basic_auth.ini) or --auth proxy (a reverse proxy in front authenticates; see infra/README.md), "
+            "or keep the default 127.0.0.1")
 
 
 def defaults(root: Path) -> tuple[str, str]:
@@ -88,12 +114,20 @@ def main() -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=5000)
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--auth", choices=("none", "basic", "proxy"), default="none",
+                   help="who checks passwords: none (loopback only), basic (MLflow's basic-auth app), or proxy "
+                        "(a reverse proxy in front of it does; the server itself then trusts every request)")
     args = p.parse_args()
+    why = check_exposure(args.host, args.auth)
+    if why:
+        print(f"serve: error: {why}", file=sys.stderr)
+        return 2
     from pipeline import offline
 
     offline.apply()
     b, a = defaults(Path(args.root))
-    cmd = command(args.backend_store_uri or b, args.artifacts_destination or a, args.host, args.port, args.workers)
+    cmd = command(args.backend_store_uri or b, args.artifacts_destination or a, args.host, args.port, args.workers,
+                  args.auth)
     print(f"mlflow server: MLFLOW_TRACKING_URI=http://{args.host}:{args.port}", flush=True)
     os.execvpe(cmd[0], cmd, dict(os.environ))
 
