@@ -78,13 +78,15 @@ def iter_images(es: EvalSetConfig, run_dir: Path | None) -> Iterator[tuple[str, 
         root = Path(es.path)
         for f in sorted(root.rglob("*")):
             if f.suffix.lower() in IMAGE_SUFFIXES:
-                yield str(f.relative_to(root)).replace(".", "_"), f.read_bytes()
+                yield str(f.relative_to(root)).replace(".", "_"), _read_regular(f, es.name)
     elif es.kind == "webdataset":
+        from trainers.data import tar_members
+
         for shard in _shard_paths(es.path):
             with tarfile.open(shard) as tar:
-                for m in tar:
+                for m in tar_members(tar, f"evaluation set {es.name}: {shard}"):
                     stem, _, ext = m.name.rpartition("/")[-1].partition(".")
-                    if m.isfile() and "." + ext.lower() in IMAGE_SUFFIXES:
+                    if "." + ext.lower() in IMAGE_SUFFIXES:
                         yield f"{Path(shard).stem}/{stem}", tar.extractfile(m).read()
     elif es.kind == "parquet":
         import pyarrow.parquet as pq
@@ -116,6 +118,23 @@ def iter_images(es: EvalSetConfig, run_dir: Path | None) -> Iterator[tuple[str, 
 
         for i, img in enumerate(load_digits().images):
             yield f"digit{i:04d}", (img * (255 / 16)).astype(np.uint8)
+
+
+def _read_regular(f: Path, name: str) -> bytes:
+    """A folder set's file, if it is a regular file of sane size: a symlink (to /dev/zero, to
+    /etc/shadow) or a device in an evaluation folder is refused, not followed."""
+    import stat
+
+    from trainers.data import MAX_MEMBER_BYTES
+
+    st = f.lstat()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+        raise UserError(f"evaluation set {name}: {f} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a regular file'}; "
+                        "an evaluation folder holds regular image files only")
+    if st.st_size > MAX_MEMBER_BYTES:
+        raise UserError(f"evaluation set {name}: {f} is {st.st_size} bytes, over {MAX_MEMBER_BYTES} for one image")
+    with open(f, "rb") as fh:
+        return fh.read(MAX_MEMBER_BYTES + 1)
 
 
 def stat_fingerprint(es: EvalSetConfig) -> str:

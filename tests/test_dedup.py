@@ -2,9 +2,9 @@
 clean images are not, results do not depend on worker count, bad evaluation sets are clear errors."""
 import io
 import json
+from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 
 from stages.base import read_ledger
@@ -174,3 +174,62 @@ def test_changing_a_folder_eval_set_changes_the_dedup_fingerprint(tmp_path):
     assert DedupStage().fingerprint(cfg) == before
     Image.fromarray(_photos()[1]).save(tmp_path / "set" / "b.png")
     assert DedupStage().fingerprint(cfg) != before
+
+
+def _tar_with(tmp_path, name, add) -> Path:
+    import tarfile
+
+    (tmp_path / name).mkdir()
+    path = tmp_path / name / "000000.tar"
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        ok = tarfile.TarInfo("s0.jpg")
+        data = io.BytesIO()
+        Image.fromarray(_photos()[0]).save(data, "JPEG")
+        ok.size = len(data.getvalue())
+        tar.addfile(ok, io.BytesIO(data.getvalue()))
+        add(tar)
+    return tmp_path / name
+
+
+def test_untrusted_evaluation_sets_cannot_make_capline_read_what_they_point_at(tmp_path, monkeypatch):
+    """A sparse member (a few bytes on disk that read as 300 MB), links and special files in a tar,
+    and a symlink to /dev/zero or a FIFO in a folder: each refused naming the member, never read."""
+    import os
+    import tarfile
+
+    def sparse(tar):
+        m = tarfile.TarInfo("s1.jpg")
+        m.type, m.size = tarfile.GNUTYPE_SPARSE, 10
+        tar.addfile(m, io.BytesIO(b"x" * 10))
+
+    def symlink(tar):
+        m = tarfile.TarInfo("s1.jpg")
+        m.type, m.linkname = tarfile.SYMTYPE, "/etc/shadow"
+        tar.addfile(m)
+
+    def device(tar):
+        m = tarfile.TarInfo("s1.jpg")
+        m.type, m.devmajor, m.devminor = tarfile.CHRTYPE, 1, 5
+        tar.addfile(m)
+
+    for name, add, what in (("sparse", sparse, "a sparse member"), ("link", symlink, "a link"),
+                            ("dev", device, "a device or special file")):
+        es = EvalSetConfig(name=name, kind="webdataset", path=str(_tar_with(tmp_path, name, add)))
+        with pytest.raises(UserError, match=f"member 's1.jpg' is {what}"):
+            build_reference(es, None, tmp_path / "c", PARAMS)
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    Image.fromarray(_photos()[0]).save(folder / "a.png")
+    os.symlink("/dev/zero", folder / "b.jpg")
+    with pytest.raises(UserError, match="b.jpg is a symlink"):
+        build_reference(EvalSetConfig(name="f", kind="folder", path=str(folder)), None, tmp_path / "c", PARAMS)
+    (folder / "b.jpg").unlink()
+    os.mkfifo(folder / "b.jpg")
+    with pytest.raises(UserError, match="b.jpg is not a regular file"):
+        build_reference(EvalSetConfig(name="f", kind="folder", path=str(folder)), None, tmp_path / "c", PARAMS)
+    (folder / "b.jpg").unlink()
+    monkeypatch.setattr("trainers.data.MAX_MEMBER_BYTES", 1_000_000)
+    (folder / "b.jpg").write_bytes(b"\xff" * 1_000_001)
+    with pytest.raises(UserError, match="b.jpg is 1000001 bytes, over 1000000"):
+        build_reference(EvalSetConfig(name="f", kind="folder", path=str(folder)), None, tmp_path / "c", PARAMS)

@@ -68,6 +68,27 @@ def epoch_shards(shards: list[Path], seed: int, epoch: int, rank: int, world: in
     return [shards[i] for i in order[rank::world]]
 
 
+MAX_MEMBER_BYTES = 64 * 2**20   # an image or caption larger than this in a tar is not one
+
+
+def tar_members(tar: tarfile.TarFile, where, max_bytes: int = MAX_MEMBER_BYTES):
+    """The members of an untrusted tar, refusing what a dataset tar never holds: a link (it can
+    name any file), a device, FIFO or other special file, a GNU sparse member (a few KB on disk
+    that read as gigabytes) and a member over `max_bytes`. Folders are passed over. The one tar
+    reader every capline stage and tool uses."""
+    for m in tar:
+        if m.isdir():
+            continue
+        kind = ("a link" if m.issym() or m.islnk() else "a sparse member" if m.issparse()
+                else None if m.isreg() else "a device or special file")
+        if kind:
+            raise UserError(f"{where}: member {m.name!r} is {kind}; a dataset tar holds regular files only")
+        if m.size > max_bytes:
+            raise UserError(f"{where}: member {m.name!r} is {m.size} bytes, over the {max_bytes}-byte limit "
+                            "for one sample's file")
+        yield m
+
+
 def iter_samples(shards: list[Path]):
     """(key, jpg bytes, caption) in file order."""
     from .remote import open_input
@@ -75,7 +96,7 @@ def iter_samples(shards: list[Path]):
     for path in shards:
         with open_input(path) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
             current, parts = None, {}
-            for m in tar:
+            for m in tar_members(tar, path):
                 key, _, ext = m.name.partition(".")
                 if key != current and current is not None:
                     yield current, parts
