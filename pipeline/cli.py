@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -102,6 +104,16 @@ def _parser() -> argparse.ArgumentParser:
     rb.add_argument("--run-dir", help="where to rebuild (default: <original run folder>-rebuild)")
     rb.add_argument("--address", help="Ray cluster to join (as for run)")
 
+    ry = sub.add_parser("ray", help="start a Ray node for capline: `ray start` with capline's quiet, "
+                                    "guarded process environment and token authentication",
+                        description="capline ray start [RAY START OPTIONS]: runs `ray start` with capline's "
+                                    "process environment (telemetry off, Ray's cloud-metadata probe disarmed in "
+                                    "every process, Ray token auth on). A head gets a token (yours from "
+                                    "RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH / ~/.ray/auth_token, else capline's in "
+                                    "~/.cache/capline/ray_auth_token); a node joining with --address needs the same "
+                                    "token variable set.")
+    ry.add_argument("action", choices=["start"], help="only `start`: stop nodes by pid, or with `ray stop`")
+    ry.add_argument("ray_args", nargs=argparse.REMAINDER, help="passed to `ray start` as they are")
     mo = sub.add_parser("models", help="model families and sizes, with parameter counts")
     mo.add_argument("--table", action="store_true",
                     help="count parameters of every family at every size (32k vocabulary, 224 px; tiny at "
@@ -194,6 +206,25 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def _cmd_ray(args) -> int:
+    """`ray start` with capline's environment: the node's processes and every worker they start
+    inherit it (offline.apply() set the quiet switches and procenv in os.environ already)."""
+    ray_bin = Path(sys.executable).parent / "ray"
+    rest = [a for a in args.ray_args if a != "--"]
+    head = "--head" in rest
+    if head:
+        offline.ray_auth(joining=False)
+    elif os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if "--disable-usage-stats" not in rest:
+        rest.append("--disable-usage-stats")
+    mode = os.environ.get("RAY_AUTH_MODE", "disabled")
+    print(f"capline ray: ray start {' '.join(rest)} (token auth: {mode}"
+          + (f", token {os.environ.get('RAY_AUTH_TOKEN_PATH') or 'from RAY_AUTH_TOKEN'}" if mode == "token" else "")
+          + ")", flush=True)
+    return subprocess.run([str(ray_bin if ray_bin.exists() else "ray"), "start", *rest], env=dict(os.environ)).returncode
+
+
 def _cmd_verify(args) -> int:
     from .verify import compare_runs, verify_run
 
@@ -266,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     move_credentials_out_of_uri()
     parser = _parser()
     args = parser.parse_args(argv)
+    # a cluster this run starts gets Ray's token auth; before anything imports Ray
+    if args.command != "ray":   # `capline ray start` decides for the node it starts
+        offline.ray_auth(joining=bool(getattr(args, "address", None) or os.environ.get("RAY_ADDRESS")))
     try:
         if args.command == "run":
             return _cmd_run(args)
@@ -318,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_verify(args)
         if args.command == "rebuild":
             return _cmd_rebuild(args)
+        if args.command == "ray":
+            return _cmd_ray(args)
         if args.command == "models":
             from trainers.models import FAMILIES, SIZES
 

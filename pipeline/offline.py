@@ -26,8 +26,6 @@ QUIET_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "HF_HUB_DISABLE_TELEMETRY": "1",
-    # Ray 2.60 otherwise writes ~/.ray/auth_token on first start.
-    "RAY_AUTH_MODE": "disabled",
 }
 
 
@@ -65,3 +63,30 @@ def apply() -> None:
     spec = importlib.util.spec_from_file_location("_capline_procenv", PROCENV_DIR / "sitecustomize.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # idempotent: the guard and the import patch install once
+
+
+def ray_auth(joining: bool) -> dict[str, str]:
+    """Turn Ray's token authentication on for a cluster this process will start (before Ray is
+    imported: it reads the mode then). The token is the user's own (RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token) or one made once in capline's cache, mode 0600. A
+    process that joins a cluster keeps whatever the user set for it. -> what was set."""
+    if joining or os.environ.get("RAY_AUTH_MODE"):
+        return {}
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        env = {"RAY_AUTH_MODE": "token"}
+    elif (Path.home() / ".ray" / "auth_token").is_file():
+        env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(Path.home() / ".ray" / "auth_token")}
+    else:
+        import secrets
+
+        path = Path(os.environ.get("CAPLINE_CACHE", "~/.cache/capline")).expanduser() / "ray_auth_token"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:   # 0600 from the start: never readable by others, not even for an instant
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+        except FileExistsError:
+            os.chmod(path, 0o600)
+        env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)}
+    os.environ.update(env)
+    return env

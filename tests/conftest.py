@@ -22,6 +22,9 @@ from pipeline import offline  # noqa: E402
 
 os.environ.update(offline.guard_env(dict(os.environ), str(_GUARD_LOG)))
 offline.apply()  # quiet switches + the hook in this very process
+# the tests' clusters run with token auth as capline's do (the token in a temp cache of the session)
+os.environ.setdefault("CAPLINE_CACHE", tempfile.mkdtemp(prefix="capline-test-cache-"))
+offline.ray_auth(joining=False)
 os.environ.setdefault("RAY_TMPDIR", "/tmp")
 # an S3 client without credentials asks the EC2 metadata service for some, from C++ the guard
 # cannot see: no process the tests start may try

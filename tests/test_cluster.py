@@ -195,3 +195,38 @@ def test_no_shared_filesystem_two_nodes_s3_and_a_kill_mid_ingest(tmp_path):
 
 def _results(client) -> list[str]:
     return [k for k in bucket_keys(client, BUCKET, "runs/cluster/ingest/parts/") if "/results/" in k and k.endswith(".json")]
+
+
+def test_capline_ray_start_gives_the_node_quiet_switches_and_token_auth(tmp_path):
+    """A head started with `capline ray start`, from a shell with none of capline's settings: its
+    processes carry the quiet switches, the guard's PYTHONPATH and token auth; stopped by pid."""
+    from pipeline.offline import PROCENV_DIR, QUIET_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in QUIET_ENV and not k.startswith("RAY_AUTH")}
+    env["CAPLINE_CACHE"] = str(tmp_path / "cache")
+    port, dash = free_port(), free_port()
+    before = _ray_pids()
+    started = set()
+    try:
+        out = subprocess.run([sys.executable, "-m", "pipeline.cli", "ray", "start", "--head", "--port", str(port),
+                              "--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--dashboard-host", "127.0.0.1",
+                              "--dashboard-port", str(dash), "--object-store-memory", str(100 * 2**20)],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        token = tmp_path / "cache" / "ray_auth_token"
+        assert f"token auth: token, token {token}" in out.stdout
+        started = _ray_pids() - before
+        raylet = next(p for p in started if "raylet" in " ".join(psutil.Process(p).cmdline()))
+        node_env = psutil.Process(raylet).environ()
+        assert {k: node_env.get(k) for k in QUIET_ENV} == QUIET_ENV
+        assert node_env["RAY_AUTH_MODE"] == "token" and node_env["RAY_AUTH_TOKEN_PATH"] == str(token)
+        assert str(PROCENV_DIR) in node_env["PYTHONPATH"].split(os.pathsep)
+        code = f"import ray; ray.init(address='127.0.0.1:{port}'); print('JOINED')"
+        joined = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                                env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
+        assert "JOINED" in joined.stdout, joined.stderr[-1500:]
+    finally:
+        _stop(started or (_ray_pids() - before))
+        current = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
+        if current.is_file() and current.read_text().strip().endswith(f":{port}"):
+            current.unlink()

@@ -1,0 +1,74 @@
+"""capline's local Ray cluster with token authentication: whatever interfaces Ray binds (it binds
+all of them), a client without the token cannot join and the job-submission API refuses it."""
+import json
+import os
+import stat
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import psutil
+import pytest
+
+from helpers import ROOT
+
+pytestmark = pytest.mark.slow
+
+HOLD = """
+import json, os, sys, time
+from pipeline import offline
+offline.apply()
+offline.ray_auth(joining=False)
+from pipeline.ray_runtime import RayConfig, ray_session
+import ray
+with ray_session(RayConfig(num_cpus=1, object_store_memory_mb=100), log=lambda m: None):
+    ctx = ray.get_runtime_context()
+    print(json.dumps({"gcs": ctx.gcs_address, "token": os.environ.get("RAY_AUTH_TOKEN_PATH"),
+                      "mode": os.environ.get("RAY_AUTH_MODE"), "dashboard": ray.worker.get_dashboard_url()}), flush=True)
+    sys.stdin.read()      # hold the cluster until the test closes stdin
+"""
+
+
+def test_an_unauthenticated_client_is_refused(tmp_path):
+    env = {**os.environ, "CAPLINE_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path / "home")}
+    env = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(holder.stdout.readline())
+        assert info["mode"] == "token"
+        token = info["token"]
+        assert token == str(tmp_path / "cache" / "ray_auth_token")
+        assert stat.S_IMODE(os.stat(token).st_mode) == 0o600 and len(open(token).read()) == 64
+
+        # what Ray listens on (it ignores the loopback node address for these): every one needs the token
+        listening = {(p.name(), c.laddr.ip) for p in [psutil.Process(holder.pid), *psutil.Process(holder.pid).children(
+            recursive=True)] for c in _listening(p)}
+        print("listening:", sorted(listening))
+        assert any(ip not in ("127.0.0.1", "::1") for _, ip in listening)   # why the token matters
+
+        code = f"import ray; ray.init(address={info['gcs']!r}); print('JOINED')"
+        for extra in ({"RAY_AUTH_MODE": "disabled"}, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}):
+            client_env = {**{k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}, **extra}
+            out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=client_env, capture_output=True,
+                                 text=True, timeout=120)
+            assert out.returncode != 0 and "JOINED" not in out.stdout, (extra, out.stdout[-500:], out.stderr[-500:])
+        # the job-submission API (where a job runs code) without the token
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://{info['dashboard']}/api/jobs/", timeout=10)
+        assert err.value.code == 401
+        # and with it: the cluster works for the one who holds the token
+        ok = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=120, capture_output=True, text=True,
+                            env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token})
+        assert "JOINED" in ok.stdout, ok.stderr[-1000:]
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+
+
+def _listening(proc):
+    try:
+        return [c for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
