@@ -221,10 +221,19 @@ def run_size(n: int, work: Path, base: str, netloc: str, local: bool = False) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="10000,100000", help="comma-separated sample counts")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the sizes benchmarks/results/scale.json has that --sizes does not rerun")
     ap.add_argument("--local-above", type=int, default=200_000,
                     help="sizes above this start from shards rendered locally instead of downloaded")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    import json
+
+    from benchmarks._common import RESULTS
+
+    earlier = {}
+    if args.keep and (RESULTS / "scale.json").is_file():   # points measured before and not rerun now
+        earlier = json.loads((RESULTS / "scale.json").read_text()).get("results", {})
     server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
     try:
         port = int(server.stdout.readline())
@@ -236,18 +245,24 @@ def main() -> None:
     finally:
         server.kill()
         server.wait()
-    lines = [f"{'stage':<11}" + "".join(f"{'n=' + str(n):>36}" for n in sizes),
-             f"{'':<11}" + "".join(f"{'wall s  us/sample  driverMB  workerMB':>36}" for _ in sizes)]
+    for n, r in earlier.items():
+        if n not in results:
+            results[n] = {**r, "measured": "in an earlier run of this benchmark (--keep)"}
+    sizes = sorted(int(n) for n in results)
+    lines = [f"{'stage':<11}" + "".join(f" | {'n=' + str(n):^38}" for n in sizes),
+             f"{'':<11}" + "".join(f" | {'wall s':>8} {'us/sample':>10} {'driverMB':>8} {'workerMB':>8}" for _ in sizes)]
     for s in STAGES:
         lines.append(f"{s:<11}" + "".join(
-            f"  {results[str(n)][s]['wall_s']:>8} {results[str(n)][s]['us_per_sample']:>10} "
-            f"{results[str(n)][s]['driver_peak_rss_mb']:>9} {results[str(n)][s]['max_worker_rss_mb']:>9}" for n in sizes))
+            f" | {results[str(n)][s]['wall_s']:>8} {results[str(n)][s]['us_per_sample']:>10} "
+            f"{results[str(n)][s]['driver_peak_rss_mb']:>8} {results[str(n)][s]['max_worker_rss_mb']:>8}" for n in sizes))
+    lines.append(f"{'ingest from':<11}" + "".join(f" | {results[str(n)].get('ingest_from', 'loopback HTTP'):>38}"
+                                                 for n in sizes))
     verdicts = []
     if len(sizes) > 1:
         lo, hi = str(sizes[0]), str(sizes[-1])
         for s in STAGES:
             a, b = results[lo][s]["us_per_sample"], results[hi][s]["us_per_sample"]
-            if s == "ingest" and results[hi]["ingest_from"] != results[lo]["ingest_from"]:
+            if s == "ingest" and results[hi].get("ingest_from") != results[lo].get("ingest_from"):
                 verdicts.append(f"n/a  per-sample cost of ingest: {a} -> {b} us (n={hi} rendered its shards locally)")
             elif a and b and b > 1.5 * a:
                 verdicts.append(f"MISS per-sample cost of {s}: {a} -> {b} us ({b / a:.2f}x > 1.5x)")
@@ -264,7 +279,7 @@ def main() -> None:
         verdicts.append(f"{'ok  ' if peak < 1024 else 'MISS'} driver peak RSS at {n}: {peak} MB (goal < 1024)")
         total = sum(r[s]["wall_s"] for s in STAGES)
         ratio = total / r["ingest"]["wall_s"]
-        if r["ingest_from"].startswith("local"):
+        if r.get("ingest_from", "").startswith("local"):
             continue   # no download to compare with
         verdicts.append(f"{'ok  ' if ratio <= 1.5 else 'MISS'} data path / ingest at {n}: {total:.1f} s / "
                         f"{r['ingest']['wall_s']:.1f} s = {ratio:.2f}x (goal <= 1.5x)")

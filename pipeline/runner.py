@@ -54,10 +54,6 @@ def read_marker(stage_dir: Path, name: str = "_SUCCESS") -> dict | None:
         return None
 
 
-def read_parts(stage_dir: Path) -> list[dict]:
-    return json.loads((stage_dir / "parts.json").read_text())
-
-
 class Controls:
     """A stage's control files (`_STARTED`, `parts.json`, `stats.json`, `_SUCCESS`) in the run
     folder's storage, where every machine reads them, mirrored into the driver's working copy for
@@ -82,17 +78,16 @@ class Controls:
 
     def wipe(self, stage: str, keep: tuple[str, ...]) -> None:
         """Remove a stage's files made from other inputs, except its content-addressed caches."""
-        for where in ([self.run_dir / stage] + ([None] if self.mirror else [])):
-            if where is None:    # the storage's copy
-                for f in self.storage.list(stage):
-                    self.storage.delete(f)
-                for d in self.storage.list_dirs(stage):
-                    if d not in keep:
-                        self.storage.delete(f"{stage}/{d}")
-            elif where.exists():
-                for child in where.iterdir():
-                    if child.name not in keep:
-                        shutil.rmtree(child) if child.is_dir() else child.unlink()
+        if self.mirror:   # the storage's copy; for a local run folder it is the folder below
+            for f in self.storage.list(stage):
+                self.storage.delete(f)
+            for d in self.storage.list_dirs(stage):
+                if d not in keep:
+                    self.storage.delete(f"{stage}/{d}")
+        local = self.run_dir / stage
+        for child in local.iterdir() if local.exists() else ():
+            if child.name not in keep:
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
 
 
 def input_fingerprints(cfg: RunConfig, stages: list[Stage] | None = None) -> dict:
@@ -160,7 +155,6 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
         else:
             ctx = StageContext(name=stage.name, run_dir=run_dir, stage_dir=sdir, config=cfg, storage=storage,
                                upstream=upstream, artifacts=dict(manifest.data.get("artifacts", {})), log=log,
-                               location=store.location if store is not None and store.uri else None,
                                fingerprint=stage.fingerprint(cfg))
             marker, artifacts, parts = _run_stage(stage, ctx, in_digest, controls, store)
             manifest.record_stage(stage.name, marker, artifacts)

@@ -187,7 +187,3 @@ class RunStore:
                 storage.write_bytes(rel, (self.local / rel).read_bytes())
                 n += 1
         return n
-
-    def location(self, rel: str):
-        """Where later readers find `rel`: the bucket for an object-storage run, else the local path."""
-        return f"{self.uri.rstrip('/')}/{rel}" if self.uri else self.local / rel

@@ -33,8 +33,6 @@ class StageContext:
     upstream: list[dict] | None      # the previous stage's PartResults (None for the first stage)
     artifacts: dict[str, dict] = field(default_factory=dict)   # finished stages' registered outputs
     log: Callable[[str], None] = print
-    # for a run folder in object storage: relative path -> its URI there (None: a local run)
-    location: Callable[[str], Any] | None = None
     fingerprint: str = ""            # this stage's (Stage.fingerprint): with a partition's input, what decides it
 
     def map_parts(self, fn: Callable, tasks: list[PartTask] | None = None, num_cpus: float = 1.0,

@@ -202,14 +202,19 @@ _FETCHED: dict = {}
 
 
 def _fetched(storage: "Storage", rel: str):
-    """Download rel's files into a temp folder of this process, once (keyed by their sizes and names)."""
+    """Download rel's files into a temp folder of this process, once per content (names, sizes and
+    modification times: a folder rewritten in place is fetched again)."""
     import tempfile
     from pathlib import Path
 
-    files = storage.list(rel)
-    if not files:
+    import pyarrow.fs as pafs
+
+    infos = [i for i in storage.fs.get_file_info(pafs.FileSelector(storage.path(rel), allow_not_found=True))
+             if i.type == pafs.FileType.File]
+    if not infos:
         raise FileNotFoundError(f"{storage.uri(rel)}: no files there")
-    key = (storage.uri(rel), tuple(files))
+    files = sorted(i.path[len(storage.root) + 1:] for i in infos)
+    key = (storage.uri(rel), tuple(sorted((i.path, i.size, i.mtime_ns) for i in infos)))
     if key not in _FETCHED:
         out = Path(tempfile.mkdtemp(prefix="capline-fetch-"))
         for f in files:

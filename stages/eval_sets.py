@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import gzip
 import hashlib
+import itertools
 import json
 import tarfile
 from dataclasses import dataclass
@@ -164,6 +165,50 @@ def content_digest(es: EvalSetConfig, run_dir: Path | None) -> str:
     return h.hexdigest()
 
 
+BATCH = 256   # evaluation images per description task
+
+
+def describe_batch(batch: list, describer=None) -> tuple[list, list, list, list]:
+    """(ids, descriptors, mean colours, [(id, why unreadable)]) of (id, image) pairs: every image
+    with its crops (the hash descriptor), or the image alone through `describer`."""
+    ids, vecs, means, bad = [], [], [], []
+    for image_id, image in batch:
+        try:
+            got = [describe(v) if describer is None else describer(v)
+                   for v in (crops(image) if describer is None else [image])]
+        except Exception as err:  # noqa: BLE001 - an unreadable image is a counted skip
+            bad.append((image_id, type(err).__name__))
+            continue
+        for d, m in got:
+            ids.append(image_id)
+            vecs.append(d)
+            means.append(m)
+    return ids, vecs, means, bad
+
+
+def _described(es: EvalSetConfig, run_dir: Path | None, describer, log):
+    """describe_batch over the set, in order: in Ray tasks when a cluster is up (the set is read here,
+    where its files are; describing 28 crops of each image is the work), else in this process.
+    An encoder describer (a model) runs here."""
+    images = iter_images(es, run_dir)
+    batches = iter(lambda: list(itertools.islice(images, BATCH)), [])
+    try:
+        import ray
+
+        parallel = ray.is_initialized() and describer is None
+    except ImportError:
+        parallel = False
+    if not parallel:
+        for batch in batches:
+            yield describe_batch(batch, describer)
+        return
+    from .dataplane import run_tasks
+
+    task = ray.remote(num_cpus=1, max_retries=2)(describe_batch)
+    yield from run_tasks(task, [(batch,) for batch in batches], f"dedup: indexing {es.name}", log,
+                         describe=lambda c: f"images {c[0][0][0]}..")
+
+
 def build_reference(es: EvalSetConfig, run_dir: Path | None, cache_dir: Path, params: dict,
                     describer=None, log=print) -> tuple[Path, dict]:
     """Build (or find in the cache) the reference index of one set. Returns (index path, stats)."""
@@ -174,17 +219,13 @@ def build_reference(es: EvalSetConfig, run_dir: Path | None, cache_dir: Path, pa
     if path.is_file() and meta.is_file():
         return path, {**json.loads(meta.read_text()), "cached": True}
     ids, vecs, means, skipped = [], [], [], 0
-    for image_id, image in iter_images(es, run_dir):
-        try:
-            variants = crops(image) if describer is None else [image]
-            for v in variants:
-                d, m = describe(v) if describer is None else describer(v)
-                ids.append(image_id)
-                vecs.append(d)
-                means.append(m)
-        except Exception as err:  # noqa: BLE001 - an unreadable image is a counted skip
+    for got in _described(es, run_dir, describer, log):
+        ids += got[0]
+        vecs += got[1]
+        means += got[2]
+        for image_id, err in got[3]:
             skipped += 1
-            log(f"dedup: evaluation set {es.name}: skipped unreadable image {image_id} ({type(err).__name__})")
+            log(f"dedup: evaluation set {es.name}: skipped unreadable image {image_id} ({err})")
     n_images = len(set(ids))
     if n_images == 0:
         raise UserError(f"evaluation set {es.name}: no readable images at {es.path}")

@@ -262,9 +262,7 @@ def safe_download_image(row, timeout, user_agent_token, disallowed_header_direct
     key, url = row
     _pins.sockets = []
     start = time.monotonic()
-    cut = threading.Timer(_policy.deadline, _cut, args=(_pins.sockets,))
-    cut.daemon = True
-    cut.start()
+    ticket = _watchdog.watch(start + _policy.deadline, _pins.sockets)
     try:
         check_url(url, _policy)
         request = urllib.request.Request(url, headers={"User-Agent": "capline/0.1 (img2dataset)"})
@@ -296,7 +294,7 @@ def safe_download_image(row, timeout, user_agent_token, disallowed_header_direct
                 raise Refused("deadline_exceeded", f"not fetched within {_policy.deadline:g}s "
                                                    "(connect, headers and body)") from None
             raise
-        cut.cancel()
+        _watchdog.release(ticket)
         try:
             check_image(data, _policy)
         except Refused as err:
@@ -310,18 +308,46 @@ def safe_download_image(row, timeout, user_agent_token, disallowed_header_direct
     except Exception as err:  # noqa: BLE001 - every failure becomes the sample's recorded reason
         return key, None, str(err) or type(err).__name__
     finally:
-        cut.cancel()
+        _watchdog.release(ticket)
         _pins.sockets = None
         _pinned().clear()
 
 
-def _cut(sockets: list) -> None:
-    """The URL's deadline passed: end its connections, whatever read is blocked on them."""
-    for sock in list(sockets):
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+class _Watchdog:
+    """One thread per process that ends the connections of every URL past its deadline, whatever
+    read they are blocked in (a timer thread per URL would cost a thread start per download)."""
+
+    def __init__(self, period: float = 0.2):
+        self.period, self.lock, self.active, self.next, self.thread = period, threading.Lock(), {}, 0, None
+
+    def watch(self, deadline: float, sockets: list) -> int:
+        with self.lock:
+            self.next += 1
+            self.active[self.next] = (deadline, sockets)
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="capline-fetch-deadline", daemon=True)
+                self.thread.start()
+            return self.next
+
+    def release(self, ticket: int) -> None:
+        with self.lock:
+            self.active.pop(ticket, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.period)
+            now = time.monotonic()
+            with self.lock:
+                late = [self.active.pop(t)[1] for t, (d, _) in list(self.active.items()) if d <= now]
+            for sockets in late:
+                for sock in list(sockets):
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+
+_watchdog = _Watchdog()
 
 
 class SafeDownloader(_i2d.Downloader):

@@ -233,3 +233,23 @@ def test_untrusted_evaluation_sets_cannot_make_capline_read_what_they_point_at(t
     (folder / "b.jpg").write_bytes(b"\xff" * 1_000_001)
     with pytest.raises(UserError, match="b.jpg is 1000001 bytes, over 1000000"):
         build_reference(EvalSetConfig(name="f", kind="folder", path=str(folder)), None, tmp_path / "c", PARAMS)
+
+
+def test_the_evaluation_index_built_in_ray_tasks_equals_the_one_built_here(tmp_path, ray_local, monkeypatch):
+    import stages.eval_sets as eval_sets
+
+    folder = tmp_path / "set"
+    folder.mkdir()
+    for i, photo in enumerate(_photos()[:5]):
+        Image.fromarray(photo).save(folder / f"p{i}.png")
+    monkeypatch.setattr(eval_sets, "BATCH", 2)     # several tasks for five images
+    es = EvalSetConfig(name="s", kind="folder", path=str(folder))
+    logs = []
+    parallel, _ = build_reference(es, None, tmp_path / "a", PARAMS, log=logs.append)
+    assert any("dedup: indexing s: 3/3" in m for m in logs), logs
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    here, _ = build_reference(es, None, tmp_path / "b", PARAMS, log=lambda m: None)
+    a, b = np.load(parallel), np.load(here)
+    assert list(a["ids"]) == list(b["ids"]) and np.array_equal(a["vecs"], b["vecs"])

@@ -220,10 +220,23 @@ def test_slow_loris_is_dropped_at_the_deadline(counting, monkeypatch):
     assert stream is not None and err is None
 
 
-@pytest.mark.parametrize("fmt", ["EPS", "PCX", "ICO"])
+def _psd(w: int = 4, h: int = 4) -> bytes:
+    """A minimal Photoshop file (PIL reads PSD but cannot write it): header, three empty sections,
+    raw RGB channels."""
+    import struct
+
+    header = b"8BPS" + struct.pack(">H", 1) + b"\0" * 6 + struct.pack(">HIIHH", 3, h, w, 8, 3)
+    return header + struct.pack(">III", 0, 0, 0) + struct.pack(">H", 0) + b"\x80" * (w * h * 3)
+
+
+@pytest.mark.parametrize("fmt", ["EPS", "PCX", "ICO", "PSD"])
 def test_formats_outside_the_allow_list_are_refused(fmt):
     buf = io.BytesIO()
-    Image.new("RGB", (32, 32), (200, 10, 10)).save(buf, fmt)
+    if fmt == "PSD":
+        buf.write(_psd())
+        assert Image.open(io.BytesIO(_psd())).format == "PSD"     # PIL would decode it
+    else:
+        Image.new("RGB", (32, 32), (200, 10, 10)).save(buf, fmt)
     with pytest.raises(Refused, match=f"unsupported_format: {fmt}"):
         check_image(buf.getvalue(), POLICY)
 

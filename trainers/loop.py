@@ -57,7 +57,8 @@ def train_loop_per_worker(c: dict) -> None:
     gen = torch.Generator().manual_seed(c["seed"] * 1000 + rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
-    task = make_task(mc, tc.image_encoder)
+    encoder = c.get("image_encoder")   # ClipCap's frozen encoder, from the run folder's storage
+    task = make_task(mc, str(storage.local_dir(encoder)) if encoder else None)
     model = task.build()
     opt = build_optimizer(model, tc.optim)
     sched = build_schedule(opt, tc.optim, tc.steps)

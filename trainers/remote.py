@@ -15,11 +15,6 @@ def is_uri(path) -> bool:
     return isinstance(path, str) and path.startswith(SCHEMES)
 
 
-def location(path) -> str | Path:
-    """A URI stays a string (Path would fold its '//'); anything else becomes an absolute Path."""
-    return path if is_uri(path) else Path(path).resolve()
-
-
 def filesystem(uri: str):
     """-> (pyarrow FileSystem, path inside it)."""
     import pyarrow.fs as pafs

@@ -47,6 +47,10 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
     mc = model_config(tc, vocab)
     if tc.image_encoder and not (Path(tc.image_encoder) / "model.json").is_file():
         raise UserError(f"train.image_encoder {tc.image_encoder}: not a capline model checkpoint")
+    encoder_rel = None
+    if tc.image_encoder:   # a folder on this machine: the workers read their copy from the run folder
+        encoder_rel = f"{out_rel}/image_encoder"
+        storage.put_dir(encoder_rel, tc.image_encoder)
     uri = tracking_uri(run_dir)
     id_file = f"{out_rel}/mlflow_run_id"
     if storage.exists(id_file):
@@ -80,6 +84,7 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
         train_loop_per_worker,
         train_loop_config={"train": dataclasses.asdict(tc), "model": dataclasses.asdict(mc), "seed": seed,
                            "shards": shards, "tokenizer": tokenizer, "storage": storage, "out": out_rel,
+                           "image_encoder": encoder_rel,
                            "mlflow_uri": uri, "run_id": run_id},
         scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu),
         run_config=RunConfig(name=f"train-{run_id[:12]}", storage_path=storage.path(f"{out_rel}/ray"),
