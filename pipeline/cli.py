@@ -291,7 +291,7 @@ def _cmd_rebuild(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    offline.apply()
+    offline.apply(ray_auth_for_local=False)   # decided below, once the arguments say whether we join
     from trainers.tracking import move_credentials_out_of_uri
 
     move_credentials_out_of_uri()

@@ -52,8 +52,12 @@ def guard_env(env: dict[str, str], log_path: str | None = None) -> dict[str, str
     return env
 
 
-def apply() -> None:
-    """Quiet switches and procenv for children; procenv's hooks in this process too."""
+def apply(ray_auth_for_local: bool = True) -> None:
+    """Quiet switches and procenv for children; procenv's hooks in this process too; and, unless the
+    caller decides later (the CLI, which knows whether it joins a cluster), Ray's token auth for a
+    cluster this process starts (else Ray 2.60 writes a world-readable ~/.ray/auth_token itself)."""
+    if ray_auth_for_local:
+        ray_auth(joining=False)
     if not telemetry_allowed():
         for key, value in QUIET_ENV.items():
             os.environ.setdefault(key, value)

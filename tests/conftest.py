@@ -21,10 +21,9 @@ os.environ["CAPLINE_TEST_GUARD_LOG"] = str(_GUARD_LOG)
 from pipeline import offline  # noqa: E402
 
 os.environ.update(offline.guard_env(dict(os.environ), str(_GUARD_LOG)))
-offline.apply()  # quiet switches + the hook in this very process
 # the tests' clusters run with token auth as capline's do (the token in a temp cache of the session)
 os.environ.setdefault("CAPLINE_CACHE", tempfile.mkdtemp(prefix="capline-test-cache-"))
-offline.ray_auth(joining=False)
+offline.apply()  # quiet switches, token auth + the hook in this very process
 os.environ.setdefault("RAY_TMPDIR", "/tmp")
 # an S3 client without credentials asks the EC2 metadata service for some, from C++ the guard
 # cannot see: no process the tests start may try
@@ -53,3 +52,13 @@ def ray_local():
     with ray_session(RayConfig(num_cpus=2, object_store_memory_mb=256), log=lambda m: None):
         yield ray
     assert not ray.is_initialized()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_world_readable_ray_token():
+    """Ray 2.60 writes ~/.ray/auth_token (mode 0644) when it starts a cluster with no auth mode set:
+    every Ray the tests start must have capline's token settings instead."""
+    token = Path.home() / ".ray" / "auth_token"
+    existed = token.exists()
+    yield
+    assert existed or not token.exists(), f"a Ray cluster started without capline's token settings wrote {token}"

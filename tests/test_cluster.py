@@ -204,6 +204,7 @@ def test_capline_ray_start_gives_the_node_quiet_switches_and_token_auth(tmp_path
 
     env = {k: v for k, v in os.environ.items() if k not in QUIET_ENV and not k.startswith("RAY_AUTH")}
     env["CAPLINE_CACHE"] = str(tmp_path / "cache")
+    env["HOME"] = str(tmp_path / "home")      # no ~/.ray/auth_token of the user's to prefer
     port, dash = free_port(), free_port()
     before = _ray_pids()
     started = set()

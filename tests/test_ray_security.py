@@ -19,7 +19,6 @@ HOLD = """
 import json, os, sys, time
 from pipeline import offline
 offline.apply()
-offline.ray_auth(joining=False)
 from pipeline.ray_runtime import RayConfig, ray_session
 import ray
 with ray_session(RayConfig(num_cpus=1, object_store_memory_mb=100), log=lambda m: None):
