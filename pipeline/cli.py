@@ -199,7 +199,7 @@ def _cmd_run(args) -> int:
 
     print(f"\ncapline: finished in {time.time() - t0:.0f}s; run folder {run_dir.resolve()}")
     print(f"report: {write_report(run_dir, storage=store.storage())}")
-    store.push(None)
+    store.push_top()
     if (run_dir / "mlflow.db").is_file():
         print(f"MLflow: .venv/bin/mlflow ui --backend-store-uri sqlite:///{(run_dir / 'mlflow.db').resolve()} "
               "(then open http://127.0.0.1:5000)")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 
 
+import pyarrow.compute as pc
+
 from stages.base import has_ledger, read_ledger
 
 from trainers.errors import UserError
@@ -71,9 +73,12 @@ def _score_charts(run_dir: Path, config: dict, storage) -> list[str]:
     for stage in ("dedup", "language", "clip_score"):   # basic's scores are lengths and ratios: no one axis
         if not has_ledger(storage, stage):
             continue
-        t = read_ledger(storage, stage, ["verdict", "score"]).to_pylist()
-        kept = [r["score"] for r in t if r["score"] is not None and r["verdict"] == "kept"]
-        dropped = [r["score"] for r in t if r["score"] is not None and r["verdict"] == "dropped"]
+        # two columns as arrays (8 bytes a sample), not a dict per row
+        t = read_ledger(storage, stage, ["verdict", "score"])
+        t = t.filter(pc.is_valid(t.column("score")))
+        is_kept = pc.equal(t.column("verdict"), "kept")
+        kept = t.column("score").filter(is_kept).to_numpy()
+        dropped = t.column("score").filter(pc.invert(is_kept)).to_numpy()
         if len(kept) + len(dropped) < 2:
             continue
         stats = json.loads((run_dir / stage / "stats.json").read_text())

@@ -68,6 +68,9 @@ class Controls:
 
     def write(self, stage: str, name: str, obj) -> None:
         self.storage.write_json(f"{stage}/{name}", obj)
+        self.write_local(stage, name, obj)
+
+    def write_local(self, stage: str, name: str, obj) -> None:
         if self.mirror:
             (self.run_dir / stage).mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.run_dir / stage / name, obj)
@@ -144,9 +147,10 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
         parts = controls.read(stage.name, "parts.json") if marker else None
         if marker and marker.get("input_digest") == in_digest and parts is not None:
             log(f"{stage.name}: done before with the same input, skipped")
-            if controls.mirror and not (sdir / "_SUCCESS").is_file():
-                for name in ("parts.json", "stats.json", "_SUCCESS"):
-                    controls.write(stage.name, name, controls.read(stage.name, name))
+            if controls.mirror and not (sdir / "_SUCCESS").is_file():   # the working copy's view of it
+                for name, obj in (("parts.json", parts), ("stats.json", controls.read(stage.name, "stats.json")),
+                                  ("_SUCCESS", marker)):
+                    controls.write_local(stage.name, name, obj)
         elif stage.name not in wanted:
             if only:
                 raise UserError(f"--only {only}: stage {stage.name} before it has not finished; "
@@ -156,16 +160,17 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
             ctx = StageContext(name=stage.name, run_dir=run_dir, stage_dir=sdir, config=cfg, storage=storage,
                                upstream=upstream, artifacts=dict(manifest.data.get("artifacts", {})), log=log,
                                fingerprint=stage.fingerprint(cfg))
-            marker, artifacts, parts = _run_stage(stage, ctx, in_digest, controls, store)
+            marker, artifacts, parts, summary[stage.name] = _run_stage(stage, ctx, in_digest, controls, store)
             manifest.record_stage(stage.name, marker, artifacts)
             if artifacts.get("mlflow_run_id"):
                 manifest.data["mlflow_runs"][stage.name] = artifacts["mlflow_run_id"]
                 manifest.save()
             if store is not None:
-                store.push(None, log)    # the manifest, so another machine sees what finished
+                store.push_top()    # the manifest, so another machine sees what finished
         upstream = parts
         prev_digest = marker["output_digest"]
-        summary[stage.name] = controls.read(stage.name, "stats.json")
+        if stage.name not in summary:   # skipped: its stats from the earlier run
+            summary[stage.name] = controls.read(stage.name, "stats.json")
         for obs in observers:   # run or skipped: they skip what they did before
             obs.after_stage(stage.name, run_dir=run_dir, cfg=cfg, manifest=manifest, summary=summary,
                             log=log, storage=storage)
@@ -180,7 +185,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
 
 
 def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Controls,
-               store) -> tuple[dict, dict, list[dict]]:
+               store) -> tuple[dict, dict, list[dict], dict]:
     sdir = ctx.stage_dir
     started = controls.read(stage.name, "_STARTED")
     if started is None or started.get("input_digest") != in_digest:
@@ -218,4 +223,4 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     controls.write(stage.name, "_SUCCESS", marker)    # last: the stage is finished once this exists
     dropped = ", ".join(f"{k}={v}" for k, v in counts["dropped"].items()) or "none"
     ctx.log(f"{stage.name}: {counts['in']} in, {counts['kept']} kept, dropped: {dropped} ({wall:.1f}s)")
-    return marker, result.artifacts, parts
+    return marker, result.artifacts, parts, stats

@@ -99,17 +99,24 @@ class RunStore:
     def _download(self, storage, rel: str, expect: str | None) -> bool:
         """Fetch one object unless the working copy holds it with the expected checksum. -> fetched."""
         dst = self._inside(rel)
-        if expect and dst.is_file() and file_sha256(dst) == expect:
+        local = file_sha256(dst) if dst.is_file() else None
+        if expect and local == expect:
             return False
-        data = storage.read_bytes(rel)
-        if not expect and dst.is_file() and file_sha256(dst) == hashlib.sha256(data).hexdigest():
-            return False    # a small control file, recorded nowhere: compared after reading it
-        if expect and hashlib.sha256(data).hexdigest() != expect:
-            raise UserError(f"storage: {self.uri}/{rel} does not match the sha256 its stage's _SUCCESS recorded; "
-                            f"the bucket's copy of stage {rel.split('/', 1)[0]} is inconsistent (rerun it)")
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(dst.name + ".part")
-        tmp.write_bytes(data)
+        h = hashlib.sha256()
+        with storage.fs.open_input_stream(storage.path(rel)) as src, open(tmp, "wb") as out:
+            while chunk := src.read(1 << 22):   # streamed: a tar of the full pull may be GBs
+                h.update(chunk)
+                out.write(chunk)
+        got = h.hexdigest()
+        if expect and got != expect:
+            tmp.unlink()
+            raise UserError(f"storage: {self.uri}/{rel} does not match the sha256 its stage's _SUCCESS recorded; "
+                            f"the bucket's copy of stage {rel.split('/', 1)[0]} is inconsistent (rerun it)")
+        if local == got:    # a small control file, recorded nowhere: compared once read
+            tmp.unlink()
+            return False
         os.replace(tmp, dst)
         return True
 
@@ -176,7 +183,7 @@ class RunStore:
             log(f"storage: {stage}: uploaded {n} files the driver wrote to {self.uri}/{stage}")
         return out
 
-    def push(self, rel_dir: str | None = None, log=print) -> int:
+    def push_top(self) -> int:
         """Upload the working copy's top files (manifest, config, report)."""
         if not self.uri:
             return 0

@@ -192,13 +192,9 @@ def _described(es: EvalSetConfig, run_dir: Path | None, describer, log):
     An encoder describer (a model) runs here."""
     images = iter_images(es, run_dir)
     batches = iter(lambda: list(itertools.islice(images, BATCH)), [])
-    try:
-        import ray
+    import ray
 
-        parallel = ray.is_initialized() and describer is None
-    except ImportError:
-        parallel = False
-    if not parallel:
+    if not (ray.is_initialized() and describer is None):
         for batch in batches:
             yield describe_batch(batch, describer)
         return

@@ -308,18 +308,15 @@ def _read_file_task(storage, path: str, cfg: SourceConfig, pinned: str | None = 
     import tempfile
 
     name = Path(path).name
-    if pinned is None:
-        rows = keyed_rows(_read_table(Path(path), cfg.format, _text_cols(cfg)), cfg, name)
-        return write_partitions(storage, rows, name,
-                                cfg.rows_per_part)
     with tempfile.TemporaryDirectory(prefix="capline-source-") as tmp:
-        local = Path(tmp) / name
-        with storage.fs.open_input_stream(storage.path(pinned)) as src, open(local, "wb") as out:
-            while chunk := src.read(1 << 22):
-                out.write(chunk)
+        local = Path(path)
+        if pinned is not None:
+            local = Path(tmp) / name
+            with storage.fs.open_input_stream(storage.path(pinned)) as src, open(local, "wb") as out:
+                while chunk := src.read(1 << 22):
+                    out.write(chunk)
         rows = keyed_rows(_read_table(local, cfg.format, _text_cols(cfg)), cfg, name)
-        return write_partitions(storage, rows, name,
-                                cfg.rows_per_part)
+        return write_partitions(storage, rows, name, cfg.rows_per_part)
 
 
 def _text_cols(cfg: SourceConfig) -> tuple:

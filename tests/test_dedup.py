@@ -235,6 +235,7 @@ def test_untrusted_evaluation_sets_cannot_make_capline_read_what_they_point_at(t
         build_reference(EvalSetConfig(name="f", kind="folder", path=str(folder)), None, tmp_path / "c", PARAMS)
 
 
+@pytest.mark.slow
 def test_the_evaluation_index_built_in_ray_tasks_equals_the_one_built_here(tmp_path, ray_local, monkeypatch):
     import stages.eval_sets as eval_sets
 

@@ -113,7 +113,7 @@ class _Redirector(BaseHTTPRequestHandler):
 @pytest.fixture()
 def redirector():
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Redirector)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     yield f"127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
@@ -166,7 +166,7 @@ def counting():
     _Counting.hits = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Counting)
     server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     yield server.server_address[1], _Counting.hits
     server.shutdown()
     server.server_close()
@@ -211,7 +211,7 @@ def test_slow_loris_is_dropped_at_the_deadline(counting, monkeypatch):
     import stages.fetch as fetch
 
     port, hits = counting
-    monkeypatch.setattr(fetch, "_policy", FetchPolicy(allow_hosts=(f"127.0.0.1:{port}",), deadline=1.0))
+    monkeypatch.setattr(fetch, "_policy", FetchPolicy(allow_hosts=(f"127.0.0.1:{port}",), deadline=0.5))
     t0 = time.monotonic()
     _, stream, err = safe_download_image((0, f"http://127.0.0.1:{port}/trickle"), 5, None, None)
     assert stream is None and reason_of("failed_to_download", err) == "deadline_exceeded", err

@@ -197,6 +197,7 @@ class Captions(Stage):
         return StageResult(ctx.map_parts(passthrough, num_cpus=0.25))
 
 
+@pytest.mark.slow    # starts Ray Data
 def test_samples_is_a_ray_dataset_of_what_the_previous_stage_kept(tmp_path, ray_local):
     reader = Captions()
     run_pipeline(_cfg(10), tmp_path, log=lambda m: None, stages=[Numbers(), DropOdd(), reader], observers=[])

@@ -179,7 +179,7 @@ def _taker(path, q):
     try:
         _take_local(path, _holder(), lambda m: None)
         q.put(("took", os.getpid()))
-        time.sleep(1.5)      # hold it while the others try
+        time.sleep(0.6)      # hold it while the others try (they started together)
     except UserError as err:
         q.put(("refused", str(err)))
 

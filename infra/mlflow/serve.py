@@ -80,7 +80,7 @@ def start(root: Path, port: int, host: str = "127.0.0.1", backend_uri: str | Non
     """Start the server in its own process group; -> (process, tracking URI) once /health answers."""
     from pipeline import offline
 
-    offline.apply()
+    offline.apply(ray_auth_for_local=False)   # quiet switches; it starts no Ray
     b, a = defaults(root)
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
     proc = subprocess.Popen(command(backend_uri or b, artifacts or a, host, port), stdout=out,
@@ -124,7 +124,7 @@ def main() -> int:
         return 2
     from pipeline import offline
 
-    offline.apply()
+    offline.apply(ray_auth_for_local=False)   # quiet switches; it starts no Ray
     b, a = defaults(Path(args.root))
     cmd = command(args.backend_store_uri or b, args.artifacts_destination or a, args.host, args.port, args.workers,
                   args.auth)
