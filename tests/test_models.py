@@ -219,3 +219,24 @@ def test_clipcap_freezing_follows_the_mapper_and_the_encoder_stays_frozen():
     loss, _ = mlp.loss(torch.randn(2, 3, 16, 16), labels(2))   # images go through the frozen encoder
     loss.backward()
     assert all(p.grad is None for p in enc.parameters())
+
+
+@pytest.mark.parametrize("family", ["cap", "cappa", "clip", "siglip", "coca", "clipcap"])
+def test_every_family_runs_on_the_inputs_device(family):
+    """GPU readiness without a GPU: on the meta device, any tensor a model makes on the CPU (a mask,
+    an arange) meets a meta tensor and fails, as it would on CUDA."""
+    with torch.device("meta"):
+        m = build_model(tiny(family, **({"image_embed_dim": 32} if family == "clipcap" else {})))
+    x = torch.empty(2, 32, device="meta") if family == "clipcap" else torch.empty(2, 3, 16, 16, device="meta")
+    y = labels(2).to("meta")
+    loss, metrics = m.loss(x, y)
+    assert loss.device.type == "meta" and all(v.device.type == "meta" for v in metrics.values())
+    if family != "clipcap":
+        assert m.image_features(x).shape == (2, 32)
+    if family in ("cap", "cappa", "coca", "clipcap"):
+        assert greedy(m, x, L).device.type == beam_search(m, x, L, beam=2).device.type == "meta"
+        assert m.score_ar(x, y).shape == (2, 2)
+    if family in ("cap", "cappa"):
+        assert m.score_parallel(x, y).shape == (2, 2)
+    if family in ("clip", "siglip", "coca"):
+        assert m.score(x, y).shape == (2, 2)

@@ -45,7 +45,7 @@ class Captioner(nn.Module):
         if pa_rows is None:
             pa_rows = torch.zeros(labels.shape[0], dtype=torch.bool, device=labels.device)
         memory = self.encoder(images)
-        mask = self_mask(pa_rows, labels.shape[1], labels.shape[0])
+        mask = self_mask(pa_rows, labels.shape[1], labels.shape[0], labels.device)
         return self.decoder(self.decoder_inputs(labels, pa_rows), mask, memory)
 
     def loss(self, images, labels, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
@@ -67,7 +67,7 @@ class Captioner(nn.Module):
 
     def step(self, tokens, memory, cache, start):
         t = tokens.shape[1]
-        mask = None if cache is not None and t == 1 else self_mask(None, t, tokens.shape[0])
+        mask = None if cache is not None and t == 1 else self_mask(None, t, tokens.shape[0], tokens.device)
         return self.decoder(tokens, mask, memory, cache, start)
 
     # --- scoring ------------------------------------------------------------------------------
@@ -84,7 +84,7 @@ class Captioner(nn.Module):
             for c0 in range(0, candidates.shape[0], chunk):
                 cand = candidates[c0:c0 + chunk]
                 mem = memory[i:i + 1].expand(cand.shape[0], -1, -1)
-                mask = self_mask(None, cand.shape[1], cand.shape[0])
+                mask = self_mask(None, cand.shape[1], cand.shape[0], cand.device)
                 logits = self.decoder(shift_right(cand), mask, mem)
                 row.append(sequence_logprob(logits, cand))
             out.append(torch.cat(row))
@@ -102,5 +102,5 @@ class Captioner(nn.Module):
         inputs = torch.full((b, length), self.cfg.mask_id, dtype=torch.long, device=memory.device)
         logp = torch.log_softmax(self.decoder(inputs, None, memory).float(), dim=-1)   # (B, L, V)
         valid = (candidates != 0).float()                                                # (C, L)
-        picked = logp[:, torch.arange(length)[None, :], candidates]                      # (B, C, L)
+        picked = logp[:, torch.arange(length, device=logp.device)[None, :], candidates]                      # (B, C, L)
         return (picked * valid[None]).sum(-1)

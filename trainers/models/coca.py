@@ -113,6 +113,6 @@ class CoCa(nn.Module):
         for i in range(memory.shape[0]):
             mem = memory[i:i + 1].expand(candidates.shape[0], -1, -1)
             h, _ = self._unimodal(candidates)
-            logits = self.multimodal.head(self.multimodal.hidden(h, causal_mask(candidates.shape[1]), mem))
+            logits = self.multimodal.head(self.multimodal.hidden(h, causal_mask(candidates.shape[1], candidates.device), mem))
             out.append(sequence_logprob(logits, candidates))
         return torch.stack(out)

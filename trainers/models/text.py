@@ -65,7 +65,7 @@ class TextEncoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         valid = tokens != PAD_ID                                    # (B, L)
-        valid = valid | (~valid.any(1, keepdim=True) & (torch.arange(tokens.shape[1]) == 0))  # empty text
+        valid = valid | (~valid.any(1, keepdim=True) & (torch.arange(tokens.shape[1], device=tokens.device) == 0))  # empty text
         mask = valid[:, None, None, :]                              # keys only
         x = self.embed(tokens) + self.pos[:, : tokens.shape[1]]
         for blk in self.blocks:
@@ -84,9 +84,10 @@ def shift_right(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.full_like(labels[:, :1], PAD_ID), labels[:, :-1]], dim=1)
 
 
-def self_mask(pa_rows: torch.Tensor | None, length: int, batch: int) -> torch.Tensor:
-    """(B, 1, L, L): causal for autoregressive rows, full for parallel-prediction rows."""
-    causal = causal_mask(length, pa_rows.device if pa_rows is not None else None)
+def self_mask(pa_rows: torch.Tensor | None, length: int, batch: int, device: torch.device) -> torch.Tensor:
+    """(B, 1, L, L): causal for autoregressive rows, full for parallel-prediction rows (on `device`,
+    the tokens': a mask made elsewhere fails on a GPU)."""
+    causal = causal_mask(length, device)
     mask = causal.expand(batch, 1, length, length)
     if pa_rows is None:
         return mask
