@@ -1,5 +1,7 @@
-"""Optimiser and schedule: AdamW (or Adafactor), linear warmup then cosine to 0, decoupled weight
-decay on weight matrices only (not biases, norms, position or token embeddings, probes)."""
+"""Optimiser and schedule: AdamW, or the paper's Adafactor variant (trainers/adafactor.py, big_vision's),
+linear warmup then cosine to 0, decoupled weight decay on weight matrices only (not biases, norms,
+position or token embeddings, probes). With Adafactor, weight_decay is big_vision's `wd`: multiplied
+by the schedule, not by the learning rate (the paper: lr 1e-3, wd 1e-4)."""
 from __future__ import annotations
 
 import math
@@ -23,7 +25,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay)
     if cfg.name == "adafactor":
-        return torch.optim.Adafactor(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        from .adafactor import Adafactor
+
+        return Adafactor(groups, lr=cfg.lr, momentum=cfg.beta1, beta2_cap=cfg.beta2, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
 
 

@@ -11,9 +11,9 @@ from .configtools import join, require
 class OptimConfig:
     name: Literal["adamw", "adafactor"] = "adamw"
     lr: float = 1e-3
-    weight_decay: float = 0.1      # decoupled, on weight matrices only; ~ the paper's 1e-4 at lr 1e-3
-    beta1: float = 0.9
-    beta2: float = 0.999
+    weight_decay: float = 0.1      # decoupled, on weight matrices only (AdamW: x lr; adafactor: x schedule, paper 1e-4)
+    beta1: float = 0.9             # adamw beta1; adafactor: momentum
+    beta2: float = 0.999           # adamw beta2; adafactor: beta2_cap
     warmup_steps: int = 100
     clip: float = 1.0              # gradient norm clipping (0: off)
 
@@ -30,7 +30,7 @@ class TrainConfig:
     size: Literal["tiny", "s16", "m16", "b16", "l14"] = "tiny"
     model_args: dict[str, Any] = field(default_factory=dict)   # any ModelConfig field, e.g. {width: 96}
     image_size: int = 64
-    max_len: int = 32
+    max_len: int = 64              # caption tokens with EOS, as the paper's sizes use
     steps: int = 0                 # 0: the train stage trains nothing
     global_batch: int = 64         # independent of the number of workers
     micro_batch: int | None = None  # per worker and step of accumulation (default: global / workers)
