@@ -35,7 +35,8 @@ def verify_run(run_dir: Path) -> tuple[list[str], int]:
     shards = _shard_list(run_dir, manifest)
     folder = run_dir / "shard" / "shards"
     problems = []
-    sizes = json.loads((run_dir / "shard" / "sizes.json").read_text()) if (run_dir / "shard" / "sizes.json").is_file() else {}
+    sizes_path = folder / "sizes.json"
+    sizes = json.loads(sizes_path.read_text()) if sizes_path.is_file() else {}
     for s in shards:
         path = folder / s["name"]
         if not path.is_file():
@@ -68,11 +69,29 @@ def sample_digests(run_dir: Path) -> dict[str, dict[str, str]]:
     return out
 
 
+def file_digests(run_dir: Path) -> dict[str, str]:
+    """shard name -> sha256 of the file on disk now (not what a manifest says it was)."""
+    _shard_list(run_dir, _manifest(run_dir))   # a run whose shard stage finished
+    return {p.name: sha256_file(p) for p in sorted((run_dir / "shard" / "shards").glob("*.tar"))}
+
+
 def compare_runs(a: Path, b: Path) -> list[str]:
-    """[] when the two runs' shards are byte-identical; else lines naming what differs."""
-    sa, sb = _shard_list(a, _manifest(a)), _shard_list(b, _manifest(b))
-    if [(s["name"], s["sha256"]) for s in sa] == [(s["name"], s["sha256"]) for s in sb]:
+    """[] when the two runs' shard files are byte-identical, read from disk; else lines naming what
+    differs (a file that does not parse as a tar is named, not compared member by member)."""
+    fa, fb = file_digests(a), file_digests(b)
+    if fa == fb and fa:
         return []
+    unreadable = []
+    for run, files in ((a, fa), (b, fb)):
+        for name in files:
+            try:
+                with tarfile.open(run / "shard" / "shards" / name) as tar:
+                    for _ in tar:
+                        pass
+            except (tarfile.TarError, OSError, EOFError) as err:
+                unreadable.append(f"{run}/shard/shards/{name}: not a readable tar ({type(err).__name__}: {err})")
+    if unreadable:
+        return unreadable + [f"shard {n}: sha256 differs" for n in sorted(set(fa) & set(fb)) if fa[n] != fb[n]]
     da, db = sample_digests(a), sample_digests(b)
     lines = []
     for key in sorted(set(da) - set(db)):

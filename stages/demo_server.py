@@ -56,7 +56,8 @@ class _Server(ThreadingHTTPServer):
 
 
 class DemoServer:
-    def __init__(self, root: Path, slow_seconds: float = 6.0):
+    def __init__(self, root: Path, slow_seconds: float = 6.0, port: int = 0, log=None):
+        self.port, self.log = port, log
         self.root = Path(root)
         self.slow_seconds = slow_seconds
         self._server: ThreadingHTTPServer | None = None
@@ -76,7 +77,15 @@ class DemoServer:
     def __enter__(self) -> "DemoServer":
         handler = type("Handler", (_Handler,), {
             "root": self.root, "slow_seconds": self.slow_seconds, "stop_event": self._stop})
-        self._server = _Server(("127.0.0.1", 0), handler)
+        try:   # a fixed port keeps the fetched URLs (in the ledger and the shards' json) the same every run
+            self._server = _Server(("127.0.0.1", self.port), handler)
+        except OSError as err:
+            if not self.port:
+                raise
+            self._server = _Server(("127.0.0.1", 0), handler)
+            if self.log:
+                self.log(f"ingest: port {self.port} is busy ({err.strerror}); serving on "
+                         f"{self._server.server_address[1]}, so this run's URLs (and shard json) name that port")
         self._thread = threading.Thread(target=self._server.serve_forever, name="capline-demo-server",
                                         daemon=True)
         self._thread.start()

@@ -5,16 +5,25 @@ sample goes to output shard (that hash mod the number of shards), and each shard
 in hash order. A map task per input partition reads its images once through the sample index and
 writes them to their shards' buckets; a reduce task per output shard writes the tar, its index and
 its ledger partition, and records the tar's sha256. The driver only counts.
-Each sample is `<key>.jpg` (the bytes ingest stored), `<key>.txt` (the caption) and `<key>.json`
-(key, source URL, caption, scores and verdict details from every earlier stage). Tar members have
-mtime 0, owner 0:0, mode 0444 and USTAR headers, so equal content gives equal bytes. There are
-enough shards that each holds about `samples_per_shard` samples and stays under `max_shard_bytes`;
-each is written whole (temp file and rename, or one PUT). Beside them: `sizes.json` (shard -> samples, as open_clip reads), `shards.json`
-(name, samples, bytes, sha256 per shard) and `index/<shard>.parquet` (key -> shard, byte offset of
-the sample's first member) so a reader can count and seek.
+Each sample is `<key>.jpg` (the bytes ingest stored), `<key>.txt` (the caption) and `<key>.json`:
+img2dataset's fields (key, url as fetched, caption, status, error_message, width and height as
+stored, original_width/original_height, sha256 of the bytes downloaded) plus what every filter
+recorded (`clip_score`, `language_score`, `language`, ...). Tar members have mtime 0, owner 0:0,
+mode 0444 and USTAR headers, so equal content gives equal bytes. There are enough shards that each
+holds about `samples_per_shard` samples and stays under `max_shard_bytes`, and, for small data, at
+least `min_shards` (each training worker needs a shard of its own; a config value, not the train
+section's worker count, so changing training never invalidates the shards); each is written whole
+(temp file and rename, or one PUT).
+
+Beside the tars, in `shards/`, what users' readers look for there: `sizes.json` (shard -> samples,
+open_clip's `get_dataset_size`) and `shardindex.json` (the `wids` shard index: url, nsamples,
+filesize, md5sum). In `shard/`: `shards.json` (name, samples, bytes, sha256 per shard),
+`index/<shard>.parquet` (key -> shard, byte offset of the sample's first member) so a reader can
+count and seek, and `README.md`, the dataset card.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -39,11 +48,13 @@ class ShardConfig:
     samples_per_shard: int = 10_000
     max_shard_bytes: int = 1_000_000_000
     num_workers: int = 2
+    min_shards: int = 4              # small data still makes this many shards: one per training worker (up to 4)
 
     def validate(self, prefix: str) -> None:
         require(self.samples_per_shard >= 1, join(prefix, "samples_per_shard"), "must be >= 1")
         require(self.max_shard_bytes >= 10_000, join(prefix, "max_shard_bytes"), "must be >= 10000")
         require(self.num_workers >= 1, join(prefix, "num_workers"), "must be >= 1")
+        require(self.min_shards >= 1, join(prefix, "min_shards"), "must be >= 1")
 
 
 def _member(name: str, data: bytes) -> tuple[tarfile.TarInfo, io.BytesIO]:
@@ -73,16 +84,32 @@ def _bytes_task(storage, file: str) -> int:
     return int(pa.compute.sum(t.column("size")).as_py() or 0) + 1600 * t.num_rows
 
 
+def _stored_size(data: bytes) -> tuple[int | None, int | None]:
+    """Width and height of an image as ingest stored it, from its header (nothing is decoded)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.size
+    except Exception:  # noqa: BLE001 - ingest decoded it already; a size we cannot read is not a drop
+        return None, None
+
+
 def _map_task(storage, part: str, file: str, seed: int, n_out: int) -> dict:
     """Ray task: one input partition's samples, images read once, into their output shards' buckets."""
-    rows = read_kept(storage, file, ["key", "url", "caption", "notes", "tar", "member", "offset", "size"])
+    rows = read_kept(storage, file, ["key", "url", "caption", "notes", "tar", "member", "offset", "size",
+                                     "sha256", "width", "height"])
     images = read_images(storage, rows)
     keys = rows.column("key").to_pylist()
     order = [order_key(seed, k) for k in keys]
     out = np.array([int(o[:16], 16) % n_out for o in order], np.int64)
     meta = []
-    for k, u, c, n in zip(keys, *(rows.column(x).to_pylist() for x in ("url", "caption", "notes"))):
-        meta.append(json.dumps({"key": k, "url": u, "caption": c, **(json.loads(n) if n else {})},
+    cols = (rows.column(x).to_pylist() for x in ("url", "caption", "notes", "sha256", "width", "height"))
+    for k, img, (u, c, n, sha, ow, oh) in zip(keys, images, zip(*cols)):
+        w, h = _stored_size(img)
+        meta.append(json.dumps({"key": k, "url": u, "caption": c, "status": "success", "error_message": None,
+                                "width": w, "height": h, "original_width": ow, "original_height": oh,
+                                "sha256": sha, **(json.loads(n) if n else {})},
                                sort_keys=True, ensure_ascii=False))
     ext = [(m or "x.jpg").rsplit(".", 1)[-1] for m in rows.column("member").to_pylist()]
     table = pa.table({"key": keys, "order": order, "image": pa.array(images, pa.binary()), "ext": ext,
@@ -111,6 +138,7 @@ def _reduce_task(storage, shard: int) -> dict:
                 tar.addfile(*_member(f"{k}.{e}", data))
     data = buf.getvalue()
     sha = storage.write_bytes(f"shard/shards/{name}", data)
+    md5 = hashlib.md5(data, usedforsecurity=False).hexdigest()   # wids' index field
     keys = t.column("key").to_pylist()
     storage.write_table(f"shard/index/{shard:06d}.parquet",
                         pa.table({"key": keys, "shard": [name] * len(keys), "offset": pa.array(offsets, pa.int64())}))
@@ -118,7 +146,7 @@ def _reduce_task(storage, shard: int) -> dict:
                        "caption": t.column("caption"), "tar": [f"shard/shards/{name}"] * len(keys),
                        "offset": pa.array(offsets, pa.int64())})
     return write_part(storage, "shard", f"{shard:06d}", None, keys, ledger,
-                      extra={"name": name, "samples": len(keys), "bytes": len(data), "sha256": sha})
+                      extra={"name": name, "samples": len(keys), "bytes": len(data), "sha256": sha, "md5": md5})
 
 
 class ShardStage(Stage):
@@ -137,6 +165,10 @@ class ShardStage(Stage):
             raise RuntimeError("shard: no samples left to write; every sample was dropped upstream")
         sizes = ray.get([ray.remote(num_cpus=0.25)(_bytes_task).remote(ctx.storage, u["file"]) for u in upstream])
         n_out = max(1, math.ceil(n / cfg.samples_per_shard), math.ceil(sum(sizes) / (0.9 * cfg.max_shard_bytes)))
+        if n_out < cfg.min_shards:   # small data: each training worker still gets a shard of its own
+            ctx.log(f"shard: {n} samples make {n_out} shard(s) of {cfg.samples_per_shard}; writing "
+                    f"{min(cfg.min_shards, n)} (stages.shard.min_shards), one per training worker")
+            n_out = max(n_out, min(cfg.min_shards, n))
         done = {r.rsplit("/", 1)[-1][:-5] for r in ctx.storage.list("shard/_work/mapdone", ".json")}
         todo = [u for u in upstream if u["part"] not in done]
         mapper = ray.remote(num_cpus=1, max_retries=2)(_map_task)
@@ -144,7 +176,7 @@ class ShardStage(Stage):
                   "shard map", ctx.log, max_in_flight=cfg.num_workers, describe=lambda c: f"partition {c[1]}")
         reducer = ray.remote(num_cpus=1, max_retries=2)(_reduce_task)
         parts = run_tasks(reducer, [(ctx.storage, i) for i in range(n_out)], "shard write", ctx.log,
-                          max_in_flight=cfg.num_workers, describe=lambda c: f"shard {c[1]:06d}")
+                          max_in_flight=cfg.num_workers, describe=lambda c: f"shard {c[1]:06d}", unit="shards")
         names = {p["extra"]["name"] for p in parts}
         for stale in ctx.storage.list("shard/shards", ".tar"):
             if stale.rsplit("/", 1)[-1] not in names:
@@ -154,9 +186,23 @@ class ShardStage(Stage):
                 ctx.storage.delete(stale)
         ctx.storage.delete("shard/_work")
         shards = [{k: p["extra"][k] for k in ("name", "samples", "bytes", "sha256")} for p in parts]
-        (ctx.stage_dir / "sizes.json").write_text(json.dumps({s["name"]: s["samples"] for s in shards}, indent=1))
-        (ctx.stage_dir / "shards.json").write_text(json.dumps(shards, indent=1))
+        files = {f"shard/shards/{s['name']}": s["sha256"] for s in shards}
+        index = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": ctx.config.name,
+                 "shardlist": [{"url": s["name"], "nsamples": s["samples"], "filesize": s["bytes"],
+                                "md5sum": p["extra"]["md5"]} for s, p in zip(shards, parts)]}
+        for rel, obj in (("shard/shards/sizes.json", {s["name"]: s["samples"] for s in shards}),
+                         ("shard/shards/shardindex.json", index), ("shard/shards.json", shards)):
+            files[rel] = ctx.storage.write_bytes(rel, json.dumps(obj, indent=1).encode())
         ctx.log(f"shard: {n} samples in {len(shards)} shards")
         return StageResult(parts, {"shards": len(shards), "bytes": sum(s["bytes"] for s in shards)},
-                           artifacts={"folder": "shard/shards", "shards": shards},
-                           files={f"shard/shards/{s['name']}": s["sha256"] for s in shards})
+                           artifacts={"folder": "shard/shards", "shards": shards,
+                                      "train_data": train_data_pattern(ctx.storage, shards)},
+                           files=files)
+
+
+def train_data_pattern(storage, shards: list[dict]) -> str:
+    """The brace pattern open_clip's and webdataset's --train-data takes for these shards."""
+    names = sorted(s["name"] for s in shards)
+    first, last = names[0][:-4], names[-1][:-4]
+    body = first if first == last else f"{{{first}..{last}}}"
+    return storage.uri(f"shard/shards/{body}.tar")

@@ -53,8 +53,15 @@ def test_demo_run_reports_its_funnel(reference_run):
     stats = json.loads((run_dir / "ingest" / "stats.json").read_text())
     assert stats["in"] == stats["kept"] + sum(stats["dropped"].values()) == 600
     for reason in ("http_404", "http_500", "timeout", "undecodable_image", "truncated_image",
-                   "not_an_image", "image_too_large", "too_many_bytes", "empty_caption"):
+                   "not_an_image", "image_too_large", "too_many_bytes"):
         assert stats["dropped"].get(reason, 0) > 0, (reason, stats)
+    # each drop decided once, in the stage the README names: caption and image size are basic's
+    basic = json.loads((run_dir / "basic" / "stats.json").read_text())
+    for reason in ("empty_caption", "image_too_small"):
+        assert basic["dropped"].get(reason, 0) > 0 and reason not in stats["dropped"], (reason, basic, stats)
+    details = read_ledger(run_dir, "ingest", ["reason", "detail"]).to_pylist()
+    assert not [d for d in details if " at 0x" in (d["detail"] or "") or (d["detail"] or "").startswith("capline:")]
+    assert any("max_pixels" in d["detail"] for d in details if d["reason"] == "image_too_large")
     status = capline("status", str(run_dir))
     assert status.returncode == 0
     row = next(ln for ln in status.stdout.splitlines() if ln.startswith("ingest"))
@@ -127,7 +134,7 @@ def test_final_shards_read_back_once_per_epoch(reference_run):
     import torch
 
     run_dir, _ = reference_run
-    sizes = json.loads((run_dir / "shard" / "sizes.json").read_text())
+    sizes = json.loads((run_dir / "shard" / "shards" / "sizes.json").read_text())
     total = sum(sizes.values())
     names = sorted(sizes)
     assert len(names) == 4
@@ -172,3 +179,120 @@ def test_rebuild_names_died_and_changed_urls(reference_run, tmp_path):
     assert report["died"] == sorted(removed)
     assert report["changed"] == sorted(changed)
     assert "2 URLs died, 3 changed content" in out.stdout
+
+
+def _open_clip_dataset_size(pattern: str) -> int:
+    """open_clip's get_dataset_size rule, restated: expand the brace pattern, read `sizes.json` in the
+    first shard's folder, sum the listed sizes of the shards named (a shard missing there is a KeyError)."""
+    import braceexpand
+
+    shards = list(braceexpand.braceexpand(pattern))
+    sizes = json.loads(open(os.path.join(os.path.dirname(shards[0]), "sizes.json")).read())
+    return sum(int(sizes[os.path.basename(s)]) for s in shards)
+
+
+def test_the_printed_open_clip_line_and_wids_read_the_shards(reference_run):
+    import shlex
+
+    import wids
+
+    run_dir, proc = reference_run
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("open_clip: "))
+    args = shlex.split(line.split("open_clip_train.main", 1)[1].rstrip(". "))
+    opts = dict(zip(args[::2], args[1::2]))
+    assert opts["--dataset-type"] == "webdataset"
+    n = int(opts["--train-num-samples"])
+    assert _open_clip_dataset_size(opts["--train-data"]) == n
+    # open_clip's pipeline shape: shard list, tar to samples, decode, rename, to_tuple
+    ds = wds.DataPipeline(wds.SimpleShardList(opts["--train-data"]), wds.tarfile_to_samples(), wds.decode("pilrgb"),
+                          wds.rename(image="jpg;png;jpeg;webp", text="txt"), wds.to_tuple("image", "text"))
+    got = list(ds)
+    assert len(got) == n and all(img.size == (64, 64) and txt for img, txt in got)
+    index = json.loads((run_dir / "shard" / "shards" / "shardindex.json").read_text())
+    assert index["__kind__"] == "wids-shard-index-v1"
+    ds = wids.ShardListDataset(str(run_dir / "shard" / "shards" / "shardindex.json"))
+    assert len(ds) == n
+    sample = ds[n - 1]
+    meta = sample[".json"]   # wids decodes .json members itself
+    assert sample[".txt"] and (meta if isinstance(meta, dict) else json.loads(meta))["key"] == sample["__key__"]
+
+
+def test_per_sample_json_has_img2datasets_fields_and_the_fetched_url(reference_run):
+    run_dir, _ = reference_run
+    metas = [json.loads(s["json"]) for s in wds.WebDataset(str(run_dir / "shard" / "shards" / "000000.tar"),
+                                                           shardshuffle=False)]
+    assert metas
+    for m in metas:
+        assert m["status"] == "success" and m["error_message"] is None
+        assert m["url"].startswith("http://127.0.0.1:") and "{" not in m["url"]
+        assert (m["width"], m["height"]) == (64, 64) and m["original_width"] == m["original_height"] == 96
+        assert len(m["sha256"]) == 64 and 0 <= m["language_score"] <= 1 and "clip_score" in m
+        assert "clip_score_score" not in m and "ingest_detail" not in m
+    card = (run_dir / "shard" / "README.md").read_text()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["stages"]["shard"]["output_digest"] in card
+    assert manifest["artifacts"]["clip_score"]["scorer_sha256"] in card
+    assert "min_image_side=" in card and "| demo |" in card
+
+
+def test_verify_of_a_truncated_copy_never_says_identical(reference_run, tmp_path):
+    import shutil
+
+    run_dir, _ = reference_run
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("ingest", "mlflow.db", "mlartifacts"))
+    same = capline("verify", str(run_dir), str(copy))
+    assert same.returncode == 0 and "identical" in same.stdout, same.stdout + same.stderr
+    tar = copy / "shard" / "shards" / "000001.tar"
+    with open(tar, "r+b") as f:
+        f.truncate(tar.stat().st_size // 2)
+    proc = capline("verify", str(run_dir), str(copy))
+    assert proc.returncode == 1, proc.stdout
+    assert "identical" not in proc.stdout
+    assert "000001.tar" in proc.stdout and "truncated" in proc.stdout
+
+
+def test_status_and_explain_as_json_by_url_and_stale_stages(reference_run, tmp_path):
+    import shutil
+
+    run_dir, _ = reference_run
+    rows = json.loads(capline("status", str(run_dir), "--json").stdout)
+    assert [r["state"] for r in rows] == ["done"] * len(rows)
+    kept = read_ledger(run_dir, "shard", ["key", "tar", "offset"]).to_pylist()[0]
+    url = read_ledger(run_dir, "ingest", ["key", "url"], filters=[("key", "==", kept["key"])]).to_pylist()[0]["url"]
+    proc = capline("explain", str(run_dir), "--url", url, "--json")
+    assert proc.returncode == 0, proc.stderr
+    last = [r for r in json.loads(proc.stdout) if r["stage"] == "shard"][0]
+    assert (last["tar"], last["offset"]) == (kept["tar"], kept["offset"])
+    with open(run_dir / last["tar"], "rb") as f:      # the offset is the sample's first tar header
+        f.seek(last["offset"])
+        assert f.read(100).rstrip(b"\0").decode().startswith(kept["key"] + ".")
+    copy = tmp_path / "stale"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("ingest", "mlartifacts"))
+    (copy / "shard" / "_SUCCESS").unlink()
+    states = {r["stage"]: r["state"] for r in json.loads(capline("status", str(copy), "--json").stdout)}
+    assert states["shard"] == "incomplete" and states["train"] == states["eval"] == "stale", states
+    assert "stale" in capline("status", str(copy)).stdout
+
+
+def test_closed_pipe_version_and_stage_names_in_help(reference_run):
+    run_dir, _ = reference_run
+    key = read_ledger(run_dir, "shard", ["key"]).column("key")[0].as_py()
+    for cmd in (f"status {run_dir} --json", f"explain {run_dir} {key} --json"):
+        proc = subprocess.run(f"{ROOT}/.venv/bin/capline {cmd} | head -c 10", shell=True, capture_output=True,
+                              text=True, timeout=120)
+        assert len(proc.stdout) == 10 and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+    assert capline("--version").stdout.startswith("capline ")
+    from pipeline.runner import stage_names
+
+    helptext = capline("run", "--help").stdout
+    assert all(name in helptext for name in stage_names())
+
+
+def test_a_successful_run_prints_no_ray_noise(reference_run):
+    _, proc = reference_run
+    out = proc.stdout + proc.stderr
+    for noise in ("TrainController", "core_worker.cc", "Reporting training result", "RpcError",
+                  "INFO mlflow", "(pid="):
+        assert noise not in out, noise
+    assert out.count("capline: finished") == 1

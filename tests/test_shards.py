@@ -71,7 +71,7 @@ def _fake_run(tmp_path):
         write_shard(p, _samples()[n * 2:n * 2 + 2])
         data = p.read_bytes()
         shards.append({"name": p.name, "samples": 2, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-    (run / "shard" / "sizes.json").write_text(json.dumps({s["name"]: 2 for s in shards}))
+    (run / "shard" / "shards" / "sizes.json").write_text(json.dumps({s["name"]: 2 for s in shards}))
     (run / "manifest.json").write_text(json.dumps({"artifacts": {"shard": {"shards": shards}}}))
     return run
 

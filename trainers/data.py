@@ -47,7 +47,8 @@ def list_shards(shard_dir) -> list:
 def check_readers(n_shards: int, world: int, loader_workers: int) -> None:
     if n_shards < world:
         raise UserError(f"{n_shards} shards for {world} training workers: every worker needs at least one "
-                        "shard; write smaller shards (stages.shard.samples_per_shard) or use fewer workers")
+                        "shard; write more shards (stages.shard.min_shards, or a smaller stages.shard.samples_per_shard) "
+                        "or use fewer workers")
     del loader_workers  # loader processes split batches, not shards: any number works
 
 

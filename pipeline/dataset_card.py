@@ -1,0 +1,76 @@
+"""The dataset card, `shard/README.md`: what a finished dataset is, for whoever finds the shards.
+
+Written after the shard stage (an observer), from the manifest and each stage's stats: counts per
+stage with wall time, every filter's thresholds, the scorer's and tokenizer's sha256, the
+evaluation sets the data was decontaminated against, the source's fingerprint, the shard digest,
+and the lines open_clip and wids take.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from stages.registry import STAGES
+
+FILTERS = ("ingest", "dedup", "basic", "language", "clip_score")
+
+
+def thresholds(cfg) -> dict[str, dict]:
+    """Each filtering stage's config section, as the run used it."""
+    out = {}
+    for name in FILTERS:
+        section = getattr(cfg.stages, name, None)
+        if section is not None and dataclasses.is_dataclass(section):
+            # an unset value that only says "moved to another stage" (ingest's old size bounds) is no threshold
+            out[name] = {k: v for k, v in dataclasses.asdict(section).items()
+                         if not (name == "ingest" and v is None)}
+    return out
+
+
+def open_clip_args(manifest: dict) -> str | None:
+    shard = manifest.get("artifacts", {}).get("shard") or {}
+    if not shard.get("train_data"):
+        return None
+    n = sum(s["samples"] for s in shard["shards"])
+    return f"--train-data '{shard['train_data']}' --train-num-samples {n} --dataset-type webdataset"
+
+
+def card(manifest: dict, summary: dict, cfg) -> str:
+    shard = manifest["artifacts"].get("shard", {})
+    digest = manifest["stages"]["shard"]["output_digest"]
+    n = sum(s["samples"] for s in shard.get("shards", []))
+    lines = [f"# {cfg.name}: {n} image-text pairs in {len(shard.get('shards', []))} WebDataset shards", "",
+             f"- shard digest: `{digest}`",
+             f"- config hash: `{manifest.get('config_hash')}`, seed {cfg.seed}, capline git `{manifest.get('git_revision')}`",
+             f"- source: `{json.dumps(manifest.get('inputs', {}), sort_keys=True)}`", "",
+             "## Funnel", "", "| stage | in | kept | % kept | wall s | dropped by reason |", "|---|---:|---:|---:|---:|---|"]
+    for stage in [s.name for s in STAGES]:
+        st = summary.get(stage)
+        if not st:
+            continue
+        pct = f"{100 * st['kept'] / st['in']:.1f}" if st.get("in") else "-"
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(st["dropped"].items(), key=lambda kv: -kv[1])) or "-"
+        lines.append(f"| {stage} | {st['in']} | {st['kept']} | {pct} | {st.get('wall_seconds', 0):.1f} | {reasons} |")
+    lines += ["", "## Filters and thresholds", ""]
+    for name, section in thresholds(cfg).items():
+        if name == "dedup":
+            section = {k: v for k, v in section.items() if k != "eval_sets"}
+        lines.append(f"- **{name}**: " + ", ".join(f"{k}={json.dumps(v)}" for k, v in section.items()))
+    art = manifest["artifacts"]
+    if art.get("clip_score", {}).get("scorer_sha256"):
+        lines.append(f"- CLIP-score scorer sha256: `{art['clip_score']['scorer_sha256']}`")
+    if art.get("tokenizer", {}).get("sha256"):
+        lines.append(f"- tokenizer `{art['tokenizer']['model']}` ({art['tokenizer'].get('vocab_size')} pieces), "
+                     f"sha256 `{art['tokenizer']['sha256']}`")
+    dedup = summary.get("dedup") or {}
+    if dedup.get("eval_sets"):
+        lines += ["", "## Evaluation sets removed", "", "| set | images | samples removed |", "|---|---:|---:|"]
+        for name, info in dedup["eval_sets"].items():
+            lines.append(f"| {name} | {info.get('images')} | {dedup.get('eval_matches', {}).get(name, 0)} |")
+    lines += ["", "## Reading it", "", "Each sample: `<key>.jpg`, `<key>.txt` (caption), `<key>.json` (img2dataset's "
+              "fields plus `clip_score`, `language_score`). Beside the tars: `sizes.json` (open_clip), "
+              "`shardindex.json` (wids).", ""]
+    args = open_clip_args(manifest)
+    if args:
+        lines += ["```", f"python -m open_clip_train.main {args} ...", "```", ""]
+    return "\n".join(lines)
