@@ -211,7 +211,8 @@ class ClipScoreStage(Stage):
         weights = np.array([counts[v] for v in sorted(counts)], np.float64)
         hist, edges = np.histogram(values, bins=40, weights=weights)
         mean = float((values * weights).sum() / weights.sum())
-        shown = write_examples(ctx, parts, cfg.examples_per_reason, "CLIP-score filter")
+        shown = write_examples(ctx, parts, cfg.examples_per_reason, "CLIP-score filter",
+                               cut=cut_value if cut_value != float("inf") else None)
         ctx.log(f"clip_score: {scorer['kind']} scorer {scorer['sha256'][:12]}, kept {kept} "
                 f"of {n} at {how}; examples in {shown}")
         return StageResult(parts, {

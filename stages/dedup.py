@@ -371,6 +371,9 @@ class DedupStage(Stage):
                           kwargs={"part": u["part"], "decisions": decisions.get(u["part"], {}), "cfg": cfg,
                                   "storage": ctx.storage}) for u in upstream]
         parts = ctx.map_parts(_verdicts, tasks, num_cpus=0.5)
+        from .dedup_report import write_report
+
+        ctx.log(f"dedup: pairs side by side in {write_report(ctx, decisions, parts)}")
         evals: dict[str, int] = {}
         for p in parts:
             for name, c in p["extra"].get("eval_matches", {}).items():
@@ -381,7 +384,8 @@ class DedupStage(Stage):
                                               "within_threshold": cfg.within_threshold,
                                               "lsh": f"{BANDS} bands of {BAND_BITS} bits, Hamming radius "
                                                      f"{hamming_radius(cfg.within_threshold, cfg.bits)}",
-                                              "encoder_checkpoint": cfg.encoder_checkpoint}})
+                                              "encoder_checkpoint": cfg.encoder_checkpoint}},
+                           artifacts={"report": "dedup/report.html"})
 
 
 def _dir_digest(path: str) -> str:

@@ -1,7 +1,9 @@
 """A filter stage's examples page: for each drop reason (and for kept samples) up to N samples, each a
 picture next to its caption, reason and score, so a person can judge the stage's choices.
 
-Examples are picked deterministically (by sha256(seed:key)), each partition in its own task; images
+Examples are picked deterministically: for a stage with one cut (language, CLIP score) the samples
+nearest it on each side, the ones a person can argue about; otherwise by sha256(seed:key). Each
+partition picks in its own task; images
 are read from the ingest shards through the sample index and inlined as data URIs: `<stage>/report.html` is one file that opens anywhere.
 """
 from __future__ import annotations
@@ -19,24 +21,32 @@ _STYLE = """body{font:14px sans-serif;margin:1.5em;color:#222}h2{margin-top:1.6e
 .meta{color:#666;font-size:12px}"""
 
 
-def _pick_task(storage, file: str, per_reason: int, seed: int) -> dict[str, list[dict]]:
-    """Ray task: one partition's first `per_reason` rows per reason in the seeded order."""
+def _order(seed: int, cut: float | None):
+    """Sort key: distance to the cut (samples without a score last), then the seeded order."""
+    def key(r):
+        near = abs(r["score"] - cut) if cut is not None and r["score"] is not None else float("inf")
+        return (near, order_key(seed, r["key"]))
+    return key
+
+
+def _pick_task(storage, file: str, per_reason: int, seed: int, cut: float | None = None) -> dict[str, list[dict]]:
+    """Ray task: one partition's first `per_reason` rows per reason in that order."""
     t = storage.read_table(file, ["key", "verdict", "reason", "score", "detail", "caption", "tar", "offset", "size"])
     groups: dict[str, list[dict]] = defaultdict(list)
     for r in t.to_pylist():
         groups[r["reason"] or "kept"].append(r)
-    return {reason: sorted(rows, key=lambda r: order_key(seed, r["key"]))[:per_reason]
-            for reason, rows in groups.items()}
+    return {reason: sorted(rows, key=_order(seed, cut))[:per_reason] for reason, rows in groups.items()}
 
 
-def pick(ctx_storage, files: list[str], per_reason: int, seed: int) -> dict[str, list[dict]]:
-    """reason ("kept" for kept samples) -> up to per_reason rows over all partitions, in a seeded
-    order: each partition picks its own, the driver merges the few it gets back."""
+def pick(ctx_storage, files: list[str], per_reason: int, seed: int, cut: float | None = None) -> dict[str, list[dict]]:
+    """reason ("kept" for kept samples) -> up to per_reason rows over all partitions, nearest the
+    cut if there is one, else in a seeded order: each partition picks its own, the driver merges
+    the few it gets back."""
     import ray
 
     from .dataplane import run_tasks
 
-    calls = [(ctx_storage, f, per_reason, seed) for f in files]
+    calls = [(ctx_storage, f, per_reason, seed, cut) for f in files]
     if ray.is_initialized():
         results = run_tasks(ray.remote(num_cpus=0.25)(_pick_task), calls, "examples", lambda m: None)
     else:   # `capline report` on a finished run: no cluster, one partition at a time
@@ -44,14 +54,16 @@ def pick(ctx_storage, files: list[str], per_reason: int, seed: int) -> dict[str,
     merged: dict[str, list[dict]] = defaultdict(list)
     for found in results:
         for reason, rows in found.items():
-            merged[reason] = sorted(merged[reason] + rows, key=lambda r: order_key(seed, r["key"]))[:per_reason]
+            merged[reason] = sorted(merged[reason] + rows, key=_order(seed, cut))[:per_reason]
     return dict(sorted(merged.items()))
 
 
 def render_html(title: str, groups: dict[str, list[dict]], totals: dict[str, int],
-                images: dict[str, bytes]) -> str:
+                images: dict[str, bytes], cut: float | None = None) -> str:
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
              f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>"]
+    if cut is not None:
+        parts.append(f"<p>Shown: the samples whose score is nearest the cut {cut:.4g}, on each side of it.</p>")
     parts.append("<p>" + ", ".join(f"<a href='#{html.escape(r)}'>{html.escape(r)}</a>: {totals[r]}"
                                    for r in groups) + "</p>")
     for reason, rows in groups.items():
@@ -70,11 +82,12 @@ def render_html(title: str, groups: dict[str, list[dict]], totals: dict[str, int
     return "".join(parts)
 
 
-def write_examples(ctx, parts: list[dict], per_reason: int, title: str) -> Path:
-    """`<stage>/report.html` from the stage's partitions (its PartResults)."""
+def write_examples(ctx, parts: list[dict], per_reason: int, title: str, cut: float | None = None) -> Path:
+    """`<stage>/report.html` from the stage's partitions (its PartResults); `cut`: the stage's one
+    threshold on its score, if it has one."""
     from .dataplane import read_images
 
-    groups = pick(ctx.storage, [p["file"] for p in parts], per_reason, ctx.config.seed) if per_reason else {}
+    groups = pick(ctx.storage, [p["file"] for p in parts], per_reason, ctx.config.seed, cut) if per_reason else {}
     totals: dict[str, int] = defaultdict(int)
     for p in parts:
         totals["kept"] += p["kept"]
@@ -86,5 +99,5 @@ def write_examples(ctx, parts: list[dict], per_reason: int, title: str) -> Path:
     found = read_images(ctx.storage, pa.Table.from_pylist(rows)) if rows else []
     images = {r["key"]: b for r, b in zip(rows, found) if b is not None}
     path = ctx.stage_dir / "report.html"
-    path.write_text(render_html(f"{title}: {ctx.config.name}", groups, dict(totals), images))
+    path.write_text(render_html(f"{title}: {ctx.config.name}", groups, dict(totals), images, cut))
     return path

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,8 +55,8 @@ class IngestConfig:
     retries: int = 1                 # extra attempts per URL
     thread_count: int = 32           # concurrent requests per shard task
     samples_per_shard: int = 1000
-    min_image_size: int = 16         # pixels, shorter side
-    max_aspect_ratio: float = 10.0
+    min_image_size: int | None = None    # moved: the basic stage decides image_too_small (min_image_side)
+    max_aspect_ratio: float | None = None  # moved: the basic stage decides aspect_ratio (max_aspect_ratio)
     max_bytes: int = 20_000_000      # a response longer than this is dropped (too_many_bytes)
     max_pixels: int = 50_000_000     # width x height, checked before decoding (image_too_large)
     allow_hosts: list[str] = field(default_factory=list)  # "host:port" let through the address check
@@ -73,7 +74,10 @@ class IngestConfig:
         require(0 < self.encode_quality <= 100, join(prefix, "encode_quality"), "must be 1..100")
         require(self.max_bytes > 0, join(prefix, "max_bytes"), "must be > 0")
         require(self.max_pixels > 0, join(prefix, "max_pixels"), "must be > 0")
-        require(self.max_aspect_ratio >= 1, join(prefix, "max_aspect_ratio"), "must be >= 1")
+        require(self.min_image_size is None, join(prefix, "min_image_size"),
+                "moved: the basic stage drops small images; set stages.basic.min_image_side instead")
+        require(self.max_aspect_ratio is None, join(prefix, "max_aspect_ratio"),
+                "moved: the basic stage drops by aspect ratio; set stages.basic.max_aspect_ratio instead")
         require(self.deadline >= self.timeout, join(prefix, "deadline"),
                 f"must be >= timeout ({self.timeout}s): it bounds the whole URL, got {self.deadline}")
         bad = [f for f in self.formats if f not in FORMATS]
@@ -110,9 +114,7 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server) -> dict:
 
     rows = read_kept(storage, job.source_file).slice(job.start, job.stop - job.start)
     keys = rows.column("key").to_pylist()
-    caps = rows.column("caption").to_pylist()
-    empty = [not (c or "").strip() for c in caps]
-    todo = rows.filter(pa.array([not e for e in empty]))
+    todo = rows   # every URL is fetched: caption and image-size drops are the basic stage's
     name = f"{job.shard:05d}"
     unit = f"ingest/parts/{job.unit}"
     verdicts: dict[str, list] = {c: [] for c in ("key", "verdict", "reason", "detail", "tar", "member", "offset",
@@ -123,9 +125,6 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server) -> dict:
         for col, v in zip(verdicts, (key, verdict, reason, detail, tar, member, offset, size, sha, w, h, url)):
             verdicts[col].append(v)
 
-    for k, e in zip(keys, empty):
-        if e:
-            add(k, DROPPED, "empty_caption", "the caption is empty")
     with tempfile.TemporaryDirectory(prefix="capline-ingest-") as tmp:
         tmp = Path(tmp)
         feather = tmp / f"{name}.feather"
@@ -163,24 +162,99 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server) -> dict:
                     from .fetch import reason_of
 
                     add(r["uid"], DROPPED, reason_of(r["status"], r["error_message"]) or "download_error",
-                        (r["error_message"] or "")[:300], url=r["url"])
+                        stable_detail(r["error_message"]), url=r["url"])
     table = pa.table({c: pa.array(v, SAMPLE_SCHEMA.field(c).type) for c, v in verdicts.items()})
     result = write_part(storage, "ingest", f"{job.unit}-{name}", job.source_part, keys,
                         _with_state(table, rows), rel=f"{unit}/ledger/{name}.parquet",
                         extra={"node": ray.get_runtime_context().get_node_id(),
-                               "successes": sum(v == KEPT for v in verdicts["verdict"])})
+                               "successes": sum(v == KEPT for v in verdicts["verdict"]),
+                               **failures_by_host(verdicts)})
     storage.write_bytes(f"{unit}/results/{name}.json", json.dumps(result, sort_keys=True).encode())
     return result
 
 
+TOP_FAILURES = 50   # (host, reason) counts a shard reports: bounded, whatever the number of hosts
+
+
+def failures_by_host(verdicts: dict[str, list]) -> dict:
+    """A shard's failed downloads counted by (host, reason), the most frequent TOP_FAILURES of them
+    (the rest summed as `other`), and up to 2 examples per reason: for the ingest report."""
+    from collections import Counter
+    from urllib.parse import urlsplit
+
+    counts: Counter = Counter()
+    examples: dict[str, list] = {}
+    for key, verdict, reason, detail, url in zip(*(verdicts[c] for c in ("key", "verdict", "reason", "detail", "url"))):
+        if verdict == KEPT:
+            continue
+        try:
+            host = urlsplit(url or "").netloc or "(no host)"
+        except ValueError:
+            host = "(unparseable URL)"
+        counts[f"{host}\t{reason}"] += 1
+        if len(examples.setdefault(reason, [])) < 2:
+            examples[reason].append({"key": key, "url": url, "detail": detail})
+    top = dict(counts.most_common(TOP_FAILURES))
+    return {"failures": top, "failures_other": sum(counts.values()) - sum(top.values()), "failure_examples": examples}
+
+
+def write_report(stage_dir: Path, parts: list[dict], name: str) -> Path:
+    """`ingest/report.html`: failed downloads by host and reason, with examples, from the shards' counts."""
+    import html
+    from collections import Counter
+
+    by_pair: Counter = Counter()
+    other = 0
+    examples: dict[str, list] = {}
+    for p in parts:
+        by_pair.update(p["extra"].get("failures", {}))
+        other += p["extra"].get("failures_other", 0)
+        for reason, rows in p["extra"].get("failure_examples", {}).items():
+            examples.setdefault(reason, []).extend(rows[: 3 - len(examples.get(reason, []))])
+    by_host: Counter = Counter()
+    reasons: Counter = Counter()
+    for pair, n in by_pair.items():
+        host, reason = pair.split("\t", 1)
+        by_host[host] += n
+        reasons[reason] += n
+    cols = [r for r, _ in reasons.most_common()]
+    rows = []
+    for host, total in by_host.most_common(40):
+        cells = "".join(f"<td>{by_pair.get(host + chr(9) + r, '') or ''}</td>" for r in cols)
+        rows.append(f"<tr><td>{html.escape(host)}</td><td>{total}</td>{cells}</tr>")
+    ex = "".join(f"<h3>{html.escape(r)}</h3><ul>" + "".join(
+        f"<li><code>{html.escape(e['key'])}</code> {html.escape(e['url'] or '')}: {html.escape(e['detail'] or '')}</li>"
+        for e in examples.get(r, [])) + "</ul>" for r in cols)
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>Ingest: {html.escape(name)}</title>"
+            "<style>body{font:14px sans-serif;margin:1.5em}td,th{border:1px solid #ccc;padding:3px 8px}"
+            "table{border-collapse:collapse}</style></head><body>"
+            f"<h1>Ingest failures: {html.escape(name)}</h1><p>{sum(by_pair.values()) + other} failed downloads"
+            + (f" ({other} in (host, reason) pairs too rare to list per shard)" if other else "") + ".</p>"
+            "<h2>By host and reason</h2><table><tr><th>host</th><th>failed</th>"
+            + "".join(f"<th>{html.escape(r)}</th>" for r in cols) + "</tr>" + "".join(rows) + "</table>"
+            "<h2>Examples</h2>" + ex + "</body></html>")
+    path = stage_dir / "report.html"
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(page)
+    return path
+
+
+def stable_detail(message: str | None) -> str:
+    """A failure's detail, the same on every run: without capline's reason prefix (the reason column
+    has it) or object addresses (`<_io.BytesIO object at 0x7f...>`)."""
+    text = re.sub(r"^capline:[a-z_]+: ", "", message or "")
+    text = re.sub(r"<([\w.]+) object at 0x[0-9a-fA-F]+>", r"<\1>", text)
+    return text[:300]
+
+
 def _with_state(verdicts: pa.Table, rows: pa.Table) -> pa.Table:
-    """Carry the source's caption, partition and URL as the list had it (a served source's URL names
-    no port, so the shards' json is the same on every run)."""
+    """Carry the source's caption and partition; the URL is the one fetched (a served source's list
+    names its server as a placeholder), the list's own where nothing was fetched."""
     state = rows.select(["key", "caption", "partition", "url", "notes"] if "notes" in rows.column_names
                         else ["key", "caption", "partition", "url"]).rename_columns(
         ["key", "caption", "partition", "src_url", *(["notes"] if "notes" in rows.column_names else [])])
     t = verdicts.join(state, "key", join_type="left outer")
-    url = pc.if_else(pc.is_null(t.column("src_url")), t.column("url"), t.column("src_url"))
+    url = pc.if_else(pc.is_null(t.column("url")), t.column("src_url"), t.column("url"))
     return t.set_column(t.column_names.index("url"), "url", url).drop_columns(["src_url"])
 
 
@@ -239,8 +313,8 @@ class IngestStage(Stage):
             ctx.log(f"ingest: {len(reused)} shards downloaded before, reused; {len(jobs)} to download")
         results = []
         if jobs:
-            server = (DemoServer(ctx.stage_dir.parent / "source" / "www", ctx.config.source.slow_seconds)
-                      if served else nullcontext())
+            server = (DemoServer(ctx.stage_dir.parent / "source" / "www", ctx.config.source.slow_seconds,
+                                 ctx.config.source.serve_port, log=ctx.log) if served else nullcontext())
             with server:
                 allow = tuple(cfg.allow_hosts) + ((server.netloc,) if served else ())
                 base = server.base_url if served else ""
@@ -255,14 +329,16 @@ class IngestStage(Stage):
                 downloader = _downloader(cfg, allow)
                 start = time.time()
                 results = run_tasks(task, [(ctx.storage, j, downloader, base, alive) for j in jobs], "ingest",
-                                    ctx.log, describe=lambda c: f"shard {c[1].unit}/{c[1].shard:05d}")
+                                    ctx.log, describe=lambda c: f"shard {c[1].unit}/{c[1].shard:05d}", unit="shards")
                 elapsed = time.time() - start
         parts = reused + results
+        report = write_report(ctx.stage_dir, parts, ctx.config.name)
+        ctx.log(f"ingest: failures by host and reason in {report}")
         ok = sum(p["extra"]["successes"] for p in results)
         nodes = sorted({p["extra"]["node"] for p in results if p["extra"].get("node")})
         return StageResult(parts, {"shards": len(parts), "partitions": len(units), "nodes": nodes,
                                    "images_per_second": (ok / elapsed) if results and elapsed > 0 else None},
-                           artifacts={"ledger": "ingest/parts.json"})
+                           artifacts={"ledger": "ingest/parts.json", "report": "ingest/report.html"})
 
 
 def _downloader(cfg: IngestConfig, allow: tuple):
@@ -273,8 +349,7 @@ def _downloader(cfg: IngestConfig, allow: tuple):
 
     resizer = Resizer(image_size=cfg.image_size, resize_mode=cfg.resize_mode,
                       resize_only_if_bigger=False, encode_quality=cfg.encode_quality,
-                      encode_format=cfg.encode_format, min_image_size=cfg.min_image_size,
-                      max_aspect_ratio=cfg.max_aspect_ratio)
+                      encode_format=cfg.encode_format, min_image_size=0, max_aspect_ratio=float("inf"))
     return SafeDownloader(
         sample_writer_class=WebDatasetSampleWriter, resizer=resizer, thread_count=cfg.thread_count,
         save_caption=True, extract_exif=False, output_folder="/nonexistent",

@@ -2,9 +2,10 @@
 
 Per caption the backend (stages/langid.py; fastText's lid.176 by default) gives the most likely
 languages with probabilities. The caption's confidence is the probability of the allowed
-`languages` together; it is kept when that is >= `min_confidence`. A dropped caption's reason is
-`language:<code>` for the language it was taken for (its probability as score), or
-`language_low_confidence` when that language is allowed but too uncertain.
+`languages` together; it is kept when that is >= `min_confidence`. That confidence is every
+caption's score, kept or dropped, so one histogram against one cut shows the stage's decision. A
+dropped caption's reason is `language:<code>` for the language it was taken for (its detail names
+it), or `language_low_confidence` when that language is allowed but too uncertain.
 
 Identification runs as a Ray task per partition (each worker process loads the model once).
 Short alt-text is hard: fastText gives "a small yellow circle" only 0.19 English (and calls it
@@ -58,14 +59,14 @@ def preflight(cfg: LanguageConfig) -> None:
 
 
 def decide(probs: dict[str, float], languages: list[str], min_confidence: float) -> tuple[str, str, float]:
-    """-> (verdict reason or "", top language, score). Pure."""
+    """-> (verdict reason or "", top language, score: P(allowed languages), whatever the verdict). Pure."""
     top = max(probs, key=probs.get) if probs else "unknown"
     allowed = sum(p for lang, p in probs.items() if lang in languages)
     if allowed >= min_confidence and allowed > 0:
         return "", top, allowed
     if top in languages:
         return "language_low_confidence", top, allowed
-    return f"language:{top}", top, probs.get(top, 0.0)
+    return f"language:{top}", top, allowed
 
 
 @functools.lru_cache(maxsize=2)
@@ -113,7 +114,7 @@ class LanguageStage(Stage):
             for lang, n in p["extra"]["detected"].items():
                 found[lang] = found.get(lang, 0) + n
         model = fasttext_model_path() if cfg.backend == "fasttext" else None   # the workers loaded it; name it only
-        shown = write_examples(ctx, parts, cfg.examples_per_reason, "Language filter")
+        shown = write_examples(ctx, parts, cfg.examples_per_reason, "Language filter", cut=cfg.min_confidence)
         ctx.log(f"language: {cfg.backend} backend, keeping {', '.join(cfg.languages)} at confidence >= "
                 f"{cfg.min_confidence}; examples in {shown}")
         top_found = dict(sorted(found.items(), key=lambda kv: -kv[1])[:20])
