@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -32,10 +33,24 @@ def _job_options(p: argparse.ArgumentParser, run_dir_help: str) -> None:
                                      "else the config's ray.address, else a new local cluster)")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("capline")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
 def _parser() -> argparse.ArgumentParser:
+    from .runner import stage_names
+
+    stages = stage_names()
     p = argparse.ArgumentParser(
         prog="capline", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
-        description="Build image-text pretraining datasets from URL lists and train vision encoders on them.")
+        description="Build image-text pretraining datasets from URL lists and train vision encoders on them.\n"
+                    "Stages, in order: " + " -> ".join(stages))
+    p.add_argument("--version", action="version", version=f"capline {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     run = sub.add_parser("run", help="run (or resume) the pipeline on a config",
@@ -43,8 +58,9 @@ def _parser() -> argparse.ArgumentParser:
                          description="Run the stages in order. A rerun with the same command skips "
                                      "finished stages and resumes an interrupted one.")
     _job_options(run, "run folder (default: the config's run_dir, else runs/<name>)")
-    run.add_argument("--until", metavar="STAGE", help="stop after this stage")
-    run.add_argument("--only", metavar="STAGE", help="run only this stage (earlier ones must be done)")
+    run.add_argument("--until", metavar="STAGE", help="stop after this stage: " + ", ".join(stages))
+    run.add_argument("--only", metavar="STAGE",
+                     help="run only this stage (earlier ones must be done): " + ", ".join(stages))
     run.add_argument("--incremental", action="store_true",
                      help="for scheduled runs: pick up source partitions added since the last completed run "
                           "(only they are downloaded); with nothing new, say so and do nothing")
@@ -53,29 +69,40 @@ def _parser() -> argparse.ArgumentParser:
                         description="Train the model of the config's `train:` section on the final shards "
                                     "in RUN_DIR with Ray Train workers, tracked in MLflow (SQLite under the "
                                     "run folder unless MLFLOW_TRACKING_URI is set). Rerunning resumes an "
-                                    "interrupted job from its last checkpoint.")
+                                    "interrupted job from its last checkpoint. With --run-dir and no "
+                                    "CONFIG, the run folder's own config.yaml is used.")
     _job_options(tr, "the run whose shards to train on (default: the config's run folder)")
 
     ev = sub.add_parser("eval", help="evaluate a trained checkpoint (few-shot, captioning, zero-shot, word order)",
-                        description="Run the paper's evaluations on a capline model checkpoint; results go "
-                                    "to RUN_DIR/eval/ as JSON and to the training's MLflow run.")
+                        description="Run the paper's evaluations on a capline model checkpoint, on the datasets "
+                                    "of the run's `eval:` config section (RUN_DIR/config.yaml); results go to "
+                                    "RUN_DIR/eval/ as JSON and to the training's MLflow run.")
     ev.add_argument("checkpoint", metavar="CHECKPOINT", help="a model folder (e.g. runs/demo/train/model)")
     ev.add_argument("--tasks", default="fewshot,captioning,zeroshot,wordorder",
                     help="comma-separated: fewshot, captioning, zeroshot, wordorder (default: all)")
     ev.add_argument("--run-dir", help="the run with the tokenizer and held-out data (default: two folders up)")
-    ev.add_argument("--shots", default="1,5,10,25", help="few-shot sizes per class (default: 1,5,10,25)")
+    ev.add_argument("--json", action="store_true", help="print the results as JSON instead of the summary")
+    ev.add_argument("--shots", default=None, help="few-shot sizes per class (default: the run's eval.shots, 1,5,10,25)")
 
     xp = sub.add_parser("experiment", help="the paper's comparison: Cap vs CapPa vs CLIP* on one run's shards",
-                        description="Train Cap, CapPa and CLIP* (and --models siglip,coca if asked) at the same "
-                                    "size and number of examples on RUN_DIR's shards, evaluate each, and "
-                                    "write RUN_DIR/paper_table.md (also logged to MLflow with the learning curves).")
+                        description="Train Cap, CapPa and CLIP* (and --models siglip,coca,clipcap if asked) at the "
+                                    "same size and number of examples on RUN_DIR's shards, evaluate each the same "
+                                    "way (10-shot linear and MAP probes, own and LiT-decoder CIDEr, zero-shot, word "
+                                    "order), and write RUN_DIR/paper_table.md and paper_curves.png (also in MLflow).")
     xp.add_argument("which", choices=["paper"], help="the experiment to run")
     _job_options(xp, "a run with finished shards (default: the config's run folder)")
-    xp.add_argument("--budget", default="cpu-10min", help="smoke, cpu-10min (default), cpu-1h or cluster")
-    xp.add_argument("--models", default="cap,cappa,clip", help="comma-separated families (default: cap,cappa,clip)")
+    from trainers.evaluation.experiment import BUDGETS
+
+    xp.add_argument("--budget", default="cpu-10min",
+                    help=f"{', '.join(BUDGETS)} (default cpu-10min): model size, steps and batch of each training, "
+                         "and of the LiT decoder, LiT text tower and MAP probe")
+    xp.add_argument("--models", default="cap,cappa,clip",
+                    help="comma-separated families (default: cap,cappa,clip; also siglip, coca, and clipcap, "
+                         "which trains on the experiment's frozen CLIP* encoder)")
 
     st = sub.add_parser("status", help="per-stage table: state, in, kept, dropped by reason, wall time")
     st.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by `capline run`")
+    st.add_argument("--json", action="store_true", help="one JSON object per stage, as a list")
 
     rp = sub.add_parser("report", help="write RUN_DIR/report.html: funnel, score histograms, samples, curves, evaluation",
                         description="Write one self-contained HTML page for a finished (or partial) run: the "
@@ -85,9 +112,14 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by `capline run`")
     rp.add_argument("--per-reason", type=int, default=6, help="samples shown per stage and reason (default 6)")
 
-    ex = sub.add_parser("explain", help="the fate of one sample through every stage")
+    ex = sub.add_parser("explain", help="the fate of one sample through every stage",
+                        description="Each stage's verdict on one sample, with its reason, score and detail, up "
+                                    "to the stage that dropped it; for a kept sample, the final shard and the "
+                                    "byte offset of its first member.")
     ex.add_argument("run_dir", metavar="RUN_DIR", help="a run folder made by `capline run`")
-    ex.add_argument("key", metavar="KEY", help="the sample's key (see ledger.parquet)")
+    ex.add_argument("key", metavar="KEY", nargs="?", help="the sample's key (the key column of any ledger)")
+    ex.add_argument("--url", help="find the sample by its URL instead of its key")
+    ex.add_argument("--json", action="store_true", help="print the rows as JSON")
 
     ve = sub.add_parser("verify", help="check a run's shards against its manifest, or compare two runs",
                         description="With one run: every final shard against manifest.json's checksums "
@@ -114,6 +146,14 @@ def _parser() -> argparse.ArgumentParser:
                                     "token variable set.")
     ry.add_argument("action", choices=["start"], help="only `start`: stop nodes by pid, or with `ray stop`")
     ry.add_argument("ray_args", nargs=argparse.REMAINDER, help="passed to `ray start` as they are")
+    it = sub.add_parser("init", help="write a config for a URL list, finding its URL and caption columns",
+                        description="Look at the first rows of a Parquet, CSV, TSV or JSON-lines URL list, find "
+                                    "the column of URLs and the column of captions (and a unique key column, if "
+                                    "any), and write a run config for it that `capline run` takes.")
+    it.add_argument("file", metavar="FILE", help="the URL list (.parquet, .csv, .tsv, .jsonl, optionally .gz)")
+    it.add_argument("--output", "-o", help="the config to write (default: configs/<file name>.yaml)")
+    it.add_argument("--format", default="auto", choices=["auto", "parquet", "csv", "tsv", "jsonl"])
+    it.add_argument("--name", help="the run's name (default: from the file name)")
     mo = sub.add_parser("models", help="model families and sizes, with parameter counts")
     mo.add_argument("--table", action="store_true",
                     help="count parameters of every family at every size (32k vocabulary, 224 px; tiny at "
@@ -155,25 +195,48 @@ def _check_tracking(cfg, store, stages: set[str]) -> None:
                         "starts one), or set track_data: false and train.steps: 0")
 
 
+def _config(args):
+    """The config named, else (with --run-dir) the run folder's own config.yaml, else the demo's;
+    with the command's --set overrides on top."""
+    from .config import load_config
+
+    if args.config is None and getattr(args, "run_dir", None):
+        from .storage import RunStore
+
+        store = RunStore(args.run_dir)
+        saved = store.local / "config.yaml"
+        if store.uri:
+            store.check()   # a missing bucket or refused credentials: said as such, before anything else
+            data = store.storage().read_bytes("config.yaml") if store.storage().exists("config.yaml") else None
+            if data is not None:
+                saved.parent.mkdir(parents=True, exist_ok=True)
+                saved.write_bytes(data)
+        if saved.is_file():
+            print(f"capline: using {args.run_dir}'s own config ({saved})", flush=True)
+            return load_config(saved, args.overrides)
+    return load_config(args.config, args.overrides)
+
+
 def _cmd_train(args) -> int:
     args.until, args.only = None, "train"
     return _cmd_run(args)
 
 
 def _cmd_run(args) -> int:
-    from .config import load_config
     from .inspect_run import format_status, status_rows
     from .lock import run_lock
     from .ray_runtime import ray_session
     from .storage import RunStore
-    from .runner import default_run_dir, preflight, run_pipeline, select
+    from .runner import check_before, default_run_dir, preflight, run_pipeline, select
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = _config(args)
     select(args.until, args.only)  # fail on a bad stage name before starting anything
     preflight(cfg)
     store = RunStore(args.run_dir or cfg.run_dir or str(default_run_dir(cfg)))
     store.check()                  # a missing bucket or refused credentials: before any work
     _check_tracking(cfg, store, select(args.until, args.only))
+    if args.only:                  # the stages before it must be done, with this config: before lock and Ray
+        check_before(cfg, store.storage(), args.only)
     run_dir = store.local
     t0 = time.time()
     print(f"capline: run {cfg.name} in {store}" + (f" (working copy {run_dir})" if store.uri else ""), flush=True)
@@ -195,10 +258,18 @@ def _cmd_run(args) -> int:
     summary = run_dir / "eval" / "summary.txt"
     if summary.is_file() and args.only in (None, "eval"):
         print("\n" + summary.read_text().rstrip())
+    from .data_tracking import log_report
+    from .dataset_card import open_clip_args
     from .report import write_report
 
     print(f"\ncapline: finished in {time.time() - t0:.0f}s; run folder {run_dir.resolve()}")
-    print(f"report: {write_report(run_dir, storage=store.storage())}")
+    report = write_report(run_dir, storage=store.storage())
+    print(f"report: {report}")
+    log_report(run_dir, Path(report), log=_say)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    if open_clip_args(manifest):
+        print(f"dataset card: {store.storage().uri('shard/README.md')}")
+        print(f"open_clip: python -m open_clip_train.main {open_clip_args(manifest)} ...")
     store.push_top()
     if (run_dir / "mlflow.db").is_file():
         print(f"MLflow: .venv/bin/mlflow ui --backend-store-uri sqlite:///{(run_dir / 'mlflow.db').resolve()} "
@@ -241,8 +312,11 @@ def _cmd_verify(args) -> int:
     for p in problems_b:
         print(f"{other}: {p}")
     lines = compare_runs(run_dir, other)
-    if not lines:
+    if not lines and not (problems or problems_b):
         print(f"identical: {run_dir} and {other} hold byte-identical shards ({n})")
+    elif not lines:
+        print(f"not verified: the shard files of {run_dir} and {other} are the same bytes, "
+              "but not the bytes their manifests recorded (see above)")
     else:
         print(f"different: {len(lines)} differences")
         for line in lines[:200]:
@@ -291,10 +365,29 @@ def _cmd_rebuild(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # `capline status RUN | head`: the reader left; say nothing more (stdout is gone) and exit
+        # as a killed writer would, without Python's flush error at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
+def _main(argv: list[str] | None = None) -> int:
     offline.apply(ray_auth_for_local=False)   # decided below, once the arguments say whether we join
     from trainers.tracking import move_credentials_out_of_uri
 
     move_credentials_out_of_uri()
+    import logging
+
+    # MLflow's and alembic's INFO lines (creating tables, ...) are not the run's news; MLflow resets
+    # its loggers' level on import from MLFLOW_LOGGING_LEVEL
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")   # its bars would break capline's lines
+    for name in ("mlflow", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     parser = _parser()
     args = parser.parse_args(argv)
     # a cluster this run starts gets Ray's token auth; before anything imports Ray
@@ -308,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             from .inspect_run import format_status, status_rows
 
-            print(format_status(status_rows(_local_run(args.run_dir))))
+            rows = status_rows(_local_run(args.run_dir))
+            print(json.dumps(rows, indent=1) if args.json else format_status(rows))
             return 0
         if args.command == "report":
             from .report import write_report
@@ -316,22 +410,29 @@ def main(argv: list[str] | None = None) -> int:
             print(write_report(_local_run(args.run_dir), args.per_reason))
             return 0
         if args.command == "explain":
-            from .inspect_run import explain, format_explain
+            from .inspect_run import explain, format_explain, key_of_url
 
-            print(format_explain(args.key, explain(Path(args.run_dir), args.key)))
+            if bool(args.key) == bool(args.url):
+                raise UserError("explain: give a KEY or --url URL (one of them)")
+            run_dir = _local_run(args.run_dir)
+            key = args.key or key_of_url(run_dir, args.url)
+            rows = explain(run_dir, key)
+            print(json.dumps(rows, indent=1, ensure_ascii=False) if args.json else format_explain(key, rows))
             return 0
         if args.command == "experiment":
             from trainers.evaluation.experiment import run_experiment
 
-            from .config import load_config
             from .ray_runtime import ray_session
             from .runner import default_run_dir
 
-            cfg = load_config(args.config, args.overrides)
+            from trainers.evaluation.experiment import check_experiment
+
+            cfg = _config(args)
             run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+            models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+            check_experiment(run_dir, models, args.budget)   # before a cluster starts
             with ray_session(cfg.ray, args.address, log=_say):
-                path = run_experiment(run_dir, cfg.train, cfg.seed, tuple(args.models.split(",")), args.budget,
-                                      log=_say)
+                path = run_experiment(run_dir, cfg.train, cfg.seed, models, args.budget, log=_say, eval_cfg=cfg.eval)
             print(path.read_text())
             return 0
         if args.command == "eval":
@@ -342,11 +443,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(f"{ckpt}: not a capline model checkpoint (no model.json)")
             run_dir = Path(args.run_dir) if args.run_dir else ckpt.resolve().parent.parent
             try:
-                shots = tuple(int(k) for k in args.shots.split(","))
+                shots = tuple(int(k) for k in args.shots.split(",")) if args.shots else None
             except ValueError:
                 raise UserError(f"--shots {args.shots}: expected comma-separated integers, e.g. 1,5,10,25") from None
-            print(summary(evaluate(ckpt, run_dir, [t.strip() for t in args.tasks.split(",") if t.strip()],
-                                   shots=shots)))
+            results = evaluate(ckpt, run_dir, [t.strip() for t in args.tasks.split(",") if t.strip()], shots=shots)
+            print(json.dumps(results, indent=1) if args.json else summary(results))
             return 0
         if args.command == "verify":
             return _cmd_verify(args)
@@ -354,6 +455,19 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_rebuild(args)
         if args.command == "ray":
             return _cmd_ray(args)
+        if args.command == "init":
+            from .init_config import detect, write_config
+
+            src = Path(args.file)
+            if not src.is_file():
+                raise UserError(f"{src}: no such file")
+            found = detect(src, args.format)
+            out = Path(args.output) if args.output else Path("configs") / f"{src.name.split('.')[0]}.yaml"
+            name = write_config(src, out, found, args.name)
+            print(f"capline init: URLs in '{found['url_col']}', captions in '{found['caption_col']}'"
+                  + (f", keys in '{found['key_col']}'" if found["key_col"] else "") + f"; wrote {out} (run {name})")
+            print(f"next: capline run {out}")
+            return 0
         if args.command == "models":
             from trainers.models import FAMILIES, SIZES
 

@@ -17,19 +17,26 @@ def _require_run(run_dir: Path) -> None:
 
 def status_rows(run_dir: Path) -> list[dict]:
     _require_run(run_dir)
+    """One row per stage. A finished stage is `stale` when the stage before it is not finished, or
+    finished since with another output than the one this stage was made from: a rerun redoes it."""
     rows = []
+    prev = {"output_digest": ""}
     for name in stage_names():
         sdir = run_dir / name
         stats_path = sdir / "stats.json"
-        if read_marker(sdir):
-            state = "done"
+        marker = read_marker(sdir)
+        if marker:
+            made_from = marker.get("upstream_digest")
+            upstream_ok = prev is not None and (made_from is None or made_from == prev.get("output_digest"))
+            state = "done" if upstream_ok else "stale"
         elif (sdir / "_STARTED").exists():
             state = "incomplete"
         else:
             state = "pending"
-        stats = json.loads(stats_path.read_text()) if state == "done" and stats_path.is_file() else {}
+        stats = json.loads(stats_path.read_text()) if marker and stats_path.is_file() else {}
         rows.append({"stage": name, "state": state, "in": stats.get("in"), "kept": stats.get("kept"),
                      "dropped": stats.get("dropped", {}), "wall_seconds": stats.get("wall_seconds")})
+        prev = marker if state == "done" else None
     return rows
 
 
@@ -54,7 +61,24 @@ def _n(v) -> str:
     return "-" if v is None else str(v)
 
 
+def key_of_url(run_dir: Path, url: str) -> str:
+    """The key the source stage gave a URL (the first row, if the list holds it twice)."""
+    from stages.base import has_ledger, read_ledger
+
+    _require_run(run_dir)
+    if not has_ledger(run_dir, "source"):
+        raise UserError(f"{run_dir}: the source stage has not run; no URL is known yet")
+    for name in ("source", "ingest"):   # ingest's column is the URL fetched (a served demo's real address)
+        if has_ledger(run_dir, name):
+            rows = read_ledger(run_dir, name, ["key"], filters=[("url", "==", url)]).column("key").to_pylist()
+            if rows:
+                return rows[0]
+    raise UserError(f"no sample with URL {url!r} in {run_dir}")
+
+
 def explain(run_dir: Path, key: str) -> list[dict]:
+    """The sample's row in every stage's ledger up to the one that dropped it; a kept sample's last
+    row (shard) names its tar and the byte offset of its first member."""
     _require_run(run_dir)
     out = []
     from stages.base import has_ledger, read_ledger
@@ -65,8 +89,14 @@ def explain(run_dir: Path, key: str) -> list[dict]:
         rows = read_ledger(run_dir, name, filters=[("key", "==", key)]).to_pylist()
         if name == "source" and rows:
             out.append({"stage": "(input)", "verdict": "", "reason": "", "score": None,
-                        "detail": f"url={rows[0]['url']} caption={rows[0]['caption']!r}"})
-        out.extend({c: r[c] for c in ("key", "stage", "verdict", "reason", "score", "detail")} for r in rows)
+                        "detail": f"url={rows[0]['url']} caption={rows[0]['caption']!r}",
+                        "url": rows[0]["url"], "caption": rows[0]["caption"]})
+        for r in rows:
+            row = {c: r.get(c) for c in ("key", "stage", "verdict", "reason", "score", "detail")}
+            if name == "shard" and r.get("tar"):
+                row.update(tar=r["tar"], offset=r.get("offset"))
+                row["detail"] = f"{r['tar']} at byte {r.get('offset')}"
+            out.append(row)
         if rows and rows[0]["verdict"] == "dropped":
             break
     if not any(r["stage"] != "(input)" for r in out):

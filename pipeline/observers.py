@@ -1,6 +1,7 @@
 """What watches the stages without being one: called by the runner after every stage, run or skipped.
 
 - the demo audit (pipeline/audit.py): a synthetic run's filters against its planted ground truth;
+- the dataset card, `shard/README.md` (pipeline/dataset_card.py);
 - the MLflow data-build run (pipeline/data_tracking.py), once the shards exist.
 An observer never changes a stage's result; adding one is a class here and a line in OBSERVERS.
 """
@@ -28,4 +29,17 @@ class DataBuildRun:
         log_data_build(run_dir, manifest, summary, cfg, log, shards=storage.uri("shard/shards"))
 
 
-OBSERVERS = [DemoAudit(), DataBuildRun()]
+class DatasetCard:
+    def after_stage(self, stage: str, run_dir: Path, cfg, manifest, summary: dict, storage, **_) -> None:
+        if stage != "shard":
+            return
+        from .dataset_card import card
+
+        text = card(manifest.data, summary, cfg)
+        storage.write_bytes("shard/README.md", text.encode())
+        if not storage.is_local:   # the working copy's, for the tools that read it here
+            (run_dir / "shard").mkdir(parents=True, exist_ok=True)
+            (run_dir / "shard" / "README.md").write_text(text)
+
+
+OBSERVERS = [DemoAudit(), DatasetCard(), DataBuildRun()]

@@ -28,6 +28,16 @@ QUIET_ENV = {
     "HF_HUB_DISABLE_TELEMETRY": "1",
 }
 
+# Ray forwards every worker's stdout and stderr to the driver: its own INFO lines (Ray Train's
+# "Reporting training result ...", C++ core warnings, DDP set-up) in a run that went well. What
+# capline's workers say starts "<stage or tool>: " in lower case; every other forwarded line is
+# left in Ray's log files (the session's logs/ folder, printed at start), where errors are too.
+# CAPLINE_RAY_LOGS=1 forwards everything, as Ray does by default.
+RAY_QUIET_ENV = {
+    "RAY_DEDUP_LOGS_SKIP_REGEX": r"^(?![a-z][a-z_]*( [a-z_]+)?: )",
+    "RAY_DISABLE_WORKER_LOG_PREFIX": "1",
+}
+
 
 def telemetry_allowed() -> bool:
     return os.environ.get("CAPLINE_TELEMETRY", "") in ("1", "true", "yes")
@@ -60,6 +70,9 @@ def apply(ray_auth_for_local: bool = True) -> None:
         ray_auth(joining=False)
     if not telemetry_allowed():
         for key, value in QUIET_ENV.items():
+            os.environ.setdefault(key, value)
+    if os.environ.get("CAPLINE_RAY_LOGS", "") not in ("1", "true", "yes"):
+        for key, value in RAY_QUIET_ENV.items():
             os.environ.setdefault(key, value)
     os.environ.update(procenv(dict(os.environ)))
     import importlib.util

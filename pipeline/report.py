@@ -1,8 +1,11 @@
 """`capline report RUN_DIR`: one self-contained `report.html` for a person to look at after a run.
 
-Sections: the funnel (in, kept, dropped by reason, per stage), score histograms with the thresholds
-the run used, a grid of kept and dropped samples (picture, caption, reason, score), training curves
-from MLflow, and the evaluation table. Charts are PNGs drawn with matplotlib and inlined, so the page
+Sections: the funnel (in, kept, % kept, wall time, dropped by reason per stage, and a link to each
+stage's own report: ingest failures by host, dedup pairs side by side, the filters' samples nearest
+their cuts), the demo's audit against its planted defects, score histograms with the thresholds the
+run used (each score means one thing for kept and dropped alike), a grid of kept and dropped samples
+(picture, caption, reason, score; at most MAX_PER_REASON per stage and reason), training curves from
+MLflow, and the evaluation table with every shot count. Charts are PNGs drawn with matplotlib and inlined, so the page
 needs no network and no script beyond one check that logs an error for any image that fails to load.
 """
 from __future__ import annotations
@@ -11,7 +14,6 @@ import base64
 import html
 import io
 import json
-import re
 from pathlib import Path
 
 
@@ -25,6 +27,7 @@ from trainers.errors import UserError
 from .inspect_run import format_status, status_rows
 
 FILTER_STAGES = ("dedup", "basic", "language", "clip_score")
+MAX_PER_REASON = 50   # cards per stage and reason: the page stays a few MB (images are inlined)
 _CHECK_IMAGES = ("<script>window.addEventListener('load',()=>{document.querySelectorAll('img').forEach(i=>{"
                  "if(!i.complete||!i.naturalWidth)console.error('image did not load: '+i.alt)})})</script>")
 _STYLE = """body{font:14px sans-serif;margin:1.5em;color:#222;max-width:1300px}table{border-collapse:collapse}
@@ -152,13 +155,65 @@ def _training(run_dir: Path, manifest: dict) -> str:
 
 
 def _evaluation(run_dir: Path) -> str:
-    summary = run_dir / "eval" / "summary.txt"
-    if not summary.is_file():
+    from trainers.evaluation.run import eval_rows
+
+    found = sorted((run_dir / "eval").glob("*.json")) if (run_dir / "eval").is_dir() else []
+    results = [json.loads(p.read_text()) for p in found if p.name not in ("stats.json", "parts.json")]
+    results = [r for r in results if isinstance(r, dict) and "model" in r]
+    if not results:
         return "<p>No evaluation in this run folder.</p>"
-    lines = summary.read_text().splitlines()
-    rows = ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in re.split(r"\s{2,}", ln.strip())) + "</tr>"
-            for ln in lines[1:] if ln.strip()]
-    return f"<p>{html.escape(lines[0] if lines else '')}</p><table>{''.join(rows)}</table>"
+    out = []
+    for res in results:
+        rows = eval_rows(res)
+        out.append(f"<h3>{html.escape(res['model'])}/{html.escape(res['size'])}</h3>")
+        for variant, title in (("linear", "Few-shot linear probe"), ("map", "Few-shot MAP-head probe")):
+            fewshot = [r for r in rows if r["task"] == "few-shot" and r["variant"] == variant]
+            shots = sorted({r["shots"] for r in fewshot})
+            if not fewshot:
+                continue
+            head = "".join(f"<th>{k}-shot</th>" for k in shots)
+            body = []
+            for name in dict.fromkeys(r["dataset"] for r in fewshot):
+                cells = {r["shots"]: r for r in fewshot if r["dataset"] == name}
+                body.append(f"<tr><td>{html.escape(name)}</td>" + "".join(
+                    f"<td>{100 * cells[k]['value']:.1f}% &plusmn; {100 * (cells[k]['std'] or 0):.1f}</td>" if k in cells
+                    else "<td>-</td>" for k in shots) + "</tr>")
+            out.append(f"<p>{title} (accuracy, mean &plusmn; std over seeds)</p><table><tr>"
+                       f"<th>dataset</th>{head}</tr>{''.join(body)}</table>")
+        other = [r for r in rows if r["task"] != "few-shot"]
+        if other:
+            out.append("<p>Captioning, zero-shot and word order</p><table><tr><th>task</th><th>set</th>"
+                       "<th>variant</th><th>metric</th><th>value</th></tr>" + "".join(
+                           f"<tr><td>{html.escape(r['task'])}</td><td>{html.escape(str(r['dataset']))}</td>"
+                           f"<td>{html.escape(str(r['variant']))}</td><td>{html.escape(r['metric'])}</td>"
+                           f"<td>{r['value']:.3f}</td></tr>" for r in other) + "</table>")
+        if res.get("skipped"):
+            out.append("<p>Skipped:</p><ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in res["skipped"]) + "</ul>")
+    return "".join(out)
+
+
+def _audit(run_dir: Path) -> str:
+    """The demo's audit (pipeline/audit.py): each filter against the defects the demo planted."""
+    tables = []
+    for stage in FILTER_STAGES:
+        path = run_dir / stage / "audit.json"
+        if not path.is_file():
+            continue
+        audit = json.loads(path.read_text())
+        body = []
+        for defect, a in audit.items():
+            if not isinstance(a, dict):
+                shown = f"{a:.3f}" if isinstance(a, float) else str(a)
+                body.append(f"<tr><td>{html.escape(defect)}</td><td colspan='4'>{html.escape(shown)}</td></tr>")
+                continue
+            rate, recall = a.get("false_drop_rate"), a.get("recall")
+            cells = (defect, f"{a.get('caught', '-')}/{a.get('planted', '-')}",
+                     "-" if recall is None else f"{recall:.3f}", f"{a.get('false_drops', '-')}/{a.get('clean', '-')}",
+                     "-" if rate is None else f"{100 * rate:.2f}%")
+            body.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
+        tables.append(f"<h3>{stage}</h3><table><tr><th>planted defect</th><th>caught</th><th>recall</th>"
+                      f"<th>clean dropped</th><th>false drop rate</th></tr>{''.join(body)}</table>")
+    return "".join(tables)
 
 
 def write_report(run_dir: Path, per_reason: int = 6, storage=None) -> Path:
@@ -172,19 +227,32 @@ def write_report(run_dir: Path, per_reason: int = 6, storage=None) -> Path:
         raise UserError(f"{run_dir}: not a capline run folder (no manifest.json)")
     manifest = json.loads(manifest_path.read_text())
     config = manifest.get("config", {})
+    if not 0 <= per_reason <= MAX_PER_REASON:
+        raise UserError(f"--per-reason {per_reason}: choose 0..{MAX_PER_REASON} samples per stage and reason "
+                        "(each stage's own report shows more)")
     rows = status_rows(run_dir)
     title = f"capline run report: {config.get('name', run_dir.name)}"
-    table = ["<table><tr><th>stage</th><th>state</th><th>in</th><th>kept</th><th>dropped by reason</th></tr>"]
+    table = ["<table><tr><th>stage</th><th>state</th><th>in</th><th>kept</th><th>% kept</th><th>wall</th>"
+             "<th>dropped by reason</th><th>stage report</th></tr>"]
     for r in rows:
         reasons = ", ".join(f"{k}={v}" for k, v in sorted((r["dropped"] or {}).items(), key=lambda kv: -kv[1]))
+        pct = f"{100 * r['kept'] / r['in']:.1f}%" if r["in"] else "-"
+        wall = f"{r['wall_seconds']:.1f}s" if r["wall_seconds"] is not None else "-"
+        link = (f"<a href='{r['stage']}/report.html'>{r['stage']}/report.html</a>"
+                if (run_dir / r["stage"] / "report.html").is_file() else "")
         table.append(f"<tr><td>{r['stage']}</td><td>{r['state']}</td><td>{r['in'] if r['in'] is not None else '-'}</td>"
-                     f"<td>{r['kept'] if r['kept'] is not None else '-'}</td><td>{html.escape(reasons or '-')}</td></tr>")
+                     f"<td>{r['kept'] if r['kept'] is not None else '-'}</td><td>{pct}</td><td>{wall}</td>"
+                     f"<td>{html.escape(reasons or '-')}</td><td>{link}</td></tr>")
     table.append("</table>")
+    card = run_dir / "shard" / "README.md"
+    if card.is_file():
+        table.append("<p>Dataset card: <a href='shard/README.md'>shard/README.md</a></p>")
     page = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{_STYLE}</style>{_CHECK_IMAGES}</head><body><h1>{html.escape(title)}</h1>",
             f"<p>Run folder {html.escape(str(run_dir))}; config {html.escape(manifest.get('config_hash', '')[:12])}, "
             f"capline {html.escape(str(manifest.get('git_revision', ''))[:12])}.</p>",
             "<h2>Funnel</h2>", "".join(table), _funnel_chart(rows),
+            *(("<h2>Audit against the demo's planted defects</h2>", audit) if (audit := _audit(run_dir)) else ()),
             "<h2>Scores and thresholds</h2>", "".join(_score_charts(run_dir, config, storage)) or "<p>No scores yet.</p>",
             "<h2>Samples kept and dropped</h2>", _sample_grid(storage, int(config.get("seed", 0)), per_reason),
             "<h2>Training</h2>", _training(run_dir, manifest),

@@ -125,6 +125,25 @@ def select(until: str | None, only: str | None, stages: list[Stage] | None = Non
     return set(names)
 
 
+def check_before(cfg: RunConfig, storage: Storage, only: str, stages: list[Stage] | None = None) -> None:
+    """For `--only STAGE` (and `capline train`): every stage before it finished with this config, read
+    from the markers alone, so a wrong config or an unfinished run is said before a lock or a cluster."""
+    prev = ""
+    for stage in stages or STAGES:
+        if stage.name == only:
+            return
+        in_digest = hashlib.sha256((stage.fingerprint(cfg) + prev).encode()).hexdigest()
+        marker = storage.read_json(f"{stage.name}/_SUCCESS")
+        if marker is None:
+            raise UserError(f"--only {only}: stage {stage.name} before it has not finished; "
+                            f"run `capline run --until {stage.name}` first")
+        if marker.get("input_digest") != in_digest:
+            raise UserError(f"--only {only}: stage {stage.name} finished with another config or input than this "
+                            f"one; rerun the earlier stages (`capline run --until {stage.name}`), or use the run's "
+                            "own config (leave out CONFIG and give --run-dir)")
+        prev = marker["output_digest"]
+
+
 def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: str | None = None,
                  log=print, stages: list[Stage] | None = None, store=None, observers=None) -> dict:
     """Run (or resume) the selected stages. Returns {stage: stats}."""
@@ -160,7 +179,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
             ctx = StageContext(name=stage.name, run_dir=run_dir, stage_dir=sdir, config=cfg, storage=storage,
                                upstream=upstream, artifacts=dict(manifest.data.get("artifacts", {})), log=log,
                                fingerprint=stage.fingerprint(cfg))
-            marker, artifacts, parts, summary[stage.name] = _run_stage(stage, ctx, in_digest, controls, store)
+            marker, artifacts, parts, summary[stage.name] = _run_stage(stage, ctx, in_digest, controls, store,
+                                                                            upstream_digest=prev_digest)
             manifest.record_stage(stage.name, marker, artifacts)
             if artifacts.get("mlflow_run_id"):
                 manifest.data["mlflow_runs"][stage.name] = artifacts["mlflow_run_id"]
@@ -185,7 +205,9 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
 
 
 def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Controls,
-               store) -> tuple[dict, dict, list[dict], dict]:
+               store, upstream_digest: str = "") -> tuple[dict, dict, list[dict], dict]:
+    """upstream_digest: the previous stage's output digest, kept in `_SUCCESS` so `capline status`
+    can tell a stage made from an earlier stage's older output (stale) without the config."""
     sdir = ctx.stage_dir
     started = controls.read(stage.name, "_STARTED")
     if started is None or started.get("input_digest") != in_digest:
@@ -217,6 +239,7 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     for stale in sorted(set(before) - set(files)):
         ctx.storage.delete(stale)        # produced by the last finish, not by this one
     marker = {"input_digest": in_digest, "output_digest": output_digest(parts, result.files),
+              "upstream_digest": upstream_digest,
               "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "outputs": dict(sorted(result.files.items())), "files": dict(sorted(files.items())),
               "driver_files": sorted(driver)}

@@ -20,12 +20,13 @@ import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
+
+from trainers.storage import Storage  # noqa: F401 - the run folder's filesystem, shared with trainers/
 
 KEPT, DROPPED = "kept", "dropped"
 LEDGER_COLUMNS = ("key", "stage", "verdict", "reason", "score", "detail")
@@ -72,157 +73,6 @@ def add_sums(*sums: int) -> int:
 
 
 # -- the run folder's storage --------------------------------------------------------------------
-@dataclass
-class Storage:
-    """The run folder's filesystem, picklable into any task: local, or s3:// through pyarrow.fs."""
-    fs: Any
-    root: str
-
-    @classmethod
-    def local(cls, path) -> "Storage":
-        import pyarrow.fs as pafs
-        from pathlib import Path
-
-        return cls(pafs.LocalFileSystem(), str(Path(path).resolve()))
-
-    @classmethod
-    def from_uri(cls, uri: str) -> "Storage":
-        import pyarrow.fs as pafs
-
-        fs, root = pafs.FileSystem.from_uri(uri)
-        return cls(fs, root.rstrip("/"))
-
-    @property
-    def is_local(self) -> bool:
-        return self.fs.type_name == "local"
-
-    def path(self, rel: str) -> str:
-        return f"{self.root}/{rel}" if rel else self.root
-
-    def uri(self, rel: str = "") -> str:
-        """What a user or another tool opens: a local path, or `s3://bucket/key`."""
-        return self.path(rel) if self.is_local else f"{self.fs.type_name}://{self.path(rel)}"
-
-    def _ensure_parent(self, rel: str) -> None:
-        parent = self.path(rel).rsplit("/", 1)[0]
-        self.fs.create_dir(parent, recursive=True)
-
-    def write_bytes(self, rel: str, data: bytes) -> str:
-        """Write whole or not at all (temp + move where moves exist); -> sha256 of the bytes."""
-        self._ensure_parent(rel)
-        target = self.path(rel)
-        if self.fs.type_name == "local":
-            tmp = f"{target}.tmp{time.monotonic_ns()}"
-            with self.fs.open_output_stream(tmp) as out:
-                out.write(data)
-            self.fs.move(tmp, target)
-        else:   # an object store's PUT is atomic already
-            with self.fs.open_output_stream(target) as out:
-                out.write(data)
-        return hashlib.sha256(data).hexdigest()
-
-    def read_bytes(self, rel: str) -> bytes:
-        with self.fs.open_input_stream(self.path(rel)) as f:
-            return f.read()
-
-    def read_range(self, rel: str, offset: int, size: int) -> bytes:
-        with self.fs.open_input_file(self.path(rel)) as f:
-            return f.read_at(size, offset)
-
-    def write_table(self, rel: str, table: pa.Table) -> tuple[str, int]:
-        """-> (sha256, bytes) of the Parquet file as written."""
-        sink = pa.BufferOutputStream()
-        pq.write_table(table, sink, compression="zstd")
-        data = sink.getvalue().to_pybytes()
-        return self.write_bytes(rel, data), len(data)
-
-    def read_table(self, rel: str, columns=None) -> pa.Table:
-        return pq.read_table(self.path(rel), columns=columns, filesystem=self.fs)
-
-    def exists(self, rel: str) -> bool:
-        import pyarrow.fs as pafs
-
-        return self.fs.get_file_info(self.path(rel)).type != pafs.FileType.NotFound
-
-    def delete(self, rel: str) -> None:
-        import pyarrow.fs as pafs
-
-        info = self.fs.get_file_info(self.path(rel))
-        if info.type == pafs.FileType.Directory:
-            self.fs.delete_dir(self.path(rel))
-        elif info.type == pafs.FileType.File:
-            self.fs.delete_file(self.path(rel))
-
-    def list(self, rel_dir: str, suffix: str = "", recursive: bool = False) -> list[str]:
-        """Run-folder-relative paths of the files in rel_dir (directly in it unless recursive), sorted."""
-        import pyarrow.fs as pafs
-
-        infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel_dir), allow_not_found=True,
-                                                        recursive=recursive))
-        base = len(self.root) + 1
-        return sorted(i.path[base:] for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffix))
-
-    def list_dirs(self, rel_dir: str) -> list[str]:
-        """Names of the folders directly in rel_dir (an object store's common prefixes)."""
-        import pyarrow.fs as pafs
-
-        infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel_dir), allow_not_found=True))
-        return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
-
-    def write_json(self, rel: str, obj) -> str:
-        return self.write_bytes(rel, json.dumps(obj, indent=1, sort_keys=True).encode())
-
-    def read_json(self, rel: str, default=None):
-        """The JSON at rel; `default` if there is none or it is not whole JSON (a torn write)."""
-        if not self.exists(rel):
-            return default
-        try:
-            return json.loads(self.read_bytes(rel))
-        except ValueError:
-            return default
-
-    def put_dir(self, rel: str, local_dir) -> dict[str, str]:
-        """Copy a local folder's files (not sub-folders) to rel. -> {file name: sha256}."""
-        from pathlib import Path
-
-        return {f.name: self.write_bytes(f"{rel}/{f.name}", f.read_bytes())
-                for f in sorted(Path(local_dir).iterdir()) if f.is_file()}
-
-    def local_dir(self, rel: str):
-        """A folder of the run as a local path this process can open: itself for a local run folder,
-        else a copy fetched once per process (for model folders: libraries that want a path)."""
-        from pathlib import Path
-
-        if self.is_local:
-            return Path(self.path(rel))
-        return _fetched(self, rel)
-
-
-_FETCHED: dict = {}
-
-
-def _fetched(storage: "Storage", rel: str):
-    """Download rel's files into a temp folder of this process, once per content (names, sizes and
-    modification times: a folder rewritten in place is fetched again)."""
-    import tempfile
-    from pathlib import Path
-
-    import pyarrow.fs as pafs
-
-    infos = [i for i in storage.fs.get_file_info(pafs.FileSelector(storage.path(rel), allow_not_found=True))
-             if i.type == pafs.FileType.File]
-    if not infos:
-        raise FileNotFoundError(f"{storage.uri(rel)}: no files there")
-    files = sorted(i.path[len(storage.root) + 1:] for i in infos)
-    key = (storage.uri(rel), tuple(sorted((i.path, i.size, i.mtime_ns) for i in infos)))
-    if key not in _FETCHED:
-        out = Path(tempfile.mkdtemp(prefix="capline-fetch-"))
-        for f in files:
-            (out / f.rsplit("/", 1)[-1]).write_bytes(storage.read_bytes(f))
-        _FETCHED[key] = out
-    return _FETCHED[key]
-
-
 # -- one partition's result ----------------------------------------------------------------------
 def part_file(stage: str, part: str) -> str:
     return f"{stage}/ledger/{part}.parquet"
@@ -315,22 +165,29 @@ def with_state(verdicts: pa.Table, state: pa.Table) -> pa.Table:
     return verdicts.join(state.select(["key", *keep]), "key", join_type="left outer")
 
 
+# what a stage's score and detail are called in a kept sample's json (None: not recorded there):
+# the names img2dataset / DataComp users read (`clip_score`), not the ledger's column names
+NOTE_NAMES = {"clip_score": ("clip_score", "clip_score_detail"), "language": ("language_score", "language"),
+              "ingest": (None, None)}
+
+
 def add_notes(table: pa.Table, stage: str) -> pa.Table:
     """Record a kept sample's score and detail in its notes, for the final shards' json."""
+    score_name, detail_name = NOTE_NAMES.get(stage, (f"{stage}_score", f"{stage}_detail"))
     if table.num_rows == 0 or "notes" not in table.column_names:
         return table
     verdict, score, detail = (table.column(c).to_pylist() for c in ("verdict", "score", "detail"))
     notes = table.column("notes").to_pylist()
     out = []
     for v, s, d, n in zip(verdict, score, detail, notes):
-        if v != KEPT or (s is None and not d):
+        if v != KEPT or ((s is None or not score_name) and (not d or not detail_name)):
             out.append(n)
             continue
         entry = json.loads(n) if n else {}
-        if s is not None:
-            entry[f"{stage}_score"] = s
-        if d:
-            entry[f"{stage}_detail"] = d
+        if s is not None and score_name:
+            entry[score_name] = s
+        if d and detail_name:
+            entry[detail_name] = d
         out.append(json.dumps(entry, sort_keys=True))
     return table.set_column(table.column_names.index("notes"), "notes", pa.array(out, pa.string()))
 
@@ -393,35 +250,40 @@ def passthrough(table: pa.Table) -> tuple[pa.Table, dict]:
 
 
 def run_tasks(remote_fn, calls: list[tuple], what: str, log=print, max_in_flight: int | None = None,
-              describe: Callable[[tuple], str] = lambda c: "", poll_seconds: float = 10.0) -> list:
+              describe: Callable[[tuple], str] = lambda c: "", poll_seconds: float = 10.0,
+              unit: str = "partitions") -> list:
     """Run `remote_fn.remote(*call)` for every call with a bounded number in flight; results in call order.
 
-    Progress (done/total, rate, ETA) is logged as results come; `ray.wait` polls with a timeout, so a
-    stuck task is reported as such instead of hanging the run silently. A task's failure names it.
+    Progress (done/total, rate, ETA: trainers/progress.py, a bar on a terminal) as results come;
+    `ray.wait` polls with a timeout, so a stuck task is reported as such instead of hanging the run
+    silently. A task's failure names it.
     """
     import ray
 
     if max_in_flight is None:
         max_in_flight = max(2, int(2 * ray.cluster_resources().get("CPU", 1)))
+    from trainers.progress import Progress
+
     results: list = [None] * len(calls)
     pending: dict = {}
     nxt = done = 0
-    start = last_log = time.time()
     total = len(calls)
+    progress = Progress(what, total, log, unit=unit)
+    last_done = time.time()
     while done < total:
         while nxt < total and len(pending) < max_in_flight:
             pending[remote_fn.remote(*calls[nxt])] = nxt
             nxt += 1
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=poll_seconds)
         if not ready:
-            log(f"{what}: {done}/{total} done, {len(pending)} running for {time.time() - last_log:.0f}s "
-                "without finishing")
+            progress.stalled(time.time() - last_done, len(pending))
             continue
         for ref in ready:
             i = pending.pop(ref)
             try:
                 results[i] = ray.get(ref)
             except Exception as err:
+                progress.close()
                 label = describe(calls[i]) or f"task {i}"
                 from trainers.errors import UserError
 
@@ -431,12 +293,9 @@ def run_tasks(remote_fn, calls: list[tuple], what: str, log=print, max_in_flight
                 raise RuntimeError(f"{what}: {label} failed: {type(err).__name__}: "
                                    f"{str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}") from err
             done += 1
-        now = time.time()
-        if done == total or now - last_log >= 2.0:
-            rate = done / max(now - start, 1e-6)
-            eta = (total - done) / rate if rate > 0 else float("inf")
-            log(f"{what}: {done}/{total} partitions, {rate:.1f}/s, ETA {eta:.0f}s")
-            last_log = now
+            last_done = time.time()
+            progress.update(done)
+    progress.close()
     return results
 
 

@@ -27,8 +27,12 @@ class TrainStage(Stage):
             return StageResult(parts, {"trained": False})
         manifest = json.loads((ctx.run_dir / "manifest.json").read_text())
         digest = manifest["stages"]["shard"]["output_digest"]
+        tags = {"mlflow.source.git.commit": manifest.get("git_revision", ""), "mlflow.source.name": "capline run",
+                "mlflow.source.type": "JOB", "capline.config_hash": manifest.get("config_hash", "")}
+        if manifest.get("mlflow_runs", {}).get("data"):
+            tags["capline.data_run_id"] = manifest["mlflow_runs"]["data"]
         result = train(ctx.storage, ctx.artifact("shard", "folder"), ctx.artifact("tokenizer", "model"), tc,
-                       ctx.config.seed, digest, "train", ctx.run_dir, log=ctx.log)
+                       ctx.config.seed, digest, "train", ctx.run_dir, log=ctx.log, tags=tags)
         ctx.log(f"train: finished at step {result['step']}, loss {result['loss']:.4f}")
         return StageResult(parts, {"trained": True, **result},
                            artifacts={"model": "train/model", "encoder": "train/export",

@@ -157,10 +157,28 @@ def test_run_report_renders_in_chromium(demo_filtered):
     for reason in ("http_404", "eval_duplicate:demo", "language:de", "clip_score"):
         assert reason in page
     assert "MLflow run" in page and "Training curves unavailable" not in page
-    assert re.search(r"few-shot demo_colour", page)
+    assert re.search(r"<td>demo_colour</td>", page) and all(f"<th>{k}-shot</th>" in page for k in (1, 5, 10, 25))
+    for stage in ("ingest", "dedup", "basic", "language", "clip_score"):   # every stage report, linked
+        assert f"href='{stage}/report.html'" in page and (run_dir / stage / "report.html").is_file(), stage
+    assert "<th>% kept</th>" in page and "<h2>Audit against the demo's planted defects</h2>" in page
+    assert "eval_near_copy" in page and "mismatched_caption" in page
+    ingest = (run_dir / "ingest" / "report.html").read_text()
+    assert "127.0.0.1:" in ingest and "http_404" in ingest and "timeout" in ingest
+    dedup = (run_dir / "dedup" / "report.html").read_text()
+    assert "dropped, then the sample kept in its place" in dedup and dedup.count("data:image/jpeg;base64,") >= 10
+    capped = capline("report", str(run_dir), "--per-reason", "-1")
+    assert capped.returncode == 2 and "--per-reason -1" in capped.stderr
     assert page.count("data:image/png;base64,") >= 5       # funnel, 3 score histograms, curves
     assert page.count("class='card kept'") >= 4 and page.count("class='card dropped'") >= 8
     shot = run_dir / "report.png"
     console = chromium_console(run_dir / "report.html", shot)
     assert console == [], console
     assert shot.stat().st_size > 50_000
+
+
+def test_a_trained_run_prints_its_evaluation_once_training_progress_and_no_ray_noise(demo_filtered):
+    _, out = demo_filtered
+    assert out.count("evaluation of cappa/tiny:") == 1
+    assert re.search(r"train: 30/30 steps, [\d.]+/s, ETA 0s, loss [\d.]+", out), out[-3000:]
+    for noise in ("TrainController", "core_worker.cc", "Reporting training result", "RpcError", "INFO mlflow"):
+        assert noise not in out, noise

@@ -97,7 +97,32 @@ def test_data_build_and_training_runs_linked_by_digest(server, data_run):
     assert data.info.run_id == manifest["mlflow_runs"]["data"] and train.info.run_id == manifest["mlflow_runs"]["train"]
     assert data.data.metrics["ingest.dropped.http_404"] > 0 and data.data.metrics["shard.kept"] > 0
     assert [m.step for m in c.get_metric_history(train.info.run_id, "loss")] == list(range(1, 21))
-    assert {a.path for a in c.list_artifacts(train.info.run_id)} >= {"model", "encoder", "tokenizer"}
+    assert {a.path for a in c.list_artifacts(train.info.run_id)} >= {"model", "encoder", "tokenizer", "config"}
+    # the data-build run: every filter's thresholds, per-stage wall time and share kept, its files, its span
+    assert data.data.params["stages.basic.min_words"] == "3" and "stages.language.min_confidence" in data.data.params
+    assert data.data.params["stages.clip_score.keep_fraction"] and data.data.params["stages.dedup.eval_sets"]
+    assert 0 < data.data.metrics["language.kept_fraction"] <= 1 and data.data.metrics["ingest.wall_seconds"] > 0
+    assert {a.path for a in c.list_artifacts(data.info.run_id)} >= {"config.yaml", "README.md", "manifest.json",
+                                                                   "report.html"}
+    assert (data.info.end_time - data.info.start_time) / 1000 > 5     # the stages' time, not the logging's
+    assert [t.value for i in data.inputs.dataset_inputs for t in i.tags if t.key == "mlflow.data.context"] == ["output"]
+    assert [t.value for i in train.inputs.dataset_inputs for t in i.tags if t.key == "mlflow.data.context"] == ["training"]
+    # the training run: where its code and data came from, a name of its own, the resolved config
+    assert train.data.tags["capline.data_run_id"] == data.info.run_id
+    assert len(train.data.tags["mlflow.source.git.commit"]) >= 40 and train.data.tags["mlflow.source.name"]
+    import re
+
+    assert re.fullmatch(r"cappa-tiny-\d{8}-\d{6}", train.info.run_name), train.info.run_name
+    cfg = json.loads(open(c.download_artifacts(train.info.run_id, "config/train.json", str(data_run))).read())
+    assert cfg["train"]["steps"] == 20 and cfg["model"]["family"] == "cappa"
+    # evaluation: a table artifact and a few headline metrics, not one metric per number
+    ev = capline("eval", str(data_run / "train" / "model"), "--tasks", "zeroshot,wordorder",
+                 env={"MLFLOW_TRACKING_URI": url}, timeout=600)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    table = json.loads(open(c.download_artifacts(train.info.run_id, "eval/results_table.json", str(data_run))).read())
+    assert set(table["columns"]) >= {"task", "dataset", "shots", "metric", "value"} and len(table["data"]) >= 4
+    evals = {k for k in c.get_run(train.info.run_id).data.metrics if k.startswith("eval.")}
+    assert "eval.wordorder.demo.mean" in evals and len(evals) <= 20, evals
     # a rerun of the finished folder logs nothing twice
     again = capline(*args, env={"MLFLOW_TRACKING_URI": url}, timeout=600)
     assert again.returncode == 0 and "mlflow: data-build run" not in again.stdout

@@ -58,7 +58,9 @@ def train_loop_per_worker(c: dict) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
     encoder = c.get("image_encoder")   # ClipCap's frozen encoder, from the run folder's storage
-    task = make_task(mc, str(storage.local_dir(encoder)) if encoder else None)
+    lm = c.get("lm_checkpoint")
+    task = make_task(mc, str(storage.local_dir(encoder)) if encoder else None,
+                     str(storage.local_dir(lm)) if lm else None)
     model = task.build()
     opt = build_optimizer(model, tc.optim)
     sched = build_schedule(opt, tc.optim, tc.steps)
@@ -85,6 +87,7 @@ def train_loop_per_worker(c: dict) -> None:
     buffer = MetricBuffer(c["mlflow_uri"], c["run_id"], log=lambda m: print(m, flush=True)) if rank == 0 else None
     fixed = None
     last_finite, t_last = step, time.perf_counter()
+    t_progress, p_step = t_last, step
     wait_total = busy_total = 0.0
     while step < tc.steps:
         t0 = time.perf_counter()
@@ -123,6 +126,12 @@ def train_loop_per_worker(c: dict) -> None:
                               "examples_per_s": tc.global_batch / dt, "tokens_per_s": tokens * world / dt,
                               "data_wait_fraction": wait_total / max(wait_total + busy_total, 1e-9)})
         t_last = t2
+        if rank == 0 and (t2 - t_progress >= 2.0 or step == tc.steps):
+            # the driver's progress bar reads this (any node writes to the run folder's storage)
+            per_s = (step - p_step) / max(t2 - t_progress, 1e-9)
+            storage.write_json(f"{out}/progress.json", {"step": step, "steps": tc.steps, "loss": total,
+                                                         "steps_per_s": per_s, "examples_per_s": tc.global_batch * per_s})
+            t_progress, p_step = t2, step
         if buffer is not None and task.writes and tc.sample_every and step % tc.sample_every == 0 and fixed is not None:
             caps = task.samples(model, fixed.to(device), sp)
             try:

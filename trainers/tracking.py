@@ -56,7 +56,8 @@ def client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
-def start_run(uri: str, run_dir: Path, experiment: str, name: str, params: dict, tags: dict) -> str:
+def start_run(uri: str, run_dir: Path, experiment: str, name: str, params: dict, tags: dict,
+              start_time: int | None = None) -> str:
     c = client(uri)
     exp = c.get_experiment_by_name(experiment)
     if exp is None:
@@ -64,7 +65,7 @@ def start_run(uri: str, run_dir: Path, experiment: str, name: str, params: dict,
         exp_id = c.create_experiment(experiment, artifact_location=artifacts)
     else:
         exp_id = exp.experiment_id
-    run = c.create_run(exp_id, run_name=name, tags=tags)
+    run = c.create_run(exp_id, run_name=name, tags=tags, start_time=start_time)
     from mlflow.entities import Param
 
     items = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
@@ -73,11 +74,13 @@ def start_run(uri: str, run_dir: Path, experiment: str, name: str, params: dict,
     return run.info.run_id
 
 
-def log_dataset(uri: str, run_id: str, name: str, digest: str, source: str) -> None:
+def log_dataset(uri: str, run_id: str, name: str, digest: str, source: str, context: str = "training") -> None:
+    """The shards as a dataset of the run: context "training" for a run that trained on them,
+    "output" for the data-build run that made them."""
     from mlflow.entities import Dataset, DatasetInput, InputTag
 
     ds = Dataset(name=name, digest=digest[:36], source_type="capline-webdataset", source=source)
-    client(uri).log_inputs(run_id, datasets=[DatasetInput(ds, tags=[InputTag("mlflow.data.context", "training")])])
+    client(uri).log_inputs(run_id, datasets=[DatasetInput(ds, tags=[InputTag("mlflow.data.context", context)])])
 
 
 class MetricBuffer:

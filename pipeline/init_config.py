@@ -1,0 +1,113 @@
+"""`capline init FILE`: look at a URL list, find its URL and caption columns, write a config for it.
+
+Reads the first rows only (a Parquet file's first row group, a text file's first 4 MB). The URL
+column is the one whose values are mostly http(s) URLs; the caption column the text column, other
+than that, with the most words per value, a column named like a caption (caption, text, alt, title,
+description) winning ties. A key column (key, uid, id) is used if its values are unique. The config
+written is the demo's pipeline with `source.kind: urls`; every other value is a default to edit.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pyarrow as pa
+
+from trainers.errors import UserError
+
+CAPTION_NAMES = ("caption", "text", "alt", "alt_text", "title", "description", "txt")
+KEY_NAMES = ("key", "uid", "id", "sample_id")
+URL_RE = re.compile(r"^https?://\S+$", re.I)
+
+
+def _head(path: Path, fmt: str) -> pa.Table:
+    import pyarrow.csv as pacsv
+    import pyarrow.json as pajson
+    import pyarrow.parquet as pq
+
+    from stages.source import _format
+
+    fmt = _format(path, fmt)
+    try:
+        if fmt == "parquet":
+            f = pq.ParquetFile(path)
+            return f.read_row_group(0) if f.num_row_groups else f.schema_arrow.empty_table()
+        with open(path, "rb") as f:
+            data = f.read(4 << 20)
+        data = data[: data.rfind(b"\n") + 1] or data
+        if fmt in ("csv", "tsv"):
+            return pacsv.read_csv(pa.BufferReader(data), parse_options=pacsv.ParseOptions(
+                delimiter="\t" if fmt == "tsv" else ",", invalid_row_handler=lambda row: "skip"))
+        return pajson.read_json(pa.BufferReader(data))
+    except (pa.ArrowInvalid, OSError) as err:
+        raise UserError(f"{path}: not a readable {fmt} file ({str(err).splitlines()[0]})") from None
+
+
+def _strings(col: pa.ChunkedArray) -> list[str]:
+    out = []
+    for v in col.to_pylist()[:2000]:
+        if isinstance(v, bytes):
+            v = v.decode("utf-8", "replace")
+        if isinstance(v, str):
+            out.append(v)
+    return out
+
+
+def detect(path: Path, fmt: str = "auto") -> dict:
+    """-> {format, url_col, caption_col, key_col, rows_seen}; a UserError naming the columns if none fits."""
+    from stages.source import _format
+
+    t = _head(path, fmt)
+    if t.num_rows == 0:
+        raise UserError(f"{path}: no rows to look at")
+    scores = {}
+    for name in t.column_names:
+        vals = _strings(t.column(name))
+        if not vals:
+            continue
+        urls = sum(bool(URL_RE.match(v.strip())) for v in vals) / len(vals)
+        words = sum(len(v.split()) for v in vals) / len(vals)
+        scores[name] = (urls, words)
+    url_col = max((n for n in scores if scores[n][0] >= 0.5), key=lambda n: scores[n][0], default=None)
+    if url_col is None:
+        raise UserError(f"{path}: no column holds mostly http(s) URLs (columns: {', '.join(t.column_names)}); "
+                        "write the config by hand with source.url_col")
+    texts = [n for n in scores if n != url_col and scores[n][0] < 0.5]
+    caption_col = max(texts, key=lambda n: (scores[n][1] + (1.0 if n.lower() in CAPTION_NAMES else 0.0)), default=None)
+    if caption_col is None:
+        raise UserError(f"{path}: found URLs in '{url_col}' but no text column for captions "
+                        f"(columns: {', '.join(t.column_names)})")
+    key_col = None
+    for name in t.column_names:
+        if name.lower() in KEY_NAMES and name not in (url_col, caption_col):
+            vals = [str(v) for v in t.column(name).to_pylist()]
+            if len(set(vals)) == len(vals):
+                key_col = name
+                break
+    return {"format": _format(path, fmt), "url_col": url_col, "caption_col": caption_col, "key_col": key_col,
+            "rows_seen": t.num_rows, "url_share": scores[url_col][0], "caption_words": scores[caption_col][1]}
+
+
+def write_config(path: Path, out: Path, found: dict, name: str | None = None) -> str:
+    import yaml
+
+    name = name or re.sub(r"[^A-Za-z0-9_-]+", "-", path.name.split(".")[0]).strip("-") or "run"
+    source = {"kind": "urls", "path": str(path.resolve()), "format": found["format"],
+              "url_col": found["url_col"], "caption_col": found["caption_col"]}
+    if found["key_col"]:
+        source["key_col"] = found["key_col"]
+    cfg = {"name": name, "seed": 0, "source": source,
+           "stages": {"dedup": {"eval_sets": [{"name": "digits", "kind": "builtin", "path": "digits"}]},
+                      "basic": {"min_image_side": 200, "max_aspect_ratio": 3.0, "min_words": 3},
+                      "language": {"languages": ["en"], "min_confidence": 0.5},
+                      "clip_score": {"scorer": "bootstrap", "keep_fraction": 0.9}},
+           "train": {"model": "cappa", "size": "tiny", "steps": 1000}}
+    header = (f"# Written by `capline init {path}`: URLs in '{found['url_col']}' ({100 * found['url_share']:.0f}% of "
+              f"{found['rows_seen']} rows looked at), captions in '{found['caption_col']}' "
+              f"({found['caption_words']:.1f} words on average).\n# Every other value is a default: see README.md, "
+              "'Configuration'. Run it with: capline run " + str(out) + "\n")
+    if out.exists():
+        raise UserError(f"{out} exists; give another --output or remove it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(header + yaml.safe_dump(cfg, sort_keys=False))
+    return name

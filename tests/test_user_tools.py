@@ -1,0 +1,116 @@
+"""Unit level: the pieces behind what users see (capline init, progress, eval table, drop details,
+the json names of filter scores, argument checks that come before Ray)."""
+import json
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from helpers import capline
+from pipeline.init_config import detect
+from trainers.errors import UserError
+
+
+def test_init_finds_url_caption_and_key_columns_in_csv_and_parquet(tmp_path):
+    rows = {"id": ["a1", "a2", "a3"], "alt": ["a red bird on a branch", "two dogs", "a bowl of soup on a table"],
+            "link": ["https://example.com/1.jpg", "http://example.org/2.png", "https://example.net/3"],
+            "tag": ["x", "y", "z"], "w": [3, 4, 5]}
+    pq.write_table(pa.table(rows), tmp_path / "list.parquet")
+    found = detect(tmp_path / "list.parquet")
+    assert (found["url_col"], found["caption_col"], found["key_col"], found["format"]) == ("link", "alt", "id", "parquet")
+    csv = tmp_path / "list.csv"
+    csv.write_text("link,title\n" + "".join(f"https://e.com/{i}.jpg,photo number {i} of a cat\n" for i in range(5)))
+    out = tmp_path / "cfg.yaml"
+    proc = capline("init", str(csv), "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    from pipeline.config import load_config
+
+    cfg = load_config(out)
+    assert (cfg.source.kind, cfg.source.url_col, cfg.source.caption_col, cfg.source.key_col) == ("urls", "link", "title", None)
+    assert capline("init", str(csv), "--output", str(out)).returncode == 2   # never overwrites
+
+
+def test_init_says_what_it_could_not_find(tmp_path):
+    p = tmp_path / "nourls.csv"
+    p.write_text("a,b\nhello world,1\n")
+    with pytest.raises(UserError, match="no column holds mostly http"):
+        detect(p)
+    proc = capline("init", str(tmp_path / "missing.csv"))
+    assert proc.returncode == 2 and "no such file" in proc.stderr
+
+
+def test_progress_off_a_terminal_logs_rate_and_eta_at_most_every_few_seconds(monkeypatch):
+    from trainers.progress import Progress
+
+    lines = []
+    monkeypatch.setenv("CAPLINE_PROGRESS", "0")
+    p = Progress("ingest", 4, lines.append, unit="shards", every=0.05)
+    p.update(1)
+    p.update(2)         # too soon after the last line: nothing
+    time.sleep(0.06)
+    p.update(3, loss=1.25)
+    p.update(4)         # the last: said by close(), once
+    p.close()
+    assert len(lines) == 2
+    assert lines[0].startswith("ingest: 3/4 shards, ") and "ETA " in lines[0] and "loss 1.25" in lines[0]
+    assert lines[1].startswith("ingest: 4/4 shards") and lines[1].count("ETA 0s") == 1
+
+
+def test_failure_details_are_the_same_on_every_run():
+    from stages.ingest import stable_detail
+
+    a = stable_detail("capline:undecodable_image: UnidentifiedImageError: cannot identify image file "
+                      "<_io.BytesIO object at 0x7fbd142d2e80>")
+    b = stable_detail("capline:undecodable_image: UnidentifiedImageError: cannot identify image file "
+                      "<_io.BytesIO object at 0x7f0000000001>")
+    assert a == b == "UnidentifiedImageError: cannot identify image file <_io.BytesIO>"
+    assert stable_detail(None) == ""
+
+
+def test_ingest_size_bounds_moved_to_basic_say_where():
+    from pipeline.config import load_config
+
+    with pytest.raises(UserError, match="stages.basic.min_image_side"):
+        load_config(None, ["stages.ingest.min_image_size=16"])
+
+
+def test_scores_get_the_names_users_read_in_the_shards_json():
+    from stages.dataplane import add_notes
+
+    t = pa.table({"key": ["a"], "verdict": ["kept"], "score": [0.5], "detail": ["en"], "notes": [None]})
+    assert json.loads(add_notes(t, "clip_score").column("notes")[0].as_py()) == {"clip_score": 0.5,
+                                                                               "clip_score_detail": "en"}
+    assert json.loads(add_notes(t, "language").column("notes")[0].as_py()) == {"language_score": 0.5, "language": "en"}
+    assert add_notes(t, "ingest").column("notes")[0].as_py() is None
+
+
+def test_evaluation_rows_have_every_shot_count_and_headline_metrics():
+    from trainers.evaluation.run import eval_rows, headline, summary
+
+    results = {"model": "cap", "size": "tiny", "skipped": ["zeroshot: no datasets in eval.zeroshot"],
+               "fewshot": {"digits": {"1": {"mean": 0.2, "std": 0.01}, "10": {"mean": 0.5, "std": 0.02}}},
+               "fewshot_map": {"digits": {"10": {"mean": 0.6, "std": 0.03}}},
+               "captioning": {"coco": {"greedy": {"cider": 0.7, "bleu4": 0.1}, "lit_greedy": {"cider": 0.4, "bleu4": 0.0}}},
+               "zeroshot": {"shapes": {"classes": 3, "ar": {"accuracy": 0.4, "seconds_per_1000_images": 1.0}}},
+               "wordorder": {"demo": {"a": {"accuracy": 0.6, "n": 5}, "b": {"accuracy": 0.8, "n": 5}}}}
+    rows = eval_rows(results)
+    assert [(r["variant"], r["shots"]) for r in rows if r["task"] == "few-shot"] == [("linear", 1), ("linear", 10),
+                                                                                   ("map", 10)]
+    assert headline(rows) == pytest.approx({
+        "eval.fewshot.digits.linear.10shot": 0.5, "eval.fewshot.digits.map.10shot": 0.6,
+        "eval.captioning.coco.greedy.cider": 0.7, "eval.captioning.coco.lit_greedy.cider": 0.4,
+        "eval.zeroshot.shapes.ar": 0.4, "eval.wordorder.demo.mean": 0.7})
+    text = summary(results)
+    assert "1-shot" in text and "10-shot" in text and "50.0%" in text and "20.0%" in text and "MAP-head" in text
+    assert "skipped: zeroshot: no datasets" in text
+
+
+def test_train_and_experiment_check_their_arguments_before_ray_starts(tmp_path):
+    proc = capline("train", "--run-dir", str(tmp_path / "nothing"), timeout=60)
+    assert proc.returncode == 2 and "source before it has not finished" in proc.stderr
+    assert "ray:" not in proc.stdout
+    for args, needle in ((["--budget", "huge"], "--budget huge"), (["--models", "cap,clipp"], "--models clipp"),
+                         ([], "no final shards")):
+        proc = capline("experiment", "paper", "--run-dir", str(tmp_path), *args, timeout=60)
+        assert proc.returncode == 2 and needle in proc.stderr and "ray:" not in proc.stdout, (args, proc.stderr)
