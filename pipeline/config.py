@@ -23,6 +23,7 @@ from stages.shard import ShardConfig
 from stages.tokenizer import TokenizerConfig
 from stages.source import SourceConfig
 from trainers.configtools import apply_override, build, require
+from trainers.evaluation.config import EvalConfig
 from trainers.train_config import TrainConfig
 from trainers.errors import UserError
 
@@ -52,6 +53,7 @@ class RunConfig:
     source: SourceConfig = field(default_factory=SourceConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self, prefix: str) -> None:
         require(bool(self.name) and "/" not in self.name, "name", f"must be a non-empty name without '/', got {self.name!r}")
@@ -77,6 +79,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data = copy.deepcopy(data)
     for item in overrides or []:
         apply_override(data, item)
+    if isinstance(data.get("train"), dict):
+        from trainers.train_config import with_recipe
+
+        data["train"] = with_recipe(data["train"])
     return build(RunConfig, data)
 
 

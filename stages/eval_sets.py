@@ -11,7 +11,6 @@ unreadable images inside a set are skipped and counted, an empty or missing set 
 from __future__ import annotations
 
 import glob
-import gzip
 import hashlib
 import itertools
 import json
@@ -29,7 +28,7 @@ from .imagehash import crops, describe
 from .neardup import NearDupIndex
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz")
+from trainers.evaluation.datasets import FASHION_MNIST, fashion_mnist_images  # noqa: E402 - one reader
 BUILTINS = ("demo_heldout", "fashion_mnist", "digits")
 
 
@@ -108,11 +107,7 @@ def iter_images(es: EvalSetConfig, run_dir: Path | None) -> Iterator[tuple[str, 
         for r in pq.read_table(base / "eval.parquet").to_pylist():
             yield r["id"], (base / r["path"]).read_bytes()
     elif es.path == "fashion_mnist":
-        with gzip.open(FASHION_MNIST) as f:
-            raw = f.read()
-        n, rows, cols = (int.from_bytes(raw[i:i + 4], "big") for i in (4, 8, 12))
-        images = np.frombuffer(raw, np.uint8, offset=16).reshape(n, rows, cols)
-        for i, img in enumerate(images):
+        for i, img in enumerate(fashion_mnist_images()):
             yield f"test{i:05d}", img
     elif es.path == "digits":
         from sklearn.datasets import load_digits

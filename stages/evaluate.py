@@ -10,7 +10,16 @@ class EvalStage(Stage):
     name = "eval"
 
     def section(self, config):
-        return config.train  # what was trained decides what is evaluated
+        # what was trained, and the `eval:` section, decide what is evaluated
+        import dataclasses
+
+        return {"train": dataclasses.asdict(config.train), "eval": dataclasses.asdict(config.eval)}
+
+    def preflight(self, config) -> None:
+        """Evaluation sets that cannot be found fail before the run, not after training."""
+        from trainers.evaluation.datasets import check_exists
+
+        check_exists(config.eval)
 
     def run(self, ctx: StageContext) -> StageResult:
         from trainers.evaluation.run import evaluate, summary
@@ -25,8 +34,11 @@ class EvalStage(Stage):
         if not (model_dir / "model.json").is_file():
             ctx.log("eval: no trained model (train.steps is 0), nothing to evaluate")
             return StageResult(parts, {"evaluated": False})
-        results = evaluate(model_dir, ctx.run_dir, log=ctx.log, strict=False)
+        results = evaluate(model_dir, ctx.run_dir, log=ctx.log, strict=False, eval_cfg=ctx.config.eval,
+                           seed=ctx.config.seed)
         text = summary(results)
-        (ctx.stage_dir / "summary.txt").write_text(text + "\n")
-        ctx.log(text)
+        (ctx.stage_dir / "summary.txt").write_text(text + "\n")   # `capline run` prints it at the end, once
+        ctx.log(f"eval: {len(results.get('fewshot', {}))} few-shot, {len(results.get('captioning', {}))} captioning, "
+                f"{len(results.get('zeroshot', {}))} zero-shot and {len(results.get('wordorder', {}))} word-order sets; "
+                "summary in eval/summary.txt")
         return StageResult(parts, {"evaluated": True}, artifacts={"summary": "eval/summary.txt"})

@@ -82,6 +82,7 @@ class SourceConfig:
     eval_size: int = 300
     image_size: int = 96
     slow_seconds: float = 6.0
+    serve_port: int = 8431           # loopback port a served source (synthetic, openclipart) is fetched from; 0: any
     huge_pixels: int = 16000
     huge_bytes: int = 3_000_000
     defects: DefectFractions = field(default_factory=DefectFractions)
@@ -105,6 +106,7 @@ class SourceConfig:
             require(bool(self.path), join(prefix, "path"), "kind 'urls' needs the path of a URL list file")
         require(self.limit is None or self.limit > 0, join(prefix, "limit"), f"must be > 0 or null, got {self.limit}")
         require(16 <= self.render_size <= 2048, join(prefix, "render_size"), "must be 16..2048 pixels")
+        require(0 <= self.serve_port <= 65535, join(prefix, "serve_port"), f"must be 0..65535, got {self.serve_port}")
         require(self.rows_per_part >= 1, join(prefix, "rows_per_part"), f"must be >= 1, got {self.rows_per_part}")
 
 
@@ -358,8 +360,13 @@ class SourceStage(Stage):
                     "digest": openclipart.tree_digest(root, files), "limit": cfg.limit}
         return {"kind": cfg.kind, "seed": config.seed, "num_samples": cfg.num_samples}
 
+    # what the synthetic source writes besides its URL list: 2 = its held-out split also as COCO
+    # captions and word-order pairs (an older run's source is regenerated, not reused without them)
+    HELDOUT_FORMAT = 2
+
     def fingerprint(self, config) -> str:
-        return super().fingerprint(config) + json.dumps(self.input_fingerprint(config), sort_keys=True)
+        extra = {"heldout_format": self.HELDOUT_FORMAT} if config.source.kind == "synthetic" else {}
+        return super().fingerprint(config) + json.dumps({**self.input_fingerprint(config), **extra}, sort_keys=True)
 
     def run(self, ctx: StageContext) -> StageResult:
         import ray

@@ -12,6 +12,7 @@ digest over it) does not depend on the port.
 from __future__ import annotations
 
 import io
+import json
 import math
 import struct
 import zlib
@@ -230,6 +231,34 @@ def _assign_defects(n: int, fractions: dict[str, float], rng: np.random.Generato
     return out
 
 
+def hard_negatives(scene: Scene) -> dict[str, str]:
+    """The held-out word-order cases (ARO / SugarCrepe style) for a scene of two or more objects: the
+    two object phrases swapped around the relation, their colours swapped, an absent object added."""
+    a, b = scene.objects[0], scene.objects[1]
+    swapped_order = caption_en(Scene((b, a) + scene.objects[2:], scene.background, scene.texture_seed))
+    # keep the relation of the true scene, with the phrases exchanged
+    true = caption_en(scene)
+    pa, pb = f"a {a.size} {a.colour} {a.shape}", f"a {b.size} {b.colour} {b.shape}"
+    relation_swap = true.replace(pa, "\0").replace(pb, pa).replace("\0", pb) if pa != pb else swapped_order
+    a2 = Obj(a.shape, b.colour, a.size, a.x, a.y)
+    b2 = Obj(b.shape, a.colour, b.size, b.x, b.y)
+    attribute_swap = caption_en(Scene((a2, b2) + scene.objects[2:], scene.background, scene.texture_seed))
+    present = {(o.shape, o.colour) for o in scene.objects}
+    extra = next((s, c) for c in COLOURS for s in SHAPES if (s, c) not in present)
+    added = true + f" and a {sorted(SIZES)[0]} {extra[1]} {extra[0]}"
+    return {"relation_order": relation_swap, "attribute_swap": attribute_swap, "added_object": added}
+
+
+def heldout_wordorder(scenes: list[Scene]) -> list[tuple[int, str, dict[str, str]]]:
+    """(scene index, true caption, hard negatives) for scenes with two objects of different colours."""
+    out = []
+    for i, sc in enumerate(scenes):
+        if len(sc.objects) < 2 or sc.objects[0].colour == sc.objects[1].colour:
+            continue
+        out.append((i, caption_en(sc), hard_negatives(sc)))
+    return out
+
+
 def generate(out_dir: Path, num_samples: int, eval_size: int, image_size: int, seed: int,
              fractions: dict[str, float], huge_pixels: int, huge_bytes: int) -> dict:
     """Write www/, urls.parquet, _ground_truth.parquet and eval/ under out_dir. Returns counts."""
@@ -257,6 +286,15 @@ def generate(out_dir: Path, num_samples: int, eval_size: int, image_size: int, s
         eval_rows["count"].append(len(sc.objects))
         eval_rows["scene"].append(scene_to_json(sc))
     pq.write_table(pa.table(eval_rows), eval_dir / "eval.parquet")
+    # the same split as ordinary evaluation datasets (trainers/evaluation/datasets.py reads them):
+    # COCO-format captions, a Parquet of labels (eval.parquet, images by path), word-order pairs
+    coco = {"images": [{"id": i, "file_name": p} for i, p in zip(eval_rows["id"], eval_rows["path"])],
+            "annotations": [{"id": n, "image_id": i, "caption": c}
+                            for n, (i, c) in enumerate(zip(eval_rows["id"], eval_rows["caption"]))]}
+    (eval_dir / "captions.json").write_text(json.dumps(coco, indent=0))
+    with open(eval_dir / "wordorder.jsonl", "w") as f:
+        for i, true, negs in heldout_wordorder(eval_scenes):
+            f.write(json.dumps({"image": eval_rows["path"][i], "caption": true, "negatives": negs}) + "\n")
 
     scenes = [random_scene(rng) for _ in range(num_samples)]
     defects = _assign_defects(num_samples, fractions, rng)

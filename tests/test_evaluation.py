@@ -6,7 +6,8 @@ from stages import synthetic
 from trainers.errors import UserError
 from trainers.evaluation.fewshot import few_shot_split, probe, ridge_fit_predict
 from trainers.evaluation.textmetrics import caption_scores, tokenize
-from trainers.evaluation.wordorder import hard_negatives, word_order_eval
+from stages.synthetic import hard_negatives, heldout_wordorder
+from trainers.evaluation.wordorder import word_order_eval
 
 
 def test_probe_on_raw_digit_pixels_matches_scikit_learn_ridge():
@@ -63,7 +64,11 @@ def test_word_order_sanity_scorers():
     def oracle(i, caps):
         return [1.0 if c == truth[i] else 0.0 for c in caps]
 
-    bow, ora = word_order_eval(scenes, bag_of_words), word_order_eval(scenes, oracle)
+    cases = heldout_wordorder(scenes)
+    idx = [i for i, _, _ in cases]
+    by_case = lambda f: lambda j, caps: f(idx[j], caps)  # noqa: E731 - case j is scene idx[j]
+    pairs = [(t, n) for _, t, n in cases]
+    bow, ora = word_order_eval(pairs, by_case(bag_of_words)), word_order_eval(pairs, by_case(oracle))
     assert bow["relation_order"]["accuracy"] == 0.5 and bow["relation_order"]["n"] > 50
     assert all(v["accuracy"] == 1.0 for v in ora.values())
     assert set(ora) == {"relation_order", "attribute_swap", "added_object"}

@@ -137,16 +137,18 @@ def test_main_job_ends_with_an_evaluated_model(data_run):
     out = capline("run", "--run-dir", str(run), *args, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "evaluation of cappa/tiny:" in out.stdout
-    for line in ("few-shot demo_shape", "captioning greedy", "zero-shot ar", "zero-shot parallel",
-                 "word order relation_order", f"run folder {run.resolve()}", "mlflow ui --backend-store-uri"):
+    for line in ("    demo_shape", "captioning demo greedy", "zero-shot demo_shape ar", "zero-shot demo_shape parallel",
+                 "word order demo relation_order", "word order demo_aro shuffled_trigrams",
+                 f"run folder {run.resolve()}", "mlflow ui --backend-store-uri"):
         assert line in out.stdout, line
     results = json.loads(next((run / "eval").glob("train-cappa-tiny.json")).read_text())
     assert set(results["fewshot"]) >= {"demo_shape", "demo_count", "digits"}   # 30 held-out images: colour may not fit
     assert set(results["fewshot"]["digits"]) == {"1", "5", "10", "25"}
-    assert any("left out" in n for n in results.get("notes", []))   # the small demo split cannot do 25-shot
+    assert any("left out" in n for n in results["skipped"])   # the small demo split cannot do 25-shot
+    assert set(results["fewshot_map"]["digits"]) == {"10"}
     client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
     run_id = (run / "train" / "mlflow_run_id").read_text().strip()
-    assert "eval.fewshot.digits.10.mean" in client.get_run(run_id).data.metrics
+    assert "eval.fewshot.digits.linear.10shot" in client.get_run(run_id).data.metrics
 
 
 def test_experiment_paper_writes_its_table(data_run):
@@ -156,7 +158,14 @@ def test_experiment_paper_writes_its_table(data_run):
                   *args, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     table = (run / "paper_table.md").read_text()
-    assert "| Cap |" in table and "| CLIP* |" in table and "10-shot digits" in table
-    assert "word order: relation_order" in table and (run / "paper_curves.png").is_file()
+    assert "| Cap |" in table and "| CLIP* |" in table and "| linear digits | MAP digits |" in table
+    assert "CIDEr demo own | CIDEr demo LiT" in table and "word order demo |" in table
+    assert (run / "paper_curves.png").is_file()
+    cap = next(ln for ln in table.splitlines() if ln.startswith("| Cap |")).split("|")
+    clip = next(ln for ln in table.splitlines() if ln.startswith("| CLIP* |")).split("|")
+    head = [c.strip() for c in table.splitlines()[2].split("|")]
+    lit = head.index("CIDEr demo LiT")
+    assert cap[lit].strip() != "-" and clip[lit].strip() != "-"      # every family gets a LiT-decoder CIDEr
+    assert clip[head.index("CIDEr demo own")].strip() == "-"
     bad = capline("experiment", "paper", "--run-dir", str(run), "--budget", "huge", *args)
     assert bad.returncode == 2 and "--budget huge" in bad.stderr

@@ -20,8 +20,12 @@ from safetensors.torch import save_file
 
 
 def export_encoder(model, cfg, directory: Path) -> Path:
+    """The model's ViT; for ClipCap, the frozen image model's (with that model's config)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    inner = getattr(model, "image_encoder", None)
+    if inner is not None:
+        model, cfg = inner, inner.cfg
     encoder = model.encoder
     state = {k: v.detach().contiguous().cpu() for k, v in encoder.state_dict().items()}
     save_file(state, str(directory / "encoder.safetensors"))

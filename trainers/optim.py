@@ -31,12 +31,12 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
 
 
-def lr_factor(step: int, warmup: int, total: int) -> float:
+def lr_factor(step: int, warmup: int, total: int, shape: str = "cosine") -> float:
     if warmup and step < warmup:
         return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 1.0 - progress if shape == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def build_schedule(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup_steps, total_steps))
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.schedule))

@@ -22,14 +22,15 @@ def model_config(tc: TrainConfig, vocab_size: int) -> ModelConfig:
 
 
 def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: int, dataset_digest: str,
-          out_rel: str, run_dir: Path, log=print) -> dict:
+          out_rel: str, run_dir: Path, log=print, tags: dict | None = None) -> dict:
     """Train to tc.steps (resuming an interrupted job under out_rel). Returns final.json plus the run id.
 
     Everything lives in the run folder's `storage` (local, or a bucket): workers list and stream the
     shards from `shards_rel`, rank 0 (on whichever node) writes the model, the encoder and
     final.json under `out_rel`, and Ray Train keeps its checkpoints in `out_rel/ray` on the same
     storage, so a replacement worker on another node resumes from them. `run_dir` is the driver's
-    working copy (the default MLflow store lives there)."""
+    working copy (the default MLflow store lives there). `tags`: more MLflow run tags (the caller's
+    git commit, source, the data-build run's id)."""
     import sentencepiece as spm
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -47,21 +48,37 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
     mc = model_config(tc, vocab)
     if tc.image_encoder and not (Path(tc.image_encoder) / "model.json").is_file():
         raise UserError(f"train.image_encoder {tc.image_encoder}: not a capline model checkpoint")
-    encoder_rel = None
+    encoder_rel = lm_rel = None
     if tc.image_encoder:   # a folder on this machine: the workers read their copy from the run folder
         encoder_rel = f"{out_rel}/image_encoder"
         storage.put_dir(encoder_rel, tc.image_encoder)
+    if tc.lm_checkpoint:
+        if not (Path(tc.lm_checkpoint) / "model.safetensors").is_file():
+            raise UserError(f"train.lm_checkpoint {tc.lm_checkpoint}: not a capline model checkpoint")
+        lm_rel = f"{out_rel}/lm_checkpoint"
+        storage.put_dir(lm_rel, tc.lm_checkpoint)
+    if tc.model == "clipcap":   # refuse a frozen random LM here, not in every worker after Ray starts
+        from .tasks import make_task
+
+        make_task(mc, tc.image_encoder, tc.lm_checkpoint).build()
     uri = tracking_uri(run_dir)
     id_file = f"{out_rel}/mlflow_run_id"
     if storage.exists(id_file):
         run_id = storage.read_bytes(id_file).decode().strip()
         log(f"train: resuming MLflow run {run_id}")
     else:
-        params = flatten({"train": dataclasses.asdict(tc), "model": dataclasses.asdict(mc), "seed": seed})
-        try:
-            run_id = start_run(uri, run_dir, tc.experiment, f"{tc.model}-{tc.size}",
+        import time
+
+        resolved = {"train": dataclasses.asdict(tc), "model": dataclasses.asdict(mc), "seed": seed}
+        params = flatten(resolved)
+        try:   # a name per job: a retrain of the same model is told apart in the runs list
+            run_id = start_run(uri, run_dir, tc.experiment, f"{tc.model}-{tc.size}-{time.strftime('%Y%m%d-%H%M%S')}",
                                params, {"capline.dataset_digest": dataset_digest,
-                                        "capline.run_dir": storage.uri()})
+                                        "capline.run_dir": storage.uri(), "capline.shards": storage.uri(shards_rel),
+                                        **(tags or {})})
+            from .tracking import client as _client
+
+            _client(uri).log_dict(run_id, resolved, "config/train.json")
             log_dataset(uri, run_id, name=f"{Path(storage.root).name}-shards", digest=dataset_digest,
                         source=storage.uri(shards_rel))
             from .tracking import client
@@ -84,14 +101,15 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
         train_loop_per_worker,
         train_loop_config={"train": dataclasses.asdict(tc), "model": dataclasses.asdict(mc), "seed": seed,
                            "shards": shards, "tokenizer": tokenizer, "storage": storage, "out": out_rel,
-                           "image_encoder": encoder_rel,
+                           "image_encoder": encoder_rel, "lm_checkpoint": lm_rel,
                            "mlflow_uri": uri, "run_id": run_id},
         scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu),
         run_config=RunConfig(name=f"train-{run_id[:12]}", storage_path=storage.path(f"{out_rel}/ray"),
                              storage_filesystem=storage.fs,
                              checkpoint_config=CheckpointConfig(num_to_keep=tc.keep_checkpoints),
                              failure_config=FailureConfig(max_failures=tc.max_failures)))
-    trainer.fit()
+    with _TrainingProgress(storage, f"{out_rel}/progress.json", tc.steps, log):
+        trainer.fit()
     final = storage.read_json(f"{out_rel}/final.json")
     from .tracking import client, replay_unlogged
 
@@ -121,3 +139,47 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
                            storage.uri(f"{out_rel}/unlogged_metrics.jsonl") if lost else None}
     nodes = sorted({storage.read_bytes(p).decode().strip() for p in storage.list(f"{out_rel}/_nodes")})
     return {**final, "mlflow_run_id": run_id, "tracking_uri": redact(uri), "nodes": nodes}
+
+
+class _TrainingProgress:
+    """While Ray Train runs: the step, loss and examples/s rank 0 writes, as a progress bar with an ETA."""
+
+    def __init__(self, storage, rel: str, steps: int, log):
+        import threading
+
+        self.storage, self.rel, self.steps, self.log = storage, rel, steps, log
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="capline-train-progress", daemon=True)
+
+    def __enter__(self):
+        if self.storage.exists(self.rel):
+            self.storage.delete(self.rel)   # a resumed job's old figures: wait for the new ones
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(timeout=10)
+        return False
+
+    def _watch(self) -> None:
+        from .progress import Progress
+
+        bar = None
+        seen = -1
+        while True:
+            stopping = self.stop.wait(2.0)
+            try:
+                p = self.storage.read_json(self.rel) if self.storage.exists(self.rel) else None
+            except Exception:  # noqa: BLE001 - half-written or unreachable for a moment: next time
+                p = None
+            if p and p["step"] != seen:
+                if bar is None:
+                    bar = Progress("train", self.steps, self.log, unit="steps")
+                bar.update(p["step"], rate=p.get("steps_per_s"), loss=round(p["loss"], 4),
+                           examples_per_s=round(p["examples_per_s"], 1))
+                seen = p["step"]
+            if stopping:
+                if bar is not None:
+                    bar.close()
+                return

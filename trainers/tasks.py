@@ -26,8 +26,8 @@ class Task:
     objective = ""
     writes = False
 
-    def __init__(self, model_cfg: ModelConfig, image_encoder: str | None = None):
-        self.model_cfg, self.image_encoder = model_cfg, image_encoder
+    def __init__(self, model_cfg: ModelConfig, image_encoder: str | None = None, lm: str | None = None):
+        self.model_cfg, self.image_encoder, self.lm = model_cfg, image_encoder, lm
 
     def build(self) -> nn.Module:
         return build_model(self.model_cfg)
@@ -66,10 +66,14 @@ class PrefixCaptioningTask(Task):
         encoder, enc_cfg = load_model(self.image_encoder)
         cfg = ModelConfig(**{**self.model_cfg.__dict__, "image_embed_dim": enc_cfg.dim})
         self.model_cfg = cfg
-        return build_model(cfg, image_encoder=encoder)
+        model = build_model(cfg, image_encoder=encoder)
+        if self.lm:
+            model.load_lm(self.lm)
+        model.check_trainable()
+        return model
 
 
-def make_task(model_cfg: ModelConfig, image_encoder: str | None = None) -> Task:
+def make_task(model_cfg: ModelConfig, image_encoder: str | None = None, lm: str | None = None) -> Task:
     cls = {"cap": CaptioningTask, "cappa": CaptioningTask, "clip": ContrastiveTask, "siglip": ContrastiveTask,
            "coca": CoCaTask, "clipcap": PrefixCaptioningTask}[model_cfg.family]
-    return cls(model_cfg, image_encoder)
+    return cls(model_cfg, image_encoder, lm)

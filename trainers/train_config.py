@@ -15,6 +15,7 @@ class OptimConfig:
     beta1: float = 0.9             # adamw beta1; adafactor: momentum
     beta2: float = 0.999           # adamw beta2; adafactor: beta2_cap
     warmup_steps: int = 100
+    schedule: Literal["cosine", "linear"] = "cosine"   # after warmup: cosine to 0, or linear to 0 (ClipCap's)
     clip: float = 1.0              # gradient norm clipping (0: off)
 
     def validate(self, prefix: str) -> None:
@@ -22,6 +23,22 @@ class OptimConfig:
         require(self.weight_decay >= 0, join(prefix, "weight_decay"), "must be >= 0")
         require(self.warmup_steps >= 0, join(prefix, "warmup_steps"), "must be >= 0")
         require(self.clip >= 0, join(prefix, "clip"), "must be >= 0")
+
+
+# Published recipes, applied under what the config sets itself (pipeline/config.py: load_config).
+RECIPES = {
+    # Mokady et al. 2021: AdamW, lr 2e-5, 5,000 warmup steps, then linear decay; batch 40
+    "clipcap": {"global_batch": 40, "optim": {"name": "adamw", "lr": 2e-5, "warmup_steps": 5000, "schedule": "linear"}},
+}
+
+
+def with_recipe(train: dict) -> dict:
+    """train: the raw `train:` mapping -> the recipe's values, overridden by the mapping's own."""
+    name = train.get("recipe")
+    if name not in RECIPES:
+        return train
+    base = RECIPES[name]
+    return {**base, **train, "optim": {**base.get("optim", {}), **(train.get("optim") or {})}}
 
 
 @dataclass
@@ -42,6 +59,8 @@ class TrainConfig:
     max_failures: int = 2
     sample_every: int = 100        # captioning models: log a few generated captions every N steps
     image_encoder: str | None = None  # clipcap: a capline checkpoint whose encoder stays frozen
+    lm_checkpoint: str | None = None  # clipcap: a trained ClipCap checkpoint whose LM (lm.*) to start from
+    recipe: Literal["clipcap"] | None = None  # a published recipe's optimiser and batch under your values
     experiment: str = "capline"
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -64,6 +83,9 @@ class TrainConfig:
         if self.model == "clipcap":
             require(bool(self.image_encoder), join(prefix, "image_encoder"),
                     "clipcap trains on a frozen image encoder: name a capline checkpoint directory")
+            require(self.model_args.get("mapper") != "transformer" or bool(self.lm_checkpoint), join(prefix, "lm_checkpoint"),
+                    "clipcap's transformer mapper keeps the LM frozen: name a trained ClipCap checkpoint to take it "
+                    "from (a frozen, freshly initialised LM only outputs zeros), or use mapper: mlp")
 
     @property
     def per_worker_batch(self) -> int:

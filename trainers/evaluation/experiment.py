@@ -2,8 +2,10 @@
 shards, at the same model size and number of training examples, each evaluated the same way;
 writes `paper_table.md` and logs it, with the learning curves, to MLflow.
 
-Budgets scale the run: `smoke` (seconds: does everything run?), `cpu-10min` (tiny models, 300 steps of 32), `cpu-1h`, `cluster` (S/16 at
-224 px, 20k steps of 1024 on GPUs).
+Budgets scale the run: `smoke` (seconds: does everything run?), `cpu-10min` (tiny models, 300 steps
+of 32), `cpu-1h`, `cluster` (S/16 at 224 px, 20k steps of 1024 on GPUs), and with them the LiT
+decoder, LiT text tower and MAP-head probe the evaluation trains. `--models ...,clipcap` adds
+ClipCap on the frozen CLIP* encoder trained in the same experiment.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 from trainers.configtools import build
 from trainers.errors import UserError
 
+# per budget: the training of each model, and the evaluations that train something on top of it
 BUDGETS = {
     "smoke": {"size": "tiny", "image_size": 32, "steps": 30, "global_batch": 16,   # does it all run?
               "model_args": {"width": 32, "depth": 2, "heads": 2, "mlp": 64, "patch": 8}},
@@ -24,51 +27,98 @@ BUDGETS = {
                "model_args": {"width": 128, "depth": 6, "heads": 4, "mlp": 512, "patch": 8}},
     "cluster": {"size": "s16", "image_size": 224, "steps": 20000, "global_batch": 1024, "model_args": {},
                 "use_gpu": True},
+    # one lent GPU for about 8 minutes (benchmarks/gpu.sh): S/16 at 224 px, 1,500 steps of 128 per model
+    "gpu-8min": {"size": "s16", "image_size": 224, "steps": 1500, "global_batch": 128, "model_args": {},
+                 "use_gpu": True, "num_workers": 1, "checkpoint_every": 500},
 }
-NAMES = {"cap": "Cap", "cappa": "CapPa", "clip": "CLIP*", "siglip": "SigLIP", "coca": "CoCa"}
+EVAL_BUDGETS = {
+    "smoke": {"lit_decoder": {"steps": 10, "batch_size": 16}, "lit": {"steps": 10, "batch_size": 16},
+              "map_probe": {"steps": 20}},
+    "cpu-10min": {"lit_decoder": {"steps": 200, "batch_size": 32}, "lit": {"steps": 200, "batch_size": 64},
+                  "map_probe": {"steps": 200}},
+    "cpu-1h": {"lit_decoder": {"steps": 1000, "batch_size": 64}, "lit": {"steps": 1000, "batch_size": 128},
+               "map_probe": {"steps": 300}},
+    "cluster": {"lit_decoder": {"steps": 10000, "batch_size": 256}, "lit": {"steps": 10000, "batch_size": 1024},
+                "map_probe": {"steps": 1000}},
+    "gpu-8min": {"lit_decoder": {"steps": 300, "batch_size": 64}, "lit": {"steps": 300, "batch_size": 128},
+                 "map_probe": {"steps": 200}},
+}
+NAMES = {"cap": "Cap", "cappa": "CapPa", "clip": "CLIP*", "siglip": "SigLIP", "coca": "CoCa", "clipcap": "ClipCap"}
 
 
-def run_experiment(run_dir: Path, train_cfg, seed: int, models=("cap", "cappa", "clip"), budget="cpu-10min",
-                   log=print) -> Path:
-    from trainers.models.checkpoint import load_model
-    from stages.dataplane import Storage
-    from trainers.run import train
-    from trainers.train_config import TrainConfig
-
-    from .run import evaluate
-
+def check_experiment(run_dir: Path, models, budget: str) -> None:
+    """Everything about the arguments and the run folder that can be wrong, before a cluster starts."""
     if budget not in BUDGETS:
         raise UserError(f"--budget {budget}: choose one of {', '.join(BUDGETS)}")
     bad = [m for m in models if m not in NAMES]
-    if bad:
-        raise UserError(f"--models {','.join(bad)}: choose from {', '.join(NAMES)}")
+    if bad or not models:
+        raise UserError(f"--models {','.join(bad) or '(none)'}: choose from {', '.join(NAMES)}")
+    if "clipcap" in models and "clip" not in models:
+        raise UserError("--models clipcap: ClipCap trains on the frozen CLIP* encoder of this experiment; add clip")
     shards, tok = run_dir / "shard" / "shards", run_dir / "tokenizer" / "spm.model"
-    if not shards.is_dir() or not tok.is_file():
+    if not (run_dir / "shard" / "_SUCCESS").is_file() or not shards.is_dir() or not tok.is_file():
         raise UserError(f"{run_dir}: no final shards and tokenizer; run `capline run --until shard` first")
+
+
+def run_experiment(run_dir: Path, train_cfg, seed: int, models=("cap", "cappa", "clip"), budget="cpu-10min",
+                   log=print, eval_cfg=None) -> Path:
+    from trainers.models.checkpoint import load_model
+    from trainers.run import train
+    from trainers.storage import Storage
+    from trainers.train_config import TrainConfig
+
+    from .config import EvalConfig
+    from .run import evaluate, run_eval_config
+
+    check_experiment(run_dir, models, budget)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     digest = manifest["stages"]["shard"]["output_digest"]
+    ec = dataclasses.asdict(eval_cfg or run_eval_config(run_dir))
+    for key, values in EVAL_BUDGETS[budget].items():
+        ec[key].update(values)
+    ec = build(EvalConfig, ec, "eval")
+    order = [m for m in models if m != "clipcap"] + (["clipcap"] if "clipcap" in models else [])
     rows, curves = [], {}
-    for m in models:
+    for m in order:
         base = {k: v for k, v in dataclasses.asdict(train_cfg).items() if k not in ("optim",)}
         base.update(BUDGETS[budget], model=m, sample_every=0, experiment="capline-paper")
-        tc = build(TrainConfig, {**base, "optim": dataclasses.asdict(train_cfg.optim)}, "train")
+        optim = dataclasses.asdict(train_cfg.optim)
+        if m == "clipcap":   # on the frozen CLIP* encoder trained above; its own recipe's optimiser
+            base["image_encoder"] = str(run_dir / "experiment" / "clip" / "model")
+            base["model_args"] = {k: v for k, v in base["model_args"].items() if k != "patch"}
+        tc = build(TrainConfig, {**base, "optim": optim}, "train")
         out = run_dir / "experiment" / m
+        done = out / "experiment.json"   # a rerun reuses the models it finished, with the same budget
+        if done.is_file() and json.loads(done.read_text()).get("budget") == budget:
+            saved = json.loads(done.read_text())
+            log(f"experiment: {NAMES[m]} done before with budget {budget}, reused")
+            curves[NAMES[m]] = saved["curve"]
+            rows.append((NAMES[m], saved["params"], saved["examples_per_s"], saved["eval"]))
+            continue
         log(f"experiment: training {NAMES[m]} ({tc.size}, {tc.steps} steps of {tc.global_batch})")
         t0 = time.perf_counter()
         result = train(Storage.local(run_dir), "shard/shards", "tokenizer/spm.model", tc, seed, digest,
                        f"experiment/{m}", run_dir, log=log)
         wall = time.perf_counter() - t0
         model, cfg = load_model(out / "model")
-        params = sum(p.numel() for p in model.parameters())
-        ev = evaluate(out / "model", run_dir, log=log, mlflow_run_id=result["mlflow_run_id"], strict=False)
+        params = sum(p.numel() for p in model.parameters() if p.requires_grad or m != "clipcap")
+        ev = evaluate(out / "model", run_dir, log=log, mlflow_run_id=result["mlflow_run_id"], strict=False,
+                      eval_cfg=ec, seed=seed)
         from trainers.tracking import client, tracking_uri
 
         c = client(tracking_uri(run_dir))
         curves[NAMES[m]] = [(x.step, x.value) for x in c.get_metric_history(result["mlflow_run_id"], "loss")]
         rows.append((NAMES[m], params, tc.steps * tc.global_batch / wall, ev))
+        done.write_text(json.dumps({"budget": budget, "params": params, "examples_per_s": rows[-1][2],
+                                    "curve": curves[NAMES[m]], "eval": ev}))
     table = _table(rows)
     path = run_dir / "paper_table.md"
-    path.write_text(f"# Cap vs CapPa vs CLIP* on {run_dir.name} (budget {budget})\n\n{table}\n")
+    path.write_text(f"# Cap vs CapPa vs CLIP* on {run_dir.name} (budget {budget})\n\n{table}\n\n"
+                    "Few-shot: 10-shot accuracy (%) of the linear (big_vision fewshot_lsr) and MAP-head probes. "
+                    "CIDEr: greedy, of the model's own decoder and of a LiT decoder trained on its frozen encoder. "
+                    "Zero-shot (%): cos = the contrastive towers, ar/par = a captioner's autoregressive and "
+                    "parallel scores, lit = a text tower trained against the frozen encoder. Word order (%): mean "
+                    "over each set's categories.\n")
     _log(run_dir, path, curves)
     return path
 
@@ -78,20 +128,34 @@ def _fmt(v, pct=True):
 
 
 def _table(rows) -> str:
-    fewshot_sets = sorted({k for *_, ev in rows for k in ev.get("fewshot", {})})
-    cats = ["relation_order", "attribute_swap", "added_object"]
-    head = (["model"] + [f"10-shot {s}" for s in fewshot_sets] + ["CIDEr", "zero-shot"] +
-            [f"word order: {c}" for c in cats] + ["params (M)", "train ex/s"])
+    from .run import eval_rows
+
+    all_rows = [(name, params, eps, eval_rows(ev)) for name, params, eps, ev in rows]
+    fewshot = sorted({r["dataset"] for *_, er in all_rows for r in er if r["task"] == "few-shot"})
+    captioning = sorted({r["dataset"] for *_, er in all_rows for r in er if r["task"] == "captioning"})
+    zeroshot = sorted({r["dataset"] for *_, er in all_rows for r in er if r["task"] == "zero-shot"})
+    wordorder = sorted({r["dataset"] for *_, er in all_rows for r in er if r["task"] == "word order"})
+    head = (["model"] + [f"{p} {s}" for s in fewshot for p in ("linear", "MAP")]
+            + [f"CIDEr {s} {d}" for s in captioning for d in ("own", "LiT")]
+            + [f"zero-shot {s} {v}" for s in zeroshot for v in ("cos", "ar", "par", "lit")]
+            + [f"word order {s}" for s in wordorder] + ["params (M)", "train ex/s"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, params, eps, ev in rows:
-        fs = [ev.get("fewshot", {}).get(s, {}) for s in fewshot_sets]
-        ten = [f.get(10, f.get("10", {})).get("mean") if f else None for f in fs]
-        cider = ev.get("captioning", {}).get("greedy", {}).get("cider")
-        zs = ev.get("zeroshot", {})
-        zero = (zs.get("ar") or zs.get("cosine") or {}).get("accuracy")
-        wo = [ev.get("wordorder", {}).get(c, {}).get("accuracy") for c in cats]
-        cells = [name] + [_fmt(v) for v in ten] + [_fmt(cider, False), _fmt(zero)] + [_fmt(v) for v in wo] + \
-                [f"{params / 1e6:.2f}", f"{eps:.0f}"]
+    for name, params, eps, er in all_rows:
+        def pick(task, dataset, variant, metric="accuracy", shots=None):
+            for r in er:
+                if (r["task"], r["dataset"], r["variant"], r["metric"]) == (task, dataset, variant, metric) and \
+                        (shots is None or r["shots"] == shots):
+                    return r["value"]
+            return None
+
+        cells = [name]
+        cells += [_fmt(pick("few-shot", s, v, shots=10)) for s in fewshot for v in ("linear", "map")]
+        cells += [_fmt(pick("captioning", s, v, "cider"), False) for s in captioning for v in ("greedy", "lit_greedy")]
+        cells += [_fmt(pick("zero-shot", s, v)) for s in zeroshot for v in ("cosine", "ar", "parallel", "lit")]
+        for s in wordorder:
+            vals = [r["value"] for r in er if r["task"] == "word order" and r["dataset"] == s]
+            cells.append(_fmt(sum(vals) / len(vals) if vals else None))
+        cells += [f"{params / 1e6:.2f}", f"{eps:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -1,11 +1,13 @@
-"""`capline eval`: run the paper's evaluations on a trained checkpoint.
+"""`capline eval`: the paper's evaluations of a trained checkpoint, on the datasets of the run's
+`eval:` section (trainers/evaluation/config.py; files read by trainers/evaluation/datasets.py).
 
-Tasks: `fewshot` (linear probe on frozen features: the demo's held-out labels, digits, and
-Fashion-MNIST when installed), `captioning` (greedy and beam-4 on held-out images, CIDEr and
-BLEU-4), `zeroshot` (class prompts scored by summed autoregressive log-likelihood and by one
-parallel pass for captioners, cosine for contrastive models and CoCa), `wordorder` (relation
-order, attribute swap, added object). Results go to `<run>/eval/<name>.json` and, when the run's
-training is in MLflow, to that MLflow run.
+Tasks: `fewshot` (big_vision's closed-form linear probe on frozen features, and a MAP-head probe
+on the frozen tokens), `captioning` (greedy and beam-4 CIDEr/BLEU-4 of the model's own decoder, and
+of a LiT decoder trained on the frozen encoder for every family), `zeroshot` (class prompts x
+templates: summed autoregressive log-likelihood and one parallel pass for Cap/CapPa, cosine for
+the contrastive ones and CoCa, and cosine through a LiT text tower for Cap/CapPa), `wordorder`
+(the true caption against its perturbations). Results go to `<run>/eval/<name>.json` and, when the
+run's training is in MLflow, to that MLflow run as a table and headline metrics.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import torch
 from PIL import Image
 
 from trainers.errors import UserError
+
+from .config import EvalConfig
 
 TASKS = ("fewshot", "captioning", "zeroshot", "wordorder")
 
@@ -34,21 +38,23 @@ def _prep(images: list, size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+def _dev(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def _batched(fn, x: torch.Tensor, *rest, batch: int = 128) -> torch.Tensor:
+    """fn over x in batches on the model's device (rest: moved there whole), results back on the CPU."""
+    dev = _DEVICE[0]
+    rest = [r.to(dev) for r in rest]
+    return torch.cat([fn(x[i:i + batch].to(dev), *rest).float().cpu() for i in range(0, len(x), batch)])
+
+
+_DEVICE = [torch.device("cpu")]   # where evaluate() put the model (a GPU when there is one)
+
+
 def _features(model, images: torch.Tensor, batch: int = 128) -> np.ndarray:
-    return torch.cat([model.image_features(images[i:i + batch]) for i in range(0, len(images), batch)]).numpy()
-
-
-def _heldout(run_dir: Path):
-    import pyarrow.parquet as pq
-
-    from stages.synthetic import scene_from_json
-
-    path = run_dir / "source" / "eval" / "eval.parquet"
-    if not path.is_file():
-        return None
-    rows = pq.read_table(path).to_pylist()
-    images = [Image.open(run_dir / "source" / "eval" / r["path"]).convert("RGB") for r in rows]
-    return rows, images, [scene_from_json(r["scene"]) for r in rows]
+    return _batched(model.image_features, images, batch=batch).numpy()
 
 
 def _encode(sp, texts: list[str], max_len: int, eos: bool) -> torch.Tensor:
@@ -59,125 +65,208 @@ def _encode(sp, texts: list[str], max_len: int, eos: bool) -> torch.Tensor:
     return out
 
 
+def run_eval_config(run_dir: Path) -> EvalConfig:
+    """The run's own `eval:` section (its config.yaml), else the defaults."""
+    import yaml
+
+    from trainers.configtools import build
+
+    path = Path(run_dir) / "config.yaml"
+    data = (yaml.safe_load(path.read_text()) or {}).get("eval") if path.is_file() else None
+    return build(EvalConfig, data or {}, "eval")
+
+
+@torch.no_grad()
+def _tokens(model, images: torch.Tensor, batch: int = 128) -> torch.Tensor:
+    from .lit import encoder_of
+
+    enc = encoder_of(model).eval()
+    return _batched(enc, images, batch=batch)
+
+
+def _shards(run_dir: Path) -> list[Path]:
+    return sorted((Path(run_dir) / "shard" / "shards").glob("*.tar"))
+
+
+def _fewshot(model, cfg, sets, ec: EvalConfig, shots, strict, results, log) -> None:
+    from .fewshot import few_shot_split, probe
+    from .lit import map_probe
+
+    fs, maps = {}, {}
+    for s, (images, labels) in sets:
+        x = _prep(images, cfg.image_size)
+        feats = _features(model, x)
+        labels = np.array(labels)
+        values, counts = np.unique(labels, return_counts=True)
+        fitting = tuple(k for k in shots if k < counts.min())
+        if fitting != tuple(shots):
+            if strict:
+                raise UserError(f"few-shot on {s.name}: class {values[counts.argmin()]!r} has {counts.min()} examples, "
+                                f"too few for {max(shots)}-shot (some must remain for testing); ask fewer --shots "
+                                "or a larger set")
+            results["skipped"].append(f"few-shot on {s.name}: {sorted(set(shots) - set(fitting))}-shot left out, "
+                                      f"a class has only {counts.min()} examples")
+        if fitting:
+            fs[s.name] = probe(feats, labels, shots=fitting, seeds=tuple(range(ec.seeds)))
+        k = ec.map_probe.shots
+        if ec.map_probe.steps and k < counts.min():
+            classes = {c: i for i, c in enumerate(values.tolist())}
+            y = np.array([classes[c] for c in labels.tolist()])
+            tokens = _tokens(model, x)
+            accs = []
+            for seed in range(ec.seeds):
+                tr, te = few_shot_split(y, k, seed)
+                accs.append(map_probe(tokens[tr], y[tr], tokens[te], y[te], cfg, ec.map_probe.steps,
+                                      ec.map_probe.lr, seed))
+            maps[s.name] = {str(k): {"mean": float(np.mean(accs)), "std": float(np.std(accs)), "runs": accs}}
+        elif ec.map_probe.steps:
+            results["skipped"].append(f"MAP-head probe on {s.name}: a class has only {counts.min()} examples "
+                                      f"for {k}-shot")
+    results["fewshot"], results["fewshot_map"] = fs, maps
+
+
+def _decode_scores(model, cfg, sp, x, ids, refs) -> dict:
+    from trainers.models.decoding import beam_search, greedy
+
+    from .textmetrics import caption_scores
+
+    out = {}
+    for name, fn in (("greedy", lambda b: greedy(model, b, cfg.max_len)),
+                     ("beam4", lambda b: beam_search(model, b, cfg.max_len, beam=4))):
+        seqs = _batched(fn, x, batch=64).long()
+        cands = {i: sp.decode([int(t) for t in row if t > 1]) for i, row in zip(ids, seqs)}
+        out[name] = caption_scores(refs, cands)
+        out[name]["examples"] = [[refs[i][0], cands[i]] for i in ids[:3]]
+    return out
+
+
 def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_id: str | None = None,
-             shots: tuple[int, ...] = (1, 5, 10, 25), strict: bool = True) -> dict:
-    """strict: asked shots that a dataset cannot serve are an error; else they are left out (noted)."""
+             shots: tuple[int, ...] | None = None, strict: bool = True, eval_cfg: EvalConfig | None = None,
+             seed: int = 0) -> dict:
+    """Every task of `tasks` on every dataset of the run's `eval:` section (or `eval_cfg`). A task
+    with no dataset, or a model it does not apply to, is listed in results["skipped"] with the
+    reason, never left out silently. strict: asked shots a dataset cannot serve are an error."""
     import sentencepiece as spm
 
     from trainers.models.checkpoint import load_model
 
-    from .fewshot import probe
-    from .textmetrics import caption_scores
+    from .datasets import load_captions, load_classification, load_wordorder
     from .wordorder import word_order_eval
 
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise UserError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
+    ec = eval_cfg or run_eval_config(run_dir)
+    shots = tuple(shots or ec.shots)
     model, cfg = load_model(model_dir)
-    model.eval()
+    _DEVICE[0] = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(_DEVICE[0]).eval()
     tok = run_dir / "tokenizer" / "spm.model"
     if not tok.is_file():
         raise UserError(f"{run_dir}: no tokenizer/spm.model to evaluate with")
     sp = spm.SentencePieceProcessor(model_file=str(tok))
-    held = _heldout(run_dir)
-    writes = cfg.family in ("cap", "cappa", "coca")
+    writes = cfg.family in ("cap", "cappa", "coca", "clipcap")
     captioner = cfg.family in ("cap", "cappa")
-    results: dict = {"model": cfg.family, "size": cfg.size, "checkpoint": str(model_dir)}
+    results: dict = {"model": cfg.family, "size": cfg.size, "checkpoint": str(model_dir), "skipped": []}
+    skip = results["skipped"].append
     timings = {}
-    if "fewshot" in tasks:
+    shards = _shards(run_dir)
+    for task in tasks:
+        if not getattr(ec, task):
+            skip(f"{task}: no datasets in eval.{task} of the run's config")
+    captions = {}
+    if "captioning" in tasks or "wordorder" in tasks:
+        captions = {s.name: load_captions(s, run_dir) for s in ec.captioning}
+    if "fewshot" in tasks and ec.fewshot:
         t0 = time.perf_counter()
-        fs = {}
-        sets = []
-        if held:
-            rows, images, _ = held
-            feats = _features(model, _prep(images, cfg.image_size))
-            for label in ("shape", "colour", "count"):
-                sets.append((f"demo_{label}", feats, np.array([r[label] for r in rows])))
-        from sklearn.datasets import load_digits
-
-        d = load_digits()
-        sets.append(("digits", _features(model, _prep(list((d.images * 255 / 16).astype(np.uint8)), cfg.image_size)),
-                     d.target))
-        from stages.eval_sets import FASHION_MNIST
-
-        if FASHION_MNIST.is_file():
-            from stages.eval_sets import EvalSetConfig, iter_images
-
-            imgs = [im for _, im in zip(range(2000), (x for _, x in iter_images(
-                EvalSetConfig(name="f", kind="builtin", path="fashion_mnist"), None)))]
-            labels = _fashion_labels()[:2000]
-            sets.append(("fashion_mnist", _features(model, _prep(imgs, cfg.image_size)), labels))
-        for name, feats, labels in sets:
-            values, counts = np.unique(labels, return_counts=True)
-            fitting = tuple(k for k in shots if k < counts.min())
-            if not strict and fitting != tuple(shots):
-                results.setdefault("notes", []).append(
-                    f"few-shot on {name}: {sorted(set(shots) - set(fitting))}-shot left out, a class has "
-                    f"only {counts.min()} examples")
-                if not fitting:
-                    continue
-                fs[name] = probe(feats, labels, shots=fitting)
-                continue
-            if max(shots) >= counts.min():
-                raise UserError(f"few-shot on {name}: class {values[counts.argmin()]!r} has {counts.min()} examples, "
-                                f"too few for {max(shots)}-shot (some must remain for testing); ask fewer --shots "
-                                "or a larger held-out split (source.eval_size)")
-            fs[name] = probe(feats, labels, shots=shots)
-        results["fewshot"] = fs
+        _fewshot(model, cfg, [(s, load_classification(s, run_dir)) for s in ec.fewshot], ec, shots, strict, results, log)
         timings["fewshot"] = time.perf_counter() - t0
-    if "captioning" in tasks and writes and held:
-        from trainers.models.decoding import beam_search, greedy
-
+    lit_decoder = None
+    if "captioning" in tasks and ec.captioning:
         t0 = time.perf_counter()
-        rows, images, _ = held
-        x = _prep(images, cfg.image_size)
-        refs = {r["id"]: [r["caption"]] for r in rows}
+        if ec.lit_decoder.steps and shards and cfg.family != "clipcap":
+            from .lit import train_lit_decoder
+
+            lit_decoder = train_lit_decoder(model, cfg, shards, tok, ec.lit_decoder, seed, log)
+        elif cfg.family == "clipcap":
+            skip("captioning (LiT decoder): clipcap is itself a decoder trained on a frozen encoder")
+        elif not ec.lit_decoder.steps:
+            skip("captioning (LiT decoder): eval.lit_decoder.steps is 0")
+        else:
+            skip(f"captioning (LiT decoder): no shards in {run_dir}/shard/shards to train it on")
+        if not writes:
+            skip(f"captioning (native): {cfg.family} has no decoder of its own; see the LiT decoder's scores")
         out = {}
-        for name, fn in (("greedy", lambda b: greedy(model, b, cfg.max_len)),
-                         ("beam4", lambda b: beam_search(model, b, cfg.max_len, beam=4))):
-            ids = torch.cat([fn(x[i:i + 64]) for i in range(0, len(x), 64)])
-            cands = {r["id"]: sp.decode([int(t) for t in row if t > 1]) for r, row in zip(rows, ids)}
-            out[name] = caption_scores(refs, cands)
-            out[name]["examples"] = [[rows[i]["caption"], cands[rows[i]["id"]]] for i in range(3)]
+        for s in ec.captioning:
+            rows = captions[s.name]
+            x = _prep([img for _, img, _ in rows], cfg.image_size)
+            ids = [i for i, _, _ in rows]
+            refs = {i: r for i, _, r in rows}
+            out[s.name] = {}
+            if writes:
+                out[s.name].update(_decode_scores(model, cfg, sp, x, ids, refs))
+            if lit_decoder is not None:
+                out[s.name].update({f"lit_{k}": v for k, v in _decode_scores(lit_decoder, lit_decoder.cfg, sp, x,
+                                                                            ids, refs).items()})
         results["captioning"] = out
         timings["captioning"] = time.perf_counter() - t0
-    if "zeroshot" in tasks and held:
-        from stages.synthetic import COLOURS, SHAPES, SIZES
-
-        rows, images, _ = held
-        x = _prep(images, cfg.image_size)
-        classes = list(SHAPES)
-        prompts = [f"a {s} {c} {shape}" for shape in classes for s in SIZES for c in COLOURS]
-        per = len(prompts) // len(classes)
-        truth = np.array([classes.index(r["shape"]) for r in rows])
-        zs = {}
-        scorers = []
-        if captioner:
-            cands = _encode(sp, prompts, cfg.max_len, eos=False)
-            scorers += [("ar", lambda: model.score_ar(x, cands), "logsumexp"),
-                        ("parallel", lambda: model.score_parallel(x, cands), "logsumexp")]
-        if cfg.family in ("clip", "siglip", "coca"):
-            cands = _encode(sp, prompts, cfg.max_len, eos=True)
-            scorers.append(("cosine", lambda: model.score(x, cands), "max"))
-        for name, fn, agg in scorers:
-            t0 = time.perf_counter()
-            s = fn().reshape(len(rows), len(classes), per)
-            s = torch.logsumexp(s, -1) if agg == "logsumexp" else s.max(-1).values
-            zs[name] = {"accuracy": float((s.argmax(1).numpy() == truth).mean()),
-                        "seconds_per_1000_images": (time.perf_counter() - t0) * 1000 / len(rows)}
-        results["zeroshot"] = {"task": "demo shape (3 classes, 12 prompts each)", **zs}
-    if "wordorder" in tasks and held and cfg.family != "clipcap":
+    if "zeroshot" in tasks and ec.zeroshot:
         t0 = time.perf_counter()
-        rows, images, scenes = held
-        x = _prep(images, cfg.image_size)
+        lit_text = None
+        if captioner and ec.lit.steps and shards:
+            from .lit import train_lit_text
 
-        def score(i, caps):
-            if captioner or cfg.family == "coca":
-                return model.score_ar(x[i:i + 1], _encode(sp, caps, cfg.max_len, eos=True))[0].tolist()
-            return model.score(x[i:i + 1], _encode(sp, caps, cfg.max_len, eos=True))[0].tolist()
+            lit_text = train_lit_text(model, cfg, shards, tok, ec.lit, seed, log)
+        elif captioner and ec.lit.steps:
+            skip(f"zero-shot (LiT): no shards in {run_dir}/shard/shards to train a text tower on")
+        elif captioner:
+            skip("zero-shot (LiT): eval.lit.steps is 0")
+        if cfg.family == "clipcap":
+            skip("zero-shot: clipcap's prefix LM scores are not a zero-shot classifier here")
+        zs = {}
+        for s in ec.zeroshot:
+            images, labels = load_classification(s, run_dir)
+            x = _prep(images, cfg.image_size)
+            classes = sorted(set(labels))
+            prompts = [t.format(c) for c in classes for t in s.templates]
+            per = len(s.templates)
+            truth = np.array([classes.index(c) for c in labels])
+            cands = _encode(sp, prompts, cfg.max_len, eos=ec.eos)
+            scorers = []
+            if captioner:
+                scorers += [("ar", lambda: _batched(model.score_ar, x, cands), "logsumexp"),
+                            ("parallel", lambda: _batched(model.score_parallel, x, cands), "logsumexp")]
+            if cfg.family in ("clip", "siglip", "coca"):
+                scorers.append(("cosine", lambda: _batched(model.score, x, cands), "max"))
+            if lit_text is not None:
+                scorers.append(("lit", lambda: _batched(lit_text.score, x, cands), "max"))
+            res = {"classes": len(classes), "prompts_per_class": per}
+            for name, fn, agg in scorers:
+                t1 = time.perf_counter()
+                sc = fn().reshape(len(x), len(classes), per)
+                sc = torch.logsumexp(sc, -1) if agg == "logsumexp" else sc.max(-1).values
+                res[name] = {"accuracy": float((sc.argmax(1).numpy() == truth).mean()),
+                             "seconds_per_1000_images": (time.perf_counter() - t1) * 1000 / len(x)}
+            zs[s.name] = res
+        results["zeroshot"] = zs
+        timings["zeroshot"] = time.perf_counter() - t0
+    if "wordorder" in tasks and ec.wordorder:
+        t0 = time.perf_counter()
+        wo = {}
+        for s in ec.wordorder:
+            cases = load_wordorder(s, run_dir, captions)
+            x = _prep([img for img, _, _ in cases], cfg.image_size)
 
-        results["wordorder"] = word_order_eval(scenes, score)
+            def score(i, caps):
+                c = _encode(sp, caps, cfg.max_len, eos=True)
+                fn = model.score_ar if writes else model.score
+                return _batched(fn, x[i:i + 1], c)[0].tolist()
+
+            wo[s.name] = word_order_eval([(t, n) for _, t, n in cases], score)
+        results["wordorder"] = wo
         timings["wordorder"] = time.perf_counter() - t0
+    for note in results["skipped"]:
+        log(f"eval: skipped {note}")
     results["seconds"] = timings
     out_dir = run_dir / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -187,43 +276,97 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
     return results
 
 
-def _fashion_labels() -> np.ndarray:
-    import gzip
-
-    from stages.eval_sets import FASHION_MNIST
-
-    with gzip.open(FASHION_MNIST.with_name("t10k-labels-idx1-ubyte.gz")) as f:
-        return np.frombuffer(f.read(), np.uint8, offset=8).astype(np.int64)
-
-
 def _log_to_mlflow(run_dir: Path, results: dict, path: Path, log, run_id: str | None) -> None:
     id_file = Path(results["checkpoint"]).parent / "mlflow_run_id"
     if run_id is None and not id_file.is_file():
         return
-    from trainers.tracking import client, flatten, tracking_uri
+    from trainers.tracking import client, tracking_uri
 
     c = client(tracking_uri(run_dir))
     run_id = run_id or id_file.read_text().strip()
-    metrics = {k: v for k, v in flatten({k: results[k] for k in TASKS if k in results}).items()
-               if isinstance(v, (int, float)) and not k.endswith(".n")}
+    rows = eval_rows(results)
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    c.log_batch(run_id, metrics=[Metric(f"eval.{k}", float(v), now, 0) for k, v in metrics.items()][:1000])
+    c.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in headline(rows).items()])
+    # log_table appends to a table logged before: each row says which evaluation it came from
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    table = {k: [r[k] for r in rows] for k in ROW_KEYS}
+    table.update(checkpoint=[results["checkpoint"]] * len(rows), evaluated_at=[stamp] * len(rows))
+    c.log_table(run_id, data=table, artifact_file="eval/results_table.json")
     c.log_artifact(run_id, str(path), "eval")
-    log(f"eval: logged {len(metrics)} results to MLflow run {run_id}")
+    log(f"eval: logged {len(rows)} results to MLflow run {run_id} (table eval/results_table.json, "
+        f"{len(headline(rows))} headline metrics)")
+
+
+ROW_KEYS = ("task", "dataset", "variant", "shots", "metric", "value", "std")
+
+
+def eval_rows(results: dict) -> list[dict]:
+    """Every result as one row: what the MLflow table, the report and the experiment table show."""
+    rows = []
+    for variant, key in (("linear", "fewshot"), ("map", "fewshot_map")):
+        for name, fs in results.get(key, {}).items():
+            for shots, r in sorted(fs.items(), key=lambda kv: int(kv[0])):
+                rows.append({"task": "few-shot", "dataset": name, "variant": variant, "shots": int(shots),
+                             "metric": "accuracy", "value": r["mean"], "std": r.get("std")})
+    for name, decoders in results.get("captioning", {}).items():
+        for dec, r in decoders.items():
+            for metric in ("cider", "bleu4"):
+                rows.append({"task": "captioning", "dataset": name, "variant": dec, "shots": None,
+                             "metric": metric, "value": r[metric], "std": None})
+    for name, zs in results.get("zeroshot", {}).items():
+        for scorer, r in zs.items():
+            if isinstance(r, dict):
+                rows.append({"task": "zero-shot", "dataset": name, "variant": scorer, "shots": None,
+                             "metric": "accuracy", "value": r["accuracy"], "std": None})
+    for name, cats in results.get("wordorder", {}).items():
+        for cat, r in cats.items():
+            rows.append({"task": "word order", "dataset": name, "variant": cat, "shots": None,
+                         "metric": "accuracy", "value": r["accuracy"], "std": None})
+    return rows
+
+
+def headline(rows: list[dict]) -> dict[str, float]:
+    """A few metrics to sort runs by: 10-shot accuracy per set and probe, CIDEr per set and decoder,
+    zero-shot per set and scorer, mean word order per set."""
+    out = {}
+    wo: dict[str, list] = {}
+    for r in rows:
+        if r["task"] == "few-shot" and r["shots"] == 10:
+            out[f"eval.fewshot.{r['dataset']}.{r['variant']}.10shot"] = r["value"]
+        elif r["task"] == "captioning" and r["metric"] == "cider":
+            out[f"eval.captioning.{r['dataset']}.{r['variant']}.cider"] = r["value"]
+        elif r["task"] == "zero-shot":
+            out[f"eval.zeroshot.{r['dataset']}.{r['variant']}"] = r["value"]
+        elif r["task"] == "word order":
+            wo.setdefault(r["dataset"], []).append(r["value"])
+    for name, values in wo.items():
+        out[f"eval.wordorder.{name}.mean"] = sum(values) / len(values)
+    return out
 
 
 def summary(results: dict) -> str:
     lines = [f"evaluation of {results['model']}/{results['size']}:"]
-    for name, fs in results.get("fewshot", {}).items():
-        best = 10 if 10 in fs else max(fs, key=lambda k: int(k))
-        lines.append(f"  few-shot {name:<14} {best:>2}-shot {100 * fs[best]['mean']:5.1f}% (+-{100 * fs[best]['std']:.1f})")
-    for name, r in results.get("captioning", {}).items():
-        lines.append(f"  captioning {name:<7} CIDEr {r['cider']:.3f}  BLEU-4 {r['bleu4']:.3f}")
-    for name, r in results.get("zeroshot", {}).items():
-        if isinstance(r, dict):
-            lines.append(f"  zero-shot {name:<8} {100 * r['accuracy']:5.1f}%  ({r['seconds_per_1000_images']:.2f}s / 1000 images)")
-    for cat, r in results.get("wordorder", {}).items():
-        lines.append(f"  word order {cat:<15} {100 * r['accuracy']:5.1f}% of {r['n']}")
+    for title, key in (("few-shot linear probe", "fewshot"), ("few-shot MAP-head probe", "fewshot_map")):
+        fewshot = results.get(key, {})
+        shots = sorted({int(k) for fs in fewshot.values() for k in fs})
+        if fewshot:
+            lines.append(f"  {title:<22}" + "".join(f"{f'{k}-shot':>16}" for k in shots))
+        for name, fs in fewshot.items():
+            cells = {int(k): f"{100 * r['mean']:5.1f}% (+-{100 * r['std']:.1f})" for k, r in fs.items()}
+            lines.append(f"    {name:<20}" + "".join(f"{cells.get(k, '-'):>16}" for k in shots))
+    for name, decoders in results.get("captioning", {}).items():
+        for dec, r in decoders.items():
+            lines.append(f"  captioning {name} {dec:<11} CIDEr {r['cider']:.3f}  BLEU-4 {r['bleu4']:.3f}")
+    for name, zs in results.get("zeroshot", {}).items():
+        for scorer, r in zs.items():
+            if isinstance(r, dict):
+                lines.append(f"  zero-shot {name} {scorer:<9} {100 * r['accuracy']:5.1f}%  "
+                             f"({r['seconds_per_1000_images']:.2f}s / 1000 images)")
+    for name, cats in results.get("wordorder", {}).items():
+        for cat, r in cats.items():
+            lines.append(f"  word order {name} {cat:<24} {100 * r['accuracy']:5.1f}% of {r['n']}")
+    for note in results.get("skipped", []):
+        lines.append(f"  skipped: {note}")
     return "\n".join(lines)

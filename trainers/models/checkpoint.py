@@ -1,7 +1,11 @@
 """Model checkpoints: a safetensors state dict plus a JSON model config, nothing executable.
 
     <dir>/model.safetensors   weights (no optimizer state)
-    <dir>/model.json          {"format": "capline-model/1", "config": {...ModelConfig...}}
+    <dir>/model.json          {"format": "capline-model/1", "config": {...ModelConfig...},
+                               "image_encoder": {...its ModelConfig...}}   (ClipCap only)
+
+A ClipCap checkpoint holds its frozen image model too (`image_encoder.*` weights and config), so
+it captions images with nothing else at hand.
 
 Loading needs neither the trainer nor pickle; anything read with torch.load elsewhere in capline
 uses weights_only=True.
@@ -26,11 +30,13 @@ FORMAT = "capline-model/1"
 def save_model(model, cfg: ModelConfig, directory: str | Path) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
-             if not k.startswith("image_encoder.")}  # ClipCap's frozen encoder is saved on its own
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(state, str(directory / "model.safetensors"))
-    (directory / "model.json").write_text(json.dumps({"format": FORMAT, "config": dataclasses.asdict(cfg)},
-                                                     indent=2, sort_keys=True))
+    meta = {"format": FORMAT, "config": dataclasses.asdict(cfg)}
+    inner = getattr(model, "image_encoder", None)
+    if inner is not None:
+        meta["image_encoder"] = dataclasses.asdict(inner.cfg)
+    (directory / "model.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     return directory
 
 
@@ -46,10 +52,12 @@ def load_config(directory: str | Path) -> ModelConfig:
 
 def load_model(directory: str | Path, image_encoder=None):
     cfg = load_config(directory)
+    meta = json.loads((Path(directory) / "model.json").read_text())
+    if image_encoder is None and meta.get("image_encoder"):
+        image_encoder = build_model(build(ModelConfig, meta["image_encoder"], "image_encoder"))
     model = build_model(cfg, image_encoder)
     state = load_file(str(Path(directory) / "model.safetensors"))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.startswith("image_encoder.")]
     if missing or unexpected:
         raise UserError(f"{directory}: weights do not fit the config (missing {missing[:3]}, "
                         f"unexpected {unexpected[:3]})")

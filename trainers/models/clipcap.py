@@ -9,8 +9,11 @@ loss only on caption tokens: the logits at positions k-1 .. k+L-2 predict l1 .. 
 Mapper "mlp": Linear(E, kD/2) -> tanh -> Linear(kD/2, kD), with the LM trained too.
 Mapper "transformer": Linear(E, kD) gives k tokens, k learned constants join them, an 8-layer
 8-head transformer runs over both, the constants' outputs are the prefix; the LM stays frozen.
-The frozen image encoder is any capline encoder with `image_embedding(images) -> (B, E)` (or
-precomputed embeddings); the LM is capline's decoder-only `TextDecoder`.
+The frozen image encoder is any capline encoder with `image_features(images) -> (B, E)` (or
+precomputed embeddings); the LM is capline's decoder-only `TextDecoder`, trained from scratch with
+the MLP mapper or loaded from a capline checkpoint's `lm.*` weights (`load_lm`). A frozen LM must
+be a trained one: its output head starts at zero, so a fresh frozen LM gives logits of 0 and a
+loss of ln V forever, and the transformer mapper refuses to start on one (`check_trainable`).
 """
 from __future__ import annotations
 
@@ -67,6 +70,41 @@ class ClipCap(nn.Module):
             self.mapper = TransformerMapper(e, k, d, depth=cfg.mapper_depth)
             for p in self.lm.parameters():
                 p.requires_grad_(False)
+
+    def load_lm(self, directory) -> None:
+        """The LM's weights from a capline checkpoint that has one (a ClipCap model's `lm.*`)."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        from trainers.errors import UserError
+
+        path = Path(directory) / "model.safetensors"
+        if not path.is_file():
+            raise UserError(f"train.lm_checkpoint {directory}: not a capline model checkpoint (no model.safetensors)")
+        state = {k[3:]: v for k, v in load_file(str(path)).items() if k.startswith("lm.")}
+        if not state:
+            raise UserError(f"train.lm_checkpoint {directory}: has no language model (no lm.* weights); "
+                            "give a ClipCap checkpoint whose LM was trained (mapper: mlp)")
+        try:
+            self.lm.load_state_dict(state)
+        except RuntimeError as err:
+            raise UserError(f"train.lm_checkpoint {directory}: its LM does not fit this one (width, depth, "
+                            f"vocabulary, max_len + prefix_len must match): {str(err).splitlines()[0][:200]}") from None
+        self.lm_loaded = True
+
+    def check_trainable(self) -> None:
+        from trainers.errors import UserError
+
+        frozen = not any(p.requires_grad for p in self.lm.parameters())
+        if frozen and not getattr(self, "lm_loaded", False):
+            raise UserError("clipcap with mapper: transformer keeps the LM frozen, and this LM is freshly initialised "
+                            "(its output head is zero: the loss would stay at ln V); set train.lm_checkpoint to a "
+                            "trained ClipCap checkpoint, or use mapper: mlp, which trains the LM")
+
+    def image_features(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, 3, S, S) -> (B, E): the frozen image model's features (what the mapper sees), for probes."""
+        return self.image_embedding(images)
 
     def image_embedding(self, images: torch.Tensor) -> torch.Tensor:
         if self.image_encoder is None:

@@ -1,0 +1,136 @@
+"""The `eval:` config section: which datasets each evaluation runs on, and the budgets of the
+evaluations that train something (LiT decoder, LiT text tower, MAP-head probe).
+
+Paths are absolute or relative to the run folder (the demo's held-out split is
+`source/eval/...`, written by the source stage as ordinary files of these kinds).
+
+    eval:
+      fewshot:      [{name, kind: builtin|folder|parquet, path, image_col, label_col}]
+      captioning:   [{name, kind: coco|webdataset, path, images}]
+      zeroshot:     [{name, kind: builtin|folder|parquet, path, label_col, templates}]
+      wordorder:    [{name, kind: pairs|aro, path | from}]
+      shots: [1, 5, 10, 25]
+      lit_decoder: {steps, batch_size, lr}     # a fresh decoder on the frozen encoder, every family
+      lit: {steps, batch_size, lr}             # a text tower against the frozen encoder (Cap/CapPa)
+      map_probe: {steps, lr, shots}            # a MAP head + linear layer on frozen tokens
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from trainers.configtools import join, require
+
+BUILTIN_CLASSIFICATION = ("digits", "fashion_mnist")
+
+
+@dataclass
+class ClassificationSet:
+    """Images with class labels: a few-shot probe set, or a zero-shot set with prompt templates."""
+    name: str = ""
+    kind: Literal["builtin", "folder", "parquet"] = "builtin"
+    path: str = ""                 # builtin: digits | fashion_mnist; folder: class subfolders; parquet file
+    image_col: str = "image"       # parquet: image bytes, or a path relative to the file
+    label_col: str = "label"
+    limit: int | None = 2000       # at most this many images (the first ones)
+    templates: list[str] = field(default_factory=lambda: ["a photo of a {}."])   # zero-shot only
+
+    def validate(self, prefix: str) -> None:
+        require(bool(self.name), join(prefix, "name"), "every evaluation set needs a name")
+        if self.kind == "builtin":
+            require(self.path in BUILTIN_CLASSIFICATION, join(prefix, "path"),
+                    f"builtin set {self.path!r} unknown; choose one of {', '.join(BUILTIN_CLASSIFICATION)}")
+        else:
+            require(bool(self.path), join(prefix, "path"), f"kind {self.kind} needs a path")
+        require(bool(self.templates) and all("{}" in t for t in self.templates), join(prefix, "templates"),
+                "each template needs a {} for the class name, e.g. 'a photo of a {}.'")
+        require(self.limit is None or self.limit >= 2, join(prefix, "limit"), "must be >= 2 or null")
+
+
+@dataclass
+class CaptionSet:
+    name: str = ""
+    kind: Literal["coco", "webdataset"] = "coco"
+    path: str = ""                 # coco: the captions JSON; webdataset: a .tar, a folder of them or a glob
+    images: str = ""               # coco: the folder the JSON's file_name values are relative to
+    limit: int | None = 500
+
+    def validate(self, prefix: str) -> None:
+        require(bool(self.name), join(prefix, "name"), "every evaluation set needs a name")
+        require(bool(self.path), join(prefix, "path"), f"kind {self.kind} needs a path")
+        require(self.kind != "coco" or bool(self.images), join(prefix, "images"),
+                "a coco captions file needs the folder of its images (images: ...)")
+
+
+@dataclass
+class WordOrderSet:
+    """`pairs`: a JSON-lines file of {image, caption, negatives: {category: text}} (image relative to
+    the file); `aro`: ARO's order perturbations (shuffled trigrams, words shuffled within trigrams)
+    generated from the captioning set named in `from`."""
+    name: str = ""
+    kind: Literal["pairs", "aro"] = "aro"
+    path: str = ""
+    source: str = ""               # aro: the captioning set to perturb
+
+    def validate(self, prefix: str) -> None:
+        require(bool(self.name), join(prefix, "name"), "every evaluation set needs a name")
+        if self.kind == "pairs":
+            require(bool(self.path), join(prefix, "path"), "kind pairs needs a path to a JSON-lines file")
+        else:
+            require(bool(self.source), join(prefix, "source"), "kind aro needs source: <a captioning set's name>")
+
+
+@dataclass
+class Budget:
+    steps: int = 300
+    batch_size: int = 32
+    lr: float = 1e-3
+
+    def validate(self, prefix: str) -> None:
+        require(self.steps >= 0, join(prefix, "steps"), "must be >= 0 (0: skip this evaluation)")
+        require(self.batch_size >= 1, join(prefix, "batch_size"), "must be >= 1")
+        require(self.lr > 0, join(prefix, "lr"), "must be > 0")
+
+
+@dataclass
+class MapProbe:
+    steps: int = 100
+    lr: float = 3e-3
+    shots: int = 10
+
+    def validate(self, prefix: str) -> None:
+        require(self.steps >= 0, join(prefix, "steps"), "must be >= 0 (0: skip the MAP-head probe)")
+        require(self.shots >= 1, join(prefix, "shots"), "must be >= 1")
+        require(self.lr > 0, join(prefix, "lr"), "must be > 0")
+
+
+def _default_fewshot() -> list[ClassificationSet]:
+    return [ClassificationSet(name="digits", kind="builtin", path="digits"),
+            ClassificationSet(name="fashion_mnist", kind="builtin", path="fashion_mnist")]
+
+
+@dataclass
+class EvalConfig:
+    fewshot: list[ClassificationSet] = field(default_factory=_default_fewshot)
+    captioning: list[CaptionSet] = field(default_factory=list)
+    zeroshot: list[ClassificationSet] = field(default_factory=list)
+    wordorder: list[WordOrderSet] = field(default_factory=list)
+    shots: list[int] = field(default_factory=lambda: [1, 5, 10, 25])
+    seeds: int = 3
+    eos: bool = True               # zero-shot prompts end in EOS, as big_vision scores them
+    lit_decoder: Budget = field(default_factory=Budget)
+    lit: Budget = field(default_factory=lambda: Budget(steps=300, batch_size=64))
+    map_probe: MapProbe = field(default_factory=MapProbe)
+
+    def validate(self, prefix: str) -> None:
+        require(bool(self.shots) and all(k >= 1 for k in self.shots), join(prefix, "shots"),
+                "a list of shot counts >= 1, e.g. [1, 5, 10, 25]")
+        require(self.seeds >= 1, join(prefix, "seeds"), "must be >= 1")
+        names = [s.name for s in self.captioning]
+        for i, w in enumerate(self.wordorder):
+            require(w.kind != "aro" or w.source in names, join(prefix, f"wordorder[{i}].source"),
+                    f"{w.source!r} is not a captioning set of eval.captioning ({', '.join(names) or 'none'})")
+        for kind in ("fewshot", "captioning", "zeroshot", "wordorder"):
+            seen = [s.name for s in getattr(self, kind)]
+            dup = sorted({n for n in seen if seen.count(n) > 1})
+            require(not dup, join(prefix, kind), f"set names must be unique; {', '.join(dup)} repeats")

@@ -1,0 +1,214 @@
+"""Reading evaluation datasets from files: classification sets (builtin, class folders, Parquet),
+captioning sets (COCO captions JSON with an image folder, WebDataset with .txt), word-order sets
+(JSON-lines pairs; ARO order perturbations generated from a captioning set). Nothing here knows
+how the data was made: the demo's held-out split is files of these kinds.
+
+Readers take untrusted input: tars through trainers/data.tar_members, folders refuse symlinks and
+special files, an unreadable image is an error naming it.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import random
+import stat
+import tarfile
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from trainers.errors import UserError
+
+from .config import CaptionSet, ClassificationSet, WordOrderSet
+
+FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz")
+FASHION_CLASSES = ("T-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
+                   "ankle boot")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+def resolve(path: str, run_dir: Path) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else Path(run_dir) / p
+
+
+def _open(data, where: str) -> Image.Image:
+    try:
+        img = Image.open(io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data)
+        return img.convert("RGB")
+    except Exception as err:  # noqa: BLE001 - PIL raises many types for garbage
+        raise UserError(f"{where}: not a readable image ({type(err).__name__})") from None
+
+
+def _regular(f: Path, name: str) -> Path:
+    from trainers.data import MAX_MEMBER_BYTES
+
+    st = f.lstat()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MEMBER_BYTES:
+        raise UserError(f"evaluation set {name}: {f} is not a regular image file of at most {MAX_MEMBER_BYTES} bytes")
+    return f
+
+
+def fashion_mnist_labels() -> np.ndarray:
+    with gzip.open(FASHION_MNIST.with_name("t10k-labels-idx1-ubyte.gz")) as f:
+        return np.frombuffer(f.read(), np.uint8, offset=8).astype(np.int64)
+
+
+def fashion_mnist_images() -> np.ndarray:
+    with gzip.open(FASHION_MNIST) as f:
+        raw = f.read()
+    n, rows, cols = (int.from_bytes(raw[i:i + 4], "big") for i in (4, 8, 12))
+    return np.frombuffer(raw, np.uint8, offset=16).reshape(n, rows, cols)
+
+
+def load_classification(s: ClassificationSet, run_dir: Path) -> tuple[list[Image.Image], list[str]]:
+    """-> (images, class names per image)."""
+    limit = s.limit or None
+    if s.kind == "builtin" and s.path == "digits":
+        from sklearn.datasets import load_digits
+
+        d = load_digits()
+        imgs = [Image.fromarray((im * 255 / 16).astype(np.uint8)).convert("RGB") for im in d.images[:limit]]
+        return imgs, [str(int(t)) for t in d.target[:limit]]
+    if s.kind == "builtin":   # fashion_mnist
+        if not FASHION_MNIST.is_file():
+            raise UserError(f"evaluation set {s.name}: {FASHION_MNIST} not found; install the Debian package "
+                            "dataset-fashion-mnist (make install does where apt is available)")
+        imgs = [Image.fromarray(a).convert("RGB") for a in fashion_mnist_images()[:limit]]
+        return imgs, [FASHION_CLASSES[int(t)] for t in fashion_mnist_labels()[:limit]]
+    path = resolve(s.path, run_dir)
+    if s.kind == "folder":
+        if not path.is_dir():
+            raise UserError(f"evaluation set {s.name}: {path} is not a folder of class subfolders")
+        files = [(c.name, f) for c in sorted(p for p in path.iterdir() if p.is_dir() and not p.is_symlink())
+                 for f in sorted(c.iterdir()) if f.suffix.lower() in IMAGE_SUFFIXES]
+        if limit:   # every class, not the first classes only
+            rng = random.Random(0)
+            rng.shuffle(files)
+            files = sorted(files[:limit], key=lambda x: (x[0], x[1].name))
+        if not files:
+            raise UserError(f"evaluation set {s.name}: no images in class subfolders of {path}")
+        return [_open(_regular(f, s.name).read_bytes(), str(f)) for _, f in files], [c for c, _ in files]
+    import pyarrow.parquet as pq
+
+    if not path.is_file():
+        raise UserError(f"evaluation set {s.name}: {path} does not exist")
+    t = pq.read_table(path)
+    for col in (s.image_col, s.label_col):
+        if col not in t.column_names:
+            raise UserError(f"evaluation set {s.name}: {path} has no column {col!r} (columns: {', '.join(t.column_names)})")
+    cells, labels = t.column(s.image_col).to_pylist()[:limit], t.column(s.label_col).to_pylist()[:limit]
+    imgs = []
+    for i, cell in enumerate(cells):
+        if isinstance(cell, dict):   # HF-style {"bytes": ..., "path": ...}
+            cell = cell.get("bytes")
+        if isinstance(cell, str):    # a path relative to the Parquet file
+            cell = _regular(path.parent / cell, s.name).read_bytes()
+        imgs.append(_open(cell, f"evaluation set {s.name}, row {i}"))
+    return imgs, [str(x) for x in labels]
+
+
+def load_captions(s: CaptionSet, run_dir: Path) -> list[tuple[str, Image.Image, list[str]]]:
+    """-> [(image id, image, reference captions)]."""
+    path = resolve(s.path, run_dir)
+    out = []
+    if s.kind == "coco":
+        if not path.is_file():
+            raise UserError(f"captioning set {s.name}: {path} does not exist")
+        try:
+            doc = json.loads(path.read_text())
+            files = {im["id"]: im["file_name"] for im in doc["images"]}
+            refs: dict = {}
+            for a in doc["annotations"]:
+                refs.setdefault(a["image_id"], []).append(a["caption"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise UserError(f"captioning set {s.name}: {path} is not a COCO captions file "
+                            f"(images with id and file_name, annotations with image_id and caption): {err}") from None
+        root = resolve(s.images, run_dir)
+        for image_id in list(files)[: s.limit or None]:
+            if image_id not in refs:
+                continue
+            f = _regular(root / files[image_id], s.name)
+            out.append((str(image_id), _open(f.read_bytes(), str(f)), refs[image_id]))
+    else:
+        from trainers.data import tar_members
+
+        p = path
+        shards = sorted(str(x) for x in p.glob("*.tar")) if p.is_dir() else sorted(glob.glob(str(p)))
+        if not shards:
+            raise UserError(f"captioning set {s.name}: no .tar shards at {p}")
+        for shard in shards:
+            samples: dict[str, dict] = {}
+            with tarfile.open(shard) as tar:
+                for m in tar_members(tar, f"captioning set {s.name}: {shard}"):
+                    key, _, ext = m.name.partition(".")
+                    samples.setdefault(key, {})[ext.lower()] = tar.extractfile(m).read()
+            for key, parts in samples.items():
+                img = next((parts[e] for e in ("jpg", "jpeg", "png", "webp") if e in parts), None)
+                if img is None or "txt" not in parts:
+                    continue
+                out.append((key, _open(img, f"{shard}:{key}"), [parts["txt"].decode("utf-8", "replace")]))
+                if s.limit and len(out) >= s.limit:
+                    return out
+    if not out:
+        raise UserError(f"captioning set {s.name}: no captioned images in {path}")
+    return out
+
+
+def aro_negatives(caption: str, seed: int) -> dict[str, str]:
+    """ARO's COCO/Flickr-Order perturbations that need no parser: the caption's trigrams shuffled,
+    and the words shuffled within each trigram. A perturbation equal to the caption is left out."""
+    words = caption.split()
+    out = {}
+    if len(words) < 4:
+        return out
+    rng = random.Random(seed)
+    tri = [words[i:i + 3] for i in range(0, len(words), 3)]
+    for name, make in (("shuffled_trigrams", lambda: [w for t in rng.sample(tri, len(tri)) for w in t]),
+                       ("shuffled_within_trigrams", lambda: [w for t in tri for w in rng.sample(t, len(t))])):
+        for _ in range(10):
+            cand = " ".join(make())
+            if cand != caption:
+                out[name] = cand
+                break
+    return out
+
+
+def load_wordorder(s: WordOrderSet, run_dir: Path, captions: dict[str, list]) -> list[tuple[Image.Image, str, dict]]:
+    """-> [(image, true caption, {category: negative caption})]. captions: loaded captioning sets."""
+    if s.kind == "aro":
+        return [(img, refs[0], negs) for i, (_, img, refs) in enumerate(captions[s.source])
+                if (negs := aro_negatives(refs[0], i))]
+    path = resolve(s.path, run_dir)
+    if not path.is_file():
+        raise UserError(f"word-order set {s.name}: {path} does not exist")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            f = _regular(path.parent / r["image"], s.name)
+            out.append((_open(f.read_bytes(), str(f)), r["caption"], dict(r["negatives"])))
+        except (ValueError, KeyError, TypeError) as err:
+            raise UserError(f"word-order set {s.name}: {path} line {n}: expected {{image, caption, negatives}} ({err})") from None
+    return out
+
+
+def check_exists(ec) -> None:
+    """Before a run: builtin sets that are not installed, absolute paths that do not exist (paths
+    relative to the run folder may be made by the run itself, like the demo's held-out split)."""
+    for s in [*ec.fewshot, *ec.zeroshot]:
+        if s.kind == "builtin" and s.path == "fashion_mnist" and not FASHION_MNIST.is_file():
+            raise UserError(f"evaluation set {s.name}: {FASHION_MNIST} not found; install the Debian package "
+                            "dataset-fashion-mnist, or remove the set from eval.fewshot / eval.zeroshot")
+        if s.kind != "builtin" and Path(s.path).expanduser().is_absolute() and not Path(s.path).expanduser().exists():
+            raise UserError(f"evaluation set {s.name}: {s.path} does not exist")
+    for c in ec.captioning:
+        for p in (c.path, c.images):
+            if p and Path(p).expanduser().is_absolute() and not any(ch in p for ch in "*?[") \
+                    and not Path(p).expanduser().exists():
+                raise UserError(f"captioning set {c.name}: {p} does not exist")

@@ -1,0 +1,149 @@
+"""Evaluations that train something on top of a frozen image encoder (the paper's Table 2 and 4, Fig. 3).
+
+Shape key: B batch, N image tokens, D encoder width, L caption positions, K classes.
+
+- LiT decoder: a fresh Cap decoder (the paper's shape: the encoder's width, heads and MLP, half its
+  depth) cross-attending to the frozen encoder's final tokens (B, N, D), trained autoregressively on
+  the run's shards; any family's encoder gets a captioning score this way.
+- LiT text tower: a fresh text encoder trained contrastively (CLIP loss, learned temperature)
+  against the frozen image features (B, D), so a captioner's encoder gets a cosine zero-shot score.
+- MAP-head probe: attention pooling over the frozen tokens (B, N, D) -> (B, D), then a linear layer
+  to K classes, trained with Adam on the few-shot examples only.
+The encoder never changes: its parameters are frozen and it runs in eval mode under no_grad.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainers.models import ModelConfig
+from trainers.models.captioner import Captioner
+from trainers.models.layers import MAPHead
+from trainers.models.losses import caption_loss, clip_loss
+from trainers.models.text import TextEncoder
+
+
+def encoder_of(model) -> nn.Module:
+    """The ViT of any family (ClipCap: its frozen image model's)."""
+    inner = getattr(model, "image_encoder", None)
+    return (inner if inner is not None else model).encoder
+
+
+def _batches(shards: list[Path], tokenizer: Path, batch: int, image_size: int, max_len: int, seed: int):
+    from trainers.data import LoaderState, ShardStream
+
+    return iter(ShardStream(shards, str(tokenizer), batch, image_size, max_len, seed, 0, 1, LoaderState()))
+
+
+def _frozen(module: nn.Module) -> nn.Module:
+    module.eval()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return module
+
+
+def train_lit_decoder(model, cfg: ModelConfig, shards: list[Path], tokenizer: Path, budget, seed: int = 0,
+                      log=print) -> Captioner:
+    enc = encoder_of(model)
+    enc_cfg = getattr(getattr(model, "image_encoder", None), "cfg", None) or cfg
+    dec_cfg = ModelConfig(**{**dataclasses.asdict(enc_cfg), "family": "cap", "masked_pred_prob": 0.0,
+                             "vocab_size": cfg.vocab_size, "max_len": cfg.max_len})
+    torch.manual_seed(seed)
+    dev = next(enc.parameters()).device
+    lit = Captioner(dec_cfg)
+    lit.encoder = _frozen(enc)
+    lit.to(dev)
+    opt = torch.optim.AdamW(lit.decoder.parameters(), lr=budget.lr, weight_decay=0.01)
+    data = _batches(shards, tokenizer, budget.batch_size, dec_cfg.image_size, dec_cfg.max_len, seed)
+    t0, loss = time.perf_counter(), float("nan")
+    for step in range(budget.steps):
+        b = next(data)
+        with torch.no_grad():
+            memory = lit.encoder(b["images"].to(dev))
+        from trainers.models.text import self_mask, shift_right
+
+        labels = b["labels"].to(dev)
+        logits = lit.decoder(shift_right(labels), self_mask(None, labels.shape[1], labels.shape[0], labels.device),
+                             memory)
+        out = caption_loss(logits, labels)
+        opt.zero_grad(set_to_none=True)
+        out.backward()
+        opt.step()
+        loss = out.item()
+    log(f"eval: LiT decoder on the frozen {cfg.family} encoder, {budget.steps} steps of {budget.batch_size}, "
+        f"final loss {loss:.3f} ({time.perf_counter() - t0:.0f}s)")
+    return lit.eval()
+
+
+class LitText(nn.Module):
+    """A text tower trained against frozen image features; score() as the contrastive models'."""
+
+    def __init__(self, model, cfg: ModelConfig):
+        super().__init__()
+        self.model = model
+        dim = cfg.dim
+        self.text = TextEncoder(ModelConfig(**{**dataclasses.asdict(cfg), "family": "clip", "embed_dim": dim}))
+        self.logit_scale = nn.Parameter(torch.tensor(np.log(1 / 0.07), dtype=torch.float32))
+
+    def embed_image(self, images):
+        with torch.no_grad():
+            return F.normalize(self.model.image_features(images), dim=-1)
+
+    def embed_text(self, tokens):
+        return F.normalize(self.text(tokens), dim=-1)
+
+    @torch.no_grad()
+    def score(self, images, candidates):
+        return self.embed_image(images) @ self.embed_text(candidates).T
+
+
+def train_lit_text(model, cfg: ModelConfig, shards: list[Path], tokenizer: Path, budget, seed: int = 0,
+                   log=print) -> LitText:
+    _frozen(model)
+    torch.manual_seed(seed)
+    dev = next(model.parameters()).device
+    lit = LitText(model, cfg).to(dev)
+    opt = torch.optim.AdamW([*lit.text.parameters(), lit.logit_scale], lr=budget.lr, weight_decay=0.01)
+    data = _batches(shards, tokenizer, budget.batch_size, cfg.image_size, cfg.max_len, seed + 1)
+    t0, loss = time.perf_counter(), float("nan")
+    for _ in range(budget.steps):
+        b = next(data)
+        out = clip_loss(lit.embed_image(b["images"].to(dev)), lit.embed_text(b["labels"].to(dev)), lit.logit_scale)
+        opt.zero_grad(set_to_none=True)
+        out.backward()
+        opt.step()
+        loss = out.item()
+    log(f"eval: LiT text tower on the frozen {cfg.family} encoder, {budget.steps} steps of {budget.batch_size}, "
+        f"final loss {loss:.3f} ({time.perf_counter() - t0:.0f}s)")
+    return lit.eval()
+
+
+def map_probe(train_tokens: torch.Tensor, train_y: np.ndarray, test_tokens: torch.Tensor, test_y: np.ndarray,
+              cfg: ModelConfig, steps: int, lr: float, seed: int = 0) -> float:
+    """Accuracy of a MAP head + linear layer trained on (train_tokens (B, N, D), train_y) alone."""
+    torch.manual_seed(seed)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    k = int(max(train_y.max(), test_y.max())) + 1
+    d = train_tokens.shape[-1]
+    pool = MAPHead(d, cfg.num_heads, cfg.mlp_dim).to(dev)
+    linear = nn.Linear(d, k).to(dev)
+    train_tokens = train_tokens.to(dev)
+    params = [*pool.parameters(), *linear.parameters()]
+    opt = torch.optim.Adam(params, lr=lr)
+    y = torch.from_numpy(train_y).to(dev)
+    for _ in range(steps):
+        logits = linear(pool(train_tokens)[:, 0])
+        loss = F.cross_entropy(logits, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        pred = torch.cat([linear(pool(test_tokens[i:i + 256].to(dev))[:, 0]).argmax(1).cpu()
+                          for i in range(0, len(test_tokens), 256)]).numpy()
+    return float((pred == test_y).mean())

@@ -1,0 +1,166 @@
+"""The run folder's filesystem: a pyarrow.fs filesystem and a root, so a local folder and an s3://
+bucket are the same code; picklable into any Ray task. Stages (stages/dataplane.py) and training
+(trainers/run.py) both read and write through it; it lives here, at the bottom layer, because
+trainers/ imports nothing from stages/.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+@dataclass
+class Storage:
+    """The run folder's filesystem, picklable into any task: local, or s3:// through pyarrow.fs."""
+    fs: Any
+    root: str
+
+    @classmethod
+    def local(cls, path) -> "Storage":
+        import pyarrow.fs as pafs
+        from pathlib import Path
+
+        return cls(pafs.LocalFileSystem(), str(Path(path).resolve()))
+
+    @classmethod
+    def from_uri(cls, uri: str) -> "Storage":
+        import pyarrow.fs as pafs
+
+        fs, root = pafs.FileSystem.from_uri(uri)
+        return cls(fs, root.rstrip("/"))
+
+    @property
+    def is_local(self) -> bool:
+        return self.fs.type_name == "local"
+
+    def path(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def uri(self, rel: str = "") -> str:
+        """What a user or another tool opens: a local path, or `s3://bucket/key`."""
+        return self.path(rel) if self.is_local else f"{self.fs.type_name}://{self.path(rel)}"
+
+    def _ensure_parent(self, rel: str) -> None:
+        parent = self.path(rel).rsplit("/", 1)[0]
+        self.fs.create_dir(parent, recursive=True)
+
+    def write_bytes(self, rel: str, data: bytes) -> str:
+        """Write whole or not at all (temp + move where moves exist); -> sha256 of the bytes."""
+        self._ensure_parent(rel)
+        target = self.path(rel)
+        if self.fs.type_name == "local":
+            tmp = f"{target}.tmp{time.monotonic_ns()}"
+            with self.fs.open_output_stream(tmp) as out:
+                out.write(data)
+            self.fs.move(tmp, target)
+        else:   # an object store's PUT is atomic already
+            with self.fs.open_output_stream(target) as out:
+                out.write(data)
+        return hashlib.sha256(data).hexdigest()
+
+    def read_bytes(self, rel: str) -> bytes:
+        with self.fs.open_input_stream(self.path(rel)) as f:
+            return f.read()
+
+    def read_range(self, rel: str, offset: int, size: int) -> bytes:
+        with self.fs.open_input_file(self.path(rel)) as f:
+            return f.read_at(size, offset)
+
+    def write_table(self, rel: str, table: pa.Table) -> tuple[str, int]:
+        """-> (sha256, bytes) of the Parquet file as written."""
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, compression="zstd")
+        data = sink.getvalue().to_pybytes()
+        return self.write_bytes(rel, data), len(data)
+
+    def read_table(self, rel: str, columns=None) -> pa.Table:
+        return pq.read_table(self.path(rel), columns=columns, filesystem=self.fs)
+
+    def exists(self, rel: str) -> bool:
+        import pyarrow.fs as pafs
+
+        return self.fs.get_file_info(self.path(rel)).type != pafs.FileType.NotFound
+
+    def delete(self, rel: str) -> None:
+        import pyarrow.fs as pafs
+
+        info = self.fs.get_file_info(self.path(rel))
+        if info.type == pafs.FileType.Directory:
+            self.fs.delete_dir(self.path(rel))
+        elif info.type == pafs.FileType.File:
+            self.fs.delete_file(self.path(rel))
+
+    def list(self, rel_dir: str, suffix: str = "", recursive: bool = False) -> list[str]:
+        """Run-folder-relative paths of the files in rel_dir (directly in it unless recursive), sorted."""
+        import pyarrow.fs as pafs
+
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel_dir), allow_not_found=True,
+                                                        recursive=recursive))
+        base = len(self.root) + 1
+        return sorted(i.path[base:] for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffix))
+
+    def list_dirs(self, rel_dir: str) -> list[str]:
+        """Names of the folders directly in rel_dir (an object store's common prefixes)."""
+        import pyarrow.fs as pafs
+
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel_dir), allow_not_found=True))
+        return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
+
+    def write_json(self, rel: str, obj) -> str:
+        return self.write_bytes(rel, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+    def read_json(self, rel: str, default=None):
+        """The JSON at rel; `default` if there is none or it is not whole JSON (a torn write)."""
+        if not self.exists(rel):
+            return default
+        try:
+            return json.loads(self.read_bytes(rel))
+        except ValueError:
+            return default
+
+    def put_dir(self, rel: str, local_dir) -> dict[str, str]:
+        """Copy a local folder's files (not sub-folders) to rel. -> {file name: sha256}."""
+        from pathlib import Path
+
+        return {f.name: self.write_bytes(f"{rel}/{f.name}", f.read_bytes())
+                for f in sorted(Path(local_dir).iterdir()) if f.is_file()}
+
+    def local_dir(self, rel: str):
+        """A folder of the run as a local path this process can open: itself for a local run folder,
+        else a copy fetched once per process (for model folders: libraries that want a path)."""
+        from pathlib import Path
+
+        if self.is_local:
+            return Path(self.path(rel))
+        return _fetched(self, rel)
+
+
+_FETCHED: dict = {}
+
+
+def _fetched(storage: "Storage", rel: str):
+    """Download rel's files into a temp folder of this process, once per content (names, sizes and
+    modification times: a folder rewritten in place is fetched again)."""
+    import tempfile
+    from pathlib import Path
+
+    import pyarrow.fs as pafs
+
+    infos = [i for i in storage.fs.get_file_info(pafs.FileSelector(storage.path(rel), allow_not_found=True))
+             if i.type == pafs.FileType.File]
+    if not infos:
+        raise FileNotFoundError(f"{storage.uri(rel)}: no files there")
+    files = sorted(i.path[len(storage.root) + 1:] for i in infos)
+    key = (storage.uri(rel), tuple(sorted((i.path, i.size, i.mtime_ns) for i in infos)))
+    if key not in _FETCHED:
+        out = Path(tempfile.mkdtemp(prefix="capline-fetch-"))
+        for f in files:
+            (out / f.rsplit("/", 1)[-1]).write_bytes(storage.read_bytes(f))
+        _FETCHED[key] = out
+    return _FETCHED[key]
