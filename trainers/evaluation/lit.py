@@ -26,7 +26,7 @@ from trainers.models import ModelConfig
 from trainers.models.captioner import Captioner
 from trainers.models.layers import MAPHead
 from trainers.models.losses import caption_loss, clip_loss
-from trainers.models.text import TextEncoder
+from trainers.models.text import TextEncoder, self_mask, shift_right
 
 
 def encoder_of(model) -> nn.Module:
@@ -39,6 +39,20 @@ def _batches(shards: list[Path], tokenizer: Path, batch: int, image_size: int, m
     from trainers.data import LoaderState, ShardStream
 
     return iter(ShardStream(shards, str(tokenizer), batch, image_size, max_len, seed, 0, 1, LoaderState()))
+
+
+def _fit(params, batches, steps: int, lr: float, loss_of) -> tuple[float, float]:
+    """The one small loop these evaluations train with: AdamW on `params`, loss_of(batch) per step.
+    -> (last loss, seconds)."""
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    t0, loss = time.perf_counter(), float("nan")
+    for _ in range(steps):
+        out = loss_of(next(batches))
+        opt.zero_grad(set_to_none=True)
+        out.backward()
+        opt.step()
+        loss = out.item()
+    return loss, time.perf_counter() - t0
 
 
 def _frozen(module: nn.Module) -> nn.Module:
@@ -59,25 +73,17 @@ def train_lit_decoder(model, cfg: ModelConfig, shards: list[Path], tokenizer: Pa
     lit = Captioner(dec_cfg)
     lit.encoder = _frozen(enc)
     lit.to(dev)
-    opt = torch.optim.AdamW(lit.decoder.parameters(), lr=budget.lr, weight_decay=0.01)
-    data = _batches(shards, tokenizer, budget.batch_size, dec_cfg.image_size, dec_cfg.max_len, seed)
-    t0, loss = time.perf_counter(), float("nan")
-    for step in range(budget.steps):
-        b = next(data)
+    def loss_of(b):
         with torch.no_grad():
-            memory = lit.encoder(b["images"].to(dev))
-        from trainers.models.text import self_mask, shift_right
+            memory = lit.encoder(b["images"].to(dev))                       # (B, N, D), frozen
+        labels = b["labels"].to(dev)                                        # (B, L)
+        mask = self_mask(None, labels.shape[1], labels.shape[0], labels.device)
+        return caption_loss(lit.decoder(shift_right(labels), mask, memory), labels)
 
-        labels = b["labels"].to(dev)
-        logits = lit.decoder(shift_right(labels), self_mask(None, labels.shape[1], labels.shape[0], labels.device),
-                             memory)
-        out = caption_loss(logits, labels)
-        opt.zero_grad(set_to_none=True)
-        out.backward()
-        opt.step()
-        loss = out.item()
+    data = _batches(shards, tokenizer, budget.batch_size, dec_cfg.image_size, dec_cfg.max_len, seed)
+    loss, secs = _fit(lit.decoder.parameters(), data, budget.steps, budget.lr, loss_of)
     log(f"eval: LiT decoder on the frozen {cfg.family} encoder, {budget.steps} steps of {budget.batch_size}, "
-        f"final loss {loss:.3f} ({time.perf_counter() - t0:.0f}s)")
+        f"final loss {loss:.3f} ({secs:.0f}s)")
     return lit.eval()
 
 
@@ -109,18 +115,13 @@ def train_lit_text(model, cfg: ModelConfig, shards: list[Path], tokenizer: Path,
     torch.manual_seed(seed)
     dev = next(model.parameters()).device
     lit = LitText(model, cfg).to(dev)
-    opt = torch.optim.AdamW([*lit.text.parameters(), lit.logit_scale], lr=budget.lr, weight_decay=0.01)
+    def loss_of(b):
+        return clip_loss(lit.embed_image(b["images"].to(dev)), lit.embed_text(b["labels"].to(dev)), lit.logit_scale)
+
     data = _batches(shards, tokenizer, budget.batch_size, cfg.image_size, cfg.max_len, seed + 1)
-    t0, loss = time.perf_counter(), float("nan")
-    for _ in range(budget.steps):
-        b = next(data)
-        out = clip_loss(lit.embed_image(b["images"].to(dev)), lit.embed_text(b["labels"].to(dev)), lit.logit_scale)
-        opt.zero_grad(set_to_none=True)
-        out.backward()
-        opt.step()
-        loss = out.item()
+    loss, secs = _fit([*lit.text.parameters(), lit.logit_scale], data, budget.steps, budget.lr, loss_of)
     log(f"eval: LiT text tower on the frozen {cfg.family} encoder, {budget.steps} steps of {budget.batch_size}, "
-        f"final loss {loss:.3f} ({time.perf_counter() - t0:.0f}s)")
+        f"final loss {loss:.3f} ({secs:.0f}s)")
     return lit.eval()
 
 
