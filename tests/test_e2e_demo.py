@@ -296,3 +296,14 @@ def test_a_successful_run_prints_no_ray_noise(reference_run):
                   "INFO mlflow", "(pid="):
         assert noise not in out, noise
     assert out.count("capline: finished") == 1
+
+
+def test_train_on_a_run_folder_uses_its_own_config(reference_run):
+    """No CONFIG, no --set: `capline train --run-dir` takes the run's config.yaml (here train.steps=0
+    and 600 samples), so the earlier stages count as done; the demo's defaults would not match them."""
+    run_dir, _ = reference_run
+    proc = capline("train", "--run-dir", str(run_dir), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"using {run_dir}'s own config" in proc.stdout and "train: done before with the same input" in proc.stdout
+    wrong = capline("train", str(ROOT / "configs" / "demo.yaml"), "--run-dir", str(run_dir), timeout=120)
+    assert wrong.returncode == 2 and "finished with another config" in wrong.stderr and "ray:" not in wrong.stdout
