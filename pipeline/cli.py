@@ -213,7 +213,11 @@ def _config(args):
                 saved.write_bytes(data)
         if saved.is_file():
             print(f"capline: using {args.run_dir}'s own config ({saved})", flush=True)
-            return load_config(saved, args.overrides)
+            try:
+                return load_config(saved, args.overrides)
+            except UserError as err:   # e.g. written by an older capline, with keys that have moved since
+                raise UserError(f"{saved} (the run folder's own config) does not load: {err}; name the config "
+                                f"to use: capline {args.command} CONFIG --run-dir {args.run_dir}") from None
     return load_config(args.config, args.overrides)
 
 

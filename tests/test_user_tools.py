@@ -114,3 +114,10 @@ def test_train_and_experiment_check_their_arguments_before_ray_starts(tmp_path):
                          ([], "no final shards")):
         proc = capline("experiment", "paper", "--run-dir", str(tmp_path), *args, timeout=60)
         assert proc.returncode == 2 and needle in proc.stderr and "ray:" not in proc.stdout, (args, proc.stderr)
+
+
+def test_a_run_folders_config_that_no_longer_loads_says_what_to_do(tmp_path):
+    (tmp_path / "config.yaml").write_text("name: old\nstages:\n  ingest: {min_image_size: 16}\n")
+    proc = capline("train", "--run-dir", str(tmp_path), timeout=60)
+    assert proc.returncode == 2 and "the run folder's own config" in proc.stderr
+    assert "stages.basic.min_image_side" in proc.stderr and "capline train CONFIG --run-dir" in proc.stderr
