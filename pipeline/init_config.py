@@ -45,7 +45,7 @@ def _head(path: Path, fmt: str) -> pa.Table:
 
 def _strings(col: pa.ChunkedArray) -> list[str]:
     out = []
-    for v in col.to_pylist()[:2000]:
+    for v in col.slice(0, 2000).to_pylist():
         if isinstance(v, bytes):
             v = v.decode("utf-8", "replace")
         if isinstance(v, str):
@@ -80,7 +80,7 @@ def detect(path: Path, fmt: str = "auto") -> dict:
     key_col = None
     for name in t.column_names:
         if name.lower() in KEY_NAMES and name not in (url_col, caption_col):
-            vals = [str(v) for v in t.column(name).to_pylist()]
+            vals = [str(v) for v in t.column(name).slice(0, 2000).to_pylist()]
             if len(set(vals)) == len(vals):
                 key_col = name
                 break

@@ -23,6 +23,7 @@ import json
 import os
 from pathlib import Path
 
+from stages.source import hash_file as file_sha256
 from trainers.errors import UserError
 from trainers.remote import filesystem, is_uri
 
@@ -34,13 +35,6 @@ SKIP = ("_work", ".capline.lock")
 def cache_root() -> Path:
     return Path(os.environ.get("CAPLINE_CACHE", "~/.cache/capline")).expanduser() / "runs"
 
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class RunStore:

@@ -11,7 +11,7 @@ import tarfile
 from pathlib import Path
 
 
-from stages.source import file_sha256 as sha256_file
+from stages.source import hash_file as sha256_file
 from trainers.errors import UserError
 
 

@@ -373,7 +373,7 @@ class DedupStage(Stage):
         parts = ctx.map_parts(_verdicts, tasks, num_cpus=0.5)
         from .dedup_report import write_report
 
-        ctx.log(f"dedup: pairs side by side in {write_report(ctx, decisions, parts)}")
+        ctx.log(f"dedup: pairs side by side in {write_report(ctx, decisions, parts, part_of)}")
         evals: dict[str, int] = {}
         for p in parts:
             for name, c in p["extra"].get("eval_matches", {}).items():

@@ -2,8 +2,9 @@
 
 Within-data duplicates are shown as pairs (the dropped image, then the one kept of its cluster,
 with the cosine for near duplicates); evaluation-set matches as the dropped image with the set and
-item it matched. Pairs come from the driver's decisions (a few per reason), images through the
-sample index of the stage's input partitions, only for the keys shown.
+item it matched. Pairs come from the driver's decisions (a few per reason); a Ray task per input
+partition that holds one of the keys shown reads those rows and images (the driver reads no
+partition); evaluation matches come from the seeded pick of examples, which carries the sample index.
 """
 from __future__ import annotations
 
@@ -23,18 +24,35 @@ _STYLE = """body{font:14px sans-serif;margin:1.5em;color:#222}.pairs{display:fle
 .pair figure{margin:0;width:130px}.pair img{width:128px;image-rendering:pixelated}.meta{color:#666}"""
 
 
-def _rows(storage, upstream: list[dict], keys: set[str]) -> dict[str, dict]:
-    """key -> its input row (caption and sample index) for the few keys shown."""
-    out = {}
-    for u in upstream:
-        t = pq.read_table(storage.path(u["file"]), columns=["key", "caption", "tar", "offset", "size"],
-                          filesystem=storage.fs, filters=[("key", "in", sorted(keys))])
-        for r in t.to_pylist():
-            out[r["key"]] = r
-    images = read_images(storage, pa.Table.from_pylist(list(out.values()))) if out else []
-    for r, img in zip(list(out.values()), images):
+def _rows_task(storage, file: str, keys: list[str]) -> list[dict]:
+    """Ray task: the rows (caption, sample index) and images of `keys` in one input partition."""
+    t = pq.read_table(storage.path(file), columns=["key", "caption", "tar", "offset", "size"],
+                      filesystem=storage.fs, filters=[("key", "in", keys)])
+    rows = t.to_pylist()
+    for r, img in zip(rows, read_images(storage, t) if rows else []):
         r["image"] = img
-    return out
+    return rows
+
+
+def _with_images(storage, rows: list[dict]) -> dict[str, dict]:
+    """key -> row with its image, for rows that carry the sample index already (a few)."""
+    for r, img in zip(rows, read_images(storage, pa.Table.from_pylist(rows)) if rows else []):
+        r["image"] = img
+    return {r["key"]: r for r in rows}
+
+
+def _rows(ctx, part_of: dict[str, str], keys: set[str]) -> dict[str, dict]:
+    import ray
+
+    from .dataplane import run_tasks
+
+    files = {u["part"]: u["file"] for u in ctx.upstream or []}
+    wanted: dict[str, list[str]] = {}
+    for k in sorted(keys):
+        wanted.setdefault(part_of[k], []).append(k)
+    calls = [(ctx.storage, files[p], ks) for p, ks in sorted(wanted.items())]
+    found = run_tasks(ray.remote(num_cpus=0.25)(_rows_task), calls, "dedup report", lambda m: None) if calls else []
+    return {r["key"]: r for rows in found for r in rows}
 
 
 def _figure(row: dict | None, label: str) -> str:
@@ -46,7 +64,8 @@ def _figure(row: dict | None, label: str) -> str:
             f"</div></figcaption></figure>")
 
 
-def write_report(ctx, decisions: dict[str, dict], parts: list[dict]) -> Path:
+def write_report(ctx, decisions: dict[str, dict], parts: list[dict], part_of: dict[str, str]) -> Path:
+    """decisions: partition -> {dropped key: (reason, score, kept key)}; part_of: key -> its input partition."""
     flat = sorted((k, *v) for d in decisions.values() for k, v in d.items())   # (key, reason, score, root)
     shown: dict[str, list] = {}
     for key, reason, score, root in flat:
@@ -54,9 +73,8 @@ def write_report(ctx, decisions: dict[str, dict], parts: list[dict]) -> Path:
             shown[reason].append((key, score, root))
     evals = {r: rows for r, rows in pick(ctx.storage, [p["file"] for p in parts], PAIRS_PER_REASON,
                                         ctx.config.seed).items() if r.startswith("eval_duplicate")}
-    keys = {k for rows in shown.values() for k, _, root in rows for k in (k, root)}
-    keys |= {r["key"] for rows in evals.values() for r in rows}
-    rows = _rows(ctx.storage, ctx.upstream or [], keys) if keys else {}
+    rows = _rows(ctx, part_of, {k for pairs in shown.values() for key, _, root in pairs for k in (key, root)})
+    rows.update(_with_images(ctx.storage, [r for found in evals.values() for r in found]))
     totals = {}
     for p in parts:
         for reason, n in p["dropped"].items():

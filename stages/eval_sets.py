@@ -28,7 +28,7 @@ from .imagehash import crops, describe
 from .neardup import NearDupIndex
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-from trainers.evaluation.datasets import FASHION_MNIST, fashion_mnist_images  # noqa: E402 - one reader
+from trainers.evaluation.datasets import FASHION_MNIST, digits, fashion_mnist_images, read_regular  # noqa: E402 - one reader
 BUILTINS = ("demo_heldout", "fashion_mnist", "digits")
 
 
@@ -78,7 +78,7 @@ def iter_images(es: EvalSetConfig, run_dir: Path | None) -> Iterator[tuple[str, 
         root = Path(es.path)
         for f in sorted(root.rglob("*")):
             if f.suffix.lower() in IMAGE_SUFFIXES:
-                yield str(f.relative_to(root)).replace(".", "_"), _read_regular(f, es.name)
+                yield str(f.relative_to(root)).replace(".", "_"), read_regular(f, es.name)
     elif es.kind == "webdataset":
         from trainers.data import tar_members
 
@@ -110,27 +110,8 @@ def iter_images(es: EvalSetConfig, run_dir: Path | None) -> Iterator[tuple[str, 
         for i, img in enumerate(fashion_mnist_images()):
             yield f"test{i:05d}", img
     elif es.path == "digits":
-        from sklearn.datasets import load_digits
-
-        for i, img in enumerate(load_digits().images):
-            yield f"digit{i:04d}", (img * (255 / 16)).astype(np.uint8)
-
-
-def _read_regular(f: Path, name: str) -> bytes:
-    """A folder set's file, if it is a regular file of sane size: a symlink (to /dev/zero, to
-    /etc/shadow) or a device in an evaluation folder is refused, not followed."""
-    import stat
-
-    from trainers.data import MAX_MEMBER_BYTES
-
-    st = f.lstat()
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
-        raise UserError(f"evaluation set {name}: {f} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a regular file'}; "
-                        "an evaluation folder holds regular image files only")
-    if st.st_size > MAX_MEMBER_BYTES:
-        raise UserError(f"evaluation set {name}: {f} is {st.st_size} bytes, over {MAX_MEMBER_BYTES} for one image")
-    with open(f, "rb") as fh:
-        return fh.read(MAX_MEMBER_BYTES + 1)
+        for i, img in enumerate(digits()[0]):
+            yield f"digit{i:04d}", img
 
 
 def stat_fingerprint(es: EvalSetConfig) -> str:

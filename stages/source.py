@@ -20,6 +20,7 @@ serves them runs there too, and are partitioned the same way.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -164,6 +165,20 @@ def sample_key(url: str, caption: str) -> str:
 
 
 def file_sha256(path: Path) -> str:
+    """sha256 of a file, hashed once per process while its size and mtime stay the same: a run's
+    fingerprints (preflight, `--only` checks, the manifest, every stage's digest) all ask for it."""
+    st = Path(path).stat()
+    return _sha256_of(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
+    del size, mtime_ns   # the cache key: a rewritten file is hashed again
+    return hash_file(path)
+
+
+def hash_file(path) -> str:
+    """sha256 of the bytes on disk now, never cached (verify checks files that may have changed)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

@@ -76,6 +76,7 @@ def test_help_explains_every_option(cmd):
             assert opt in proc.stdout
 
 
+@pytest.mark.slow   # four capline processes, one loading digits
 def test_eval_bad_input(tmp_path):
     _one_line_error(capline("eval", str(tmp_path / "nope")), "not a capline model checkpoint")
     from trainers.models import ModelConfig, build_model

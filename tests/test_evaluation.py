@@ -83,3 +83,19 @@ def test_hard_negatives_change_only_what_they_claim():
     assert negs["added_object"].startswith("a large red circle to the left of a small blue square and a large")
     sc = synthetic.Scene((a, b), (1, 2, 3), 4, (0.5, 9.0))
     assert synthetic.scene_from_json(synthetic.scene_to_json(sc)) == sc
+
+
+@pytest.mark.parametrize("family", ["cap", "cappa", "clip", "siglip", "coca"])
+def test_features_from_tokens_are_the_models_image_features(family):
+    """The probes run the encoder once and pool its tokens: the same features image_features gives."""
+    import torch
+
+    from test_models import tiny
+    from trainers.evaluation.lit import encoder_of, features_from_tokens
+    from trainers.models import build_model
+
+    torch.manual_seed(0)
+    m = build_model(tiny(family, **({"pool": "map"} if family == "clip" else {}))).eval()
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.allclose(features_from_tokens(m, encoder_of(m)(x)), m.image_features(x), atol=1e-6)

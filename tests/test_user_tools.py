@@ -12,6 +12,7 @@ from pipeline.init_config import detect
 from trainers.errors import UserError
 
 
+@pytest.mark.slow   # capline processes (~1.5 s each)
 def test_init_finds_url_caption_and_key_columns_in_csv_and_parquet(tmp_path):
     rows = {"id": ["a1", "a2", "a3"], "alt": ["a red bird on a branch", "two dogs", "a bowl of soup on a table"],
             "link": ["https://example.com/1.jpg", "http://example.org/2.png", "https://example.net/3"],
@@ -106,6 +107,7 @@ def test_evaluation_rows_have_every_shot_count_and_headline_metrics():
     assert "skipped: zeroshot: no datasets" in text
 
 
+@pytest.mark.slow   # capline processes (~1.5 s each)
 def test_train_and_experiment_check_their_arguments_before_ray_starts(tmp_path):
     proc = capline("train", "--run-dir", str(tmp_path / "nothing"), timeout=60)
     assert proc.returncode == 2 and "source before it has not finished" in proc.stderr
@@ -116,6 +118,7 @@ def test_train_and_experiment_check_their_arguments_before_ray_starts(tmp_path):
         assert proc.returncode == 2 and needle in proc.stderr and "ray:" not in proc.stdout, (args, proc.stderr)
 
 
+@pytest.mark.slow   # capline processes (~1.5 s each)
 def test_a_run_folders_config_that_no_longer_loads_says_what_to_do(tmp_path):
     (tmp_path / "config.yaml").write_text("name: old\nstages:\n  ingest: {min_image_size: 16}\n")
     proc = capline("train", "--run-dir", str(tmp_path), timeout=60)

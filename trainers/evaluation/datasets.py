@@ -43,13 +43,27 @@ def _open(data, where: str) -> Image.Image:
         raise UserError(f"{where}: not a readable image ({type(err).__name__})") from None
 
 
-def _regular(f: Path, name: str) -> Path:
+def read_regular(f: Path, name: str) -> bytes:
+    """A set's image file, if it is a regular file of sane size: a symlink (to /dev/zero, to
+    /etc/shadow) or a device in an evaluation folder is refused, not followed."""
     from trainers.data import MAX_MEMBER_BYTES
 
     st = f.lstat()
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MEMBER_BYTES:
-        raise UserError(f"evaluation set {name}: {f} is not a regular image file of at most {MAX_MEMBER_BYTES} bytes")
-    return f
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+        raise UserError(f"evaluation set {name}: {f} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a regular file'}; "
+                        "an evaluation folder holds regular image files only")
+    if st.st_size > MAX_MEMBER_BYTES:
+        raise UserError(f"evaluation set {name}: {f} is {st.st_size} bytes, over {MAX_MEMBER_BYTES} for one image")
+    with open(f, "rb") as fh:
+        return fh.read(MAX_MEMBER_BYTES + 1)
+
+
+def digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's 1,797 8x8 digits as uint8 images (0..255), and their labels."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    return (d.images * (255 / 16)).astype(np.uint8), d.target
 
 
 def fashion_mnist_labels() -> np.ndarray:
@@ -68,11 +82,8 @@ def load_classification(s: ClassificationSet, run_dir: Path) -> tuple[list[Image
     """-> (images, class names per image)."""
     limit = s.limit or None
     if s.kind == "builtin" and s.path == "digits":
-        from sklearn.datasets import load_digits
-
-        d = load_digits()
-        imgs = [Image.fromarray((im * 255 / 16).astype(np.uint8)).convert("RGB") for im in d.images[:limit]]
-        return imgs, [str(int(t)) for t in d.target[:limit]]
+        images, target = digits()
+        return [Image.fromarray(im).convert("RGB") for im in images[:limit]], [str(int(t)) for t in target[:limit]]
     if s.kind == "builtin":   # fashion_mnist
         if not FASHION_MNIST.is_file():
             raise UserError(f"evaluation set {s.name}: {FASHION_MNIST} not found; install the Debian package "
@@ -91,7 +102,7 @@ def load_classification(s: ClassificationSet, run_dir: Path) -> tuple[list[Image
             files = sorted(files[:limit], key=lambda x: (x[0], x[1].name))
         if not files:
             raise UserError(f"evaluation set {s.name}: no images in class subfolders of {path}")
-        return [_open(_regular(f, s.name).read_bytes(), str(f)) for _, f in files], [c for c, _ in files]
+        return [_open(read_regular(f, s.name), str(f)) for _, f in files], [c for c, _ in files]
     import pyarrow.parquet as pq
 
     if not path.is_file():
@@ -106,7 +117,7 @@ def load_classification(s: ClassificationSet, run_dir: Path) -> tuple[list[Image
         if isinstance(cell, dict):   # HF-style {"bytes": ..., "path": ...}
             cell = cell.get("bytes")
         if isinstance(cell, str):    # a path relative to the Parquet file
-            cell = _regular(path.parent / cell, s.name).read_bytes()
+            cell = read_regular(path.parent / cell, s.name)
         imgs.append(_open(cell, f"evaluation set {s.name}, row {i}"))
     return imgs, [str(x) for x in labels]
 
@@ -131,8 +142,8 @@ def load_captions(s: CaptionSet, run_dir: Path) -> list[tuple[str, Image.Image, 
         for image_id in list(files)[: s.limit or None]:
             if image_id not in refs:
                 continue
-            f = _regular(root / files[image_id], s.name)
-            out.append((str(image_id), _open(f.read_bytes(), str(f)), refs[image_id]))
+            f = root / files[image_id]
+            out.append((str(image_id), _open(read_regular(f, s.name), str(f)), refs[image_id]))
     else:
         from trainers.data import tar_members
 
@@ -191,8 +202,8 @@ def load_wordorder(s: WordOrderSet, run_dir: Path, captions: dict[str, list]) ->
             continue
         try:
             r = json.loads(line)
-            f = _regular(path.parent / r["image"], s.name)
-            out.append((_open(f.read_bytes(), str(f)), r["caption"], dict(r["negatives"])))
+            f = path.parent / r["image"]
+            out.append((_open(read_regular(f, s.name), str(f)), r["caption"], dict(r["negatives"])))
         except (ValueError, KeyError, TypeError) as err:
             raise UserError(f"word-order set {s.name}: {path} line {n}: expected {{image, caption, negatives}} ({err})") from None
     return out

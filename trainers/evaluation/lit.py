@@ -35,6 +35,17 @@ def encoder_of(model) -> nn.Module:
     return (inner if inner is not None else model).encoder
 
 
+def features_from_tokens(model, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, N, D) final encoder tokens -> (B, D) what `model.image_features` gives for the same images
+    (the contrastive towers pool with their own GAP or MAP head, the others average), so a probe that
+    needs both runs the encoder once."""
+    inner = getattr(model, "image_encoder", None)
+    inner = inner if inner is not None else model
+    if inner.cfg.family in ("clip", "siglip"):
+        return inner.encoder.pooled(tokens)
+    return tokens.mean(1)
+
+
 def _batches(shards: list[Path], tokenizer: Path, batch: int, image_size: int, max_len: int, seed: int):
     from trainers.data import LoaderState, ShardStream
 

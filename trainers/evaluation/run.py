@@ -43,18 +43,14 @@ def _dev(model) -> torch.device:
 
 
 @torch.no_grad()
-def _batched(fn, x: torch.Tensor, *rest, batch: int = 128) -> torch.Tensor:
-    """fn over x in batches on the model's device (rest: moved there whole), results back on the CPU."""
-    dev = _DEVICE[0]
-    rest = [r.to(dev) for r in rest]
-    return torch.cat([fn(x[i:i + batch].to(dev), *rest).float().cpu() for i in range(0, len(x), batch)])
-
-
-_DEVICE = [torch.device("cpu")]   # where evaluate() put the model (a GPU when there is one)
+def _batched(fn, x: torch.Tensor, *rest, device: torch.device, batch: int = 128) -> torch.Tensor:
+    """fn over x in batches on `device` (rest: moved there whole), results back on the CPU."""
+    rest = [r.to(device) for r in rest]
+    return torch.cat([fn(x[i:i + batch].to(device), *rest).float().cpu() for i in range(0, len(x), batch)])
 
 
 def _features(model, images: torch.Tensor, batch: int = 128) -> np.ndarray:
-    return _batched(model.image_features, images, batch=batch).numpy()
+    return _batched(model.image_features, images, device=_dev(model), batch=batch).numpy()
 
 
 def _encode(sp, texts: list[str], max_len: int, eos: bool) -> torch.Tensor:
@@ -81,21 +77,22 @@ def _tokens(model, images: torch.Tensor, batch: int = 128) -> torch.Tensor:
     from .lit import encoder_of
 
     enc = encoder_of(model).eval()
-    return _batched(enc, images, batch=batch)
+    return _batched(enc, images, device=_dev(model), batch=batch)
 
 
 def _shards(run_dir: Path) -> list[Path]:
     return sorted((Path(run_dir) / "shard" / "shards").glob("*.tar"))
 
 
-def _fewshot(model, cfg, sets, ec: EvalConfig, shots, strict, results, log) -> None:
+def _fewshot(model, cfg, sets, ec: EvalConfig, shots, strict, results, run_dir: Path) -> None:
+    """sets: the eval.fewshot entries, loaded one at a time (a set's images are dropped before the next)."""
+    from .datasets import load_classification
     from .fewshot import few_shot_split, probe
-    from .lit import map_probe
+    from .lit import features_from_tokens, map_probe
 
     fs, maps = {}, {}
-    for s, (images, labels) in sets:
-        x = _prep(images, cfg.image_size)
-        feats = _features(model, x)
+    for s in sets:
+        images, labels = load_classification(s, run_dir)
         labels = np.array(labels)
         values, counts = np.unique(labels, return_counts=True)
         fitting = tuple(k for k in shots if k < counts.min())
@@ -106,13 +103,17 @@ def _fewshot(model, cfg, sets, ec: EvalConfig, shots, strict, results, log) -> N
                                 "or a larger set")
             results["skipped"].append(f"few-shot on {s.name}: {sorted(set(shots) - set(fitting))}-shot left out, "
                                       f"a class has only {counts.min()} examples")
-        if fitting:
-            fs[s.name] = probe(feats, labels, shots=fitting, seeds=tuple(range(ec.seeds)))
+        x = _prep(images, cfg.image_size)
         k = ec.map_probe.shots
-        if ec.map_probe.steps and k < counts.min():
+        map_probe_runs = bool(ec.map_probe.steps) and k < counts.min()
+        tokens = _tokens(model, x) if map_probe_runs else None     # the encoder runs once for both probes
+        if fitting:
+            feats = (_batched(lambda t: features_from_tokens(model, t), tokens, device=_dev(model)).numpy()
+                     if tokens is not None else _features(model, x))
+            fs[s.name] = probe(feats, labels, shots=fitting, seeds=tuple(range(ec.seeds)))
+        if map_probe_runs:
             classes = {c: i for i, c in enumerate(values.tolist())}
             y = np.array([classes[c] for c in labels.tolist()])
-            tokens = _tokens(model, x)
             accs = []
             for seed in range(ec.seeds):
                 tr, te = few_shot_split(y, k, seed)
@@ -133,7 +134,7 @@ def _decode_scores(model, cfg, sp, x, ids, refs) -> dict:
     out = {}
     for name, fn in (("greedy", lambda b: greedy(model, b, cfg.max_len)),
                      ("beam4", lambda b: beam_search(model, b, cfg.max_len, beam=4))):
-        seqs = _batched(fn, x, batch=64).long()
+        seqs = _batched(fn, x, device=_dev(model), batch=64).long()
         cands = {i: sp.decode([int(t) for t in row if t > 1]) for i, row in zip(ids, seqs)}
         out[name] = caption_scores(refs, cands)
         out[name]["examples"] = [[refs[i][0], cands[i]] for i in ids[:3]]
@@ -159,8 +160,8 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
     ec = eval_cfg or run_eval_config(run_dir)
     shots = tuple(shots or ec.shots)
     model, cfg = load_model(model_dir)
-    _DEVICE[0] = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model.to(_DEVICE[0]).eval()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(dev).eval()
     tok = run_dir / "tokenizer" / "spm.model"
     if not tok.is_file():
         raise UserError(f"{run_dir}: no tokenizer/spm.model to evaluate with")
@@ -179,7 +180,7 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
         captions = {s.name: load_captions(s, run_dir) for s in ec.captioning}
     if "fewshot" in tasks and ec.fewshot:
         t0 = time.perf_counter()
-        _fewshot(model, cfg, [(s, load_classification(s, run_dir)) for s in ec.fewshot], ec, shots, strict, results, log)
+        _fewshot(model, cfg, ec.fewshot, ec, shots, strict, results, run_dir)
         timings["fewshot"] = time.perf_counter() - t0
     lit_decoder = None
     if "captioning" in tasks and ec.captioning:
@@ -234,12 +235,12 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
             cands = _encode(sp, prompts, cfg.max_len, eos=ec.eos)
             scorers = []
             if captioner:
-                scorers += [("ar", lambda: _batched(model.score_ar, x, cands), "logsumexp"),
-                            ("parallel", lambda: _batched(model.score_parallel, x, cands), "logsumexp")]
+                scorers += [("ar", lambda: _batched(model.score_ar, x, cands, device=dev), "logsumexp"),
+                            ("parallel", lambda: _batched(model.score_parallel, x, cands, device=dev), "logsumexp")]
             if cfg.family in ("clip", "siglip", "coca"):
-                scorers.append(("cosine", lambda: _batched(model.score, x, cands), "max"))
+                scorers.append(("cosine", lambda: _batched(model.score, x, cands, device=dev), "max"))
             if lit_text is not None:
-                scorers.append(("lit", lambda: _batched(lit_text.score, x, cands), "max"))
+                scorers.append(("lit", lambda: _batched(lit_text.score, x, cands, device=dev), "max"))
             res = {"classes": len(classes), "prompts_per_class": per}
             for name, fn, agg in scorers:
                 t1 = time.perf_counter()
@@ -260,7 +261,7 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
             def score(i, caps):
                 c = _encode(sp, caps, cfg.max_len, eos=True)
                 fn = model.score_ar if writes else model.score
-                return _batched(fn, x[i:i + 1], c)[0].tolist()
+                return _batched(fn, x[i:i + 1], c, device=dev)[0].tolist()
 
             wo[s.name] = word_order_eval([(t, n) for _, t, n in cases], score)
         results["wordorder"] = wo
