@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline import offline  # noqa: E402
+from infra import offline  # noqa: E402
 
 offline.apply()
 
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
 
-    from pipeline.ray_runtime import RayConfig, ray_session
+    from infra.ray_runtime import RayConfig, ray_session
     from stages.demo_server import DemoServer
     from stages.synthetic import SERVER_PLACEHOLDER
 

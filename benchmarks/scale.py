@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline import offline  # noqa: E402
+from infra import offline  # noqa: E402
 
 offline.apply()
 
@@ -166,7 +166,7 @@ class Sampler(threading.Thread):
 def run_size(n: int, work: Path, base: str, netloc: str, local: bool = False) -> dict:
     import stages.ingest
     from pipeline.config import load_config
-    from pipeline.ray_runtime import RayConfig, ray_session
+    from infra.ray_runtime import RayConfig, ray_session
     from pipeline.runner import run_pipeline
 
     urls = work / f"urls-{n}"

@@ -48,21 +48,22 @@ def roc_auc(positive: list[float], negative: list[float]) -> float | None:
 
 
 # stage -> [(planted defect, the reason prefix that catches it)]
-AUDITS = {"dedup": [("eval_near_copy", "eval_duplicate:"), ("repeat_row", "exact_duplicate"),
-                    ("train_near_copy", "")],
-          "language": [("non_english", "language")],
-          "clip_score": [("mismatched_caption", "clip_score")]}
+def _audits() -> dict[str, tuple]:
+    from stages.registry import audited   # stage -> [(planted defect, the reason prefix that catches it)]
+
+    return audited()
 
 
 def after_stage(stage: str, run_dir: Path, log=print, storage=None) -> dict | None:
     from stages.dataplane import Storage
 
     storage = storage or Storage.local(run_dir)
-    if stage not in AUDITS or not (run_dir / "source" / "_ground_truth.parquet").is_file():
+    audits = _audits()
+    if stage not in audits or not (run_dir / "source" / "_ground_truth.parquet").is_file():
         return None
     ledger, truth = _ledger(storage, stage), _truth(run_dir)
     result = {}
-    for defect, prefix in AUDITS[stage]:
+    for defect, prefix in audits[stage]:
         r = result[defect] = rates(ledger, truth, defect, prefix)
         if r["recall"] is None:
             continue
@@ -77,7 +78,6 @@ def after_stage(stage: str, run_dir: Path, log=print, storage=None) -> dict | No
         result["roc_auc_clean_vs_mismatched"] = auc
         if auc is not None:
             log(f"{stage} audit (demo ground truth): ROC AUC of the score, clean vs mismatched captions {auc:.3f}")
-    storage.write_bytes(f"{stage}/audit.json", json.dumps(result, indent=2).encode())
-    if not storage.is_local:   # the working copy's tools (the report) read it there too
-        (run_dir / stage / "audit.json").write_text(json.dumps(result, indent=2))
+    # the working copy's tools (the report) read it there too
+    storage.write_both(run_dir, f"{stage}/audit.json", json.dumps(result, indent=2).encode())
     return result

@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from trainers.errors import UserError
+from infra.errors import UserError
 
-from . import offline
+from infra import offline
 
 EPILOG = """\
 Telemetry: capline starts every process with the usual libraries' telemetry and update checks
@@ -162,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _redact(text) -> str:
-    from trainers.tracking import redact
+    from infra.tracking import redact
 
     return redact(text)
 
@@ -229,7 +229,7 @@ def _cmd_train(args) -> int:
 def _cmd_run(args) -> int:
     from .inspect_run import format_status, status_rows
     from .lock import run_lock
-    from .ray_runtime import ray_session
+    from infra.ray_runtime import ray_session
     from .storage import RunStore
     from .runner import check_before, default_run_dir, preflight, run_pipeline, select
 
@@ -332,10 +332,10 @@ def _cmd_rebuild(args) -> int:
     import json
     import shutil
 
-    from trainers.configtools import build
+    from infra.configtools import build
 
     from .config import RunConfig
-    from .ray_runtime import ray_session
+    from infra.ray_runtime import ray_session
     from .runner import input_fingerprints, run_pipeline
     from .verify import compare_runs, drift
 
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     offline.apply(ray_auth_for_local=False)   # decided below, once the arguments say whether we join
-    from trainers.tracking import move_credentials_out_of_uri
+    from infra.tracking import move_credentials_out_of_uri
 
     move_credentials_out_of_uri()
     import logging
@@ -426,7 +426,7 @@ def _main(argv: list[str] | None = None) -> int:
         if args.command == "experiment":
             from trainers.evaluation.experiment import run_experiment
 
-            from .ray_runtime import ray_session
+            from infra.ray_runtime import ray_session
             from .runner import default_run_dir
 
             from trainers.evaluation.experiment import check_experiment

@@ -1,7 +1,7 @@
 """The run config: one typed section per component, loaded from YAML plus `--set` overrides.
 
 Sections are defined next to what they configure (stages/source.py, stages/ingest.py,
-pipeline/ray_runtime.py); this module only assembles them and loads files.
+infra/ray_runtime.py); this module only assembles them and loads files.
 """
 from __future__ import annotations
 
@@ -14,33 +14,22 @@ from pathlib import Path
 
 import yaml
 
-from stages.basic import BasicConfig
-from stages.clip_score import ClipScoreConfig
-from stages.dedup import DedupConfig
-from stages.ingest import IngestConfig
-from stages.language import LanguageConfig
-from stages.shard import ShardConfig
-from stages.tokenizer import TokenizerConfig
+from stages.registry import sections
 from stages.source import SourceConfig
-from trainers.configtools import apply_override, build, require
+from infra.configtools import apply_override, build, require
 from trainers.evaluation.config import EvalConfig
 from trainers.train_config import TrainConfig
-from trainers.errors import UserError
+from infra.errors import UserError
 
-from .ray_runtime import RayConfig
+from infra.ray_runtime import RayConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
 
-@dataclass
-class StagesConfig:
-    ingest: IngestConfig = field(default_factory=IngestConfig)
-    dedup: DedupConfig = field(default_factory=DedupConfig)
-    basic: BasicConfig = field(default_factory=BasicConfig)
-    language: LanguageConfig = field(default_factory=LanguageConfig)
-    clip_score: ClipScoreConfig = field(default_factory=ClipScoreConfig)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    shard: ShardConfig = field(default_factory=ShardConfig)
+# one section per stage that declares one (stages/registry.py), in stage order
+StagesConfig = dataclasses.make_dataclass(
+    "StagesConfig", [(key, cls, field(default_factory=cls)) for key, cls in sections()])
+StagesConfig.__module__ = __name__
 
 
 @dataclass

@@ -22,7 +22,7 @@ def _metric_name(text: str) -> str:
 
 
 def log_data_build(run_dir: Path, manifest, summary: dict, cfg, log=print, shards: str | None = None) -> str | None:
-    from trainers.tracking import client, flatten, log_dataset, redact, start_run, tracking_uri
+    from infra.tracking import client, flatten, log_dataset, redact, start_run, tracking_uri
 
     digest = manifest.data["stages"]["shard"]["output_digest"]
     if manifest.data.get("mlflow_runs", {}).get("data") and manifest.data.get("mlflow_data_digest") == digest:
@@ -80,7 +80,7 @@ def log_report(run_dir: Path, report: Path, log=print) -> None:
     """The run report, once written, as an artifact of the data-build run (best effort)."""
     import json
 
-    from trainers.tracking import client, redact, tracking_uri
+    from infra.tracking import client, redact, tracking_uri
 
     manifest = json.loads((Path(run_dir) / "manifest.json").read_text())
     run_id = manifest.get("mlflow_runs", {}).get("data")

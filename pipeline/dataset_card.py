@@ -12,7 +12,7 @@ import json
 
 from stages.registry import STAGES
 
-FILTERS = ("ingest", "dedup", "basic", "language", "clip_score")
+FILTERS = tuple(s.name for s in STAGES if s.thresholds)
 
 
 def thresholds(cfg) -> dict[str, dict]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from trainers.errors import UserError
+from infra.errors import UserError
 
 CAPTION_NAMES = ("caption", "text", "alt", "alt_text", "title", "description", "txt")
 KEY_NAMES = ("key", "uid", "id", "sample_id")

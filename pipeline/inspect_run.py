@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 
-from trainers.errors import UserError
+from infra.errors import UserError
 
 from .runner import read_marker, stage_names
 

@@ -21,7 +21,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from trainers.errors import UserError
+from infra.errors import UserError
 
 HEARTBEAT = 20.0
 STALE_AFTER = 120.0

@@ -10,6 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def _final(stage: str) -> bool:
+    """The stage that writes the dataset (it declares `final_data`): what the card and the data run describe."""
+    from stages.registry import by_name
+
+    s = by_name(stage)
+    return bool(s and s.final_data)
+
+
 class DemoAudit:
     def after_stage(self, stage: str, run_dir: Path, cfg, storage, log=print, **_) -> None:
         from . import audit
@@ -22,7 +30,7 @@ class DemoAudit:
 class DataBuildRun:
     def after_stage(self, stage: str, run_dir: Path, cfg, manifest, summary: dict, storage, log=print,
                     **_) -> None:
-        if stage != "shard" or not cfg.track_data:
+        if not _final(stage) or not cfg.track_data:
             return
         from .data_tracking import log_data_build
 
@@ -31,15 +39,12 @@ class DataBuildRun:
 
 class DatasetCard:
     def after_stage(self, stage: str, run_dir: Path, cfg, manifest, summary: dict, storage, **_) -> None:
-        if stage != "shard":
+        if not _final(stage):
             return
         from .dataset_card import card
 
         text = card(manifest.data, summary, cfg)
-        storage.write_bytes("shard/README.md", text.encode())
-        if not storage.is_local:   # the working copy's, for the tools that read it here
-            (run_dir / "shard").mkdir(parents=True, exist_ok=True)
-            (run_dir / "shard" / "README.md").write_text(text)
+        storage.write_both(run_dir, f"{stage}/README.md", text.encode())   # the working copy's too
 
 
 OBSERVERS = [DemoAudit(), DatasetCard(), DataBuildRun()]

@@ -22,11 +22,13 @@ import pyarrow.compute as pc
 
 from stages.base import has_ledger, read_ledger
 
-from trainers.errors import UserError
+from infra.errors import UserError
 
 from .inspect_run import format_status, status_rows
 
-FILTER_STAGES = ("dedup", "basic", "language", "clip_score")
+from stages.registry import judging
+
+FILTER_STAGES = tuple(s.name for s in judging())
 MAX_PER_REASON = 50   # cards per stage and reason: the page stays a few MB (images are inlined)
 _CHECK_IMAGES = ("<script>window.addEventListener('load',()=>{document.querySelectorAll('img').forEach(i=>{"
                  "if(!i.complete||!i.naturalWidth)console.error('image did not load: '+i.alt)})})</script>")
@@ -139,7 +141,7 @@ def _training(run_dir: Path, manifest: dict) -> str:
     try:
         import matplotlib.pyplot as plt
 
-        from trainers.tracking import client, tracking_uri
+        from infra.tracking import client, tracking_uri
 
         c = client(tracking_uri(run_dir))
         keys = sorted(k for k in c.get_run(run_id).data.metrics if "loss" in k or k.startswith("lr"))

@@ -22,9 +22,10 @@ from pathlib import Path
 from stages.base import Stage, StageContext
 from stages.dataplane import Storage, check_parts
 from stages.registry import STAGES
-from trainers.errors import UserError
+from infra.errors import UserError
 
 from .config import RunConfig, save_config
+from .executor import Executor
 from .manifest import Manifest, write_json_atomic
 from .observers import OBSERVERS
 
@@ -35,9 +36,13 @@ def stage_names(stages: list[Stage] | None = None) -> list[str]:
     return [s.name for s in (stages or STAGES)]
 
 
-def output_digest(parts: list[dict], files: dict[str, str]) -> str:
-    """From what the writers recorded: each partition's file and sha256, and the stage's other files."""
+def output_digest(parts: list[dict], files: dict[str, str], chain: str | None = None) -> str:
+    """From what the writers recorded: each partition's file and sha256, and the stage's other files.
+    `chain` (a sink's input digest): a sink writes few files or none, so what it was made from is part
+    of what it made (a model trained on other shards is another output even if no file says so)."""
     h = hashlib.sha256()
+    if chain:
+        h.update(f"chain\0{chain}\n".encode())
     entries = sorted([(p["file"], p["sha256"]) for p in parts] + list(files.items()))
     for rel, sha in entries:
         h.update(f"{rel}\0{sha}\n".encode())
@@ -61,7 +66,7 @@ class Controls:
 
     def __init__(self, storage: Storage, run_dir: Path):
         self.storage, self.run_dir = storage, run_dir
-        self.mirror = not (storage.is_local and Path(storage.root) == run_dir.resolve())
+        self.mirror = not storage.is_folder(run_dir)
 
     def read(self, stage: str, name: str):
         return self.storage.read_json(f"{stage}/{name}")
@@ -156,6 +161,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
     # workers read and write the run folder's storage itself: a bucket for an s3:// run folder
     storage = Storage.from_uri(store.uri) if store is not None and store.uri else Storage.local(run_dir)
     controls = Controls(storage, run_dir)
+    executor = Executor(log=log)
     prev_digest = ""
     upstream: list[dict] | None = None
     summary = {}
@@ -176,9 +182,10 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
                                 f"run `capline run --until {stage.name}` first")
             break
         else:
-            ctx = StageContext(name=stage.name, run_dir=run_dir, stage_dir=sdir, config=cfg, storage=storage,
-                               upstream=upstream, artifacts=dict(manifest.data.get("artifacts", {})), log=log,
-                               fingerprint=stage.fingerprint(cfg))
+            ctx = StageContext(name=stage.name, run_dir=run_dir, stage_dir=sdir, cfg=stage.section(cfg), seed=cfg.seed,
+                               run_name=cfg.name, storage=storage, upstream=upstream,
+                               artifacts=dict(manifest.data.get("artifacts", {})), log=log,
+                               fingerprint=stage.fingerprint(cfg), executor=executor, notes=stage.note_names())
             marker, artifacts, parts, summary[stage.name] = _run_stage(stage, ctx, in_digest, controls, store,
                                                                             upstream_digest=prev_digest)
             manifest.record_stage(stage.name, marker, artifacts)
@@ -187,7 +194,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
                 manifest.save()
             if store is not None:
                 store.push_top()    # the manifest, so another machine sees what finished
-        upstream = parts
+        if stage.kind != "sink":   # a sink judges nothing: the next stage reads what the last judge kept
+            upstream = parts
         prev_digest = marker["output_digest"]
         if stage.name not in summary:   # skipped: its stats from the earlier run
             summary[stage.name] = controls.read(stage.name, "stats.json")
@@ -220,8 +228,9 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     controls.write(stage.name, "_STARTED", {"input_digest": in_digest})
     ctx.log(f"{stage.name}: running" + (" (resuming partial work)" if started else ""))
     t0 = time.time()
+    first_record = len(ctx.executor.records)
     result = stage.run(ctx)
-    counts = check_parts(stage.name, result.parts, ctx.upstream)
+    counts = _check(stage, ctx, result)
     written = {p["file"] for p in result.parts}
     for stale in ctx.storage.list(f"{stage.name}/ledger", ".parquet"):
         if stale not in written:
@@ -230,7 +239,7 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     parts = sorted(result.parts, key=lambda p: p["part"])
     controls.write(stage.name, "parts.json", parts)
     stats = {"stage": stage.name, **counts, "partitions": len(parts), "wall_seconds": round(wall, 3),
-             **result.extra_stats}
+             **result.extra_stats, "tasks": ctx.executor.records[first_record:]}
     controls.write(stage.name, "stats.json", stats)
     files = {p["file"]: p["sha256"] for p in parts}
     files.update(result.files)
@@ -238,8 +247,9 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     files.update(driver)
     for stale in sorted(set(before) - set(files)):
         ctx.storage.delete(stale)        # produced by the last finish, not by this one
-    marker = {"input_digest": in_digest, "output_digest": output_digest(parts, result.files),
-              "upstream_digest": upstream_digest,
+    chain = in_digest if stage.kind == "sink" else None
+    marker = {"input_digest": in_digest, "output_digest": output_digest(parts, result.files, chain),
+              "upstream_digest": upstream_digest, **({"chain": chain} if chain else {}),
               "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "outputs": dict(sorted(result.files.items())), "files": dict(sorted(files.items())),
               "driver_files": sorted(driver)}
@@ -247,3 +257,20 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     dropped = ", ".join(f"{k}={v}" for k, v in counts["dropped"].items()) or "none"
     ctx.log(f"{stage.name}: {counts['in']} in, {counts['kept']} kept, dropped: {dropped} ({wall:.1f}s)")
     return marker, result.artifacts, parts, stats
+
+
+def _check(stage: Stage, ctx: StageContext, result) -> dict:
+    """in = kept + dropped for every partition a stage wrote, and its partitions took exactly what the
+    stage before kept. A sink writes no ledger (or, like the shard stage, one of where samples went):
+    what it says it consumed must be what was kept before it."""
+    if result.parts or stage.kind != "sink":
+        return check_parts(stage.name, result.parts, ctx.upstream)
+    from stages.dataplane import add_sums
+
+    n = sum(u["kept"] for u in ctx.upstream or [])
+    if result.consumed is not None:
+        got, checksum = result.consumed
+        if got != n or int(checksum) != add_sums(*(u["kept_sum"] for u in ctx.upstream or [])):
+            raise RuntimeError(f"stage {stage.name}: {n} samples were kept before it, it read {got} "
+                               "(key-set checksums differ): a sample was lost or added")
+    return {"in": n, "kept": n, "dropped": {}}

@@ -13,7 +13,7 @@ manifest, config, reports, the demo's site) and mirrors it by content:
   copy, checks each file against its recorded sha256 and the stage's output digest, and says which
   stage is inconsistent if one is.
 
-Credentials come from the environment (see trainers/remote.py) and are never written anywhere.
+Credentials come from the environment (see infra/storage.py) and are never written anywhere.
 Checked before any work: the bucket exists and the credentials are accepted.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ import json
 import os
 from pathlib import Path
 
-from stages.source import hash_file as file_sha256
-from trainers.errors import UserError
-from trainers.remote import filesystem, is_uri
+from infra.hashing import hash_file as file_sha256
+from infra.errors import UserError
+from infra.storage import filesystem, is_uri
 
 TOP_FILES = ("manifest.json", "config.yaml", "report.html")
 CONTROL = ("parts.json", "stats.json", "_STARTED", "_SUCCESS")
@@ -143,7 +143,7 @@ class RunStore:
             parts = json.loads((self.local / stage / "parts.json").read_text()) \
                 if (self.local / stage / "parts.json").is_file() else []
             outputs = marker.get("outputs", {})
-            if "files" in marker and (output_digest(parts, outputs) != marker.get("output_digest") or any(
+            if "files" in marker and (output_digest(parts, outputs, marker.get("chain")) != marker.get("output_digest") or any(
                     files.get(p["file"]) != p["sha256"] for p in parts)):
                 raise UserError(f"storage: {self.uri}/{stage}: its _SUCCESS does not match its parts.json "
                                 "(a stale _SUCCESS, or files rewritten after it); rerun the stage")

@@ -11,8 +11,8 @@ import tarfile
 from pathlib import Path
 
 
-from stages.source import hash_file as sha256_file
-from trainers.errors import UserError
+from infra.hashing import hash_file as sha256_file
+from infra.errors import UserError
 
 
 def _manifest(run_dir: Path) -> dict:

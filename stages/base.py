@@ -20,28 +20,44 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .dataplane import DROPPED, KEPT, PartTask, Storage, map_parts, one_to_one  # noqa: F401 - re-exported
+from .dataplane import DROPPED, KEPT, PartTask, Storage, one_to_one  # noqa: F401 - re-exported
 
 
 @dataclass
 class StageContext:
+    """What a stage gets: its own config section (`cfg`), the seed and run name, its input (the
+    previous judging stage's partitions), the artifacts earlier stages registered, and the executor.
+    Never the whole run config: stages meet through the registry and artifacts, not each other's
+    sections."""
     name: str                        # this stage
-    run_dir: Path
+    run_dir: Path                    # the driver's working copy of the run folder
     stage_dir: Path
-    config: Any                      # the whole typed run config
+    cfg: Any                         # this stage's config section (Stage.section)
+    seed: int
+    run_name: str
     storage: Storage                 # the run folder's filesystem, as workers reach it
-    upstream: list[dict] | None      # the previous stage's PartResults (None for the first stage)
+    upstream: list[dict] | None      # the previous judging stage's PartResults (None for the first stage)
     artifacts: dict[str, dict] = field(default_factory=dict)   # finished stages' registered outputs
     log: Callable[[str], None] = print
     fingerprint: str = ""            # this stage's (Stage.fingerprint): with a partition's input, what decides it
+    executor: Any = None             # pipeline/executor.py: how tasks run (stages never import pipeline/)
+    notes: tuple = (None, None)      # what this stage's score and detail are called in a kept sample's json
 
     def map_parts(self, fn: Callable, tasks: list[PartTask] | None = None, num_cpus: float = 1.0,
-                  num_gpus: float = 0.0, reuse: bool = False, **kwargs) -> list[dict]:
+                  num_gpus: float = 0.0, reuse: bool = False, setting: str | None = None, **kwargs) -> list[dict]:
         """`fn(table, **kwargs) -> (verdicts, extra)` over each partition (default: one task per
         upstream partition, same name), in Ray tasks that write their own part files. `reuse`: for a
         pure `fn`, partitions computed by an earlier run from the same input are taken as they are."""
-        return map_parts(self, fn, tasks if tasks is not None else one_to_one(self.upstream or [], **kwargs),
-                         num_cpus=num_cpus, num_gpus=num_gpus, reuse=reuse)
+        return self.executor.map_parts(self, fn, tasks if tasks is not None else one_to_one(self.upstream or [], **kwargs),
+                                       num_cpus=num_cpus, num_gpus=num_gpus, reuse=reuse, setting=setting)
+
+    def run(self, fn: Callable, calls: list[tuple], what: str | None = None, **options) -> list:
+        """`fn(*call)` for every call, in tasks the executor sizes and runs; results in call order."""
+        return self.executor.run(fn, calls, what or self.name, **options)
+
+    def call(self, fn: Callable, *args, what: str | None = None, **options):
+        """One task's result (a model to train): the executor fits its request to the cluster."""
+        return self.executor.call(fn, *args, what=what or self.name, **options)
 
     def samples(self, columns: list[str] | None = None):
         """The previous stage's kept samples as a Ray Dataset, read by the workers from storage."""
@@ -71,17 +87,35 @@ class StageResult:
     extra_stats: dict = field(default_factory=dict)
     artifacts: dict = field(default_factory=dict)        # recorded in manifest.json (paths, checksums)
     files: dict = field(default_factory=dict)            # other outputs: run-relative path -> sha256
+    consumed: tuple[int, int] | None = None              # a sink: (samples read, their key-set checksum)
+
+
+KINDS = ("source", "filter", "decide", "sink")
 
 
 class Stage:
-    """Subclasses set `name` and implement `section(config)` and `run(ctx)`."""
+    """What every kind declares. The registry (stages/registry.py) is the one list of stages; the
+    runner, config, report, dataset card, audit and observers read these declarations."""
 
     name: str = ""
-    # sub-paths of the stage folder that survive a change of input (content-addressed caches)
-    preserve: tuple[str, ...] = ()
+    kind: str = ""                       # one of KINDS
+    config_key: str | None = None        # its section: `stages.<config_key>` (None: a top-level section)
+    config_class: type | None = None
+    reasons: tuple[str, ...] = ()        # the drop reasons it gives (a `reason:<x>` family by its prefix)
+    report: str | None = None            # its report page, run-relative
+    notes: tuple[str | None, str | None] | None = None   # its score and detail in a kept sample's json
+    audits: tuple[tuple[str, str], ...] = ()   # (demo defect, the reason prefix that catches it)
+    thresholds: bool = False             # its section is a filter's thresholds (the dataset card lists them)
+    final_data: bool = False             # it writes the dataset (observers of a finished dataset wait for it)
+    preserve: tuple[str, ...] = ()       # sub-paths of its folder that survive a change of input
 
     def section(self, config) -> Any:
-        raise NotImplementedError
+        if self.config_key is None:
+            raise NotImplementedError
+        return getattr(config.stages, self.config_key)
+
+    def note_names(self) -> tuple[str | None, str | None]:
+        return self.notes if self.notes is not None else (f"{self.name}_score", f"{self.name}_detail")
 
     def preflight(self, config) -> None:
         """Checks that need no cluster (bad paths, unknown codes): fail in a second, not mid-run."""
@@ -94,6 +128,63 @@ class Stage:
 
     def run(self, ctx: StageContext) -> StageResult:
         raise NotImplementedError
+
+
+class Source(Stage):
+    """Rows in (a URL list, images), keyed samples out, each with a verdict."""
+    kind = "source"
+
+
+class Filter(Stage):
+    """A verdict per sample, from the sample alone: `judge(table, cfg) -> (verdicts, extra)`, a pure
+    function the executor maps over partitions (reusing partitions an earlier run judged from the
+    same input), writing the ledger and counting. `finish` turns the parts into stats and a report."""
+    kind = "filter"
+    thresholds = True
+    preserve = ("reuse",)      # partitions judged before, by content
+
+    @staticmethod
+    def judge(table, cfg):
+        raise NotImplementedError
+
+    def cpus(self, cfg) -> float:
+        return float(getattr(cfg, "cpus_per_worker", 1.0))
+
+    def run(self, ctx: StageContext) -> StageResult:
+        parts = ctx.map_parts(type(self).judge, num_cpus=self.cpus(ctx.cfg), reuse=True, cfg=ctx.cfg)
+        return self.finish(ctx, parts)
+
+    def finish(self, ctx: StageContext, parts: list[dict]) -> StageResult:
+        return StageResult(parts)
+
+
+class Decide(Stage):
+    """A verdict per sample that depends on all samples: the workers compute a statistic
+    (`measure`: candidate pairs, scores), the driver makes one small decision from it (`decide`:
+    clusters' keepers, a cut), the workers write the verdicts (`apply`). Nothing per-sample reaches
+    the driver beyond what the decision needs."""
+    kind = "decide"
+    thresholds = True
+
+    def measure(self, ctx: StageContext):
+        raise NotImplementedError
+
+    def decide(self, ctx: StageContext, measured):
+        raise NotImplementedError
+
+    def apply(self, ctx: StageContext, measured, decision) -> StageResult:
+        raise NotImplementedError
+
+    def run(self, ctx: StageContext) -> StageResult:
+        measured = self.measure(ctx)
+        return self.apply(ctx, measured, self.decide(ctx, measured))
+
+
+class Sink(Stage):
+    """Consumes the kept samples and writes artifacts (a tokenizer, shards, a model, an evaluation).
+    It writes no ledger of its own unless it places samples (the shard stage's index of samples to
+    shards); the runner checks what it says it consumed against what the stages before it kept."""
+    kind = "sink"
 
 
 def _as_storage(where) -> Storage:

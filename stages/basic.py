@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from trainers.configtools import join, require
+from infra.configtools import join, require
 
-from .base import DROPPED, KEPT, Stage, StageContext, StageResult
+from .base import DROPPED, KEPT, Filter, StageContext, StageResult
 from .captions import clean_caption
 from .examples import write_examples
 
@@ -105,16 +105,16 @@ def judge(table: pa.Table, cfg: BasicConfig) -> tuple[pa.Table, dict]:
                                            ("caption", pa.string())])), {"repaired": repaired}
 
 
-class BasicStage(Stage):
+class BasicStage(Filter):
     name = "basic"
-    preserve = ("reuse",)   # partitions judged before, by content (a pure stage)
+    config_key, config_class = "basic", BasicConfig
+    reasons = ("empty_caption", "undecodable_caption", "caption_too_short", "caption_too_long",
+               "caption_too_few_words", "caption_too_many_words", "image_too_small", "aspect_ratio")
+    report = "basic/report.html"
+    judge = staticmethod(judge)
 
-    def section(self, config) -> BasicConfig:
-        return config.stages.basic
-
-    def run(self, ctx: StageContext) -> StageResult:
-        cfg: BasicConfig = ctx.config.stages.basic
-        parts = ctx.map_parts(judge, reuse=True, cfg=cfg)
+    def finish(self, ctx: StageContext, parts: list[dict]) -> StageResult:
+        cfg: BasicConfig = ctx.cfg
         repaired = sum(p["extra"]["repaired"] for p in parts)
         shown = write_examples(ctx, parts, cfg.examples_per_reason, "Basic filter")
         ctx.log(f"basic: {repaired} captions repaired; examples in {shown}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import ClassVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -27,18 +28,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trainers.configtools import join, require
-from trainers.errors import UserError
+from infra.configtools import join, require
+from infra.errors import UserError
 
-from .base import DROPPED, KEPT, PartTask, Stage, StageContext, StageResult
-from .dataplane import read_images, read_kept, run_tasks
+from .base import DROPPED, KEPT, Decide, PartTask, StageContext, StageResult
+from .dataplane import read_images, read_kept
 from .examples import write_examples
 from .scorer import BootstrapConfig, Scorer, check_scorer, read_trusted_keys, train_bootstrap
-from .tokenizer import order_key
+from infra.hashing import order_key
 
 
 @dataclass
 class ClipScoreConfig:
+    REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs"}
     enabled: bool = True
     scorer: Literal["bootstrap", "checkpoint"] = "bootstrap"
     checkpoint: str | None = None     # scorer: checkpoint -> a capline clip/siglip/coca model folder
@@ -46,7 +48,6 @@ class ClipScoreConfig:
     threshold: float | None = None    # keep score >= threshold ...
     keep_fraction: float | None = 0.3  # ... or the top fraction (DataComp's best: 30 %); set one of them
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
-    num_workers: int = 2
     cpus_per_worker: float = 0.75    # < 1 leaves room for the tasks that read partitions
     gpus_per_worker: float = 0.0
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -63,7 +64,6 @@ class ClipScoreConfig:
             require(-1 <= self.threshold <= 1, join(prefix, "threshold"), f"a cosine in [-1, 1], got {self.threshold}")
         if self.scorer == "checkpoint":
             require(bool(self.checkpoint), join(prefix, "checkpoint"), "scorer: checkpoint needs the checkpoint folder")
-        require(self.num_workers >= 1, join(prefix, "num_workers"), "must be >= 1")
         require(self.batch_size >= 1, join(prefix, "batch_size"), "must be >= 1")
 
 
@@ -160,61 +160,87 @@ def _sample_task(storage, file: str, seed: int, below: str, trusted: frozenset |
             if order_key(seed, r["key"]) < below and (trusted is None or r["key"] in trusted)]
 
 
-class ClipScoreStage(Stage):
-    name = "clip_score"
+@dataclass
+class Scores:
+    """What the workers measured: the scorer and how many samples got each integer score."""
+    scorer: dict
+    counts: Counter
 
-    def section(self, config) -> ClipScoreConfig:
-        return config.stages.clip_score
+
+@dataclass
+class Cut:
+    """The driver's decision: keep score >= threshold, or above `cut` (ties at it up to `last_tied`)."""
+    how: str
+    value: float
+    cut: int | None = None
+    last_tied: str | None = None
+
+
+class ClipScoreStage(Decide):
+    name = "clip_score"
+    config_key, config_class = "clip_score", ClipScoreConfig
+    reasons = ("clip_score",)
+    report = "clip_score/report.html"
+    notes = ("clip_score", "clip_score_detail")
+    audits = (("mismatched_caption", "clip_score"),)
 
     def preflight(self, config) -> None:
         preflight(config.stages.clip_score)
 
     def run(self, ctx: StageContext) -> StageResult:
-        import ray
-
-        cfg: ClipScoreConfig = ctx.config.stages.clip_score
-        upstream = ctx.upstream or []
-        n = ctx.n_in
-        if not cfg.enabled or not n:
+        if not ctx.cfg.enabled or not ctx.n_in:
             from .dataplane import passthrough
 
-            return StageResult(ctx.map_parts(passthrough), {"enabled": cfg.enabled})
+            return StageResult(ctx.map_parts(passthrough), {"enabled": ctx.cfg.enabled})
+        return super().run(ctx)
+
+    def measure(self, ctx: StageContext) -> Scores:
+        """Each partition scored by the workers (scores written beside the stage); their counts per value."""
+        cfg: ClipScoreConfig = ctx.cfg
         scorer = self._scorer(ctx, cfg)
-        score = ray.remote(num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker or None,
-                           max_retries=2)(_score_task)
-        found = run_tasks(score, [(ctx.storage, u["part"], u["file"], SCORER_DIR, scorer["sha256"],
-                                   cfg.device) for u in upstream], "clip_score", ctx.log,
-                          max_in_flight=cfg.num_workers, describe=lambda c: f"partition {c[1]}")
+        found = ctx.run(_score_task, [(ctx.storage, u["part"], u["file"], SCORER_DIR, scorer["sha256"], cfg.device)
+                                      for u in ctx.upstream or []], "clip_score", num_cpus=cfg.cpus_per_worker,
+                        num_gpus=cfg.gpus_per_worker, setting="stages.clip_score.gpus_per_worker",
+                        describe=lambda c: f"partition {c[1]}")
         counts: Counter = Counter()
         for f in found:
             counts.update(dict(zip(f["values"], f["counts"])))
-        cut = last = None
+        return Scores(scorer, counts)
+
+    def decide(self, ctx: StageContext, measured: Scores) -> Cut:
+        """The cut: a threshold, or the exact quantile from the counts (tied keys fetched only if ties decide)."""
+        cfg: ClipScoreConfig = ctx.cfg
         if cfg.threshold is not None:
-            how, cut_value = f"threshold {cfg.threshold}", float(cfg.threshold)
-        else:
-            cut, m = cut_from_counts(counts, n, cfg.keep_fraction)
-            if cut is not None and m < counts[cut]:   # only then do ties decide: fetch the tied keys alone
-                tied = ray.remote(num_cpus=0.25)(_tied_task)
-                keys = sorted(k for ks in ray.get([tied.remote(ctx.storage, u["part"], cut) for u in upstream])
-                              for k in ks)
-                last = keys[m - 1]
-            elif cut is not None:
-                last = "\uffff"   # every sample at the cut value is kept
-            cut_value = cut / SCALE if cut is not None else float("inf")
-            how = f"top {cfg.keep_fraction:.0%} cut {cut_value:.6f}"
+            return Cut(f"threshold {cfg.threshold}", float(cfg.threshold))
+        cut, m = cut_from_counts(measured.counts, ctx.n_in, cfg.keep_fraction)
+        last = None
+        if cut is not None and m < measured.counts[cut]:
+            keys = sorted(k for ks in ctx.run(_tied_task, [(ctx.storage, u["part"], cut) for u in ctx.upstream or []],
+                                              "clip_score ties", num_cpus=0.25, quiet=True) for k in ks)
+            last = keys[m - 1]
+        elif cut is not None:
+            last = "\uffff"   # every sample at the cut value is kept
+        value = cut / SCALE if cut is not None else float("inf")
+        return Cut(f"top {cfg.keep_fraction:.0%} cut {value:.6f}", value, cut, last)
+
+    def apply(self, ctx: StageContext, measured: Scores, decision: Cut) -> StageResult:
+        cfg: ClipScoreConfig = ctx.cfg
+        counts, scorer, n = measured.counts, measured.scorer, ctx.n_in
         tasks = [PartTask(u["part"], u["file"], u["part"],
-                          kwargs={"storage": ctx.storage, "part": u["part"], "threshold": cfg.threshold, "cut": cut,
-                                  "last_tied": last, "how": how}) for u in upstream]
+                          kwargs={"storage": ctx.storage, "part": u["part"], "threshold": cfg.threshold,
+                                  "cut": decision.cut, "last_tied": decision.last_tied, "how": decision.how})
+                 for u in ctx.upstream or []]
         parts = ctx.map_parts(_decide, tasks, num_cpus=0.5)
         kept = sum(p["kept"] for p in parts)
         values = np.array(sorted(counts), np.float64) / SCALE
         weights = np.array([counts[v] for v in sorted(counts)], np.float64)
         hist, edges = np.histogram(values, bins=40, weights=weights)
         mean = float((values * weights).sum() / weights.sum())
+        cut_value = decision.value
         shown = write_examples(ctx, parts, cfg.examples_per_reason, "CLIP-score filter",
                                cut=cut_value if cut_value != float("inf") else None)
         ctx.log(f"clip_score: {scorer['kind']} scorer {scorer['sha256'][:12]}, kept {kept} "
-                f"of {n} at {how}; examples in {shown}")
+                f"of {n} at {decision.how}; examples in {shown}")
         return StageResult(parts, {
             "enabled": True, "scorer": scorer, "threshold": cfg.threshold, "keep_fraction": cfg.keep_fraction,
             "cut": cut_value, "score_mean": mean,
@@ -223,8 +249,6 @@ class ClipScoreStage(Stage):
 
     def _scorer(self, ctx: StageContext, cfg: ClipScoreConfig) -> dict:
         """The scorer folder, in the run folder's storage (SCORER_DIR), where every worker reads it."""
-        import ray
-
         if cfg.scorer == "checkpoint":
             info = check_scorer(cfg.checkpoint, cfg.tokenizer)
             ctx.storage.put_dir(SCORER_DIR, cfg.checkpoint)
@@ -240,11 +264,11 @@ class ClipScoreStage(Stage):
         # the first max_samples keys in seeded order, without sorting them all: take those whose order
         # key falls under a threshold that should catch a few more, widen it if it caught too few
         frac = min(1.0, 1.5 * b.max_samples / max(1, min(pool, ctx.n_in)))
-        sample = ray.remote(num_cpus=0.25)(_sample_task)
         while True:
             below = "f" * 64 if frac >= 1 else format(int(frac * 16 ** 16), "016x") + "0" * 48
-            rows = [r for rs in ray.get([sample.remote(ctx.storage, u["file"], ctx.config.seed, below, trusted)
-                                         for u in ctx.upstream or []]) for r in rs]
+            rows = [r for rs in ctx.run(_sample_task, [(ctx.storage, u["file"], ctx.seed, below, trusted)
+                                                        for u in ctx.upstream or []], "clip_score sample",
+                                        num_cpus=0.25, quiet=True) for r in rs]
             if len(rows) >= b.max_samples or frac >= 1:
                 break
             frac = min(1.0, frac * 2)
@@ -254,19 +278,12 @@ class ClipScoreStage(Stage):
                             f"stage ({len(trusted)} listed); name keys of samples that survive the earlier stages")
         ctx.log(f"clip_score: training the bootstrap scorer on {len(rows)} "
                 f"{'trusted' if b.trusted_keys else 'input'} pairs ({b.steps} steps of {b.batch_size})")
-        info = _train_remote(storage=ctx.storage, rows=rows, cfg=b, seed=ctx.config.seed)
+        # in a task (a worker with the CPUs or a GPU), not in the driver; never more CPUs than a node has
+        info = ctx.call(_train_task, ctx.storage, rows, what="clip_score bootstrap scorer", num_cpus=b.cpus,
+                        cfg=b, seed=ctx.seed)
         info["trusted_keys"] = b.trusted_keys
         ctx.storage.write_json(done, info)
         return info
-
-
-def _train_remote(**kwargs) -> dict:
-    """Train in a Ray task (a worker with the CPUs or a GPU), not in the driver."""
-    import ray
-
-    cpus = min(kwargs["cfg"].cpus, ray.cluster_resources().get("CPU", 1))
-    task = ray.remote(num_cpus=cpus)(_train_task)
-    return ray.get(task.remote(**kwargs))
 
 
 def _train_task(storage, rows: list[dict], **kwargs) -> dict:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -26,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trainers.storage import Storage  # noqa: F401 - the run folder's filesystem, shared with trainers/
+from infra.storage import Storage  # noqa: F401 - the run folder's filesystem, shared with trainers/
 
 KEPT, DROPPED = "kept", "dropped"
 LEDGER_COLUMNS = ("key", "stage", "verdict", "reason", "score", "detail")
@@ -165,15 +164,11 @@ def with_state(verdicts: pa.Table, state: pa.Table) -> pa.Table:
     return verdicts.join(state.select(["key", *keep]), "key", join_type="left outer")
 
 
-# what a stage's score and detail are called in a kept sample's json (None: not recorded there):
-# the names img2dataset / DataComp users read (`clip_score`), not the ledger's column names
-NOTE_NAMES = {"clip_score": ("clip_score", "clip_score_detail"), "language": ("language_score", "language"),
-              "ingest": (None, None)}
-
-
-def add_notes(table: pa.Table, stage: str) -> pa.Table:
-    """Record a kept sample's score and detail in its notes, for the final shards' json."""
-    score_name, detail_name = NOTE_NAMES.get(stage, (f"{stage}_score", f"{stage}_detail"))
+def add_notes(table: pa.Table, stage: str, notes: tuple | None = None) -> pa.Table:
+    """Record a kept sample's score and detail in its notes, for the final shards' json, under the
+    names the stage declares (Stage.notes: the names img2dataset / DataComp users read, such as
+    `clip_score`; None: not recorded there)."""
+    score_name, detail_name = notes if notes is not None else (f"{stage}_score", f"{stage}_detail")
     if table.num_rows == 0 or "notes" not in table.column_names:
         return table
     verdict, score, detail = (table.column(c).to_pylist() for c in ("verdict", "score", "detail"))
@@ -193,8 +188,8 @@ def add_notes(table: pa.Table, stage: str) -> pa.Table:
 
 
 def write_part(storage: Storage, stage: str, part: str, input_name: str | None, in_keys, out: pa.Table,
-               extra: dict | None = None, rel: str | None = None) -> dict:
-    out = add_notes(conform(out, stage), stage)
+               extra: dict | None = None, rel: str | None = None, notes: tuple | None = None) -> dict:
+    out = add_notes(conform(out, stage), stage, notes)
     keys = out.column("key")
     if len(pc.unique(keys)) != len(keys):
         raise RuntimeError(f"stage {stage}, partition {part}: a sample got two verdicts")
@@ -229,14 +224,14 @@ class PartTask:
     input_sha: str | None = None      # of `file`: with the stage's fingerprint, what decides the result
 
 
-def _run_part(storage: Storage, stage: str, fn: Callable, task: PartTask, rel: str | None = None,
-              record: str | None = None) -> dict:
+def run_part(storage: Storage, stage: str, fn: Callable, task: PartTask, rel: str | None = None,
+             record: str | None = None, notes: tuple | None = None) -> dict:
     table = read_kept(storage, task.file) if task.file else pa.table({"key": pa.array([], pa.string())})
     if task.start or task.stop is not None:
         table = table.slice(task.start, (task.stop if task.stop is not None else table.num_rows) - task.start)
     verdicts, extra = fn(table, **task.kwargs)
     result = write_part(storage, stage, task.part, task.input, table.column("key").to_pylist(),
-                        with_state(verdicts, table), extra, rel=rel)
+                        with_state(verdicts, table), extra, rel=rel, notes=notes)
     if record:    # last: a partition counts as reusable only once its file is whole
         storage.write_json(record, result)
     return result
@@ -247,56 +242,6 @@ def passthrough(table: pa.Table) -> tuple[pa.Table, dict]:
     n = table.num_rows
     return pa.table({"key": table.column("key"), "verdict": pa.array([KEPT] * n, pa.string()),
                      "reason": pa.array([""] * n, pa.string())}), {}
-
-
-def run_tasks(remote_fn, calls: list[tuple], what: str, log=print, max_in_flight: int | None = None,
-              describe: Callable[[tuple], str] = lambda c: "", poll_seconds: float = 10.0,
-              unit: str = "partitions") -> list:
-    """Run `remote_fn.remote(*call)` for every call with a bounded number in flight; results in call order.
-
-    Progress (done/total, rate, ETA: trainers/progress.py, a bar on a terminal) as results come;
-    `ray.wait` polls with a timeout, so a stuck task is reported as such instead of hanging the run
-    silently. A task's failure names it.
-    """
-    import ray
-
-    if max_in_flight is None:
-        max_in_flight = max(2, int(2 * ray.cluster_resources().get("CPU", 1)))
-    from trainers.progress import Progress
-
-    results: list = [None] * len(calls)
-    pending: dict = {}
-    nxt = done = 0
-    total = len(calls)
-    progress = Progress(what, total, log, unit=unit)
-    last_done = time.time()
-    while done < total:
-        while nxt < total and len(pending) < max_in_flight:
-            pending[remote_fn.remote(*calls[nxt])] = nxt
-            nxt += 1
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=poll_seconds)
-        if not ready:
-            progress.stalled(time.time() - last_done, len(pending))
-            continue
-        for ref in ready:
-            i = pending.pop(ref)
-            try:
-                results[i] = ray.get(ref)
-            except Exception as err:
-                progress.close()
-                label = describe(calls[i]) or f"task {i}"
-                from trainers.errors import UserError
-
-                cause = getattr(err, "cause", None)
-                if isinstance(cause, UserError):   # the input's fault, said in one line: not a crash
-                    raise UserError(f"{what}: {label}: {cause}") from None
-                raise RuntimeError(f"{what}: {label} failed: {type(err).__name__}: "
-                                   f"{str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}") from err
-            done += 1
-            last_done = time.time()
-            progress.update(done)
-    progress.close()
-    return results
 
 
 REUSE = "reuse"    # <stage>/reuse/<key>.{parquet,json}: a pure stage's partitions, by what decided them
@@ -310,44 +255,6 @@ def reuse_key(fingerprint: str, task: PartTask) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def map_parts(ctx, fn: Callable, tasks: list[PartTask], num_cpus: float = 1.0, num_gpus: float = 0.0,
-              what: str | None = None, reuse: bool = False) -> list[dict]:
-    """Run `fn` over partitions in Ray tasks that write their own results; -> PartResults.
-
-    `reuse` (a pure stage: its result depends on the partition and its config alone): a partition
-    whose input and the stage's fingerprint are those of an earlier run is not computed again, even
-    when other partitions changed (a scheduled run that appended a URL list file)."""
-    import ray
-
-    remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus or None, max_retries=2)(_run_part)
-    if not reuse:
-        return run_tasks(remote, [(ctx.storage, ctx.name, fn, t) for t in tasks],
-                         what or ctx.name, ctx.log, describe=lambda c: f"partition {c[3].part}")
-    folder = f"{ctx.name}/{REUSE}"
-    have = set(ctx.storage.list(folder, ".json"))
-    results: list = [None] * len(tasks)
-    calls, where, used = [], [], set()
-    for i, t in enumerate(tasks):
-        key = reuse_key(ctx.fingerprint, t)
-        record = f"{folder}/{key}.json" if key else None
-        if record:
-            used |= {record, f"{folder}/{key}.parquet"}
-        if record in have:
-            results[i] = ctx.storage.read_json(record)
-        else:
-            calls.append((ctx.storage, ctx.name, fn, t, f"{folder}/{key}.parquet" if key else None, record))
-            where.append(i)
-    if len(calls) < len(tasks):
-        ctx.log(f"{ctx.name}: {len(tasks) - len(calls)} partitions unchanged since an earlier run, reused; "
-                f"{len(calls)} to compute")
-    for i, r in zip(where, run_tasks(remote, calls, what or ctx.name, ctx.log,
-                                     describe=lambda c: f"partition {c[3].part}")):
-        results[i] = r
-    for stale in set(ctx.storage.list(folder)) - used:
-        ctx.storage.delete(stale)    # partitions no later run can match: the source lost them
-    return results
-
-
 def one_to_one(upstream: list[dict], **kwargs) -> list[PartTask]:
     """A task per upstream partition, named like it (the usual shape of a per-sample stage)."""
     return [PartTask(part=u["part"], file=u["file"], input=u["part"], kwargs=kwargs, input_sha=u.get("sha256"))
@@ -355,16 +262,9 @@ def one_to_one(upstream: list[dict], **kwargs) -> list[PartTask]:
 
 
 # -- images through the sample index -------------------------------------------------------------
-def read_images(storage: Storage, table: pa.Table) -> list[bytes | None]:
-    """The image bytes of each row (tar, offset, size from the sample index), each tar opened once."""
-    tars, offsets, sizes = (table.column(c).to_pylist() for c in ("tar", "offset", "size"))
-    out: list[bytes | None] = [None] * len(tars)
-    by_tar: dict[str, list[int]] = {}
-    for i, t in enumerate(tars):
-        if t is not None and offsets[i] is not None:
-            by_tar.setdefault(t, []).append(i)
-    for t, rows in by_tar.items():
-        with storage.fs.open_input_file(storage.path(t)) as f:
-            for i in sorted(rows, key=lambda i: offsets[i]):
-                out[i] = f.read_at(sizes[i], offsets[i])
-    return out
+def read_images(storage: Storage, table: pa.Table, counter: dict | None = None) -> list[bytes | None]:
+    """The image bytes of each row (tar, offset, size from the sample index), each tar read in a few
+    large requests (infra/tars.py)."""
+    from infra.tars import read_members
+
+    return read_members(storage, *(table.column(c).to_pylist() for c in ("tar", "offset", "size")), counter=counter)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+from typing import ClassVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,11 +31,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trainers.configtools import join, require
-from trainers.errors import UserError
+from infra.configtools import join, require
+from infra.errors import UserError
 
-from .base import Stage, StageContext, StageResult
-from .dataplane import DROPPED, KEPT, PartTask, key_hashes, read_images, run_tasks
+from .base import Decide, StageContext, StageResult
+from .dataplane import DROPPED, KEPT, PartTask, key_hashes, read_images
 from .eval_sets import EvalSetConfig, build_reference, check_exists
 from .imagehash import describe, to_rgb_array
 from .neardup import NearDupIndex
@@ -42,6 +43,7 @@ from .neardup import NearDupIndex
 
 @dataclass
 class DedupConfig:
+    REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs"}
     eval_sets: list[EvalSetConfig] = field(default_factory=list)
     eval_threshold: float = 0.92       # cosine of thumbnail descriptors
     within_threshold: float = 0.97
@@ -49,7 +51,6 @@ class DedupConfig:
     bits: int = 256                    # SimHash bits for the binary candidate search
     encoder_checkpoint: str | None = None
     encoder_threshold: float = 0.95
-    num_workers: int = 2               # actors describing and searching
     cpus_per_worker: float = 0.75      # < 1 leaves room for Ray Data's read tasks on small machines
     batch_size: int = 256
     cache_dir: str = "~/.cache/capline/eval-index"
@@ -58,7 +59,6 @@ class DedupConfig:
         for name in ("eval_threshold", "within_threshold", "encoder_threshold"):
             v = getattr(self, name)
             require(0 < v <= 1, join(prefix, name), f"a cosine threshold in (0, 1], got {v}")
-        require(self.num_workers >= 1, join(prefix, "num_workers"), "must be >= 1")
         require(0 < self.cpus_per_worker <= 64, join(prefix, "cpus_per_worker"), "must be in (0, 64]")
         require(self.bits % 64 == 0 and self.bits > 0, join(prefix, "bits"), "must be a positive multiple of 64")
         names = [e.name for e in self.eval_sets]
@@ -289,11 +289,23 @@ def _verdicts(table: pa.Table, part: str, decisions: dict, cfg: DedupConfig, sto
                                            ("score", pa.float64()), ("detail", pa.string())])), {"eval_matches": evals}
 
 
-class DedupStage(Stage):
-    name = "dedup"
+@dataclass
+class Candidates:
+    """What the workers found: exact pairs, verified near pairs (with cosine), each key's partition,
+    and the evaluation sets' statistics."""
+    exact: list
+    near: list
+    n_candidates: int
+    part_of: dict
+    set_stats: dict
 
-    def section(self, config) -> DedupConfig:
-        return config.stages.dedup
+
+class DedupStage(Decide):
+    name = "dedup"
+    config_key, config_class = "dedup", DedupConfig
+    reasons = ("exact_duplicate", "near_duplicate", "eval_duplicate")   # eval_duplicate:<set>
+    report = "dedup/report.html"
+    audits = (("eval_near_copy", "eval_duplicate:"), ("repeat_row", "exact_duplicate"), ("train_near_copy", ""))
 
     def preflight(self, config) -> None:
         preflight(config.stages.dedup, None)
@@ -310,17 +322,19 @@ class DedupStage(Stage):
         return super().fingerprint(config) + "".join(
             sorted(f"{e.name}:{stat_fingerprint(e)}" for e in cfg.eval_sets))
 
-    def run(self, ctx: StageContext) -> StageResult:
+    def measure(self, ctx: StageContext) -> Candidates:
+        """Workers describe every image, search the evaluation sets, and group signatures by bucket;
+        candidate near pairs are verified by exact cosine."""
         import ray
 
-        cfg: DedupConfig = ctx.config.stages.dedup
+        cfg: DedupConfig = ctx.cfg
         for es in cfg.eval_sets:
             check_exists(es, ctx.run_dir)
         cache = Path(cfg.cache_dir).expanduser()
         params = {"descriptor": "thumb16-v2", "bits": cfg.bits, "colour_tol": cfg.colour_tol}
         index_paths, enc_paths, set_stats = {}, {}, {}
         for es in cfg.eval_sets:
-            path, st = build_reference(es, ctx.run_dir, cache, params, log=ctx.log)
+            path, st = build_reference(es, ctx.run_dir, cache, params, log=ctx.log, run=ctx.run)
             index_paths[es.name], set_stats[es.name] = path, st
             if cfg.encoder_checkpoint:
                 enc_params = {"descriptor": "encoder", "checkpoint": _dir_digest(cfg.encoder_checkpoint),
@@ -334,52 +348,59 @@ class DedupStage(Stage):
             ctx.storage.put_dir(encoder_rel, cfg.encoder_checkpoint)
         upstream = [u for u in ctx.upstream or []]
         n_buckets = max(1, min(64, len(upstream)))
-        describe_ = ray.remote(num_cpus=cfg.cpus_per_worker, max_retries=2)(_describe_task)
         # one copy in the object store, shared by every task on a node (a path here means nothing there)
         blobs = ray.put({"hash": {n: p.read_bytes() for n, p in index_paths.items()},
                          "encoder": {n: p.read_bytes() for n, p in enc_paths.items()}})
         names = tuple(sorted(p.name for p in [*index_paths.values(), *enc_paths.values()]))
         args = (blobs, names, encoder_rel)
-        described = run_tasks(describe_, [(ctx.storage, u["part"], u["file"], *args, cfg, n_buckets) for u in upstream],
-                              "dedup describe", ctx.log, max_in_flight=cfg.num_workers,
-                              describe=lambda c: f"partition {c[1]}")
-        ctx.log(f"dedup: described {sum(d['described'] for d in described)} images with {cfg.num_workers} workers")
-        group = ray.remote(num_cpus=cfg.cpus_per_worker, max_retries=2)(_group_task)
-        found = run_tasks(group, [(ctx.storage, b, cfg) for b in range(n_buckets)], "dedup group", ctx.log,
-                          max_in_flight=cfg.num_workers)
+        described = ctx.run(_describe_task, [(ctx.storage, u["part"], u["file"], *args, cfg, n_buckets)
+                                             for u in upstream], "dedup describe", num_cpus=cfg.cpus_per_worker,
+                            describe=lambda c: f"partition {c[1]}")
+        ctx.log(f"dedup: described {sum(d['described'] for d in described)} images")
+        found = ctx.run(_group_task, [(ctx.storage, b, cfg) for b in range(n_buckets)], "dedup group",
+                        num_cpus=cfg.cpus_per_worker, unit="buckets")
         pairs = sorted({p for bucket in found for p in bucket})
         exact = [(a, b) for a, _, b, _, kind in pairs if kind == "exact_duplicate"]
         exact_set = set(exact)
         cand = sorted({p for p in pairs if p[4] == "near_duplicate" and (p[0], p[2]) not in exact_set})
-        near = ray.get(ray.remote(num_cpus=cfg.cpus_per_worker)(_verify_task).remote(
-            ctx.storage, cand, cfg.within_threshold)) if cand else []
-        roots = clusters(exact + [(a, b) for a, b, _ in near])
+        near = ctx.call(_verify_task, ctx.storage, cand, cfg.within_threshold, what="dedup verify",
+                        num_cpus=cfg.cpus_per_worker) if cand else []
         part_of = {k: p for a, pa_, b, pb, _ in pairs for k, p in ((a, pa_), (b, pb))}
-        exact_nodes = {k for e in exact for k in e}
+        return Candidates(exact, near, len(cand), part_of, set_stats)
+
+    def decide(self, ctx: StageContext, found: Candidates) -> dict[str, dict]:
+        """Pairs joined into clusters; of each the smallest key is kept. -> partition -> key -> (reason, score, kept key)."""
+        roots = clusters(found.exact + [(a, b) for a, b, _ in found.near])
+        exact_nodes = {k for e in found.exact for k in e}
         best: dict[str, float] = {}
-        for a, b, s in near:
+        for a, b, s in found.near:
             for k in (a, b):
                 best[k] = max(best.get(k, -1.0), s)
         decisions: dict[str, dict] = {}
         for k, r in roots.items():
             if k != r:
                 reason = "exact_duplicate" if k in exact_nodes else "near_duplicate"
-                decisions.setdefault(part_of[k], {})[k] = (reason, None if reason == "exact_duplicate" else best.get(k), r)
-        ctx.log(f"dedup: {len(exact)} exact pairs, {len(cand)} near candidates, {len(near)} near pairs, "
-                f"{sum(len(d) for d in decisions.values())} within-data duplicates")
+                decisions.setdefault(found.part_of[k], {})[k] = (reason, None if reason == "exact_duplicate" else best.get(k), r)
+        ctx.log(f"dedup: {len(found.exact)} exact pairs, {found.n_candidates} near candidates, {len(found.near)} "
+                f"near pairs, {sum(len(d) for d in decisions.values())} within-data duplicates")
+        return decisions
+
+    def apply(self, ctx: StageContext, found: Candidates, decisions: dict[str, dict]) -> StageResult:
+        cfg: DedupConfig = ctx.cfg
         tasks = [PartTask(u["part"], u["file"], u["part"],
                           kwargs={"part": u["part"], "decisions": decisions.get(u["part"], {}), "cfg": cfg,
-                                  "storage": ctx.storage}) for u in upstream]
+                                  "storage": ctx.storage}) for u in ctx.upstream or []]
         parts = ctx.map_parts(_verdicts, tasks, num_cpus=0.5)
         from .dedup_report import write_report
 
-        ctx.log(f"dedup: pairs side by side in {write_report(ctx, decisions, parts, part_of)}")
+        ctx.log(f"dedup: pairs side by side in {write_report(ctx, decisions, parts, found.part_of)}")
         evals: dict[str, int] = {}
         for p in parts:
             for name, c in p["extra"].get("eval_matches", {}).items():
                 evals[name] = evals.get(name, 0) + c
-        return StageResult(parts, {"eval_sets": set_stats, "eval_matches": evals,
-                                   "pairs": {"exact": len(exact), "near_candidates": len(cand), "near": len(near)},
+        return StageResult(parts, {"eval_sets": found.set_stats, "eval_matches": evals,
+                                   "pairs": {"exact": len(found.exact), "near_candidates": found.n_candidates,
+                                             "near": len(found.near)},
                                    "method": {"descriptor": "thumb16-v2", "eval_threshold": cfg.eval_threshold,
                                               "within_threshold": cfg.within_threshold,
                                               "lsh": f"{BANDS} bands of {BAND_BITS} bits, Hamming radius "

@@ -42,16 +42,12 @@ def _with_images(storage, rows: list[dict]) -> dict[str, dict]:
 
 
 def _rows(ctx, part_of: dict[str, str], keys: set[str]) -> dict[str, dict]:
-    import ray
-
-    from .dataplane import run_tasks
-
     files = {u["part"]: u["file"] for u in ctx.upstream or []}
     wanted: dict[str, list[str]] = {}
     for k in sorted(keys):
         wanted.setdefault(part_of[k], []).append(k)
     calls = [(ctx.storage, files[p], ks) for p, ks in sorted(wanted.items())]
-    found = run_tasks(ray.remote(num_cpus=0.25)(_rows_task), calls, "dedup report", lambda m: None) if calls else []
+    found = ctx.run(_rows_task, calls, "dedup report", num_cpus=0.25, quiet=True) if calls else []
     return {r["key"]: r for rows in found for r in rows}
 
 
@@ -72,15 +68,15 @@ def write_report(ctx, decisions: dict[str, dict], parts: list[dict], part_of: di
         if len(shown.setdefault(reason, [])) < PAIRS_PER_REASON:
             shown[reason].append((key, score, root))
     evals = {r: rows for r, rows in pick(ctx.storage, [p["file"] for p in parts], PAIRS_PER_REASON,
-                                        ctx.config.seed).items() if r.startswith("eval_duplicate")}
+                                        ctx.seed, run=ctx.run).items() if r.startswith("eval_duplicate")}
     rows = _rows(ctx, part_of, {k for pairs in shown.values() for key, _, root in pairs for k in (key, root)})
     rows.update(_with_images(ctx.storage, [r for found in evals.values() for r in found]))
     totals = {}
     for p in parts:
         for reason, n in p["dropped"].items():
             totals[reason] = totals.get(reason, 0) + n
-    page = [f"<!doctype html><html><head><meta charset='utf-8'><title>Dedup: {html.escape(ctx.config.name)}</title>"
-            f"<style>{_STYLE}</style></head><body><h1>Deduplication: {html.escape(ctx.config.name)}</h1><p>"
+    page = [f"<!doctype html><html><head><meta charset='utf-8'><title>Dedup: {html.escape(ctx.run_name)}</title>"
+            f"<style>{_STYLE}</style></head><body><h1>Deduplication: {html.escape(ctx.run_name)}</h1><p>"
             + ", ".join(f"{html.escape(r)}: {n}" for r, n in sorted(totals.items())) + "</p>"]
     for reason, pairs in shown.items():
         page.append(f"<h2>{html.escape(reason)} ({len(pairs)} of {totals.get(reason, len(pairs))} shown): "

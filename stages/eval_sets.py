@@ -21,8 +21,8 @@ from typing import Iterator, Literal
 
 import numpy as np
 
-from trainers.configtools import join, require
-from trainers.errors import UserError
+from infra.configtools import join, require
+from infra.errors import UserError
 
 from .imagehash import crops, describe
 from .neardup import NearDupIndex
@@ -162,27 +162,22 @@ def describe_batch(batch: list, describer=None) -> tuple[list, list, list, list]
     return ids, vecs, means, bad
 
 
-def _described(es: EvalSetConfig, run_dir: Path | None, describer, log):
+def _described(es: EvalSetConfig, run_dir: Path | None, describer, run):
     """describe_batch over the set, in order: in Ray tasks when a cluster is up (the set is read here,
     where its files are; describing 28 crops of each image is the work), else in this process.
     An encoder describer (a model) runs here."""
     images = iter_images(es, run_dir)
     batches = iter(lambda: list(itertools.islice(images, BATCH)), [])
-    import ray
-
-    if not (ray.is_initialized() and describer is None):
+    if run is None or describer is not None:
         for batch in batches:
             yield describe_batch(batch, describer)
         return
-    from .dataplane import run_tasks
-
-    task = ray.remote(num_cpus=1, max_retries=2)(describe_batch)
-    yield from run_tasks(task, [(batch,) for batch in batches], f"dedup: indexing {es.name}", log,
-                         describe=lambda c: f"images {c[0][0][0]}..")
+    yield from run(describe_batch, [(batch,) for batch in batches], f"dedup: indexing {es.name}", num_cpus=1,
+                   describe=lambda c: f"images {c[0][0][0]}..")
 
 
 def build_reference(es: EvalSetConfig, run_dir: Path | None, cache_dir: Path, params: dict,
-                    describer=None, log=print) -> tuple[Path, dict]:
+                    describer=None, log=print, run=None) -> tuple[Path, dict]:
     """Build (or find in the cache) the reference index of one set. Returns (index path, stats)."""
     check_exists(es, run_dir)
     key = hashlib.sha256((content_digest(es, run_dir) + json.dumps(params, sort_keys=True)).encode()).hexdigest()[:24]
@@ -191,7 +186,7 @@ def build_reference(es: EvalSetConfig, run_dir: Path | None, cache_dir: Path, pa
     if path.is_file() and meta.is_file():
         return path, {**json.loads(meta.read_text()), "cached": True}
     ids, vecs, means, skipped = [], [], [], 0
-    for got in _described(es, run_dir, describer, log):
+    for got in _described(es, run_dir, describer, run):
         ids += got[0]
         vecs += got[1]
         means += got[2]

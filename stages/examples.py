@@ -13,7 +13,7 @@ import html
 from collections import defaultdict
 from pathlib import Path
 
-from .tokenizer import order_key
+from infra.hashing import order_key
 
 _STYLE = """body{font:14px sans-serif;margin:1.5em;color:#222}h2{margin-top:1.6em}
 .grid{display:flex;flex-wrap:wrap;gap:10px}.card{width:180px;border:1px solid #ccc;border-radius:4px;padding:6px}
@@ -38,18 +38,16 @@ def _pick_task(storage, file: str, per_reason: int, seed: int, cut: float | None
     return {reason: sorted(rows, key=_order(seed, cut))[:per_reason] for reason, rows in groups.items()}
 
 
-def pick(ctx_storage, files: list[str], per_reason: int, seed: int, cut: float | None = None) -> dict[str, list[dict]]:
+def pick(ctx_storage, files: list[str], per_reason: int, seed: int, cut: float | None = None,
+         run=None) -> dict[str, list[dict]]:
     """reason ("kept" for kept samples) -> up to per_reason rows over all partitions, nearest the
     cut if there is one, else in a seeded order: each partition picks its own, the driver merges
-    the few it gets back."""
-    import ray
-
-    from .dataplane import run_tasks
-
+    the few it gets back. `run`: a stage's executor (StageContext.run); without one (`capline
+    report` on a finished run, no cluster) one partition at a time here."""
     calls = [(ctx_storage, f, per_reason, seed, cut) for f in files]
-    if ray.is_initialized():
-        results = run_tasks(ray.remote(num_cpus=0.25)(_pick_task), calls, "examples", lambda m: None)
-    else:   # `capline report` on a finished run: no cluster, one partition at a time
+    if run is not None:
+        results = run(_pick_task, calls, "examples", num_cpus=0.25, quiet=True)
+    else:
         results = (_pick_task(*c) for c in calls)
     merged: dict[str, list[dict]] = defaultdict(list)
     for found in results:
@@ -87,7 +85,8 @@ def write_examples(ctx, parts: list[dict], per_reason: int, title: str, cut: flo
     threshold on its score, if it has one."""
     from .dataplane import read_images
 
-    groups = pick(ctx.storage, [p["file"] for p in parts], per_reason, ctx.config.seed, cut) if per_reason else {}
+    groups = pick(ctx.storage, [p["file"] for p in parts], per_reason, ctx.seed, cut,
+                  run=ctx.run) if per_reason else {}
     totals: dict[str, int] = defaultdict(int)
     for p in parts:
         totals["kept"] += p["kept"]
@@ -99,5 +98,5 @@ def write_examples(ctx, parts: list[dict], per_reason: int, title: str, cut: flo
     found = read_images(ctx.storage, pa.Table.from_pylist(rows)) if rows else []
     images = {r["key"]: b for r, b in zip(rows, found) if b is not None}
     path = ctx.stage_dir / "report.html"
-    path.write_text(render_html(f"{title}: {ctx.config.name}", groups, dict(totals), images, cut))
+    path.write_text(render_html(f"{title}: {ctx.run_name}", groups, dict(totals), images, cut))
     return path

@@ -33,10 +33,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from trainers.configtools import join, require
+from infra.configtools import join, require
 
-from .base import Stage, StageContext, StageResult
-from .dataplane import DROPPED, KEPT, SAMPLE_SCHEMA, read_kept, run_tasks, write_part
+from .base import Source, StageContext, StageResult
+from .dataplane import DROPPED, KEPT, SAMPLE_SCHEMA, read_kept, write_part
 from .source import safe_name
 from .synthetic import SERVER_PLACEHOLDER
 
@@ -165,7 +165,7 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server) -> dict:
                         stable_detail(r["error_message"]), url=r["url"])
     table = pa.table({c: pa.array(v, SAMPLE_SCHEMA.field(c).type) for c, v in verdicts.items()})
     result = write_part(storage, "ingest", f"{job.unit}-{name}", job.source_part, keys,
-                        _with_state(table, rows), rel=f"{unit}/ledger/{name}.parquet",
+                        _with_state(table, rows), rel=f"{unit}/ledger/{name}.parquet", notes=IngestStage.notes,
                         extra={"node": ray.get_runtime_context().get_node_id(),
                                "successes": sum(v == KEPT for v in verdicts["verdict"]),
                                **failures_by_host(verdicts)})
@@ -279,23 +279,24 @@ def _alive(host: str, pid: int, started: float) -> bool:
         return False
 
 
-class IngestStage(Stage):
+class IngestStage(Source):
+    """Downloads the source's URLs: samples with images out, every failure a verdict."""
     name = "ingest"
+    config_key, config_class = "ingest", IngestConfig
+    report = "ingest/report.html"
+    notes = (None, None)          # a download's details stay in the ledger, not in the sample's json
+    thresholds = True             # its size and format bounds are a filter's thresholds
     preserve = ("parts",)
-
-    def section(self, config) -> IngestConfig:
-        return config.stages.ingest
 
     def run(self, ctx: StageContext) -> StageResult:
         from contextlib import nullcontext
 
-        import ray
-
         from .demo_server import DemoServer
 
-        cfg: IngestConfig = ctx.config.stages.ingest
-        served = ctx.config.source.served   # files the source stage made: served over loopback here
-        fp = hashlib.sha256(self.fingerprint(ctx.config).encode()).hexdigest()
+        cfg: IngestConfig = ctx.cfg
+        site = ctx.artifact("source", "site")
+        served = site["served"]   # files the source stage made: served over loopback here
+        fp = hashlib.sha256(ctx.fingerprint.encode()).hexdigest()
         jobs, reused, units = [], [], set()
         for u in ctx.upstream or []:
             unit = f"{safe_name(u['part'])}-{hashlib.sha256((fp + u['sha256']).encode()).hexdigest()[:12]}"
@@ -313,8 +314,8 @@ class IngestStage(Stage):
             ctx.log(f"ingest: {len(reused)} shards downloaded before, reused; {len(jobs)} to download")
         results = []
         if jobs:
-            server = (DemoServer(ctx.stage_dir.parent / "source" / "www", ctx.config.source.slow_seconds,
-                                 ctx.config.source.serve_port, log=ctx.log) if served else nullcontext())
+            server = (DemoServer(ctx.run_dir / site["folder"], site["slow_seconds"], site["port"], log=ctx.log)
+                      if served else nullcontext())
             with server:
                 allow = tuple(cfg.allow_hosts) + ((server.netloc,) if served else ())
                 base = server.base_url if served else ""
@@ -325,14 +326,14 @@ class IngestStage(Stage):
                     import psutil
 
                     alive = (socket.gethostname(), os.getpid(), psutil.Process().create_time())
-                task = ray.remote(num_cpus=1, max_retries=cfg.task_retries)(_shard_task)
                 downloader = _downloader(cfg, allow)
                 start = time.time()
-                results = run_tasks(task, [(ctx.storage, j, downloader, base, alive) for j in jobs], "ingest",
-                                    ctx.log, describe=lambda c: f"shard {c[1].unit}/{c[1].shard:05d}", unit="shards")
+                results = ctx.run(_shard_task, [(ctx.storage, j, downloader, base, alive) for j in jobs], "ingest",
+                                  num_cpus=1, max_retries=cfg.task_retries,
+                                  describe=lambda c: f"shard {c[1].unit}/{c[1].shard:05d}", unit="shards")
                 elapsed = time.time() - start
         parts = reused + results
-        report = write_report(ctx.stage_dir, parts, ctx.config.name)
+        report = write_report(ctx.stage_dir, parts, ctx.run_name)
         ctx.log(f"ingest: failures by host and reason in {report}")
         ok = sum(p["extra"]["successes"] for p in results)
         nodes = sorted({p["extra"]["node"] for p in results if p["extra"].get("node")})

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainers.errors import UserError
+from infra.errors import UserError
 
 BACKENDS = ("fasttext", "langid")
 

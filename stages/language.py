@@ -14,27 +14,28 @@ Persian), so the demo sets a low `min_confidence`; on web alt-text 0.25-0.5 is u
 from __future__ import annotations
 
 import functools
+from typing import ClassVar
 from dataclasses import dataclass, field
 from typing import Literal
 
 import pyarrow as pa
 
-from trainers.configtools import join, require
-from trainers.errors import UserError
+from infra.configtools import join, require
+from infra.errors import UserError
 
-from .base import DROPPED, KEPT, Stage, StageContext, StageResult
+from .base import DROPPED, KEPT, Filter, StageContext, StageResult
 from .examples import write_examples
 from .langid import fasttext_model_path, load_backend
-from .source import file_sha256
+from infra.hashing import file_sha256
 
 
 @dataclass
 class LanguageConfig:
+    REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs"}
     enabled: bool = True
     backend: Literal["fasttext", "langid"] = "fasttext"
     languages: list[str] = field(default_factory=lambda: ["en"])
     min_confidence: float = 0.25
-    num_workers: int = 2
     cpus_per_worker: float = 0.5
     batch_size: int = 1024
     examples_per_reason: int = 20
@@ -43,7 +44,6 @@ class LanguageConfig:
         require(bool(self.languages), join(prefix, "languages"), "list at least one language code, e.g. [en]")
         require(0 <= self.min_confidence <= 1, join(prefix, "min_confidence"),
                 f"must be in [0, 1], got {self.min_confidence}")
-        require(self.num_workers >= 1, join(prefix, "num_workers"), "must be >= 1")
         require(self.batch_size >= 1, join(prefix, "batch_size"), "must be >= 1")
 
 
@@ -94,19 +94,20 @@ def identify(table: pa.Table, cfg: LanguageConfig) -> tuple[pa.Table, dict]:
                      "detail": tops}), {"detected": found}
 
 
-class LanguageStage(Stage):
+class LanguageStage(Filter):
     name = "language"
-    preserve = ("reuse",)   # partitions judged before, by content (a pure stage)
-
-    def section(self, config) -> LanguageConfig:
-        return config.stages.language
+    config_key, config_class = "language", LanguageConfig
+    reasons = ("language_low_confidence", "language")   # language:<code>: taken for another language
+    report = "language/report.html"
+    notes = ("language_score", "language")
+    audits = (("non_english", "language"),)
+    judge = staticmethod(identify)
 
     def preflight(self, config) -> None:
         preflight(config.stages.language)
 
-    def run(self, ctx: StageContext) -> StageResult:
-        cfg: LanguageConfig = ctx.config.stages.language
-        parts = ctx.map_parts(identify, num_cpus=cfg.cpus_per_worker, reuse=True, cfg=cfg)
+    def finish(self, ctx: StageContext, parts: list[dict]) -> StageResult:
+        cfg: LanguageConfig = ctx.cfg
         if not cfg.enabled:
             return StageResult(parts, {"enabled": False})
         found: dict[str, int] = {}

@@ -17,7 +17,7 @@ import io
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from trainers.errors import UserError
+from infra.errors import UserError
 
 DEFAULT_ROOT = "/usr/share/openclipart/svg"
 _DC = "{http://purl.org/dc/elements/1.1/}"
@@ -111,16 +111,9 @@ def convert(root: str, relpaths: list[str], out_dir: str, size: int) -> list[dic
     return rows
 
 
-def build(root: Path, files: list[str], out_dir: Path, size: int, chunk: int = 100, log=print) -> list[dict]:
-    """Render every file with Ray tasks (chunks of `chunk`), in file order. Resumable: rendered files stay."""
-    import ray
-
+def build(root: Path, files: list[str], out_dir: Path, size: int, run, chunk: int = 100) -> list[dict]:
+    """Render every file in tasks (`run`: the stage's executor; chunks of `chunk`), in file order.
+    Resumable: rendered files stay."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    task = ray.remote(num_cpus=1)(convert)
-    refs = [task.remote(str(root), files[i:i + chunk], str(out_dir), size) for i in range(0, len(files), chunk)]
-    rows: list[dict] = []
-    for i, ref in enumerate(refs):
-        rows += ray.get(ref)
-        if (i + 1) % 10 == 0 or i + 1 == len(refs):
-            log(f"source: rendered {len(rows)}/{len(files)} SVGs")
-    return rows
+    calls = [(str(root), files[i:i + chunk], str(out_dir), size) for i in range(0, len(files), chunk)]
+    return [row for rows in run(convert, calls, "source: rendering SVGs", num_cpus=1, unit="chunks") for row in rows]

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainers.configtools import join, require
-from trainers.errors import UserError
+from infra.configtools import join, require
+from infra.errors import UserError
 
 SCORING_FAMILIES = ("clip", "siglip", "coca")
 

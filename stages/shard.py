@@ -29,6 +29,7 @@ import json
 import math
 import os
 import tarfile
+from typing import ClassVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,24 +37,23 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401 - pa.compute
 
-from trainers.configtools import join, require
+from infra.configtools import join, require
 
-from .base import KEPT, Stage, StageContext, StageResult
-from .dataplane import read_images, read_kept, run_tasks, write_part
-from .tokenizer import order_key
+from .base import KEPT, Sink, StageContext, StageResult
+from .dataplane import read_images, read_kept, write_part
+from infra.hashing import order_key
 
 
 @dataclass
 class ShardConfig:
+    REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs"}
     samples_per_shard: int = 10_000
     max_shard_bytes: int = 1_000_000_000
-    num_workers: int = 2
     min_shards: int = 4              # small data still makes this many shards: one per training worker (up to 4)
 
     def validate(self, prefix: str) -> None:
         require(self.samples_per_shard >= 1, join(prefix, "samples_per_shard"), "must be >= 1")
         require(self.max_shard_bytes >= 10_000, join(prefix, "max_shard_bytes"), "must be >= 10000")
-        require(self.num_workers >= 1, join(prefix, "num_workers"), "must be >= 1")
         require(self.min_shards >= 1, join(prefix, "min_shards"), "must be >= 1")
 
 
@@ -149,21 +149,20 @@ def _reduce_task(storage, shard: int) -> dict:
                       extra={"name": name, "samples": len(keys), "bytes": len(data), "sha256": sha, "md5": md5})
 
 
-class ShardStage(Stage):
+class ShardStage(Sink):
+    """A sink that places samples: its ledger (a partition per output shard) says where each went."""
     name = "shard"
-
-    def section(self, config) -> ShardConfig:
-        return config.stages.shard
+    config_key, config_class = "shard", ShardConfig
+    final_data = True
 
     def run(self, ctx: StageContext) -> StageResult:
-        import ray
-
-        cfg: ShardConfig = ctx.config.stages.shard
+        cfg: ShardConfig = ctx.cfg
         upstream = [u for u in ctx.upstream or [] if u["kept"]]
         n = ctx.n_in
         if not n:
             raise RuntimeError("shard: no samples left to write; every sample was dropped upstream")
-        sizes = ray.get([ray.remote(num_cpus=0.25)(_bytes_task).remote(ctx.storage, u["file"]) for u in upstream])
+        sizes = ctx.run(_bytes_task, [(ctx.storage, u["file"]) for u in upstream], "shard plan", num_cpus=0.25,
+                        quiet=True)
         n_out = max(1, math.ceil(n / cfg.samples_per_shard), math.ceil(sum(sizes) / (0.9 * cfg.max_shard_bytes)))
         if n_out < cfg.min_shards:   # small data: each training worker still gets a shard of its own
             ctx.log(f"shard: {n} samples make {n_out} shard(s) of {cfg.samples_per_shard}; writing "
@@ -171,12 +170,10 @@ class ShardStage(Stage):
             n_out = max(n_out, min(cfg.min_shards, n))
         done = {r.rsplit("/", 1)[-1][:-5] for r in ctx.storage.list("shard/_work/mapdone", ".json")}
         todo = [u for u in upstream if u["part"] not in done]
-        mapper = ray.remote(num_cpus=1, max_retries=2)(_map_task)
-        run_tasks(mapper, [(ctx.storage, u["part"], u["file"], ctx.config.seed, n_out) for u in todo],
-                  "shard map", ctx.log, max_in_flight=cfg.num_workers, describe=lambda c: f"partition {c[1]}")
-        reducer = ray.remote(num_cpus=1, max_retries=2)(_reduce_task)
-        parts = run_tasks(reducer, [(ctx.storage, i) for i in range(n_out)], "shard write", ctx.log,
-                          max_in_flight=cfg.num_workers, describe=lambda c: f"shard {c[1]:06d}", unit="shards")
+        ctx.run(_map_task, [(ctx.storage, u["part"], u["file"], ctx.seed, n_out) for u in todo], "shard map",
+                num_cpus=1, describe=lambda c: f"partition {c[1]}")
+        parts = ctx.run(_reduce_task, [(ctx.storage, i) for i in range(n_out)], "shard write", num_cpus=1,
+                        describe=lambda c: f"shard {c[1]:06d}", unit="shards")
         names = {p["extra"]["name"] for p in parts}
         for stale in ctx.storage.list("shard/shards", ".tar"):
             if stale.rsplit("/", 1)[-1] not in names:
@@ -187,7 +184,7 @@ class ShardStage(Stage):
         ctx.storage.delete("shard/_work")
         shards = [{k: p["extra"][k] for k in ("name", "samples", "bytes", "sha256")} for p in parts]
         files = {f"shard/shards/{s['name']}": s["sha256"] for s in shards}
-        index = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": ctx.config.name,
+        index = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": ctx.run_name,
                  "shardlist": [{"url": s["name"], "nsamples": s["samples"], "filesize": s["bytes"],
                                 "md5sum": p["extra"]["md5"]} for s, p in zip(shards, parts)]}
         for rel, obj in (("shard/shards/sizes.json", {s["name"]: s["samples"] for s in shards}),

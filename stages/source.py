@@ -20,7 +20,6 @@ serves them runs there too, and are partitioned the same way.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
@@ -34,12 +33,14 @@ import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from trainers.configtools import join, require
-from trainers.errors import UserError
+from infra.configtools import join, require
+from infra.errors import UserError
 
 from . import openclipart, synthetic
-from .base import Stage, StageContext, StageResult
-from .dataplane import DROPPED, KEPT, run_tasks, write_part
+from infra.hashing import file_sha256
+
+from .base import Source, StageContext, StageResult
+from .dataplane import DROPPED, KEPT, write_part
 
 
 @dataclass
@@ -162,28 +163,6 @@ def _read_columns(path: Path, fmt: str) -> list[str]:
 
 def sample_key(url: str, caption: str) -> str:
     return "u" + hashlib.sha1(f"{url}\0{caption}".encode()).hexdigest()[:16]
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, hashed once per process while its size and mtime stay the same: a run's
-    fingerprints (preflight, `--only` checks, the manifest, every stage's digest) all ask for it."""
-    st = Path(path).stat()
-    return _sha256_of(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4096)
-def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
-    del size, mtime_ns   # the cache key: a rewritten file is hashed again
-    return hash_file(path)
-
-
-def hash_file(path) -> str:
-    """sha256 of the bytes on disk now, never cached (verify checks files that may have changed)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 URL_SUFFIXES = (".parquet", ".csv", ".tsv", ".jsonl", ".json", ".csv.gz", ".tsv.gz")
@@ -340,18 +319,9 @@ def _text_cols(cfg: SourceConfig) -> tuple:
     return tuple(c for c in (cfg.url_col, cfg.caption_col, cfg.key_col) if c)
 
 
-def _pin(storage, path: Path) -> str:
-    """Copy a URL list file from the driver's disk into the run folder: the run keeps the exact
-    list it was built from, and any node's worker can read it."""
-    rel = f"source/input/{path.name}"
-    with open(path, "rb") as src, storage.fs.open_output_stream(storage.path(rel)) as out:
-        while chunk := src.read(1 << 22):
-            out.write(chunk)
-    return rel
-
-
-class SourceStage(Stage):
+class SourceStage(Source):
     name = "source"
+    reasons = ("malformed_row", "missing_url", "invalid_url", "duplicate_key")
 
     def section(self, config) -> SourceConfig:
         return config.source
@@ -384,12 +354,19 @@ class SourceStage(Stage):
         return super().fingerprint(config) + json.dumps({**self.input_fingerprint(config), **extra}, sort_keys=True)
 
     def run(self, ctx: StageContext) -> StageResult:
-        import ray
+        result = self._read(ctx)
+        cfg: SourceConfig = ctx.cfg
+        # what ingest needs of a source this run serves itself (the demo's site): a typed artifact,
+        # so ingest never reads the source's config section
+        result.artifacts["site"] = {"served": cfg.served, "folder": "source/www", "slow_seconds": cfg.slow_seconds,
+                                    "port": cfg.serve_port}
+        return result
 
-        cfg: SourceConfig = ctx.config.source
+    def _read(self, ctx: StageContext) -> StageResult:
+        cfg: SourceConfig = ctx.cfg
         if cfg.kind == "synthetic":
             counts = synthetic.generate(ctx.stage_dir, cfg.num_samples, cfg.eval_size, cfg.image_size,
-                                        ctx.config.seed, vars(cfg.defects), cfg.huge_pixels, cfg.huge_bytes)
+                                        ctx.seed, vars(cfg.defects), cfg.huge_pixels, cfg.huge_bytes)
             ctx.log(f"source: generated {cfg.num_samples} demo samples, "
                     f"{sum(v for k, v in counts.items() if k != 'clean')} with planted defects")
             return self._generated(ctx, cfg, pq.read_table(ctx.stage_dir / "urls.parquet"), "demo",
@@ -397,11 +374,10 @@ class SourceStage(Stage):
         if cfg.kind == "openclipart":
             return self._openclipart(ctx, cfg)
         files = partition_files(cfg)
-        task = ray.remote(num_cpus=1, max_retries=2)(_read_file_task)
         # a run folder in object storage means nodes that share no disk: the list travels through it
-        pinned = [_pin(ctx.storage, f) if not ctx.storage.is_local else None for f in files]
-        results = run_tasks(task, [(ctx.storage, str(f), cfg, p) for f, p in zip(files, pinned)], "source",
-                            ctx.log, describe=lambda c: f"URL list file {Path(c[1]).name}")
+        pinned = [ctx.storage.shared_copy(f"source/input/{f.name}", f) for f in files]
+        results = ctx.run(_read_file_task, [(ctx.storage, str(f), cfg, p) for f, p in zip(files, pinned)], "source",
+                          num_cpus=1, describe=lambda c: f"URL list file {Path(c[1]).name}", unit="files")
         parts = [p for r in results for p in r]
         rows = sum(p["in"] for p in parts)
         ctx.log(f"source: {rows} rows from {cfg.path} in {len(files)} file(s), {len(parts)} partitions")
@@ -414,14 +390,14 @@ class SourceStage(Stage):
         return StageResult(write_partitions(ctx.storage, rows, name, cfg.rows_per_part), extra)
 
     def _openclipart(self, ctx: StageContext, cfg: SourceConfig) -> StageResult:
-        from .tokenizer import order_key
+        from infra.hashing import order_key
 
         root = openclipart.svg_root(cfg.path)
         files = openclipart.list_svgs(root)
         if cfg.limit:
-            files = sorted(sorted(files, key=lambda f: order_key(ctx.config.seed, f))[: cfg.limit])
+            files = sorted(sorted(files, key=lambda f: order_key(ctx.seed, f))[: cfg.limit])
         ctx.log(f"source: rendering {len(files)} openclipart SVGs from {root} at {cfg.render_size} px")
-        rows = openclipart.build(root, files, ctx.stage_dir / "www" / "img", cfg.render_size, log=ctx.log)
+        rows = openclipart.build(root, files, ctx.stage_dir / "www" / "img", cfg.render_size, ctx.run)
         ok = [not r["reason"] for r in rows]
         table = pa.table({
             "key": [r["key"] for r in rows],

@@ -9,15 +9,16 @@ is in stats.json and the manifest. Every sample is kept; this stage only learns 
 """
 from __future__ import annotations
 
-import hashlib
 import io
 from dataclasses import dataclass
 from typing import Literal
 
 
-from trainers.configtools import join, require
+from infra.configtools import join, require
 
-from .base import Stage, StageContext, StageResult
+from infra.hashing import order_key  # noqa: F401 - the tests import it from here too
+
+from .base import Sink, StageContext, StageResult
 
 
 @dataclass
@@ -36,11 +37,6 @@ class TokenizerConfig:
         require(0.9 <= self.character_coverage <= 1.0, join(prefix, "character_coverage"), "must be in [0.9, 1]")
 
 
-def order_key(seed: int, key: str) -> str:
-    """The deterministic order capline samples and shuffles by: independent of arrival order."""
-    return hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()
-
-
 def train_sentencepiece(captions: list[str], cfg: TokenizerConfig) -> bytes:
     import sentencepiece as spm
 
@@ -55,16 +51,18 @@ def train_sentencepiece(captions: list[str], cfg: TokenizerConfig) -> bytes:
 
 
 def _sample_task(storage, file: str, seed: int, below: str) -> list[tuple[str, str]]:
-    """Ray task: (order key, caption) of the partition's samples whose order key is below `below`."""
-    from .dataplane import read_kept
+    """Ray task: (order key, caption) of the partition's samples whose order key is below `below`,
+    and how many it read (count and key-set checksum: what the stage consumed)."""
+    from .dataplane import keyset_sum, read_kept
 
     t = read_kept(storage, file, ["key", "caption"])
+    keys = t.column("key").to_pylist()
     out = []
-    for k, c in zip(t.column("key").to_pylist(), t.column("caption").to_pylist()):
+    for k, c in zip(keys, t.column("caption").to_pylist()):
         o = order_key(seed, k)
         if o < below:
             out.append((o, c or ""))
-    return out
+    return {"rows": out, "n": len(keys), "sum": str(keyset_sum(keys))}
 
 
 def _train_task(storage, files: list[str], n: int, seed: int, cfg: TokenizerConfig) -> dict:
@@ -76,7 +74,8 @@ def _train_task(storage, files: list[str], n: int, seed: int, cfg: TokenizerConf
     sample = ray.remote(num_cpus=0.25)(_sample_task)
     while True:
         below = "f" * 64 if frac >= 1 else format(int(frac * 16 ** 16), "016x") + "0" * 48
-        rows = [r for rs in ray.get([sample.remote(storage, f, seed, below) for f in files]) for r in rs]
+        found = ray.get([sample.remote(storage, f, seed, below) for f in files])
+        rows = [r for got in found for r in got["rows"]]
         if len(rows) >= min(n, cfg.max_sentences) or frac >= 1:
             break
         frac = min(1.0, frac * 2)
@@ -87,28 +86,25 @@ def _train_task(storage, files: list[str], n: int, seed: int, cfg: TokenizerConf
     sha = storage.write_bytes("tokenizer/spm.model", model)
     sp = spm.SentencePieceProcessor(model_proto=model)
     lengths = [len(ids) + 1 for ids in sp.encode(captions[:2000])]  # + EOS
+    from .dataplane import add_sums
+
     return {"vocab_size": sp.get_piece_size(), "trained_on": len(captions), "sha256": sha,
-            "mean_tokens": sum(lengths) / len(lengths), "max_tokens": max(lengths)}
+            "mean_tokens": sum(lengths) / len(lengths), "max_tokens": max(lengths),
+            "consumed": (sum(g["n"] for g in found), add_sums(*(g["sum"] for g in found)))}
 
 
-class TokenizerStage(Stage):
+class TokenizerStage(Sink):
     name = "tokenizer"
-
-    def section(self, config) -> TokenizerConfig:
-        return config.stages.tokenizer
+    config_key, config_class = "tokenizer", TokenizerConfig
 
     def run(self, ctx: StageContext) -> StageResult:
-        import ray
-
-        from .dataplane import passthrough
-
-        cfg: TokenizerConfig = ctx.config.stages.tokenizer
+        cfg: TokenizerConfig = ctx.cfg
         files = [u["file"] for u in ctx.upstream or [] if u["kept"]]
-        info = ray.get(ray.remote(num_cpus=1)(_train_task).remote(ctx.storage, files, ctx.n_in, ctx.config.seed, cfg))
-        parts = ctx.map_parts(passthrough, num_cpus=0.25)
+        info = ctx.call(_train_task, ctx.storage, files, ctx.n_in, ctx.seed, cfg, what="tokenizer", num_cpus=1)
+        consumed = info.pop("consumed")
         ctx.log(f"tokenizer: trained a {cfg.model_type} model of {info['vocab_size']} pieces on "
                 f"{info['trained_on']} captions")
-        return StageResult(parts, {**info, "requested_vocab_size": cfg.vocab_size},
+        return StageResult([], {**info, "requested_vocab_size": cfg.vocab_size},
                            artifacts={"model": "tokenizer/spm.model", "sha256": info["sha256"],
                                       "vocab_size": info["vocab_size"]},
-                           files={"tokenizer/spm.model": info["sha256"]})
+                           files={"tokenizer/spm.model": info["sha256"]}, consumed=consumed)

@@ -5,11 +5,10 @@ Every sample that reached the shards is kept (training consumes, it does not jud
 """
 from __future__ import annotations
 
-from .base import Stage, StageContext, StageResult
-from .dataplane import passthrough
+from .base import Sink, StageContext, StageResult
 
 
-class TrainStage(Stage):
+class TrainStage(Sink):
     name = "train"
 
     def section(self, config):
@@ -20,8 +19,8 @@ class TrainStage(Stage):
 
         from trainers.run import train
 
-        parts = ctx.map_parts(passthrough, num_cpus=0.25)
-        tc = ctx.config.train
+        parts: list[dict] = []   # training consumes the shards; it judges no sample
+        tc = ctx.cfg
         if tc.steps == 0:
             ctx.log("train: train.steps is 0, nothing to train")
             return StageResult(parts, {"trained": False})
@@ -32,7 +31,7 @@ class TrainStage(Stage):
         if manifest.get("mlflow_runs", {}).get("data"):
             tags["capline.data_run_id"] = manifest["mlflow_runs"]["data"]
         result = train(ctx.storage, ctx.artifact("shard", "folder"), ctx.artifact("tokenizer", "model"), tc,
-                       ctx.config.seed, digest, "train", ctx.run_dir, log=ctx.log, tags=tags)
+                       ctx.seed, digest, "train", ctx.run_dir, log=ctx.log, tags=tags)
         ctx.log(f"train: finished at step {result['step']}, loss {result['loss']:.4f}")
         return StageResult(parts, {"trained": True, **result},
                            artifacts={"model": "train/model", "encoder": "train/export",

@@ -1,7 +1,7 @@
 """Test-wide setup: the network guard, quiet telemetry, and one shared local Ray cluster.
 
 Every process the tests start (Ray's workers and agents, img2dataset, subprocess CLIs) inherits
-PYTHONPATH with pipeline/procenv, whose sitecustomize installs an audit hook that refuses and logs any non-loopback connection.
+PYTHONPATH with infra/procenv, whose sitecustomize installs an audit hook that refuses and logs any non-loopback connection.
 The autouse fixture fails the test during which anything was logged.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ _GUARD_LOG = Path(os.environ.get("CAPLINE_TEST_GUARD_LOG")
                   or Path(tempfile.mkdtemp(prefix="capline-netguard-")) / "refused.log")
 os.environ["CAPLINE_TEST_GUARD_LOG"] = str(_GUARD_LOG)
 
-from pipeline import offline  # noqa: E402
+from infra import offline  # noqa: E402
 
 os.environ.update(offline.guard_env(dict(os.environ), str(_GUARD_LOG)))
 # the tests' clusters run with token auth as capline's do (the token in a temp cache of the session)
@@ -47,7 +47,7 @@ def ray_local():
     """One local Ray cluster (2 CPUs) shared by the stage tests: each start costs ~10 s."""
     import ray
 
-    from pipeline.ray_runtime import RayConfig, ray_session
+    from infra.ray_runtime import RayConfig, ray_session
 
     with ray_session(RayConfig(num_cpus=2, object_store_memory_mb=256), log=lambda m: None):
         yield ray

@@ -3,7 +3,7 @@ frozen one, and a checkpoint holds everything it needs to caption images."""
 import pytest
 import torch
 
-from trainers.errors import UserError
+from infra.errors import UserError
 from trainers.models import build_model
 from trainers.models.checkpoint import load_model, save_model
 

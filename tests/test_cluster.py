@@ -63,7 +63,7 @@ def two_node_cluster(hidden: Path, node_env: dict):
               "--disable-usage-stats"]
     # the nodes get the guard but none of capline's quiet switches, as a user's shell would:
     # capline must pass them to its workers itself
-    from pipeline.offline import QUIET_ENV
+    from infra.offline import QUIET_ENV
 
     # and the bucket's credentials, as a cluster's nodes have them (an instance role, or the environment)
     env = {**{k: v for k, v in os.environ.items() if k not in QUIET_ENV}, **node_env}
@@ -200,7 +200,7 @@ def _results(client) -> list[str]:
 def test_capline_ray_start_gives_the_node_quiet_switches_and_token_auth(tmp_path):
     """A head started with `capline ray start`, from a shell with none of capline's settings: its
     processes carry the quiet switches, the guard's PYTHONPATH and token auth; stopped by pid."""
-    from pipeline.offline import PROCENV_DIR, QUIET_ENV
+    from infra.offline import PROCENV_DIR, QUIET_ENV
 
     env = {k: v for k, v in os.environ.items() if k not in QUIET_ENV and not k.startswith("RAY_AUTH")}
     env["CAPLINE_CACHE"] = str(tmp_path / "cache")

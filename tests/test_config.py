@@ -2,8 +2,8 @@
 import pytest
 
 from pipeline.config import load_config
-from trainers.configtools import apply_override
-from trainers.errors import ConfigError, UserError
+from infra.configtools import apply_override
+from infra.errors import ConfigError, UserError
 
 
 def test_demo_config_loads_with_its_values():
@@ -67,7 +67,7 @@ def test_config_survives_a_json_round_trip_unchanged():
     import json
 
     from pipeline.config import RunConfig
-    from trainers.configtools import build
+    from infra.configtools import build
 
     cfg = load_config()
     again = build(RunConfig, json.loads(json.dumps(cfg.to_dict())))

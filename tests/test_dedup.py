@@ -17,7 +17,7 @@ from stages.eval_sets import EvalSetConfig, build_reference, iter_images
 from stages.imagehash import describe, to_rgb_array
 from stages.neardup import NearDupIndex
 from stages.source import DefectFractions
-from trainers.errors import UserError
+from infra.errors import UserError
 
 PARAMS = {"descriptor": "thumb16-v2", "bits": 256, "colour_tol": 12.0}
 THRESHOLD = 0.92  # DedupConfig.eval_threshold
@@ -142,7 +142,7 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local):
     sets = "stages.dedup.eval_sets=[{name: demo, kind: builtin, path: demo_heldout}]"
     base = ["source.slow_seconds=3", "stages.ingest.timeout=2", "stages.ingest.samples_per_shard=250",
             f"stages.dedup.cache_dir={tmp_path / 'cache'}", sets]
-    run_pipeline(load_config(None, base + ["stages.dedup.num_workers=2"]), tmp_path / "run", until="dedup", log=lambda m: None)
+    run_pipeline(load_config(None, base + ["stages.dedup.cpus_per_worker=0.5"]), tmp_path / "run", until="dedup", log=lambda m: None)
     audit = json.loads((tmp_path / "run" / "dedup" / "audit.json").read_text())
     print(audit)
     assert audit["eval_near_copy"]["recall"] >= 0.98
@@ -154,10 +154,10 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local):
         return {r["key"] for r in t if r["verdict"] == "kept"}, {r["key"]: r["detail"] for r in t}
 
     first = kept()
-    run_pipeline(load_config(None, base + ["stages.dedup.num_workers=1"]), tmp_path / "run", until="dedup", log=lambda m: None)
-    assert kept() == first                       # one worker: same verdicts, same duplicate_of
+    run_pipeline(load_config(None, base + ["stages.dedup.cpus_per_worker=2"]), tmp_path / "run", until="dedup", log=lambda m: None)
+    assert kept() == first                       # one task at a time on 2 CPUs: same verdicts, same duplicate_of
     (tmp_path / "run" / "dedup" / "_SUCCESS").unlink()
-    run_pipeline(load_config(None, base + ["stages.dedup.num_workers=1"]), tmp_path / "run", until="dedup", log=lambda m: None)
+    run_pipeline(load_config(None, base + ["stages.dedup.cpus_per_worker=2"]), tmp_path / "run", until="dedup", log=lambda m: None)
     assert kept() == first                       # rerun: same again
     details = first[1]
     assert any(d.startswith("duplicate_of=s") for d in details.values())

@@ -46,7 +46,7 @@ class Ingested(Stage):
     def run(self, ctx):
         import ray
 
-        n = ctx.config.source.num_samples
+        n = ctx.cfg["n"]
         task = ray.remote(num_cpus=0.5)(_ingested)
         return StageResult(ray.get([task.remote(ctx.storage, p, min(PER_PART, n - p * PER_PART))
                                     for p in range(-(-n // PER_PART))]))

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from stages import synthetic
-from trainers.errors import UserError
+from infra.errors import UserError
 from trainers.evaluation.fewshot import few_shot_split, probe, ridge_fit_predict
 from trainers.evaluation.textmetrics import caption_scores, tokenize
 from stages.synthetic import hard_negatives, heldout_wordorder

@@ -9,7 +9,7 @@ from stages.basic import BasicConfig, judge_caption, judge_image
 from stages.captions import clean_caption
 from stages.clip_score import ClipScoreConfig, select
 from stages.language import decide
-from trainers.errors import UserError
+from infra.errors import UserError
 
 
 @pytest.mark.parametrize("raw, clean", [
@@ -47,7 +47,7 @@ def test_judge_image_bounds():
 
 def test_basic_config_rejects_crossed_bounds():
     with pytest.raises(UserError, match="min_words"):
-        from trainers.configtools import build
+        from infra.configtools import build
         build(BasicConfig, {"min_words": 5, "max_words": 2}, "stages.basic")
 
 
@@ -127,7 +127,7 @@ def test_select_does_not_depend_on_input_order_or_float_noise():
     ({"scorer": "checkpoint"}, "needs the checkpoint folder"),
 ])
 def test_clip_score_config_errors(overrides, needle):
-    from trainers.configtools import build
+    from infra.configtools import build
 
     with pytest.raises(UserError) as err:
         build(ClipScoreConfig, overrides, "stages.clip_score")

@@ -7,7 +7,7 @@ from stages import synthetic
 from stages.shard import write_shard
 from stages.tokenizer import TokenizerConfig, train_sentencepiece
 from trainers.data import LoaderState, ShardStream, check_readers, list_shards, make_loader, next_state
-from trainers.errors import UserError
+from infra.errors import UserError
 from trainers.optim import lr_factor, param_groups
 
 

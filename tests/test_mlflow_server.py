@@ -13,7 +13,7 @@ import pytest
 
 from helpers import ROOT, capline
 from infra.mlflow.serve import start, stop
-from trainers.tracking import MetricBuffer, client
+from infra.tracking import MetricBuffer, client
 
 BASE = ["--set", "source.num_samples=300", "--set", "source.eval_size=30", "--set", "stages.ingest.samples_per_shard=60",
         "--set", "stages.shard.samples_per_shard=100", "--set", "stages.clip_score.bootstrap.steps=30",
@@ -167,7 +167,7 @@ def test_server_down_mid_training_then_back(server, data_run, tmp_path):
 
 
 def test_credentials_leave_the_tracking_uri_and_every_printed_uri():
-    from trainers.tracking import move_credentials_out_of_uri, redact
+    from infra.tracking import move_credentials_out_of_uri, redact
 
     env = {"MLFLOW_TRACKING_URI": "https://ann:p%40ss@mlflow.example:5000/base"}
     assert move_credentials_out_of_uri(env)

@@ -176,7 +176,7 @@ def test_parameter_parity_with_paper_table1(size, family):
 
 
 def test_checkpoint_roundtrip_and_mismatch(tmp_path, cap):
-    from trainers.errors import UserError
+    from infra.errors import UserError
     from trainers.models.checkpoint import load_model, save_model
 
     save_model(cap, cap.cfg, tmp_path / "ck")

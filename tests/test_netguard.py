@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pipeline import offline
+from infra import offline
 
 # The probe checks that the guard is installed before it tries anything, so a broken guard fails
 # the test without a single packet leaving the machine.

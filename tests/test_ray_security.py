@@ -17,9 +17,9 @@ pytestmark = pytest.mark.slow
 
 HOLD = """
 import json, os, sys, time
-from pipeline import offline
+from infra import offline
 offline.apply()
-from pipeline.ray_runtime import RayConfig, ray_session
+from infra.ray_runtime import RayConfig, ray_session
 import ray
 with ray_session(RayConfig(num_cpus=1, object_store_memory_mb=100), log=lambda m: None):
     ctx = ray.get_runtime_context()

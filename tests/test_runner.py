@@ -12,7 +12,7 @@ from pipeline.config import load_config
 from pipeline.runner import run_pipeline
 from stages.base import DROPPED, KEPT, PartTask, Stage, StageResult
 from stages.dataplane import add_sums, check_parts, keyset_sum, write_part
-from trainers.errors import UserError
+from infra.errors import UserError
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # Ray workers cannot import tests/
 
@@ -38,7 +38,7 @@ class Numbers(Stage):
         import ray
 
         self.calls += 1
-        n = ctx.config.source.num_samples
+        n = ctx.cfg["n"]
         task = ray.remote(num_cpus=0.25)(_numbers)
         parts = ray.get([task.remote(ctx.storage, f"p{i // 4}", i, min(n, i + 4)) for i in range(0, n, 4)])
         return StageResult(parts)

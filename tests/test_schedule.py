@@ -13,7 +13,7 @@ import pytest
 from helpers import ROOT, capline, kill_driver
 from pipeline.lock import run_lock
 from pipeline.schedule import plan
-from trainers.errors import UserError
+from infra.errors import UserError
 
 
 def _manifest(run_dir, files, completed=True):

@@ -5,7 +5,8 @@ import tarfile
 import sentencepiece as spm
 
 from stages.shard import write_shard
-from stages.tokenizer import TokenizerConfig, order_key, train_sentencepiece
+from infra.hashing import order_key
+from stages.tokenizer import TokenizerConfig, train_sentencepiece
 from helpers import capline
 
 

@@ -16,7 +16,7 @@ from pipeline.runner import output_digest, run_pipeline
 from pipeline.storage import RunStore
 from stages.base import KEPT, Stage, StageResult
 from stages.dataplane import write_part
-from trainers.errors import UserError
+from infra.errors import UserError
 
 BUCKET = "capline-sync"
 
@@ -43,7 +43,7 @@ class Numbers(Stage):
         return {"n": config.source.num_samples}
 
     def run(self, ctx):
-        n = ctx.config.source.num_samples
+        n = ctx.cfg["n"]
         parts = []
         for i in range(0, n, 4):
             keys = [f"k{j:04d}" for j in range(i, min(n, i + 4))]

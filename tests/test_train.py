@@ -117,8 +117,8 @@ def test_bad_training_input_is_a_one_line_error(data_run, tmp_path):
                   "train.model_args={vocab_size: 32000}", "--set", f"stages.dedup.cache_dir={cache}", *sum(
                       (["--set", d] for d in DATA if not d.startswith("train.model_args")), []))
     assert out.returncode == 2 and "the tokenizer has" in out.stderr and "Traceback" not in out.stderr
-    from trainers.configtools import build
-    from trainers.errors import UserError
+    from infra.configtools import build
+    from infra.errors import UserError
     from trainers.run import train
     from trainers.train_config import TrainConfig
 

@@ -11,7 +11,7 @@ from pipeline.config import load_config
 from stages.base import read_ledger
 from stages.dataplane import Storage
 from stages.source import _read_file_task
-from trainers.errors import UserError
+from infra.errors import UserError
 
 
 def _source(tmp_path, path, *overrides):

@@ -9,7 +9,7 @@ import pytest
 
 from helpers import capline
 from pipeline.init_config import detect
-from trainers.errors import UserError
+from infra.errors import UserError
 
 
 @pytest.mark.slow   # capline processes (~1.5 s each)
@@ -42,7 +42,7 @@ def test_init_says_what_it_could_not_find(tmp_path):
 
 
 def test_progress_off_a_terminal_logs_rate_and_eta_at_most_every_few_seconds(monkeypatch):
-    from trainers.progress import Progress
+    from infra.progress import Progress
 
     lines = []
     monkeypatch.setenv("CAPLINE_PROGRESS", "0")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .errors import UserError
+from infra.errors import UserError
 
 
 @dataclass
@@ -36,7 +36,7 @@ class LoaderState:
 
 def list_shards(shard_dir) -> list:
     """The shard files of a folder (Paths) or of an object-storage prefix (URIs, read streaming)."""
-    from .remote import is_uri, list_files
+    from infra.storage import is_uri, list_files
 
     shards = list_files(shard_dir, ".tar") if is_uri(shard_dir) else sorted(Path(shard_dir).glob("*.tar"))
     if not shards:
@@ -92,7 +92,7 @@ def tar_members(tar: tarfile.TarFile, where, max_bytes: int = MAX_MEMBER_BYTES):
 
 def iter_samples(shards: list[Path]):
     """(key, jpg bytes, caption) in file order."""
-    from .remote import open_input
+    from infra.storage import open_input
 
     for path in shards:
         with open_input(path) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:

@@ -33,12 +33,12 @@ def train_loop_per_worker(c: dict) -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from .configtools import build
+    from infra.configtools import build
     from .data import LoaderState, ShardStream, make_loader, next_state
     from .models import ModelConfig
     from .optim import build_optimizer, build_schedule
     from .tasks import LossModule, make_task
-    from .tracking import MetricBuffer, client
+    from infra.tracking import MetricBuffer, client
     from .train_config import TrainConfig
 
     ctx = ray.train.get_context()

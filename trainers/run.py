@@ -4,11 +4,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .configtools import build
+from infra.configtools import build
 from .data import check_readers
-from .errors import UserError
+from infra.errors import UserError
 from .models import ModelConfig
-from .tracking import flatten, log_dataset, redact, start_run, tracking_uri
+from infra.tracking import flatten, log_dataset, redact, start_run, tracking_uri
 from .train_config import TrainConfig
 
 
@@ -76,12 +76,12 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
                                params, {"capline.dataset_digest": dataset_digest,
                                         "capline.run_dir": storage.uri(), "capline.shards": storage.uri(shards_rel),
                                         **(tags or {})})
-            from .tracking import client as _client
+            from infra.tracking import client as _client
 
             _client(uri).log_dict(run_id, resolved, "config/train.json")
             log_dataset(uri, run_id, name=f"{Path(storage.root).name}-shards", digest=dataset_digest,
                         source=storage.uri(shards_rel))
-            from .tracking import client
+            from infra.tracking import client
 
             import tempfile
 
@@ -93,8 +93,7 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
                             f"{redact(str(err).splitlines()[0][:200]) if str(err) else ''}); is the server up? "
                             "(unset MLFLOW_TRACKING_URI to track in the run folder)") from None
         storage.write_bytes(id_file, run_id.encode())
-    if not storage.is_local:
-        log(f"train: workers read the {len(shards)} shards from {storage.uri(shards_rel)}")
+    log(f"train: workers read the {len(shards)} shards from {storage.uri(shards_rel)}")
     log(f"train: {tc.model}/{tc.size}, {tc.steps} steps of {tc.global_batch} on {tc.num_workers} workers "
         f"({tc.accumulation} micro-batches each), MLflow run {run_id} at {redact(uri)}")
     trainer = TorchTrainer(
@@ -111,7 +110,7 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
     with _TrainingProgress(storage, f"{out_rel}/progress.json", tc.steps, log):
         trainer.fit()
     final = storage.read_json(f"{out_rel}/final.json")
-    from .tracking import client, replay_unlogged
+    from infra.tracking import client, replay_unlogged
 
     try:   # the server may be back by now: catch up on what training could not log, then the artifacts
         spill = f"{out_rel}/unlogged_metrics.jsonl"
@@ -163,7 +162,7 @@ class _TrainingProgress:
         return False
 
     def _watch(self) -> None:
-        from .progress import Progress
+        from infra.progress import Progress
 
         bar = None
         seen = -1

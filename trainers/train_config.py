@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .configtools import join, require
+from infra.configtools import join, require
 
 
 @dataclass

@@ -78,7 +78,7 @@ def wait_ready(url: str, timeout: float = 90.0, proc: subprocess.Popen | None = 
 def start(root: Path, port: int, host: str = "127.0.0.1", backend_uri: str | None = None,
           artifacts: str | None = None, log_file: Path | None = None) -> tuple[subprocess.Popen, str]:
     """Start the server in its own process group; -> (process, tracking URI) once /health answers."""
-    from pipeline import offline
+    from infra import offline
 
     offline.apply(ray_auth_for_local=False)   # quiet switches; it starts no Ray
     b, a = defaults(root)
@@ -122,7 +122,7 @@ def main() -> int:
     if why:
         print(f"serve: error: {why}", file=sys.stderr)
         return 2
-    from pipeline import offline
+    from infra import offline
 
     offline.apply(ray_auth_for_local=False)   # quiet switches; it starts no Ray
     b, a = defaults(Path(args.root))

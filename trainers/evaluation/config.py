@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from trainers.configtools import join, require
+from infra.configtools import join, require
 
 BUILTIN_CLASSIFICATION = ("digits", "fashion_mnist")
 

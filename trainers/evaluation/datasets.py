@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from trainers.errors import UserError
+from infra.errors import UserError
 
 from .config import CaptionSet, ClassificationSet, WordOrderSet
 

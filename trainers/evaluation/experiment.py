@@ -14,8 +14,8 @@ import json
 import time
 from pathlib import Path
 
-from trainers.configtools import build
-from trainers.errors import UserError
+from infra.configtools import build
+from infra.errors import UserError
 
 # per budget: the training of each model, and the evaluations that train something on top of it
 BUDGETS = {
@@ -64,7 +64,7 @@ def run_experiment(run_dir: Path, train_cfg, seed: int, models=("cap", "cappa", 
                    log=print, eval_cfg=None) -> Path:
     from trainers.models.checkpoint import load_model
     from trainers.run import train
-    from trainers.storage import Storage
+    from infra.storage import Storage
     from trainers.train_config import TrainConfig
 
     from .config import EvalConfig
@@ -104,7 +104,7 @@ def run_experiment(run_dir: Path, train_cfg, seed: int, models=("cap", "cappa", 
         params = sum(p.numel() for p in model.parameters() if p.requires_grad or m != "clipcap")
         ev = evaluate(out / "model", run_dir, log=log, mlflow_run_id=result["mlflow_run_id"], strict=False,
                       eval_cfg=ec, seed=seed)
-        from trainers.tracking import client, tracking_uri
+        from infra.tracking import client, tracking_uri
 
         c = client(tracking_uri(run_dir))
         curves[NAMES[m]] = [(x.step, x.value) for x in c.get_metric_history(result["mlflow_run_id"], "loss")]
@@ -166,7 +166,7 @@ def _log(run_dir: Path, table: Path, curves: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from trainers.tracking import client, start_run, tracking_uri
+    from infra.tracking import client, start_run, tracking_uri
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, pts in curves.items():

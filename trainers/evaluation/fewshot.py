@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainers.errors import UserError
+from infra.errors import UserError
 
 
 def ridge_fit_predict(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, num_classes: int,

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from trainers.errors import UserError
+from infra.errors import UserError
 
 from .config import EvalConfig
 
@@ -65,7 +65,7 @@ def run_eval_config(run_dir: Path) -> EvalConfig:
     """The run's own `eval:` section (its config.yaml), else the defaults."""
     import yaml
 
-    from trainers.configtools import build
+    from infra.configtools import build
 
     path = Path(run_dir) / "config.yaml"
     data = (yaml.safe_load(path.read_text()) or {}).get("eval") if path.is_file() else None
@@ -281,7 +281,7 @@ def _log_to_mlflow(run_dir: Path, results: dict, path: Path, log, run_id: str | 
     id_file = Path(results["checkpoint"]).parent / "mlflow_run_id"
     if run_id is None and not id_file.is_file():
         return
-    from trainers.tracking import client, tracking_uri
+    from infra.tracking import client, tracking_uri
 
     c = client(tracking_uri(run_dir))
     run_id = run_id or id_file.read_text().strip()

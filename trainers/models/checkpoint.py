@@ -18,8 +18,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from trainers.configtools import build
-from trainers.errors import UserError
+from infra.configtools import build
+from infra.errors import UserError
 
 from . import build_model
 from .config import ModelConfig

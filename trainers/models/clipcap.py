@@ -77,7 +77,7 @@ class ClipCap(nn.Module):
 
         from safetensors.torch import load_file
 
-        from trainers.errors import UserError
+        from infra.errors import UserError
 
         path = Path(directory) / "model.safetensors"
         if not path.is_file():
@@ -94,7 +94,7 @@ class ClipCap(nn.Module):
         self.lm_loaded = True
 
     def check_trainable(self) -> None:
-        from trainers.errors import UserError
+        from infra.errors import UserError
 
         frozen = not any(p.requires_grad for p in self.lm.parameters())
         if frozen and not getattr(self, "lm_loaded", False):

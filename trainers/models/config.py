@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from trainers.configtools import join, require
+from infra.configtools import join, require
 
 SIZES = {
     #        width depth heads  mlp  patch

@@ -3,7 +3,7 @@
 Local by default (`ray.init()` sized from config); `--address` / RAY_ADDRESS / `ray.address` join a
 running cluster. The dashboard runs on loopback (Ray Train's placement-group cleaner reaches the
 State API through it); its start-up probe of cloud metadata addresses is disarmed in every process
-capline starts (pipeline/procenv). `ray.dashboard: false` leaves it out.
+capline starts (infra/procenv). `ray.dashboard: false` leaves it out.
 
 A local cluster runs with Ray's token authentication (`RAY_AUTH_MODE=token`). Ray binds its GCS,
 raylets and agents to every interface whatever node address it is given (seen with Ray 2.60:
@@ -11,7 +11,7 @@ raylets and agents to every interface whatever node address it is given (seen wi
 client cannot join and the job-submission API answers 401. The token is the user's own
 (`RAY_AUTH_TOKEN`, `RAY_AUTH_TOKEN_PATH`, or `~/.ray/auth_token` if it exists), else one capline
 makes once in its cache (`~/.cache/capline/ray_auth_token`, mode 0600). Ray reads the mode when it
-is imported, so pipeline/offline.py `ray_auth()` sets it first thing in the CLI. A joined cluster
+is imported, so infra/offline.py `ray_auth()` sets it first thing in the CLI. A joined cluster
 (`--address`) uses whatever auth it was started with: set RAY_AUTH_MODE=token and the token
 variables to match (capline's own `make`-started nodes and infra/ manifests do).
 """
@@ -23,8 +23,8 @@ import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from trainers.configtools import join, require
-from trainers.errors import UserError
+from infra.configtools import join, require
+from infra.errors import UserError
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Third-party parts phone home by default: Ray's dashboard probes cloud metadata addresses at
 start-up whatever RAY_USAGE_STATS_ENABLED says, MLflow sends telemetry, albumentations (via
 img2dataset) checks for updates, wandb reports, hub clients try to download. `apply()` sets the
-switches that turn each off in os.environ, and puts pipeline/procenv/ on PYTHONPATH so every child
+switches that turn each off in os.environ, and puts infra/procenv/ on PYTHONPATH so every child
 Python loads its sitecustomize, which disarms Ray's metadata probe (see there) and, with
 CAPLINE_NETGUARD=1, installs the network guard. Set CAPLINE_TELEMETRY=1 to leave all of it as
 the libraries default.
@@ -44,7 +44,7 @@ def telemetry_allowed() -> bool:
 
 
 def procenv(env: dict[str, str]) -> dict[str, str]:
-    """Return env with pipeline/procenv first on PYTHONPATH, so every child Python loads it."""
+    """Return env with infra/procenv first on PYTHONPATH, so every child Python loads it."""
     env = dict(env)
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(PROCENV_DIR) not in parts:

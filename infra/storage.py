@@ -1,7 +1,13 @@
-"""The run folder's filesystem: a pyarrow.fs filesystem and a root, so a local folder and an s3://
-bucket are the same code; picklable into any Ray task. Stages (stages/dataplane.py) and training
-(trainers/run.py) both read and write through it; it lives here, at the bottom layer, because
-trainers/ imports nothing from stages/.
+"""Storage, written once: the run folder's filesystem and paths that may be object-storage URIs.
+
+`Storage` is a pyarrow.fs filesystem and a root, so a local folder and an s3:// bucket are the same
+code; picklable into any Ray task. Stages, the executor and training all read and write through it.
+It is the one module that tells a local folder from a bucket (`is_local`); code elsewhere asks it.
+
+URIs (`s3://bucket/key`, `gs://...`) go through pyarrow.fs. Credentials and endpoint come from the
+usual environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_DEFAULT_REGION,
+AWS_ENDPOINT_URL for S3-compatible stores); capline never takes them as arguments, so they never
+reach a config, a manifest or a log.
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pathlib import Path
 
 
 @dataclass
@@ -131,6 +138,36 @@ class Storage:
         return {f.name: self.write_bytes(f"{rel}/{f.name}", f.read_bytes())
                 for f in sorted(Path(local_dir).iterdir()) if f.is_file()}
 
+    def is_folder(self, local_dir) -> bool:
+        """Whether this storage is that local folder (a working copy of it is then itself)."""
+        return self.is_local and Path(self.root) == Path(local_dir).resolve()
+
+    def copy_to(self, local_dir, rels: list[str]) -> None:
+        """Files of the run into a local folder (the driver's working copy), unless it is this storage."""
+        if self.is_folder(local_dir):
+            return
+        for rel in rels:
+            (Path(local_dir) / rel).parent.mkdir(parents=True, exist_ok=True)
+            (Path(local_dir) / rel).write_bytes(self.read_bytes(rel))
+
+    def write_both(self, local_dir, rel: str, data: bytes) -> str:
+        """Write here and, where the working copy is another folder, there too (for tools reading it)."""
+        sha = self.write_bytes(rel, data)
+        if not self.is_folder(local_dir):
+            (Path(local_dir) / rel).parent.mkdir(parents=True, exist_ok=True)
+            (Path(local_dir) / rel).write_bytes(data)
+        return sha
+
+    def shared_copy(self, rel: str, local_path) -> str | None:
+        """A local file workers on other machines must read: copied into an object-store run folder
+        (-> its run-relative path), or None where workers reach the local path as it is."""
+        if self.is_local:
+            return None
+        with open(local_path, "rb") as src, self.fs.open_output_stream(self.path(rel)) as out:
+            while chunk := src.read(1 << 22):
+                out.write(chunk)
+        return rel
+
     def local_dir(self, rel: str):
         """A folder of the run as a local path this process can open: itself for a local run folder,
         else a copy fetched once per process (for model folders: libraries that want a path)."""
@@ -164,3 +201,39 @@ def _fetched(storage: "Storage", rel: str):
             (out / f.rsplit("/", 1)[-1]).write_bytes(storage.read_bytes(f))
         _FETCHED[key] = out
     return _FETCHED[key]
+
+
+# -- paths that may be URIs ------------------------------------------------------------------------
+SCHEMES = ("s3://", "gs://")
+
+
+def is_uri(path) -> bool:
+    return isinstance(path, str) and path.startswith(SCHEMES)
+
+
+def filesystem(uri: str):
+    """-> (pyarrow FileSystem, path inside it)."""
+    import pyarrow.fs as pafs
+
+    return pafs.FileSystem.from_uri(uri)
+
+
+def join(base, *parts: str):
+    return "/".join([str(base).rstrip("/"), *parts]) if is_uri(base) else Path(base).joinpath(*parts)
+
+
+def list_files(uri: str, suffix: str = "") -> list[str]:
+    import pyarrow.fs as pafs
+
+    fs, root = filesystem(uri)
+    scheme = uri.split("://", 1)[0] + "://"
+    infos = fs.get_file_info(pafs.FileSelector(root, recursive=False, allow_not_found=True))
+    return sorted(scheme + i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffix))
+
+
+def open_input(path):
+    """A readable binary stream for a local path or a URI (sequential reads only for URIs)."""
+    if is_uri(path):
+        fs, p = filesystem(path)
+        return fs.open_input_stream(p)
+    return open(path, "rb")

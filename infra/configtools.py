@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
@@ -90,6 +91,11 @@ def build(cls, data: Any, prefix: str = ""):
         raise ConfigError(prefix, f"expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    removed = getattr(cls, "REMOVED", {})   # keys an older capline took: said once, then ignored
+    for key in [k for k in data if k in removed and k not in fields]:
+        full = f"{prefix}.{key}" if prefix else str(key)
+        print(f"note: config key '{full}' is no longer used ({removed[key]}); remove it", file=sys.stderr)
+        data = {k: v for k, v in data.items() if k != key}
     unknown = [k for k in data if k not in fields]
     if unknown:
         key = unknown[0]

@@ -1,0 +1,49 @@
+"""Reading members of stored tars by byte range, in few large requests.
+
+The sample index (ingest) records, for each image, its tar, byte offset and size. Reading each image
+with its own ranged request costs one object-store GET per image per stage; here the rows of one
+tar are sorted by offset and merged into spans (a gap up to `max_gap` bytes is read and thrown
+away, a span stops growing at `max_span`), and each span is one `read_at`: a task that reads a whole
+partition issues one request per tar, a task that reads a few scattered samples one per sample.
+"""
+from __future__ import annotations
+
+MAX_GAP = 8 << 20      # read through up to 8 MiB of other members rather than issue another request
+MAX_SPAN = 256 << 20   # but hold no more than this in memory for one request
+
+
+def plan_spans(offsets: list[int], sizes: list[int], max_gap: int = MAX_GAP,
+               max_span: int = MAX_SPAN) -> list[tuple[int, int, list[int]]]:
+    """Rows (indexes into offsets/sizes) grouped into spans -> [(start, end, rows)], by offset."""
+    spans: list[tuple[int, int, list[int]]] = []
+    for i in sorted(range(len(offsets)), key=lambda i: offsets[i]):
+        lo, hi = offsets[i], offsets[i] + sizes[i]
+        if spans and lo - spans[-1][1] <= max_gap and max(hi, spans[-1][1]) - spans[-1][0] <= max_span:
+            start, end, rows = spans[-1]
+            spans[-1] = (start, max(end, hi), rows + [i])
+        else:
+            spans.append((lo, hi, [i]))
+    return spans
+
+
+def read_members(storage, tars: list, offsets: list, sizes: list, counter: dict | None = None,
+                 max_gap: int = MAX_GAP, max_span: int = MAX_SPAN) -> list[bytes | None]:
+    """The bytes of each row's member (None where the row has no tar or offset), each tar opened once
+    and read in spans. `counter`, if given, counts the requests made (`requests`) and bytes read."""
+    out: list[bytes | None] = [None] * len(tars)
+    by_tar: dict[str, list[int]] = {}
+    for i, t in enumerate(tars):
+        if t is not None and offsets[i] is not None:
+            by_tar.setdefault(t, []).append(i)
+    for t, rows in by_tar.items():
+        with storage.fs.open_input_file(storage.path(t)) as f:
+            for start, end, members in plan_spans([offsets[i] for i in rows], [sizes[i] for i in rows],
+                                                  max_gap, max_span):
+                data = f.read_at(end - start, start)
+                if counter is not None:
+                    counter["requests"] = counter.get("requests", 0) + 1
+                    counter["bytes"] = counter.get("bytes", 0) + len(data)
+                for j in members:
+                    i = rows[j]
+                    out[i] = data[offsets[i] - start: offsets[i] - start + sizes[i]]
+    return out

@@ -1,0 +1,200 @@
+"""The executor: the one place that decides how capline's work runs on the cluster.
+
+Stages say what to compute (a function and its calls, or a function over partitions); the executor
+alone decides
+- how many tasks are in flight: from the cluster's CPUs and each task's request, never a fixed
+  small number (a stage that runs 2 tasks at a time on 100 nodes is the bug this module exists for);
+- what a task asks for: never more CPUs than the largest alive node has (a request no node can meet
+  would wait forever), and a request that still cannot be met anywhere (GPUs on a CPU cluster) is
+  refused in one line naming the setting, before anything runs;
+- reuse: a pure per-partition function whose input and fingerprint an earlier run saw is not run
+  again (`map_parts(..., reuse=True)`);
+- what is measured: per call of `run`, the tasks, how many ran at once (from the start and end time
+  each task reports), and the cluster's CPUs, kept in `records` for the stage's stats.
+
+It runs every task through Ray; the driver holds only the calls and the small results.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from infra.errors import UserError
+from infra.progress import Progress
+
+
+@dataclass
+class NodeShape:
+    """What the alive nodes of the cluster declare: total CPUs, the largest node's CPUs and GPUs."""
+    cpus: float
+    largest_cpus: float
+    largest_gpus: float
+    nodes: int
+
+    @classmethod
+    def now(cls) -> "NodeShape":
+        import ray
+
+        alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        cpus = [r.get("CPU", 0.0) for r in alive] or [1.0]
+        gpus = [r.get("GPU", 0.0) for r in alive] or [0.0]
+        return cls(cpus=sum(cpus), largest_cpus=max(cpus), largest_gpus=max(gpus), nodes=len(alive))
+
+
+def fit_request(num_cpus: float, num_gpus: float, shape: NodeShape, what: str, setting: str | None = None) -> float:
+    """The CPUs a task may ask for on this cluster: at most the largest node's. A GPU request that no
+    node can meet is a UserError naming `setting`."""
+    if num_gpus and num_gpus > shape.largest_gpus:
+        where = f"set {setting} to 0 or " if setting else ""
+        raise UserError(f"{what}: its tasks ask for {num_gpus:g} GPU(s) and no node of the cluster has "
+                        f"{'any' if not shape.largest_gpus else f'more than {shape.largest_gpus:g}'}; "
+                        f"{where}add a node with GPUs")
+    return min(num_cpus, shape.largest_cpus) if num_cpus > 0 else num_cpus
+
+
+def in_flight(num_cpus: float, shape: NodeShape) -> int:
+    """Tasks to keep submitted: every CPU busy, and as many again queued so none waits for the driver."""
+    per_task = num_cpus if num_cpus > 0 else 0.25
+    return max(2, int(2 * math.ceil(shape.cpus / per_task)))
+
+
+def max_overlap(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals that hold at one instant (an end at t comes before a start at t)."""
+    events = sorted([(t0, 1) for t0, _ in intervals] + [(t1, -1) for _, t1 in intervals], key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, d in events:
+        now += d
+        most = max(most, now)
+    return most
+
+
+def _timed(fn: Callable, args: tuple, kwargs: dict):
+    """Runs in the worker: the result and when it ran (this node's clock)."""
+    t0 = time.time()
+    out = fn(*args, **kwargs)
+    return t0, time.time(), out
+
+
+@dataclass
+class Executor:
+    log: Callable[[str], None] = print
+    poll_seconds: float = 10.0
+    records: list[dict] = field(default_factory=list)   # one per `run`: what, tasks, at once, CPUs
+
+    def shape(self) -> NodeShape:
+        return NodeShape.now()
+
+    # -- running tasks -----------------------------------------------------------------------------
+    def run(self, fn: Callable, calls: list[tuple], what: str, num_cpus: float = 1.0, num_gpus: float = 0.0,
+            describe: Callable[[tuple], str] | None = None, unit: str = "partitions", max_retries: int = 2,
+            quiet: bool = False, setting: str | None = None, kwargs: list[dict] | None = None) -> list:
+        """`fn(*call)` for every call, in Ray tasks; results in call order. Progress with rate and ETA
+        (a bar on a terminal); a stall is reported, not waited out silently; a task's failure names
+        it, and a UserError raised in a task is said in one line."""
+        import ray
+
+        shape = self.shape()
+        cpus = fit_request(num_cpus, num_gpus, shape, what, setting)
+        remote = ray.remote(num_cpus=cpus, num_gpus=num_gpus or None, max_retries=max_retries)(_timed)
+        limit = in_flight(cpus, shape)
+        describe = describe or (lambda c: "")
+        total = len(calls)
+        results: list = [None] * total
+        intervals: list[tuple[float, float]] = []
+        pending: dict = {}
+        nxt = done = 0
+        progress = Progress(what, total, (lambda m: None) if quiet else self.log, unit=unit)
+        last_done = time.time()
+        t_start = time.time()
+        while done < total:
+            while nxt < total and len(pending) < limit:
+                pending[remote.remote(fn, calls[nxt], kwargs[nxt] if kwargs else {})] = nxt
+                nxt += 1
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.poll_seconds)
+            if not ready:
+                progress.stalled(time.time() - last_done, len(pending))
+                self._check_still_feasible(cpus, num_gpus, what, setting)
+                continue
+            for ref in ready:
+                i = pending.pop(ref)
+                try:
+                    t0, t1, results[i] = ray.get(ref)
+                except Exception as err:
+                    progress.close()
+                    failure = _task_error(err, what, describe(calls[i]) or f"task {i}")
+                    raise failure from (None if isinstance(failure, UserError) else err)
+                intervals.append((t0, t1))
+                done += 1
+                last_done = time.time()
+                progress.update(done)
+        progress.close()
+        if total:
+            self.records.append({"what": what, "tasks": total, "at_once": max_overlap(intervals),
+                                 "cpus_per_task": cpus, "cluster_cpus": shape.cpus, "nodes": shape.nodes,
+                                 "seconds": round(time.time() - t_start, 3)})
+        return results
+
+    def call(self, fn: Callable, *args, what: str, num_cpus: float = 1.0, num_gpus: float = 0.0,
+             setting: str | None = None, **kwargs):
+        """One task (a model to train, a tokenizer): its result."""
+        return self.run(fn, [args], what, num_cpus=num_cpus, num_gpus=num_gpus, quiet=True, setting=setting,
+                        kwargs=[kwargs], unit="tasks")[0]
+
+    def _check_still_feasible(self, cpus: float, gpus: float, what: str, setting: str | None) -> None:
+        """While nothing finishes: a node may have gone, leaving the request larger than any node."""
+        shape = self.shape()
+        if cpus > shape.largest_cpus or (gpus and gpus > shape.largest_gpus):
+            raise UserError(f"{what}: its tasks ask for {cpus:g} CPU(s){f' and {gpus:g} GPU(s)' if gpus else ''} "
+                            f"and no alive node has that much now ({shape.nodes} nodes, largest "
+                            f"{shape.largest_cpus:g} CPUs, {shape.largest_gpus:g} GPUs)"
+                            + (f"; lower {setting} or add a larger node" if setting else "; add a larger node"))
+
+    # -- per-partition functions -----------------------------------------------------------------
+    def map_parts(self, ctx, fn: Callable, tasks: list, num_cpus: float = 1.0, num_gpus: float = 0.0,
+                  what: str | None = None, reuse: bool = False, setting: str | None = None) -> list[dict]:
+        """`fn` over partitions (stages/dataplane.py: PartTask), in tasks that write their own results;
+        -> PartResults. `reuse` (a pure function of the partition and the stage's config): a partition
+        whose input and the stage's fingerprint are those of an earlier run is taken as it is, even
+        when other partitions changed (a scheduled run that appended a URL list file)."""
+        from stages.dataplane import REUSE, run_part, reuse_key
+
+        what = what or ctx.name
+        label = lambda c: f"partition {c[3].part}"   # noqa: E731
+        if not reuse:
+            return self.run(run_part, [(ctx.storage, ctx.name, fn, t, None, None, ctx.notes) for t in tasks], what, num_cpus=num_cpus,
+                            num_gpus=num_gpus, describe=label, setting=setting)
+        folder = f"{ctx.name}/{REUSE}"
+        have = set(ctx.storage.list(folder, ".json"))
+        results: list = [None] * len(tasks)
+        calls, where, used = [], [], set()
+        for i, t in enumerate(tasks):
+            key = reuse_key(ctx.fingerprint, t)
+            record = f"{folder}/{key}.json" if key else None
+            if record:
+                used |= {record, f"{folder}/{key}.parquet"}
+            if record in have:
+                results[i] = ctx.storage.read_json(record)
+            else:
+                calls.append((ctx.storage, ctx.name, fn, t, f"{folder}/{key}.parquet" if key else None, record,
+                              ctx.notes))
+                where.append(i)
+        if len(calls) < len(tasks):
+            self.log(f"{ctx.name}: {len(tasks) - len(calls)} partitions unchanged since an earlier run, reused; "
+                     f"{len(calls)} to compute")
+        for i, r in zip(where, self.run(run_part, calls, what, num_cpus=num_cpus, num_gpus=num_gpus,
+                                        describe=label, setting=setting)):
+            results[i] = r
+        for stale in set(ctx.storage.list(folder)) - used:
+            ctx.storage.delete(stale)    # partitions no later run can match: the source lost them
+        return results
+
+
+def _task_error(err: Exception, what: str, label: str) -> Exception:
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, UserError):   # the input's fault, said in one line: not a crash
+        return UserError(f"{what}: {label}: {cause}")
+    text = str(err).strip()
+    return RuntimeError(f"{what}: {label} failed: {type(err).__name__}: "
+                        f"{text.splitlines()[-1][:300] if text else ''}")

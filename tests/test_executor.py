@@ -1,0 +1,224 @@
+"""The executor (pipeline/executor.py) and the tar range reader (infra/tars.py): unit tests of their
+logic, and the executor on a Ray cluster that declares many logical CPUs, running fake stages of
+every kind through the runner."""
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+
+import pyarrow as pa
+import pytest
+
+from infra.errors import UserError
+from infra.storage import Storage
+from infra.tars import plan_spans, read_members
+from pipeline.executor import NodeShape, fit_request, in_flight, max_overlap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_max_overlap_counts_tasks_running_at_one_instant():
+    assert max_overlap([]) == 0
+    assert max_overlap([(0, 1), (1, 2), (2, 3)]) == 1          # an end at t comes before a start at t
+    assert max_overlap([(0, 10), (1, 2), (1.5, 3), (2.5, 4)]) == 3
+    assert max_overlap([(0, 5)] * 16) == 16
+
+
+def test_requests_fit_the_largest_node_and_in_flight_follows_the_cluster():
+    one_cpu_nodes = NodeShape(cpus=4, largest_cpus=1, largest_gpus=0, nodes=4)
+    assert fit_request(8, 0, one_cpu_nodes, "scorer") == 1      # never more than a node has: it would never run
+    assert fit_request(0.5, 0, one_cpu_nodes, "x") == 0.5
+    with pytest.raises(UserError, match=r"clip_score: .*1 GPU\(s\) and no node .* has any; set stages.clip_score.gpus_per_worker to 0"):
+        fit_request(1, 1, one_cpu_nodes, "clip_score", "stages.clip_score.gpus_per_worker")
+    big = NodeShape(cpus=3200, largest_cpus=32, largest_gpus=8, nodes=100)
+    assert fit_request(1, 1, big, "x") == 1
+    assert in_flight(1, big) >= 3200                           # every CPU of 100 nodes busy, not 2
+    assert in_flight(0.5, NodeShape(cpus=16, largest_cpus=16, largest_gpus=0, nodes=1)) >= 32
+    assert in_flight(1, NodeShape(cpus=2, largest_cpus=2, largest_gpus=0, nodes=1)) >= 2
+
+
+def test_spans_merge_neighbours_and_stop_at_gaps_and_size():
+    offsets, sizes = [0, 100, 200, 10_000], [100, 100, 50, 10]
+    assert plan_spans(offsets, sizes, max_gap=0) == [(0, 250, [0, 1, 2]), (10_000, 10_010, [3])]
+    assert plan_spans(offsets, sizes, max_gap=20_000) == [(0, 10_010, [0, 1, 2, 3])]
+    assert [s[2] for s in plan_spans(offsets, sizes, max_gap=20_000, max_span=200)] == [[0, 1], [2], [3]]
+    assert plan_spans([300, 0], [10, 10], max_gap=1000) == [(0, 310, [1, 0])]     # by offset, any row order
+
+
+def _tar(path, members: dict[str, bytes]) -> dict[str, tuple[int, int]]:
+    """Write a tar; -> member -> (data offset, size)."""
+    where = {}
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with tarfile.open(path) as tar:
+        for m in tar.getmembers():
+            where[m.name] = (m.offset_data, m.size)
+    return where
+
+
+def test_a_partition_of_images_is_one_request_per_tar(tmp_path):
+    a = {f"{i:03d}.jpg": os.urandom(500 + i) for i in range(200)}
+    b = {f"b{i:03d}.jpg": os.urandom(300) for i in range(50)}
+    wa, wb = _tar(tmp_path / "a.tar", a), _tar(tmp_path / "b.tar", b)
+    rows = [("a.tar", *wa[n], a[n]) for n in a] + [("b.tar", *wb[n], b[n]) for n in b] + [(None, None, None, None)]
+    rows = rows[::-1]   # in no particular order, as a partition holds them
+    counter = {}
+    got = read_members(Storage.local(tmp_path), [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                       counter=counter)
+    assert got == [r[3] for r in rows]
+    assert counter["requests"] == 2                            # 250 images, two tars: two reads, not 250
+    counter = {}
+    scattered = read_members(Storage.local(tmp_path), ["a.tar", "a.tar"], [wa["000.jpg"][0], wa["199.jpg"][0]],
+                             [wa["000.jpg"][1], wa["199.jpg"][1]], counter=counter, max_gap=1000)
+    assert scattered == [a["000.jpg"], a["199.jpg"]] and counter["requests"] == 2   # far apart: no reading between
+
+
+CLUSTER_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    sys.path.insert(0, {root!r})
+    from infra import offline
+    offline.apply()
+    import pyarrow as pa
+    import ray.cloudpickle
+    from infra.ray_runtime import RayConfig, ray_session
+    from pipeline.config import load_config
+    from pipeline.runner import run_pipeline
+    from stages.base import DROPPED, KEPT, Decide, Filter, Sink, Source, StageResult
+    from stages.dataplane import keyset_sum, write_part
+
+    def numbers(storage, part, start, stop):
+        keys = [f"k{{i:05d}}" for i in range(start, stop)]
+        t = pa.table({{"key": keys, "verdict": [KEPT] * len(keys), "reason": [""] * len(keys)}})
+        return write_part(storage, "numbers", part, None, keys, t)
+
+    class Numbers(Source):
+        name = "numbers"
+        def section(self, config):
+            return {{"n": 640}}
+        def run(self, ctx):
+            return StageResult(ctx.run(numbers, [(ctx.storage, f"p{{i // 20:03d}}", i, i + 20) for i in range(0, 640, 20)],
+                                       num_cpus=1))
+
+    def slow_judge(table, cfg):
+        time.sleep(0.4)
+        keys = table.column("key").to_pylist()
+        odd = [int(k[1:]) % 2 == 1 for k in keys]
+        return pa.table({{"key": keys, "verdict": [DROPPED if o else KEPT for o in odd],
+                         "reason": ["odd" if o else "" for o in odd]}}), {{}}
+
+    class Odd(Filter):
+        name = "odd"
+        reasons = ("odd",)
+        judge = staticmethod(slow_judge)
+        def section(self, config):
+            return {{}}
+        def cpus(self, cfg):
+            return 1.0
+
+    def count_part(storage, file):
+        time.sleep(0.4)
+        t = storage.read_table(file)
+        return t.num_rows
+
+    def every_third(table, keep):
+        keys = table.column("key").to_pylist()
+        return pa.table({{"key": keys, "verdict": [KEPT if (int(k[1:]) // 2) % keep == 0 else DROPPED for k in keys],
+                         "reason": ["" if (int(k[1:]) // 2) % keep == 0 else "thinned" for k in keys]}}), {{}}
+
+    class Thin(Decide):
+        name = "thin"
+        def section(self, config):
+            return {{}}
+        def measure(self, ctx):
+            return sum(ctx.run(count_part, [(ctx.storage, u["file"]) for u in ctx.upstream], num_cpus=1))
+        def decide(self, ctx, total):
+            return 3 if total > 100 else 1
+        def apply(self, ctx, total, keep):
+            return StageResult(ctx.map_parts(every_third, num_cpus=1, keep=keep))
+
+    def read_all(storage, file):
+        from stages.dataplane import read_kept
+        keys = read_kept(storage, file, ["key"]).column("key").to_pylist()
+        return len(keys), keyset_sum(keys)
+
+    class Count(Sink):
+        name = "count"
+        lose = False
+        def section(self, config):
+            return {{"lose": self.lose}}
+        def run(self, ctx):
+            got = ctx.run(read_all, [(ctx.storage, u["file"]) for u in ctx.upstream], num_cpus=1)
+            n = sum(g[0] for g in got) - (1 if self.lose else 0)
+            from stages.dataplane import add_sums
+            return StageResult([], {{"counted": n}}, consumed=(n, add_sums(*(g[1] for g in got))))
+
+    def big_task():
+        return "ran"
+
+    class Big(Sink):
+        name = "big"
+        def section(self, config):
+            return {{}}
+        def run(self, ctx):
+            return StageResult([], {{"big": ctx.call(big_task, num_cpus=64)}})
+
+    def gpu_task():
+        return "never"
+
+    class Gpu(Sink):
+        name = "gpu"
+        def section(self, config):
+            return {{}}
+        def run(self, ctx):
+            return StageResult([], {{"gpu": ctx.call(gpu_task, num_gpus=1, setting="stages.gpu.gpus")}})
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    out = {{}}
+    with ray_session(RayConfig(num_cpus=16, object_store_memory_mb=256), log=lambda m: None):
+        stages = [Numbers(), Odd(), Thin(), Count(), Big()]
+        out["summary"] = run_pipeline(load_config(None, []), Path(sys.argv[1]), log=lambda m: None, stages=stages, observers=[])
+        lost = Count(); lost.lose = True
+        try:
+            run_pipeline(load_config(None, []), Path(sys.argv[1]), log=lambda m: None, stages=[Numbers(), Odd(), Thin(), lost],
+                         observers=[])
+        except RuntimeError as err:
+            out["lost"] = str(err)
+        try:
+            run_pipeline(load_config(None, []), Path(sys.argv[1]), log=lambda m: None, stages=[Numbers(), Gpu()], observers=[])
+        except Exception as err:
+            out["gpu"] = type(err).__name__ + ": " + str(err)
+    print("RESULT " + json.dumps(out))
+""")
+
+
+@pytest.mark.slow   # starts its own Ray cluster (16 logical CPUs) in a subprocess
+def test_executor_fills_a_cluster_of_many_cpus_with_stages_of_every_kind(tmp_path):
+    script = tmp_path / "cluster.py"
+    script.write_text(CLUSTER_SCRIPT.format(root=ROOT))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(line[0][len("RESULT "):])
+    s = out["summary"]
+    assert s["numbers"]["kept"] == 640 and s["odd"]["kept"] == 320 and s["odd"]["dropped"] == {"odd": 320}
+    assert s["thin"]["in"] == 320 and s["thin"]["dropped"] == {"thinned": 320 - s["thin"]["kept"]}
+    assert s["count"] == {**s["count"], "in": s["thin"]["kept"], "counted": s["thin"]["kept"]}
+    # 32 partitions of 0.4 s each on 16 declared CPUs: the executor keeps them all busy, not 2
+    odd = [r for r in s["odd"]["tasks"] if r["tasks"] == 32][0]
+    assert odd["cluster_cpus"] == 16 and odd["at_once"] >= 8, odd
+    measure = [r for r in s["thin"]["tasks"] if r["tasks"] == 32][0]
+    assert measure["at_once"] >= 8, measure
+    assert s["big"]["big"] == "ran" and s["big"]["tasks"][0]["cpus_per_task"] == 16   # 64 asked, the node has 16
+    assert not (tmp_path / "run" / "count" / "ledger").exists()                       # a sink writes no ledger
+    n = s["thin"]["kept"]
+    assert f"stage count: {n} samples were kept before it, it read {n - 1}" in out["lost"]
+    assert out["gpu"].startswith("UserError: gpu: its tasks ask for 1 GPU(s) and no node of the cluster has any; "
+                                 "set stages.gpu.gpus to 0")
