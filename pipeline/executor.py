@@ -70,8 +70,9 @@ def max_overlap(intervals: list[tuple[float, float]]) -> int:
     return most
 
 
-def _timed(fn: Callable, args: tuple, kwargs: dict):
-    """Runs in the worker: the result and when it ran (this node's clock)."""
+def _timed(fn: Callable, *args, **kwargs):
+    """Runs in the worker: the result and when it ran (this node's clock). The call's arguments stay
+    top-level arguments of the task, so Ray resolves any ObjectRef among them (an index put once)."""
     t0 = time.time()
     out = fn(*args, **kwargs)
     return t0, time.time(), out
@@ -110,7 +111,7 @@ class Executor:
         t_start = time.time()
         while done < total:
             while nxt < total and len(pending) < limit:
-                pending[remote.remote(fn, calls[nxt], kwargs[nxt] if kwargs else {})] = nxt
+                pending[remote.remote(fn, *calls[nxt], **(kwargs[nxt] if kwargs else {}))] = nxt
                 nxt += 1
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.poll_seconds)
             if not ready:

@@ -78,12 +78,16 @@ def test_ingest_size_bounds_moved_to_basic_say_where():
 
 def test_scores_get_the_names_users_read_in_the_shards_json():
     from stages.dataplane import add_notes
+    from stages.registry import by_name
+
+    def notes(stage):
+        return add_notes(t, stage, by_name(stage).note_names()).column("notes")[0].as_py()
 
     t = pa.table({"key": ["a"], "verdict": ["kept"], "score": [0.5], "detail": ["en"], "notes": [None]})
-    assert json.loads(add_notes(t, "clip_score").column("notes")[0].as_py()) == {"clip_score": 0.5,
-                                                                               "clip_score_detail": "en"}
-    assert json.loads(add_notes(t, "language").column("notes")[0].as_py()) == {"language_score": 0.5, "language": "en"}
-    assert add_notes(t, "ingest").column("notes")[0].as_py() is None
+    assert json.loads(notes("clip_score")) == {"clip_score": 0.5, "clip_score_detail": "en"}
+    assert json.loads(notes("language")) == {"language_score": 0.5, "language": "en"}
+    assert json.loads(notes("basic")) == {"basic_score": 0.5, "basic_detail": "en"}
+    assert notes("ingest") is None
 
 
 def test_evaluation_rows_have_every_shot_count_and_headline_metrics():
