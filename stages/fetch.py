@@ -40,7 +40,7 @@ from PIL import Image
 
 import img2dataset.downloader as _i2d
 
-from .ingest import FORMATS
+from infra.media import FORMATS
 
 METADATA_HOSTS = {"metadata.google.internal", "metadata", "instance-data"}
 # special-purpose blocks refused whole (Python's is_global leaves a few of their addresses global)

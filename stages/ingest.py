@@ -42,7 +42,7 @@ from .synthetic import SERVER_PLACEHOLDER
 
 
 # the formats a pretraining image can be; PIL opens ~40 (EPS runs Ghostscript where it is installed)
-FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+from infra.media import FORMATS  # noqa: E402 - the one allow-list
 
 
 @dataclass
