@@ -247,7 +247,10 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     files.update(driver)
     for stale in sorted(set(before) - set(files)):
         ctx.storage.delete(stale)        # produced by the last finish, not by this one
-    chain = in_digest if stage.kind == "sink" else None
+    # a sink that wrote nothing the digest can see (a model lives in train/model, evaluated on the
+    # driver) is what it was made from; one that writes files (tokenizer, shards) is its files alone,
+    # so the same shards have the same digest whatever config came before them
+    chain = in_digest if stage.kind == "sink" and not parts and not result.files else None
     marker = {"input_digest": in_digest, "output_digest": output_digest(parts, result.files, chain),
               "upstream_digest": upstream_digest, **({"chain": chain} if chain else {}),
               "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -73,3 +73,15 @@ def test_config_survives_a_json_round_trip_unchanged():
     again = build(RunConfig, json.loads(json.dumps(cfg.to_dict())))
     assert again == cfg and again.digest() == cfg.digest()
     assert isinstance(cfg.source.defects.huge_pixels, float)
+
+
+def test_a_parallelism_cap_of_an_older_capline_is_ignored_with_a_note(capsys):
+    """dedup, language, clip_score and shard took `num_workers` (tasks in flight for the whole
+    cluster); the executor sizes that from the cluster now: an old config still loads, and says so."""
+    old = load_config(None, ["stages.dedup.num_workers=2", "stages.shard.num_workers=8"])
+    assert old.stages == load_config(None, []).stages
+    err = capsys.readouterr().err
+    assert "config key 'stages.dedup.num_workers' is no longer used (the executor sizes parallelism" in err
+    assert "stages.shard.num_workers" in err
+    with pytest.raises(ConfigError, match="stages.basic.num_workers"):
+        load_config(None, ["stages.basic.num_workers=2"])      # basic never had it: still an unknown key
