@@ -21,7 +21,9 @@ import numpy as np
 from infra.configtools import join, require
 from infra.errors import UserError
 
-SCORING_FAMILIES = ("clip", "siglip", "coca")
+from trainers.families import with_text_embedding
+
+SCORING_FAMILIES = with_text_embedding()   # a scorer needs an image and a caption embedding
 
 
 @dataclass
@@ -136,6 +138,7 @@ def train_bootstrap(images: list[bytes], captions: list[str], cfg: BootstrapConf
     from trainers.models import build_model
     from trainers.models.checkpoint import save_model
     from trainers.models.config import ModelConfig
+    from trainers.fit import fit
     from trainers.optim import lr_factor
 
     from .tokenizer import TokenizerConfig, train_sentencepiece
@@ -152,23 +155,22 @@ def train_bootstrap(images: list[bytes], captions: list[str], cfg: BootstrapConf
                        image_size=cfg.image_size, **cfg.model_args)
     mcfg.validate("stages.clip_score.bootstrap.model_args")
     model = build_model(mcfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.05)
     rng = np.random.default_rng(seed)
     n, b = len(captions), min(cfg.batch_size, len(captions))
     losses = []
     model.train()
-    for step in range(cfg.steps):
-        for g in opt.param_groups:
-            g["lr"] = cfg.lr * lr_factor(step, max(1, cfg.steps // 10), cfg.steps)
+
+    def loss_of(step: int):
         idx = torch.from_numpy(rng.choice(n, size=b, replace=False))
-        loss, _ = model.loss(x[idx], t[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(float(loss.detach()))
+        return model.loss(x[idx], t[idx])[0]
+
+    def on_step(step: int, loss: float) -> None:
+        losses.append(loss)
         if (step + 1) % max(1, cfg.steps // 4) == 0:
             log(f"clip_score: bootstrap scorer step {step + 1}/{cfg.steps}, loss {np.mean(losses[-20:]):.3f}")
+
+    fit(model.parameters(), cfg.steps, loss_of, cfg.lr, weight_decay=0.05, clip_norm=1.0, on_step=on_step,
+        schedule=lambda step: lr_factor(step, max(1, cfg.steps // 10), cfg.steps))
     save_model(model, mcfg, out)
     return {"kind": "bootstrap", "path": str(out), "family": "clip", "trained_on": n, "steps": cfg.steps,
             "final_loss": float(np.mean(losses[-20:])), "chance_loss": float(np.log(b)),

@@ -240,3 +240,28 @@ def test_every_family_runs_on_the_inputs_device(family):
         assert m.score_parallel(x, y).shape == (2, 2)
     if family in ("clip", "siglip", "coca"):
         assert m.score(x, y).shape == (2, 2)
+
+
+def test_every_dispatch_on_a_family_reads_its_spec():
+    """One registry (trainers/families.py): the config's choices, the builders, the training tasks,
+    the scorer's families and CapPa's parallel fraction all come from it."""
+    import typing
+
+    from stages.scorer import SCORING_FAMILIES
+    from trainers.families import SPECS, spec
+    from trainers.models import FAMILIES, ModelConfig, build_model
+    from trainers.tasks import make_task
+    from trainers.train_config import TrainConfig
+
+    assert set(SPECS) == set(FAMILIES) == set(typing.get_args(typing.get_type_hints(ModelConfig)["family"])) \
+        == set(typing.get_args(typing.get_type_hints(TrainConfig)["model"]))
+    assert SCORING_FAMILIES == ("clip", "siglip", "coca")
+    for name, s in SPECS.items():
+        assert make_task(ModelConfig(family=name)).__class__.__name__ == s.task
+        if not s.needs_encoder:
+            m = build_model(ModelConfig(family=name, vocab_size=50, max_len=8, image_size=16, width=32, depth=1,
+                                        heads=2, mlp=64, patch=8))
+            assert s.embeds_text == hasattr(m, "score") or s.captioner
+    assert ModelConfig(family="cappa").pa_prob == 0.75 and ModelConfig(family="cap").pa_prob == 0.0
+    with pytest.raises(ValueError, match="unknown model family 'vit'; choose one of cap, cappa"):
+        spec("vit")

@@ -1,6 +1,8 @@
 """Start a training job: checks, the MLflow run, and a Ray Train TorchTrainer (gloo on CPU, NCCL on GPU)."""
 from __future__ import annotations
 
+from trainers.families import spec
+
 import dataclasses
 from pathlib import Path
 
@@ -57,7 +59,7 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
             raise UserError(f"train.lm_checkpoint {tc.lm_checkpoint}: not a capline model checkpoint")
         lm_rel = f"{out_rel}/lm_checkpoint"
         storage.put_dir(lm_rel, tc.lm_checkpoint)
-    if tc.model == "clipcap":   # refuse a frozen random LM here, not in every worker after Ray starts
+    if spec(tc.model).needs_encoder:   # refuse a frozen random LM here, not in every worker after Ray starts
         from .tasks import make_task
 
         make_task(mc, tc.image_encoder, tc.lm_checkpoint).build()

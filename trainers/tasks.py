@@ -74,6 +74,6 @@ class PrefixCaptioningTask(Task):
 
 
 def make_task(model_cfg: ModelConfig, image_encoder: str | None = None, lm: str | None = None) -> Task:
-    cls = {"cap": CaptioningTask, "cappa": CaptioningTask, "clip": ContrastiveTask, "siglip": ContrastiveTask,
-           "coca": CoCaTask, "clipcap": PrefixCaptioningTask}[model_cfg.family]
-    return cls(model_cfg, image_encoder, lm)
+    from .families import spec
+
+    return globals()[spec(model_cfg.family).task](model_cfg, image_encoder, lm)

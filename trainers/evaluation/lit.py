@@ -14,7 +14,7 @@ The encoder never changes: its parameters are frozen and it runs in eval mode un
 from __future__ import annotations
 
 import dataclasses
-import time
+from trainers.fit import fit
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +41,9 @@ def features_from_tokens(model, tokens: torch.Tensor) -> torch.Tensor:
     needs both runs the encoder once."""
     inner = getattr(model, "image_encoder", None)
     inner = inner if inner is not None else model
-    if inner.cfg.family in ("clip", "siglip"):
+    from trainers.families import spec
+
+    if spec(inner.cfg.family).pooled_by_head:
         return inner.encoder.pooled(tokens)
     return tokens.mean(1)
 
@@ -53,17 +55,8 @@ def _batches(shards: list[Path], tokenizer: Path, batch: int, image_size: int, m
 
 
 def _fit(params, batches, steps: int, lr: float, loss_of) -> tuple[float, float]:
-    """The one small loop these evaluations train with: AdamW on `params`, loss_of(batch) per step.
-    -> (last loss, seconds)."""
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    t0, loss = time.perf_counter(), float("nan")
-    for _ in range(steps):
-        out = loss_of(next(batches))
-        opt.zero_grad(set_to_none=True)
-        out.backward()
-        opt.step()
-        loss = out.item()
-    return loss, time.perf_counter() - t0
+    """These evaluations' towers: AdamW (weight decay 0.01) on `params`, the next batch each step."""
+    return fit(params, steps, lambda _: loss_of(next(batches)), lr, weight_decay=0.01)
 
 
 def _frozen(module: nn.Module) -> nn.Module:
@@ -146,15 +139,9 @@ def map_probe(train_tokens: torch.Tensor, train_y: np.ndarray, test_tokens: torc
     pool = MAPHead(d, cfg.num_heads, cfg.mlp_dim).to(dev)
     linear = nn.Linear(d, k).to(dev)
     train_tokens = train_tokens.to(dev)
-    params = [*pool.parameters(), *linear.parameters()]
-    opt = torch.optim.Adam(params, lr=lr)
     y = torch.from_numpy(train_y).to(dev)
-    for _ in range(steps):
-        logits = linear(pool(train_tokens)[:, 0])
-        loss = F.cross_entropy(logits, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+    fit([*pool.parameters(), *linear.parameters()], steps,                  # full batch, Adam
+        lambda _: F.cross_entropy(linear(pool(train_tokens)[:, 0]), y), lr, optimizer="adam")
     with torch.no_grad():
         pred = torch.cat([linear(pool(test_tokens[i:i + 256].to(dev))[:, 0]).argmax(1).cpu()
                           for i in range(0, len(test_tokens), 256)]).numpy()

@@ -11,6 +11,8 @@ run's training is in MLflow, to that MLflow run as a table and headline metrics.
 """
 from __future__ import annotations
 
+from trainers.families import spec
+
 import json
 import time
 from pathlib import Path
@@ -166,8 +168,8 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
     if not tok.is_file():
         raise UserError(f"{run_dir}: no tokenizer/spm.model to evaluate with")
     sp = spm.SentencePieceProcessor(model_file=str(tok))
-    writes = cfg.family in ("cap", "cappa", "coca", "clipcap")
-    captioner = cfg.family in ("cap", "cappa")
+    family = spec(cfg.family)
+    writes, captioner = family.writes, family.captioner
     results: dict = {"model": cfg.family, "size": cfg.size, "checkpoint": str(model_dir), "skipped": []}
     skip = results["skipped"].append
     timings = {}
@@ -185,12 +187,12 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
     lit_decoder = None
     if "captioning" in tasks and ec.captioning:
         t0 = time.perf_counter()
-        if ec.lit_decoder.steps and shards and cfg.family != "clipcap":
+        if ec.lit_decoder.steps and shards and family.lit_decoder:
             from .lit import train_lit_decoder
 
             lit_decoder = train_lit_decoder(model, cfg, shards, tok, ec.lit_decoder, seed, log)
-        elif cfg.family == "clipcap":
-            skip("captioning (LiT decoder): clipcap is itself a decoder trained on a frozen encoder")
+        elif not family.lit_decoder:
+            skip(f"captioning (LiT decoder): {cfg.family} is itself a decoder trained on a frozen encoder")
         elif not ec.lit_decoder.steps:
             skip("captioning (LiT decoder): eval.lit_decoder.steps is 0")
         else:
@@ -222,8 +224,8 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
             skip(f"zero-shot (LiT): no shards in {run_dir}/shard/shards to train a text tower on")
         elif captioner:
             skip("zero-shot (LiT): eval.lit.steps is 0")
-        if cfg.family == "clipcap":
-            skip("zero-shot: clipcap's prefix LM scores are not a zero-shot classifier here")
+        if not (captioner or family.embeds_text):
+            skip(f"zero-shot: {cfg.family}'s prefix LM scores are not a zero-shot classifier here")
         zs = {}
         for s in ec.zeroshot:
             images, labels = load_classification(s, run_dir)
@@ -237,7 +239,7 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
             if captioner:
                 scorers += [("ar", lambda: _batched(model.score_ar, x, cands, device=dev), "logsumexp"),
                             ("parallel", lambda: _batched(model.score_parallel, x, cands, device=dev), "logsumexp")]
-            if cfg.family in ("clip", "siglip", "coca"):
+            if family.embeds_text:
                 scorers.append(("cosine", lambda: _batched(model.score, x, cands, device=dev), "max"))
             if lit_text is not None:
                 scorers.append(("lit", lambda: _batched(lit_text.score, x, cands, device=dev), "max"))

@@ -91,7 +91,9 @@ class ModelConfig:
     def pa_prob(self) -> float:
         if self.masked_pred_prob is not None:
             return self.masked_pred_prob
-        return 0.75 if self.family == "cappa" else 0.0
+        from trainers.families import spec
+
+        return spec(self.family).parallel_fraction
 
     @property
     def out_dim(self) -> int:
