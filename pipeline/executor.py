@@ -159,7 +159,7 @@ class Executor:
         -> PartResults. `reuse` (a pure function of the partition and the stage's config): a partition
         whose input and the stage's fingerprint are those of an earlier run is taken as it is, even
         when other partitions changed (a scheduled run that appended a URL list file)."""
-        from stages.dataplane import REUSE, run_part, reuse_key
+        from stages.dataplane import REUSE, PartResult, run_part, reuse_key
 
         what = what or ctx.name
         label = lambda c: f"partition {c[3].part}"   # noqa: E731
@@ -176,7 +176,7 @@ class Executor:
             if record:
                 used |= {record, f"{folder}/{key}.parquet"}
             if record in have:
-                results[i] = ctx.storage.read_json(record)
+                results[i] = PartResult.from_json(ctx.storage.read_json(record))
             else:
                 calls.append((ctx.storage, ctx.name, fn, t, f"{folder}/{key}.parquet" if key else None, record,
                               ctx.notes))

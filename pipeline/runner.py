@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from stages.base import Stage, StageContext
-from stages.dataplane import Storage, check_parts
+from stages.dataplane import PartResult, Storage, check_parts, parts_from_json
 from stages.registry import STAGES
 from infra.errors import UserError
 
@@ -36,14 +36,14 @@ def stage_names(stages: list[Stage] | None = None) -> list[str]:
     return [s.name for s in (stages or STAGES)]
 
 
-def output_digest(parts: list[dict], files: dict[str, str], chain: str | None = None) -> str:
+def output_digest(parts: list[PartResult], files: dict[str, str], chain: str | None = None) -> str:
     """From what the writers recorded: each partition's file and sha256, and the stage's other files.
     `chain` (a sink's input digest): a sink writes few files or none, so what it was made from is part
     of what it made (a model trained on other shards is another output even if no file says so)."""
     h = hashlib.sha256()
     if chain:
         h.update(f"chain\0{chain}\n".encode())
-    entries = sorted([(p["file"], p["sha256"]) for p in parts] + list(files.items()))
+    entries = sorted([(p.file, p.sha256) for p in parts] + list(files.items()))
     for rel, sha in entries:
         h.update(f"{rel}\0{sha}\n".encode())
     return h.hexdigest()
@@ -169,11 +169,12 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
         sdir = run_dir / stage.name
         in_digest = hashlib.sha256((stage.fingerprint(cfg) + prev_digest).encode()).hexdigest()
         marker = controls.read(stage.name, "_SUCCESS")
-        parts = controls.read(stage.name, "parts.json") if marker else None
+        parts = parts_from_json(controls.read(stage.name, "parts.json")) if marker else None
         if marker and marker.get("input_digest") == in_digest and parts is not None:
             log(f"{stage.name}: done before with the same input, skipped")
             if controls.mirror and not (sdir / "_SUCCESS").is_file():   # the working copy's view of it
-                for name, obj in (("parts.json", parts), ("stats.json", controls.read(stage.name, "stats.json")),
+                for name, obj in (("parts.json", [p.to_json() for p in parts]),
+                                  ("stats.json", controls.read(stage.name, "stats.json")),
                                   ("_SUCCESS", marker)):
                     controls.write_local(stage.name, name, obj)
         elif stage.name not in wanted:
@@ -231,17 +232,17 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     first_record = len(ctx.executor.records)
     result = stage.run(ctx)
     counts = _check(stage, ctx, result)
-    written = {p["file"] for p in result.parts}
+    written = {p.file for p in result.parts}
     for stale in ctx.storage.list(f"{stage.name}/ledger", ".parquet"):
         if stale not in written:
             ctx.storage.delete(stale)    # partitions of an earlier, larger input
     wall = time.time() - t0
-    parts = sorted(result.parts, key=lambda p: p["part"])
-    controls.write(stage.name, "parts.json", parts)
+    parts = sorted(result.parts, key=lambda p: p.part)
+    controls.write(stage.name, "parts.json", [p.to_json() for p in parts])
     stats = {"stage": stage.name, **counts, "partitions": len(parts), "wall_seconds": round(wall, 3),
              **result.extra_stats, "tasks": ctx.executor.records[first_record:]}
     controls.write(stage.name, "stats.json", stats)
-    files = {p["file"]: p["sha256"] for p in parts}
+    files = {p.file: p.sha256 for p in parts}
     files.update(result.files)
     driver = store.push_stage(stage.name, ctx.log, before) if store is not None and store.uri else {}
     files.update(driver)
@@ -270,10 +271,10 @@ def _check(stage: Stage, ctx: StageContext, result) -> dict:
         return check_parts(stage.name, result.parts, ctx.upstream)
     from stages.dataplane import add_sums
 
-    n = sum(u["kept"] for u in ctx.upstream or [])
+    n = sum(u.kept for u in ctx.upstream or [])
     if result.consumed is not None:
         got, checksum = result.consumed
-        if got != n or int(checksum) != add_sums(*(u["kept_sum"] for u in ctx.upstream or [])):
+        if got != n or int(checksum) != add_sums(*(u.kept_sum for u in ctx.upstream or [])):
             raise RuntimeError(f"stage {stage.name}: {n} samples were kept before it, it read {got} "
                                "(key-set checksums differ): a sample was lost or added")
     return {"in": n, "kept": n, "dropped": {}}

@@ -120,6 +120,8 @@ class RunStore:
         that inspect a run locally). -> files fetched."""
         if not self.uri:
             return 0
+        from stages.dataplane import parts_from_json
+
         from .runner import output_digest
 
         storage = self.storage()
@@ -140,11 +142,11 @@ class RunStore:
             for name in CONTROL[:-1]:
                 if storage.exists(f"{stage}/{name}"):
                     n += self._download(storage, f"{stage}/{name}", None)
-            parts = json.loads((self.local / stage / "parts.json").read_text()) \
+            parts = parts_from_json(json.loads((self.local / stage / "parts.json").read_text())) \
                 if (self.local / stage / "parts.json").is_file() else []
             outputs = marker.get("outputs", {})
             if "files" in marker and (output_digest(parts, outputs, marker.get("chain")) != marker.get("output_digest") or any(
-                    files.get(p["file"]) != p["sha256"] for p in parts)):
+                    files.get(p.file) != p.sha256 for p in parts)):
                 raise UserError(f"storage: {self.uri}/{stage}: its _SUCCESS does not match its parts.json "
                                 "(a stale _SUCCESS, or files rewritten after it); rerun the stage")
             n += self._download(storage, f"{stage}/_SUCCESS", None)   # last: finished here once whole

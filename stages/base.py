@@ -64,7 +64,7 @@ class StageContext:
         import ray
         from ray.data.expressions import col
 
-        files = [self.storage.path(u["file"]) for u in self.upstream or [] if u["kept"]]
+        files = [self.storage.path(u.file) for u in self.upstream or [] if u.kept]
         ds = ray.data.read_parquet(files, filesystem=self.storage.fs)
         ds = ds.filter(expr=col("verdict") == KEPT)
         return ds.select_columns(columns) if columns else ds
@@ -78,7 +78,7 @@ class StageContext:
 
     @property
     def n_in(self) -> int:
-        return sum(u["kept"] for u in self.upstream or [])
+        return sum(u.kept for u in self.upstream or [])
 
 
 @dataclass
@@ -197,7 +197,7 @@ def read_ledger(where, stage: str, columns: list[str] | None = None, filters=Non
     storage = _as_storage(where)
     parts = storage.read_json(f"{stage}/parts.json")
     if parts is not None:
-        files = [p["file"] for p in parts]
+        files = [p["file"] for p in parts]   # the file's JSON: tools read a finished run
     else:   # a stage still running: what its workers have written so far
         files = storage.list(f"{stage}/ledger", ".parquet")
     if not files:

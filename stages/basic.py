@@ -115,7 +115,7 @@ class BasicStage(Filter):
 
     def finish(self, ctx: StageContext, parts: list[dict]) -> StageResult:
         cfg: BasicConfig = ctx.cfg
-        repaired = sum(p["extra"]["repaired"] for p in parts)
+        repaired = sum(p.extra["repaired"] for p in parts)
         shown = write_examples(ctx, parts, cfg.examples_per_reason, "Basic filter")
         ctx.log(f"basic: {repaired} captions repaired; examples in {shown}")
         return StageResult(parts, {"enabled": cfg.enabled, "captions_repaired": repaired,

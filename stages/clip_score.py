@@ -198,7 +198,7 @@ class ClipScoreStage(Decide):
         """Each partition scored by the workers (scores written beside the stage); their counts per value."""
         cfg: ClipScoreConfig = ctx.cfg
         scorer = self._scorer(ctx, cfg)
-        found = ctx.run(_score_task, [(ctx.storage, u["part"], u["file"], SCORER_DIR, scorer["sha256"], cfg.device)
+        found = ctx.run(_score_task, [(ctx.storage, u.part, u.file, SCORER_DIR, scorer["sha256"], cfg.device)
                                       for u in ctx.upstream or []], "clip_score", num_cpus=cfg.cpus_per_worker,
                         num_gpus=cfg.gpus_per_worker, setting="stages.clip_score.gpus_per_worker",
                         describe=lambda c: f"partition {c[1]}")
@@ -215,7 +215,7 @@ class ClipScoreStage(Decide):
         cut, m = cut_from_counts(measured.counts, ctx.n_in, cfg.keep_fraction)
         last = None
         if cut is not None and m < measured.counts[cut]:
-            keys = sorted(k for ks in ctx.run(_tied_task, [(ctx.storage, u["part"], cut) for u in ctx.upstream or []],
+            keys = sorted(k for ks in ctx.run(_tied_task, [(ctx.storage, u.part, cut) for u in ctx.upstream or []],
                                               "clip_score ties", num_cpus=0.25, quiet=True) for k in ks)
             last = keys[m - 1]
         elif cut is not None:
@@ -226,12 +226,12 @@ class ClipScoreStage(Decide):
     def apply(self, ctx: StageContext, measured: Scores, decision: Cut) -> StageResult:
         cfg: ClipScoreConfig = ctx.cfg
         counts, scorer, n = measured.counts, measured.scorer, ctx.n_in
-        tasks = [PartTask(u["part"], u["file"], u["part"],
-                          kwargs={"storage": ctx.storage, "part": u["part"], "threshold": cfg.threshold,
+        tasks = [PartTask(u.part, u.file, u.part,
+                          kwargs={"storage": ctx.storage, "part": u.part, "threshold": cfg.threshold,
                                   "cut": decision.cut, "last_tied": decision.last_tied, "how": decision.how})
                  for u in ctx.upstream or []]
         parts = ctx.map_parts(_decide, tasks, num_cpus=0.5)
-        kept = sum(p["kept"] for p in parts)
+        kept = sum(p.kept for p in parts)
         values = np.array(sorted(counts), np.float64) / SCALE
         weights = np.array([counts[v] for v in sorted(counts)], np.float64)
         hist, edges = np.histogram(values, bins=40, weights=weights)
@@ -266,7 +266,7 @@ class ClipScoreStage(Decide):
         frac = min(1.0, 1.5 * b.max_samples / max(1, min(pool, ctx.n_in)))
         while True:
             below = "f" * 64 if frac >= 1 else format(int(frac * 16 ** 16), "016x") + "0" * 48
-            rows = [r for rs in ctx.run(_sample_task, [(ctx.storage, u["file"], ctx.seed, below, trusted)
+            rows = [r for rs in ctx.run(_sample_task, [(ctx.storage, u.file, ctx.seed, below, trusted)
                                                         for u in ctx.upstream or []], "clip_score sample",
                                         num_cpus=0.25, quiet=True) for r in rs]
             if len(rows) >= b.max_samples or frac >= 1:

@@ -4,7 +4,8 @@ A stage's output is `<stage>/ledger/<part>.parquet`, one file per partition, eac
 task that computed it, through the run folder's filesystem (`Storage`: a pyarrow.fs filesystem and a
 root, so a local folder and a bucket are the same code). Every row is one sample that entered the
 stage, in one schema (`SAMPLE_SCHEMA`): the ledger columns (key, stage, verdict, reason, score,
-detail) and the sample's current state that later stages read (url, caption, and, from ingest on,
+detail, and what a match refers to: match_set, match_key; a reason is one of the stage's declared
+reasons, never a string with data in it) and the sample's current state that later stages read (url, caption, and, from ingest on,
 the sample index: tar, member, offset, size, sha256 and the original width and height).
 
 The driver never sees rows. A task returns a `PartResult`: counts per verdict and reason, and an
@@ -15,6 +16,7 @@ or gained one. Driver memory grows with the number of partitions only.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections import Counter
@@ -28,14 +30,16 @@ import pyarrow.compute as pc
 from infra.storage import Storage  # noqa: F401 - the run folder's filesystem, shared with trainers/
 
 KEPT, DROPPED = "kept", "dropped"
-LEDGER_COLUMNS = ("key", "stage", "verdict", "reason", "score", "detail")
+LEDGER_COLUMNS = ("key", "stage", "verdict", "reason", "score", "detail", "match_set", "match_key")
 SAMPLE_SCHEMA = pa.schema([
     ("key", pa.string()),
     ("stage", pa.string()),
     ("verdict", pa.string()),
     ("reason", pa.string()),
     ("score", pa.float64()),
-    ("detail", pa.string()),
+    ("detail", pa.string()),         # for a person: what the reason means for this sample
+    ("match_set", pa.string()),      # a match's reference set (the evaluation set an eval_duplicate matched)
+    ("match_key", pa.string()),      # the matched sample: the duplicate kept, the evaluation item
     # the sample as later stages see it
     ("partition", pa.string()),     # the source partition (URL list file) it came from
     ("url", pa.string()),
@@ -77,63 +81,95 @@ def part_file(stage: str, part: str) -> str:
     return f"{stage}/ledger/{part}.parquet"
 
 
+@dataclass
+class PartResult:
+    """What a task returns for the partition it wrote: counts and key-set checksums, never rows.
+    In `parts.json` as JSON, with `n_in` named `in` (the file's format is unchanged)."""
+    part: str
+    file: str
+    input: str | None            # the upstream partition it read (None: the stage re-partitioned)
+    sha256: str                  # of the partition file as written
+    bytes: int
+    n_in: int                    # samples that entered it
+    in_sum: str                  # their key-set checksum (decimal text: JSON has no uint64)
+    kept: int
+    kept_sum: str
+    dropped: dict[str, int]      # per reason
+    dropped_sum: str
+    extra: dict = field(default_factory=dict)   # the stage's own per-partition figures
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["in"] = out.pop("n_in")
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> "PartResult":
+        data = dict(data)
+        data["n_in"] = data.pop("in")
+        return cls(**data)
+
+
+def parts_from_json(rows: list[dict] | None) -> list[PartResult] | None:
+    return None if rows is None else [PartResult.from_json(r) for r in rows]
+
+
 def summarize(stage: str, part: str, input_name: str | None, in_keys, out: pa.Table, sha: str, nbytes: int,
-              extra: dict | None = None) -> dict:
-    """The PartResult a task returns: counts and key-set checksums, never rows."""
+              extra: dict | None = None) -> PartResult:
+    """The PartResult of a partition as written."""
     verdicts = out.column("verdict")
     kept_mask = pc.equal(verdicts, KEPT)
     kept_keys = out.column("key").filter(kept_mask).to_pylist()
     dropped = out.filter(pc.invert(kept_mask))
     reasons = Counter(dropped.column("reason").to_pylist())
-    return {"part": part, "file": part_file(stage, part), "input": input_name, "sha256": sha, "bytes": nbytes,
-            "in": len(in_keys), "in_sum": str(keyset_sum(in_keys)),
-            "kept": len(kept_keys), "kept_sum": str(keyset_sum(kept_keys)),
-            "dropped": dict(sorted(reasons.items())),
-            "dropped_sum": str(keyset_sum(dropped.column("key").to_pylist())),
-            "extra": extra or {}}
+    return PartResult(part=part, file=part_file(stage, part), input=input_name, sha256=sha, bytes=nbytes,
+                      n_in=len(in_keys), in_sum=str(keyset_sum(in_keys)),
+                      kept=len(kept_keys), kept_sum=str(keyset_sum(kept_keys)),
+                      dropped=dict(sorted(reasons.items())),
+                      dropped_sum=str(keyset_sum(dropped.column("key").to_pylist())), extra=extra or {})
 
 
-def check_parts(stage: str, parts: list[dict], upstream: list[dict] | None) -> dict:
+def check_parts(stage: str, parts: list[PartResult], upstream: list[PartResult] | None) -> dict:
     """in = kept + dropped per partition, and the partitions took exactly upstream's kept samples.
 
     A partition whose verdicts do not match what it read, or an upstream partition whose kept
     samples did not all arrive, fails the stage with that partition named. -> the stage's counts.
     """
     for p in parts:
-        n_out = p["kept"] + sum(p["dropped"].values())
-        if n_out != p["in"] or add_sums(p["kept_sum"], p["dropped_sum"]) != int(p["in_sum"]):
+        n_out = p.kept + sum(p.dropped.values())
+        if n_out != p.n_in or add_sums(p.kept_sum, p.dropped_sum) != int(p.in_sum):
             raise RuntimeError(
-                f"stage {stage}, partition {p['part']}: {p['in']} samples entered and {n_out} got a verdict, "
+                f"stage {stage}, partition {p.part}: {p.n_in} samples entered and {n_out} got a verdict, "
                 f"and the key-set checksums differ: a sample was lost or added")
     if upstream is not None:
-        if all(p.get("input") for p in parts):
+        if all(p.input for p in parts):
             came: dict[str, list] = {}
             for p in parts:
-                came.setdefault(p["input"], []).append(p)
-            known = {u["part"] for u in upstream}
+                came.setdefault(p.input, []).append(p)
+            known = {u.part for u in upstream}
             for name in sorted(set(came) - known):
                 raise RuntimeError(f"stage {stage}: partition(s) read {name}, which the previous stage never wrote")
             for u in upstream:
-                got = came.get(u["part"], [])
-                n, s = sum(p["in"] for p in got), add_sums(*(p["in_sum"] for p in got))
-                if n != u["kept"] or s != int(u["kept_sum"]):
+                got = came.get(u.part, [])
+                n, s = sum(p.n_in for p in got), add_sums(*(p.in_sum for p in got))
+                if n != u.kept or s != int(u.kept_sum):
                     raise RuntimeError(
-                        f"stage {stage}: upstream partition {u['part']} kept {u['kept']} samples, but "
-                        f"{n} entered this stage from it (partitions {', '.join(p['part'] for p in got) or 'none'}) "
-                        f"and the key-set checksums {'match' if s == int(u['kept_sum']) else 'differ'}")
+                        f"stage {stage}: upstream partition {u.part} kept {u.kept} samples, but "
+                        f"{n} entered this stage from it (partitions {', '.join(p.part for p in got) or 'none'}) "
+                        f"and the key-set checksums {'match' if s == int(u.kept_sum) else 'differ'}")
         else:
-            n, s = sum(p["in"] for p in parts), add_sums(*(p["in_sum"] for p in parts))
-            want_n, want_s = sum(u["kept"] for u in upstream), add_sums(*(u["kept_sum"] for u in upstream))
+            n, s = sum(p.n_in for p in parts), add_sums(*(p.in_sum for p in parts))
+            want_n, want_s = sum(u.kept for u in upstream), add_sums(*(u.kept_sum for u in upstream))
             if n != want_n or s != want_s:
                 raise RuntimeError(f"stage {stage}: {want_n} samples were kept upstream, {n} entered this stage "
                                    "(key-set checksums differ): a sample was lost or added between stages")
-    names = [p["part"] for p in parts]
+    names = [p.part for p in parts]
     if len(set(names)) != len(names):
         raise RuntimeError(f"stage {stage}: partition names repeat: {sorted(n for n, c in Counter(names).items() if c > 1)[:3]}")
     dropped: Counter = Counter()
     for p in parts:
-        dropped.update(p["dropped"])
-    kept = sum(p["kept"] for p in parts)
+        dropped.update(p.dropped)
+    kept = sum(p.kept for p in parts)
     return {"in": kept + sum(dropped.values()), "kept": kept, "dropped": dict(sorted(dropped.items()))}
 
 
@@ -200,7 +236,7 @@ def write_part(storage: Storage, stage: str, part: str, input_name: str | None, 
     rel = rel or part_file(stage, part)
     sha, nbytes = storage.write_table(rel, out)
     result = summarize(stage, part, input_name, in_keys, out, sha, nbytes, extra)
-    result["file"] = rel
+    result.file = rel
     return result
 
 
@@ -233,7 +269,7 @@ def run_part(storage: Storage, stage: str, fn: Callable, task: PartTask, rel: st
     result = write_part(storage, stage, task.part, task.input, table.column("key").to_pylist(),
                         with_state(verdicts, table), extra, rel=rel, notes=notes)
     if record:    # last: a partition counts as reusable only once its file is whole
-        storage.write_json(record, result)
+        storage.write_json(record, result.to_json())
     return result
 
 
@@ -257,7 +293,7 @@ def reuse_key(fingerprint: str, task: PartTask) -> str | None:
 
 def one_to_one(upstream: list[dict], **kwargs) -> list[PartTask]:
     """A task per upstream partition, named like it (the usual shape of a per-sample stage)."""
-    return [PartTask(part=u["part"], file=u["file"], input=u["part"], kwargs=kwargs, input_sha=u.get("sha256"))
+    return [PartTask(part=u.part, file=u.file, input=u.part, kwargs=kwargs, input_sha=u.sha256)
             for u in upstream]
 
 

@@ -12,8 +12,9 @@
    agree in colour make candidate pairs, which one task checks by exact cosine.
 4. The driver joins the (few) pairs into clusters: of each cluster the smallest key is kept, the
    rest name it in their detail `duplicate_of=<key>`. A task per partition writes the verdicts,
-   with a match at cosine >= `eval_threshold` dropped as `eval_duplicate:<set>` (detail
-   `eval_duplicate:<set>:<id>`, the cosine as score). The same result with any number of workers.
+   with a match at cosine >= `eval_threshold` dropped as `eval_duplicate` (the set in `match_set`,
+   the evaluation item in `match_key`, the cosine as score; within-data duplicates name the key
+   kept in `match_key`). The same result with any number of workers.
 
 With `encoder_checkpoint` (a capline model directory), encoder embeddings are compared as well, by
 cosine at `encoder_threshold`, through the same index class: either path can flag a match.
@@ -25,6 +26,7 @@ import io
 import math
 from typing import ClassVar
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +91,22 @@ class EncoderDescriber:
         with self.torch.no_grad():
             f = self.model.image_features(self.torch.from_numpy(x).permute(2, 0, 1)[None])[0].numpy()
         return (f / (np.linalg.norm(f) + 1e-6)).astype(np.float32), np.zeros(3, np.float32)
+
+
+class Pair(NamedTuple):
+    """Two samples a bucket found alike (a < b), with the partitions that hold them."""
+    a: str
+    part_a: str
+    b: str
+    part_b: str
+    kind: str       # exact_duplicate | near_duplicate (a candidate until verified)
+
+
+class Match(NamedTuple):
+    """A verified near pair and its exact cosine."""
+    a: str
+    b: str
+    cosine: float
 
 
 BANDS, BAND_BITS = 8, 16     # banded LSH over the first 128 bits of the SimHash code
@@ -209,7 +227,7 @@ def _group_task(storage, bucket: int, cfg: DedupConfig) -> list[tuple]:
             members = list(range(i, j))
             if kind[i] == "exact":
                 first = members[0]
-                pairs += [(keys[first], parts[first], keys[m], parts[m], "exact_duplicate") for m in members[1:]]
+                pairs += [Pair(keys[first], parts[first], keys[m], parts[m], "exact_duplicate") for m in members[1:]]
             else:
                 cand = members[:MAX_GROUP]
                 bits = np.unpackbits(np.frombuffer(b"".join(codes[m] for m in cand), np.uint8).reshape(len(cand), -1), axis=1)
@@ -217,17 +235,17 @@ def _group_task(storage, bucket: int, cfg: DedupConfig) -> list[tuple]:
                 ham = (bits[:, None, :] != bits[None, :, :]).sum(-1)
                 close = (ham <= radius) & (np.abs(mv[:, None] - mv[None, :]).max(-1) <= cfg.colour_tol)
                 for a, b in zip(*np.nonzero(np.triu(close, 1))):
-                    pairs.append((keys[cand[a]], parts[cand[a]], keys[cand[b]], parts[cand[b]], "near_duplicate"))
+                    pairs.append(Pair(keys[cand[a]], parts[cand[a]], keys[cand[b]], parts[cand[b]], "near_duplicate"))
         i = j
     return sorted(set(pairs))
 
 
-def _verify_task(storage, pairs: list[tuple], threshold: float) -> list[tuple]:
-    """Ray task: the candidate pairs' exact cosines; -> (key_a, key_b, cosine) at >= threshold."""
+def _verify_task(storage, pairs: list[Pair], threshold: float) -> list[Match]:
+    """Ray task: the candidate pairs' exact cosines; -> the matches at >= threshold."""
     wanted: dict[str, set] = {}
-    for a, pa_, b, pb, _ in pairs:
-        wanted.setdefault(pa_, set()).add(a)
-        wanted.setdefault(pb, set()).add(b)
+    for p in pairs:
+        wanted.setdefault(p.part_a, set()).add(p.a)
+        wanted.setdefault(p.part_b, set()).add(p.b)
     vec = {}
     for part, keys in wanted.items():
         t = storage.read_table(f"dedup/_work/desc/{part}.parquet", ["key", "vec"])
@@ -236,10 +254,10 @@ def _verify_task(storage, pairs: list[tuple], threshold: float) -> list[tuple]:
             x = np.frombuffer(v, np.float16).astype(np.float32)
             vec[k] = x / (np.linalg.norm(x) + 1e-6)
     out = []
-    for a, _, b, _, _ in pairs:
-        s = float(vec[a] @ vec[b])
+    for p in pairs:
+        s = float(vec[p.a] @ vec[p.b])
         if s >= threshold:
-            out.append((a, b, s))
+            out.append(Match(p.a, p.b, s))
     return out
 
 
@@ -265,11 +283,11 @@ def _verdicts(table: pa.Table, part: str, decisions: dict, cfg: DedupConfig, sto
     """A partition's verdicts: undecodable, evaluation-set matches, then the driver's duplicate decisions."""
     desc = storage.read_table(f"dedup/_work/desc/{part}.parquet", ["key", "ok", "eval_set", "eval_id", "eval_sim"])
     info = {k: (o, s, i, sim) for k, o, s, i, sim in zip(*(desc.column(c).to_pylist() for c in desc.column_names))}
-    out = {c: [] for c in ("key", "verdict", "reason", "score", "detail")}
+    out = {c: [] for c in ("key", "verdict", "reason", "score", "detail", "match_set", "match_key")}
     evals: dict[str, int] = {}
 
-    def add(k, v, r="", s=None, d=""):
-        for c, x in zip(out, (k, v, r, s, d)):
+    def add(k, v, r="", s=None, d="", match_set=None, match_key=None):
+        for c, x in zip(out, (k, v, r, s, d, match_set, match_key)):
             out[c].append(x)
 
     for k in table.column("key").to_pylist():
@@ -278,15 +296,16 @@ def _verdicts(table: pa.Table, part: str, decisions: dict, cfg: DedupConfig, sto
             add(k, DROPPED, "undecodable_image", d="could not be described")
         elif _eval_hit(set_kind, sim, cfg):
             name, kind = set_kind.split("|")
-            add(k, DROPPED, f"eval_duplicate:{name}", float(sim), f"eval_duplicate:{name}:{eval_id} ({kind})")
+            add(k, DROPPED, "eval_duplicate", float(sim), f"matches {name}:{eval_id} ({kind})", name, str(eval_id))
             evals[name] = evals.get(name, 0) + 1
         elif k in decisions:
             reason, score, root = decisions[k]
-            add(k, DROPPED, reason, score, f"duplicate_of={root}")
+            add(k, DROPPED, reason, score, f"duplicate_of={root}", match_key=root)
         else:
             add(k, KEPT)
     return pa.table(out, schema=pa.schema([("key", pa.string()), ("verdict", pa.string()), ("reason", pa.string()),
-                                           ("score", pa.float64()), ("detail", pa.string())])), {"eval_matches": evals}
+                                           ("score", pa.float64()), ("detail", pa.string()), ("match_set", pa.string()),
+                                           ("match_key", pa.string())])), {"eval_matches": evals}
 
 
 @dataclass
@@ -303,9 +322,9 @@ class Candidates:
 class DedupStage(Decide):
     name = "dedup"
     config_key, config_class = "dedup", DedupConfig
-    reasons = ("exact_duplicate", "near_duplicate", "eval_duplicate")   # eval_duplicate:<set>
+    reasons = ("exact_duplicate", "near_duplicate", "eval_duplicate", "undecodable_image")
     report = "dedup/report.html"
-    audits = (("eval_near_copy", "eval_duplicate:"), ("repeat_row", "exact_duplicate"), ("train_near_copy", ""))
+    audits = (("eval_near_copy", "eval_duplicate"), ("repeat_row", "exact_duplicate"), ("train_near_copy", ""))
 
     def preflight(self, config) -> None:
         preflight(config.stages.dedup, None)
@@ -353,29 +372,29 @@ class DedupStage(Decide):
                          "encoder": {n: p.read_bytes() for n, p in enc_paths.items()}})
         names = tuple(sorted(p.name for p in [*index_paths.values(), *enc_paths.values()]))
         args = (blobs, names, encoder_rel)
-        described = ctx.run(_describe_task, [(ctx.storage, u["part"], u["file"], *args, cfg, n_buckets)
+        described = ctx.run(_describe_task, [(ctx.storage, u.part, u.file, *args, cfg, n_buckets)
                                              for u in upstream], "dedup describe", num_cpus=cfg.cpus_per_worker,
                             describe=lambda c: f"partition {c[1]}")
         ctx.log(f"dedup: described {sum(d['described'] for d in described)} images")
         found = ctx.run(_group_task, [(ctx.storage, b, cfg) for b in range(n_buckets)], "dedup group",
                         num_cpus=cfg.cpus_per_worker, unit="buckets")
-        pairs = sorted({p for bucket in found for p in bucket})
-        exact = [(a, b) for a, _, b, _, kind in pairs if kind == "exact_duplicate"]
+        pairs = sorted({Pair(*p) for bucket in found for p in bucket})
+        exact = [(p.a, p.b) for p in pairs if p.kind == "exact_duplicate"]
         exact_set = set(exact)
-        cand = sorted({p for p in pairs if p[4] == "near_duplicate" and (p[0], p[2]) not in exact_set})
+        cand = sorted({p for p in pairs if p.kind == "near_duplicate" and (p.a, p.b) not in exact_set})
         near = ctx.call(_verify_task, ctx.storage, cand, cfg.within_threshold, what="dedup verify",
                         num_cpus=cfg.cpus_per_worker) if cand else []
-        part_of = {k: p for a, pa_, b, pb, _ in pairs for k, p in ((a, pa_), (b, pb))}
+        part_of = {k: part for p in pairs for k, part in ((p.a, p.part_a), (p.b, p.part_b))}
         return Candidates(exact, near, len(cand), part_of, set_stats)
 
     def decide(self, ctx: StageContext, found: Candidates) -> dict[str, dict]:
         """Pairs joined into clusters; of each the smallest key is kept. -> partition -> key -> (reason, score, kept key)."""
-        roots = clusters(found.exact + [(a, b) for a, b, _ in found.near])
+        roots = clusters(found.exact + [(m.a, m.b) for m in found.near])
         exact_nodes = {k for e in found.exact for k in e}
         best: dict[str, float] = {}
-        for a, b, s in found.near:
-            for k in (a, b):
-                best[k] = max(best.get(k, -1.0), s)
+        for m in found.near:
+            for k in (m.a, m.b):
+                best[k] = max(best.get(k, -1.0), m.cosine)
         decisions: dict[str, dict] = {}
         for k, r in roots.items():
             if k != r:
@@ -387,8 +406,8 @@ class DedupStage(Decide):
 
     def apply(self, ctx: StageContext, found: Candidates, decisions: dict[str, dict]) -> StageResult:
         cfg: DedupConfig = ctx.cfg
-        tasks = [PartTask(u["part"], u["file"], u["part"],
-                          kwargs={"part": u["part"], "decisions": decisions.get(u["part"], {}), "cfg": cfg,
+        tasks = [PartTask(u.part, u.file, u.part,
+                          kwargs={"part": u.part, "decisions": decisions.get(u.part, {}), "cfg": cfg,
                                   "storage": ctx.storage}) for u in ctx.upstream or []]
         parts = ctx.map_parts(_verdicts, tasks, num_cpus=0.5)
         from .dedup_report import write_report
@@ -396,7 +415,7 @@ class DedupStage(Decide):
         ctx.log(f"dedup: pairs side by side in {write_report(ctx, decisions, parts, found.part_of)}")
         evals: dict[str, int] = {}
         for p in parts:
-            for name, c in p["extra"].get("eval_matches", {}).items():
+            for name, c in p.extra.get("eval_matches", {}).items():
                 evals[name] = evals.get(name, 0) + c
         return StageResult(parts, {"eval_sets": found.set_stats, "eval_matches": evals,
                                    "pairs": {"exact": len(found.exact), "near_candidates": found.n_candidates,

@@ -42,7 +42,7 @@ def _with_images(storage, rows: list[dict]) -> dict[str, dict]:
 
 
 def _rows(ctx, part_of: dict[str, str], keys: set[str]) -> dict[str, dict]:
-    files = {u["part"]: u["file"] for u in ctx.upstream or []}
+    files = {u.part: u.file for u in ctx.upstream or []}
     wanted: dict[str, list[str]] = {}
     for k in sorted(keys):
         wanted.setdefault(part_of[k], []).append(k)
@@ -67,13 +67,13 @@ def write_report(ctx, decisions: dict[str, dict], parts: list[dict], part_of: di
     for key, reason, score, root in flat:
         if len(shown.setdefault(reason, [])) < PAIRS_PER_REASON:
             shown[reason].append((key, score, root))
-    evals = {r: rows for r, rows in pick(ctx.storage, [p["file"] for p in parts], PAIRS_PER_REASON,
+    evals = {r: rows for r, rows in pick(ctx.storage, [p.file for p in parts], PAIRS_PER_REASON,
                                         ctx.seed, run=ctx.run).items() if r.startswith("eval_duplicate")}
     rows = _rows(ctx, part_of, {k for pairs in shown.values() for key, _, root in pairs for k in (key, root)})
     rows.update(_with_images(ctx.storage, [r for found in evals.values() for r in found]))
     totals = {}
     for p in parts:
-        for reason, n in p["dropped"].items():
+        for reason, n in p.dropped.items():
             totals[reason] = totals.get(reason, 0) + n
     page = [f"<!doctype html><html><head><meta charset='utf-8'><title>Dedup: {html.escape(ctx.run_name)}</title>"
             f"<style>{_STYLE}</style></head><body><h1>Deduplication: {html.escape(ctx.run_name)}</h1><p>"

@@ -85,12 +85,12 @@ def write_examples(ctx, parts: list[dict], per_reason: int, title: str, cut: flo
     threshold on its score, if it has one."""
     from .dataplane import read_images
 
-    groups = pick(ctx.storage, [p["file"] for p in parts], per_reason, ctx.seed, cut,
+    groups = pick(ctx.storage, [p.file for p in parts], per_reason, ctx.seed, cut,
                   run=ctx.run) if per_reason else {}
     totals: dict[str, int] = defaultdict(int)
     for p in parts:
-        totals["kept"] += p["kept"]
-        for reason, n in p["dropped"].items():
+        totals["kept"] += p.kept
+        for reason, n in p.dropped.items():
             totals[reason] += n
     rows = [r for rs in groups.values() for r in rs]
     import pyarrow as pa

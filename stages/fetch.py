@@ -27,6 +27,7 @@ from __future__ import annotations
 import http.client
 import io
 import ipaddress
+import re
 import socket
 import threading
 import time
@@ -370,6 +371,23 @@ Image.MAX_IMAGE_PIXELS = None
 
 # Replace the module function the Downloader calls (through download_image_with_retry).
 _i2d.download_image = safe_download_image
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A download's failure as the ledger records it: a countable reason and a detail that is the same
+    on every run. img2dataset carries only an error string from the fetcher to its parquet, so a
+    refusal travels as `capline:<reason>: <detail>` (Refused) and is read back here, in the module
+    that wrote it; no other module parses it."""
+    reason: str
+    detail: str
+
+
+def failure_of(status: str, error: str | None) -> Failure:
+    """img2dataset's status and error text for a failed URL -> its Failure."""
+    text = re.sub(r"^capline:[a-z_]+: ", "", error or "")
+    text = re.sub(r"<([\w.]+) object at 0x[0-9a-fA-F]+>", r"<\1>", text)   # no object addresses
+    return Failure(reason_of(status, error) or "download_error", text[:300])
 
 
 def reason_of(status: str, error: str | None) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,7 @@ import pyarrow.parquet as pq
 from infra.configtools import join, require
 
 from .base import Source, StageContext, StageResult
-from .dataplane import DROPPED, KEPT, SAMPLE_SCHEMA, read_kept, write_part
+from .dataplane import DROPPED, KEPT, SAMPLE_SCHEMA, PartResult, read_kept, write_part
 from .source import safe_name
 from .synthetic import SERVER_PLACEHOLDER
 
@@ -159,17 +158,17 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server) -> dict:
                     add(r["uid"], KEPT, "", f"shard {name}, member {member}", r["url"], tar_rel, member, off,
                         size, r["sha256"], r["original_width"], r["original_height"])
                 else:
-                    from .fetch import reason_of
+                    from .fetch import failure_of
 
-                    add(r["uid"], DROPPED, reason_of(r["status"], r["error_message"]) or "download_error",
-                        stable_detail(r["error_message"]), url=r["url"])
+                    failure = failure_of(r["status"], r["error_message"])
+                    add(r["uid"], DROPPED, failure.reason, failure.detail, url=r["url"])
     table = pa.table({c: pa.array(v, SAMPLE_SCHEMA.field(c).type) for c, v in verdicts.items()})
     result = write_part(storage, "ingest", f"{job.unit}-{name}", job.source_part, keys,
                         _with_state(table, rows), rel=f"{unit}/ledger/{name}.parquet", notes=IngestStage.notes,
                         extra={"node": ray.get_runtime_context().get_node_id(),
                                "successes": sum(v == KEPT for v in verdicts["verdict"]),
                                **failures_by_host(verdicts)})
-    storage.write_bytes(f"{unit}/results/{name}.json", json.dumps(result, sort_keys=True).encode())
+    storage.write_bytes(f"{unit}/results/{name}.json", json.dumps(result.to_json(), sort_keys=True).encode())
     return result
 
 
@@ -207,9 +206,9 @@ def write_report(stage_dir: Path, parts: list[dict], name: str) -> Path:
     other = 0
     examples: dict[str, list] = {}
     for p in parts:
-        by_pair.update(p["extra"].get("failures", {}))
-        other += p["extra"].get("failures_other", 0)
-        for reason, rows in p["extra"].get("failure_examples", {}).items():
+        by_pair.update(p.extra.get("failures", {}))
+        other += p.extra.get("failures_other", 0)
+        for reason, rows in p.extra.get("failure_examples", {}).items():
             examples.setdefault(reason, []).extend(rows[: 3 - len(examples.get(reason, []))])
     by_host: Counter = Counter()
     reasons: Counter = Counter()
@@ -237,14 +236,6 @@ def write_report(stage_dir: Path, parts: list[dict], name: str) -> Path:
     stage_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(page)
     return path
-
-
-def stable_detail(message: str | None) -> str:
-    """A failure's detail, the same on every run: without capline's reason prefix (the reason column
-    has it) or object addresses (`<_io.BytesIO object at 0x7f...>`)."""
-    text = re.sub(r"^capline:[a-z_]+: ", "", message or "")
-    text = re.sub(r"<([\w.]+) object at 0x[0-9a-fA-F]+>", r"<\1>", text)
-    return text[:300]
 
 
 def _with_state(verdicts: pa.Table, rows: pa.Table) -> pa.Table:
@@ -299,15 +290,15 @@ class IngestStage(Source):
         fp = hashlib.sha256(ctx.fingerprint.encode()).hexdigest()
         jobs, reused, units = [], [], set()
         for u in ctx.upstream or []:
-            unit = f"{safe_name(u['part'])}-{hashlib.sha256((fp + u['sha256']).encode()).hexdigest()[:12]}"
+            unit = f"{safe_name(u.part)}-{hashlib.sha256((fp + u['sha256']).encode()).hexdigest()[:12]}"
             units.add(unit)
             done = {Path(r).stem: r for r in ctx.storage.list(f"ingest/parts/{unit}/results", ".json")}
-            for i, start in enumerate(range(0, u["kept"], cfg.samples_per_shard)):
+            for i, start in enumerate(range(0, u.kept, cfg.samples_per_shard)):
                 name = f"{i:05d}"
                 if name in done:
-                    reused.append(json.loads(ctx.storage.read_bytes(done[name])))
+                    reused.append(PartResult.from_json(json.loads(ctx.storage.read_bytes(done[name]))))
                     continue
-                jobs.append(ShardJob(unit, i, u["part"], u["file"], start, min(u["kept"], start + cfg.samples_per_shard)))
+                jobs.append(ShardJob(unit, i, u.part, u.file, start, min(u.kept, start + cfg.samples_per_shard)))
         for stale in set(ctx.storage.list_dirs("ingest/parts")) - units:
             ctx.storage.delete(f"ingest/parts/{stale}")   # a partition no longer in the source
         if reused:
@@ -335,8 +326,8 @@ class IngestStage(Source):
         parts = reused + results
         report = write_report(ctx.stage_dir, parts, ctx.run_name)
         ctx.log(f"ingest: failures by host and reason in {report}")
-        ok = sum(p["extra"]["successes"] for p in results)
-        nodes = sorted({p["extra"]["node"] for p in results if p["extra"].get("node")})
+        ok = sum(p.extra["successes"] for p in results)
+        nodes = sorted({p.extra["node"] for p in results if p.extra.get("node")})
         return StageResult(parts, {"shards": len(parts), "partitions": len(units), "nodes": nodes,
                                    "images_per_second": (ok / elapsed) if results and elapsed > 0 else None},
                            artifacts={"ledger": "ingest/parts.json", "report": "ingest/report.html"})

@@ -4,8 +4,9 @@ Per caption the backend (stages/langid.py; fastText's lid.176 by default) gives 
 languages with probabilities. The caption's confidence is the probability of the allowed
 `languages` together; it is kept when that is >= `min_confidence`. That confidence is every
 caption's score, kept or dropped, so one histogram against one cut shows the stage's decision. A
-dropped caption's reason is `language:<code>` for the language it was taken for (its detail names
-it), or `language_low_confidence` when that language is allowed but too uncertain.
+dropped caption's reason is `language` when it was taken for another language (its detail names
+the code; the stage's stats count every code detected), or `language_low_confidence` when that
+language is allowed but too uncertain.
 
 Identification runs as a Ray task per partition (each worker process loads the model once).
 Short alt-text is hard: fastText gives "a small yellow circle" only 0.19 English (and calls it
@@ -66,7 +67,7 @@ def decide(probs: dict[str, float], languages: list[str], min_confidence: float)
         return "", top, allowed
     if top in languages:
         return "language_low_confidence", top, allowed
-    return f"language:{top}", top, allowed
+    return "language", top, allowed
 
 
 @functools.lru_cache(maxsize=2)
@@ -97,7 +98,7 @@ def identify(table: pa.Table, cfg: LanguageConfig) -> tuple[pa.Table, dict]:
 class LanguageStage(Filter):
     name = "language"
     config_key, config_class = "language", LanguageConfig
-    reasons = ("language_low_confidence", "language")   # language:<code>: taken for another language
+    reasons = ("language_low_confidence", "language")   # language: taken for another (detail: its code)
     report = "language/report.html"
     notes = ("language_score", "language")
     audits = (("non_english", "language"),)
@@ -112,7 +113,7 @@ class LanguageStage(Filter):
             return StageResult(parts, {"enabled": False})
         found: dict[str, int] = {}
         for p in parts:
-            for lang, n in p["extra"]["detected"].items():
+            for lang, n in p.extra["detected"].items():
                 found[lang] = found.get(lang, 0) + n
         model = fasttext_model_path() if cfg.backend == "fasttext" else None   # the workers loaded it; name it only
         shown = write_examples(ctx, parts, cfg.examples_per_reason, "Language filter", cut=cfg.min_confidence)

@@ -157,11 +157,11 @@ class ShardStage(Sink):
 
     def run(self, ctx: StageContext) -> StageResult:
         cfg: ShardConfig = ctx.cfg
-        upstream = [u for u in ctx.upstream or [] if u["kept"]]
+        upstream = [u for u in ctx.upstream or [] if u.kept]
         n = ctx.n_in
         if not n:
             raise RuntimeError("shard: no samples left to write; every sample was dropped upstream")
-        sizes = ctx.run(_bytes_task, [(ctx.storage, u["file"]) for u in upstream], "shard plan", num_cpus=0.25,
+        sizes = ctx.run(_bytes_task, [(ctx.storage, u.file) for u in upstream], "shard plan", num_cpus=0.25,
                         quiet=True)
         n_out = max(1, math.ceil(n / cfg.samples_per_shard), math.ceil(sum(sizes) / (0.9 * cfg.max_shard_bytes)))
         if n_out < cfg.min_shards:   # small data: each training worker still gets a shard of its own
@@ -169,12 +169,12 @@ class ShardStage(Sink):
                     f"{min(cfg.min_shards, n)} (stages.shard.min_shards), one per training worker")
             n_out = max(n_out, min(cfg.min_shards, n))
         done = {r.rsplit("/", 1)[-1][:-5] for r in ctx.storage.list("shard/_work/mapdone", ".json")}
-        todo = [u for u in upstream if u["part"] not in done]
-        ctx.run(_map_task, [(ctx.storage, u["part"], u["file"], ctx.seed, n_out) for u in todo], "shard map",
+        todo = [u for u in upstream if u.part not in done]
+        ctx.run(_map_task, [(ctx.storage, u.part, u.file, ctx.seed, n_out) for u in todo], "shard map",
                 num_cpus=1, describe=lambda c: f"partition {c[1]}")
         parts = ctx.run(_reduce_task, [(ctx.storage, i) for i in range(n_out)], "shard write", num_cpus=1,
                         describe=lambda c: f"shard {c[1]:06d}", unit="shards")
-        names = {p["extra"]["name"] for p in parts}
+        names = {p.extra["name"] for p in parts}
         for stale in ctx.storage.list("shard/shards", ".tar"):
             if stale.rsplit("/", 1)[-1] not in names:
                 ctx.storage.delete(stale)   # shards of an earlier, larger plan
@@ -182,11 +182,11 @@ class ShardStage(Sink):
             if stale.rsplit("/", 1)[-1][:-8] + ".tar" not in names:
                 ctx.storage.delete(stale)
         ctx.storage.delete("shard/_work")
-        shards = [{k: p["extra"][k] for k in ("name", "samples", "bytes", "sha256")} for p in parts]
+        shards = [{k: p.extra[k] for k in ("name", "samples", "bytes", "sha256")} for p in parts]
         files = {f"shard/shards/{s['name']}": s["sha256"] for s in shards}
         index = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": ctx.run_name,
                  "shardlist": [{"url": s["name"], "nsamples": s["samples"], "filesize": s["bytes"],
-                                "md5sum": p["extra"]["md5"]} for s, p in zip(shards, parts)]}
+                                "md5sum": p.extra["md5"]} for s, p in zip(shards, parts)]}
         for rel, obj in (("shard/shards/sizes.json", {s["name"]: s["samples"] for s in shards}),
                          ("shard/shards/shardindex.json", index), ("shard/shards.json", shards)):
             files[rel] = ctx.storage.write_bytes(rel, json.dumps(obj, indent=1).encode())

@@ -379,7 +379,7 @@ class SourceStage(Source):
         results = ctx.run(_read_file_task, [(ctx.storage, str(f), cfg, p) for f, p in zip(files, pinned)], "source",
                           num_cpus=1, describe=lambda c: f"URL list file {Path(c[1]).name}", unit="files")
         parts = [p for r in results for p in r]
-        rows = sum(p["in"] for p in parts)
+        rows = sum(p.n_in for p in parts)
         ctx.log(f"source: {rows} rows from {cfg.path} in {len(files)} file(s), {len(parts)} partitions")
         return StageResult(parts, {"rows": rows, "files": len(files)})
 

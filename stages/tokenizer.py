@@ -99,7 +99,7 @@ class TokenizerStage(Sink):
 
     def run(self, ctx: StageContext) -> StageResult:
         cfg: TokenizerConfig = ctx.cfg
-        files = [u["file"] for u in ctx.upstream or [] if u["kept"]]
+        files = [u.file for u in ctx.upstream or [] if u.kept]
         info = ctx.call(_train_task, ctx.storage, files, ctx.n_in, ctx.seed, cfg, what="tokenizer", num_cpus=1)
         consumed = info.pop("consumed")
         ctx.log(f"tokenizer: trained a {cfg.model_type} model of {info['vocab_size']} pieces on "

@@ -161,7 +161,11 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local):
     assert kept() == first                       # rerun: same again
     details = first[1]
     assert any(d.startswith("duplicate_of=s") for d in details.values())
-    assert any(d.startswith("eval_duplicate:demo:eval") for d in details.values())
+    rows = read_ledger(tmp_path / "run", "dedup", ["key", "reason", "match_set", "match_key", "detail"]).to_pylist()
+    evals = [r for r in rows if r["reason"] == "eval_duplicate"]
+    assert evals and all(r["match_set"] == "demo" and r["match_key"].startswith("eval") for r in evals)
+    dups = [r for r in rows if r["reason"] in ("exact_duplicate", "near_duplicate")]
+    assert dups and all(r["detail"] == f"duplicate_of={r['match_key']}" and r["match_key"] < r["key"] for r in dups)
 
 
 def test_changing_a_folder_eval_set_changes_the_dedup_fingerprint(tmp_path):

@@ -9,7 +9,6 @@ import sys
 import tarfile
 import textwrap
 
-import pyarrow as pa
 import pytest
 
 from infra.errors import UserError
@@ -137,7 +136,7 @@ CLUSTER_SCRIPT = textwrap.dedent("""
         def section(self, config):
             return {{}}
         def measure(self, ctx):
-            return sum(ctx.run(count_part, [(ctx.storage, u["file"]) for u in ctx.upstream], num_cpus=1))
+            return sum(ctx.run(count_part, [(ctx.storage, u.file) for u in ctx.upstream], num_cpus=1))
         def decide(self, ctx, total):
             return 3 if total > 100 else 1
         def apply(self, ctx, total, keep):
@@ -154,7 +153,7 @@ CLUSTER_SCRIPT = textwrap.dedent("""
         def section(self, config):
             return {{"lose": self.lose}}
         def run(self, ctx):
-            got = ctx.run(read_all, [(ctx.storage, u["file"]) for u in ctx.upstream], num_cpus=1)
+            got = ctx.run(read_all, [(ctx.storage, u.file) for u in ctx.upstream], num_cpus=1)
             n = sum(g[0] for g in got) - (1 if self.lose else 0)
             from stages.dataplane import add_sums
             return StageResult([], {{"counted": n}}, consumed=(n, add_sums(*(g[1] for g in got))))

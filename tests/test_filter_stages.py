@@ -133,14 +133,14 @@ def test_openclipart_through_the_data_pipeline(tmp_path):
     print({s: (f["in"], f["kept"], f["dropped"]) for s, f in funnel.items()})
     assert funnel["source"]["in"] == 150
     # real alt-text in other languages is found and named
-    assert any(r.startswith("language:") for r in funnel["language"]["dropped"])
+    assert funnel["language"]["dropped"].get("language") and set(funnel["language"]["detected"]) - {"en"}
     assert funnel["clip_score"]["dropped"]["clip_score"] == funnel["clip_score"]["in"] - funnel["clip_score"]["kept"]
     assert funnel["shard"]["kept"] == funnel["clip_score"]["kept"]
     # captions in the final shards are the cleaned ones, from the drawings' own metadata
     captions = read_ledger(run_dir, "basic", ["caption", "verdict"]).to_pydict()
     assert all(c == c.strip() and "  " not in c for c, v in zip(captions["caption"], captions["verdict"]) if v == "kept")
     page = (run_dir / "language" / "report.html").read_text()
-    assert "language:" in page and "data:image/jpeg;base64," in page
+    assert "language (" in page and "data:image/jpeg;base64," in page
 
 
 def test_run_report_renders_in_chromium(demo_filtered):
@@ -154,7 +154,7 @@ def test_run_report_renders_in_chromium(demo_filtered):
     page = (run_dir / "report.html").read_text()
     for section in ("Funnel", "Scores and thresholds", "Samples kept and dropped", "Training", "Evaluation"):
         assert f"<h2>{section}</h2>" in page
-    for reason in ("http_404", "eval_duplicate:demo", "language:de", "clip_score"):
+    for reason in ("http_404", "eval_duplicate", "language_low_confidence", "clip_score"):
         assert reason in page
     assert "MLflow run" in page and "Training curves unavailable" not in page
     assert re.search(r"<td>demo_colour</td>", page) and all(f"<th>{k}-shot</th>" in page for k in (1, 5, 10, 25))

@@ -54,11 +54,11 @@ def test_basic_config_rejects_crossed_bounds():
 def test_language_decide():
     assert decide({"en": 0.9, "de": 0.05}, ["en"], 0.5) == ("", "en", 0.9)
     # the score is P(allowed languages) for every verdict: one axis, one cut
-    assert decide({"de": 0.8, "en": 0.1}, ["en"], 0.5) == ("language:de", "de", 0.1)
+    assert decide({"de": 0.8, "en": 0.1}, ["en"], 0.5) == ("language", "de", 0.1)
     assert decide({"en": 0.3, "fa": 0.2}, ["en"], 0.5) == ("language_low_confidence", "en", 0.3)
     # several allowed languages count together
     assert decide({"fr": 0.3, "en": 0.3, "de": 0.4}, ["en", "fr"], 0.5)[0] == ""
-    assert decide({}, ["en"], 0.1) == ("language:unknown", "unknown", 0.0)
+    assert decide({}, ["en"], 0.1) == ("language", "unknown", 0.0)
 
 
 SENTENCES = {

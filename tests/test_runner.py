@@ -67,8 +67,8 @@ class DropOdd(Stage):
         self.calls += 1
         if self.reuse:
             return StageResult(ctx.map_parts(drop_odd, num_cpus=0.25, reuse=True))
-        tasks = [PartTask(u["part"], u["file"], u["part"],
-                          kwargs={"lose": self.lose, "add": self.add and u["part"] == "p1"}) for u in ctx.upstream]
+        tasks = [PartTask(u.part, u.file, u.part,
+                          kwargs={"lose": self.lose, "add": self.add and u.part == "p1"}) for u in ctx.upstream]
         return StageResult(ctx.map_parts(drop_odd, tasks, num_cpus=0.25))
 
 
@@ -127,9 +127,22 @@ def test_until_and_only(tmp_path, ray_local):
 
 
 def _part(name, keys_in, kept, dropped, input_=None):
-    return {"part": name, "input": input_, "in": len(keys_in), "in_sum": str(keyset_sum(keys_in)),
-            "kept": len(kept), "kept_sum": str(keyset_sum(kept)), "file": f"s/ledger/{name}.parquet",
-            "dropped": {"x": len(dropped)} if dropped else {}, "dropped_sum": str(keyset_sum(dropped))}
+    from stages.dataplane import PartResult
+
+    return PartResult(part=name, input=input_, n_in=len(keys_in), in_sum=str(keyset_sum(keys_in)),
+                      kept=len(kept), kept_sum=str(keyset_sum(kept)), file=f"s/ledger/{name}.parquet", sha256="",
+                      bytes=0, dropped={"x": len(dropped)} if dropped else {}, dropped_sum=str(keyset_sum(dropped)))
+
+
+def test_a_part_result_is_parts_json_as_it_was():
+    p = _part("u0", ["a", "b"], ["a"], ["b"], "u0")
+    row = p.to_json()
+    assert row["in"] == 2 and "n_in" not in row and set(row) == {"part", "file", "input", "sha256", "bytes", "in",
+                                                                 "in_sum", "kept", "kept_sum", "dropped",
+                                                                 "dropped_sum", "extra"}
+    from stages.dataplane import PartResult
+
+    assert PartResult.from_json(row) == p
 
 
 def test_key_set_checksums_catch_what_counts_alone_miss():

@@ -21,7 +21,7 @@ def _source(tmp_path, path, *overrides):
     (tmp_path / "run" / "source").mkdir(parents=True, exist_ok=True)
     import json
 
-    (tmp_path / "run" / "source" / "parts.json").write_text(json.dumps(parts))
+    (tmp_path / "run" / "source" / "parts.json").write_text(json.dumps([p.to_json() for p in parts]))
     return {r["detail"].split(" row ")[1].split(":")[0]: r for r in read_ledger(storage, "source").to_pylist()}
 
 

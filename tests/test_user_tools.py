@@ -59,14 +59,15 @@ def test_progress_off_a_terminal_logs_rate_and_eta_at_most_every_few_seconds(mon
 
 
 def test_failure_details_are_the_same_on_every_run():
-    from stages.ingest import stable_detail
+    from stages.fetch import Failure, failure_of
 
-    a = stable_detail("capline:undecodable_image: UnidentifiedImageError: cannot identify image file "
-                      "<_io.BytesIO object at 0x7fbd142d2e80>")
-    b = stable_detail("capline:undecodable_image: UnidentifiedImageError: cannot identify image file "
-                      "<_io.BytesIO object at 0x7f0000000001>")
-    assert a == b == "UnidentifiedImageError: cannot identify image file <_io.BytesIO>"
-    assert stable_detail(None) == ""
+    a = failure_of("failed_to_download", "capline:undecodable_image: UnidentifiedImageError: cannot identify "
+                   "image file <_io.BytesIO object at 0x7fbd142d2e80>")
+    b = failure_of("failed_to_download", "capline:undecodable_image: UnidentifiedImageError: cannot identify "
+                   "image file <_io.BytesIO object at 0x7f0000000001>")
+    assert a == b == Failure("undecodable_image", "UnidentifiedImageError: cannot identify image file <_io.BytesIO>")
+    assert failure_of("failed_to_download", None) == Failure("download_error", "")
+    assert failure_of("failed_to_download", "HTTP Error 404: Not Found").reason == "http_404"
 
 
 def test_ingest_size_bounds_moved_to_basic_say_where():
