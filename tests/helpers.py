@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import os
 import signal
+import shutil
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -91,3 +93,23 @@ def bucket_keys(client, bucket: str, prefix: str) -> list[str]:
         if not page.get("IsTruncated"):
             return out
         token = page["NextContinuationToken"]
+
+
+def chromium_console(page, screenshot, size="1300,3000") -> list[str]:
+    """Open `page` headless; -> the console messages it logged. No network: every request goes to a
+    proxy that does not exist, and Chromium's background services are off."""
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not exe:
+        import pytest
+
+        pytest.fail("Debian's chromium is not installed; `make test` installs it (apt, as root)")
+    profile = tempfile.mkdtemp(prefix="capline-chromium-")   # a new empty profile every time
+    proc = subprocess.run(
+        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", f"--user-data-dir={profile}",
+         "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--disable-default-apps", "--disable-extensions",
+         "--proxy-server=socks5://127.0.0.1:9", "--proxy-bypass-list=<-loopback>", "--enable-logging=stderr",
+         "--v=0", f"--window-size={size}", f"--screenshot={screenshot}", f"file://{page}"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [ln for ln in proc.stderr.splitlines() if ":CONSOLE" in ln]

@@ -3,7 +3,7 @@ local from bucket, stages meet through the registry, and no two modules import e
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("infra", "pipeline", "stages", "trainers")
 
 

@@ -16,7 +16,7 @@ from infra.storage import Storage
 from infra.tars import plan_spans, read_members
 from pipeline.executor import NodeShape, fit_request, in_flight, max_overlap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_max_overlap_counts_tasks_running_at_one_instant():

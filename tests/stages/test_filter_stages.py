@@ -145,7 +145,7 @@ def test_openclipart_through_the_data_pipeline(tmp_path):
 
 def test_run_report_renders_in_chromium(demo_filtered):
     """`capline run` wrote report.html; `capline report` writes it again; Chromium shows it cleanly."""
-    from test_report import chromium_console
+    from helpers import chromium_console
 
     run_dir, out = demo_filtered
     assert f"report: {run_dir}/report.html" in out

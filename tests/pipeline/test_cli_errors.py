@@ -98,7 +98,7 @@ def test_eval_bad_input(tmp_path):
                     "few-shot on digits", "too few for 500-shot")
 
 
-# a capline process each (~2 s): the same refusals are unit-tested in-process in tests/test_filters.py
+# a capline process each (~2 s): the same refusals are unit-tested in-process in tests/stages/test_filters.py
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides, needles", [
     (["stages.clip_score.scorer=checkpoint", "stages.clip_score.checkpoint=/nonexistent/scorer"],
