@@ -1,4 +1,11 @@
-"""Reading members of stored tars by byte range, in few large requests.
+"""Tars, read one way: untrusted tars member by member, sample by sample, and stored tars by range.
+
+- `tar_members`: the members of an untrusted tar, refusing what a dataset tar never holds.
+- `tar_samples`: a WebDataset tar streamed (uncompressed, never seeked) as samples: the consecutive
+  members sharing a key, (key, {extension: bytes}).
+- `read_members`: members of stored tars by byte range, in few large requests (below).
+
+Reading members of stored tars by byte range, in few large requests.
 
 The sample index (ingest) records, for each image, its tar, byte offset and size. Reading each image
 with its own ranged request costs one object-store GET per image per stage; here the rows of one
@@ -7,6 +14,62 @@ away, a span stops growing at `max_span`), and each span is one `read_at`: a tas
 partition issues one request per tar, a task that reads a few scattered samples one per sample.
 """
 from __future__ import annotations
+
+import tarfile
+
+from .errors import UserError
+
+MAX_MEMBER_BYTES = 64 * 2**20   # an image or caption larger than this in a tar is not one
+
+
+def tar_members(tar: tarfile.TarFile, where, max_bytes: int = MAX_MEMBER_BYTES):
+    """The members of an untrusted tar, refusing what a dataset tar never holds: a link (it can
+    name any file), a device, FIFO or other special file, a GNU sparse member (a few KB on disk
+    that read as gigabytes) and a member over `max_bytes`. Folders are passed over. The one tar
+    reader every capline stage and tool uses."""
+    for m in tar:
+        if m.isdir():
+            continue
+        kind = ("a link" if m.issym() or m.islnk() else "a sparse member" if m.issparse()
+                else None if m.isreg() else "a device or special file")
+        if kind:
+            raise UserError(f"{where}: member {m.name!r} is {kind}; a dataset tar holds regular files only")
+        if m.size > max_bytes:
+            raise UserError(f"{where}: member {m.name!r} is {m.size} bytes, over the {max_bytes}-byte limit "
+                            "for one sample's file")
+        yield m
+
+
+def sample_key(name: str) -> tuple[str, str]:
+    """A member's (sample key, extension): the name up to the first dot of its last component."""
+    folder, _, base = name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), ext
+
+
+def tar_samples(path, where=None):
+    """(key, {extension: bytes}) for each sample of a WebDataset tar at `path` (a local path or a
+    URI), streamed in order; members of one sample are consecutive, as webdataset writes them."""
+    from .storage import open_input
+
+    with open_input(path) as stream:
+        try:
+            tar = tarfile.open(fileobj=stream, mode="r|")
+        except tarfile.ReadError as err:
+            raise UserError(f"{where or path}: not an uncompressed tar ({err}); capline reads dataset tars "
+                            "uncompressed, so decompress it first") from None
+        current, parts = None, {}
+        for m in tar_members(tar, where or path):
+            key, ext = sample_key(m.name)
+            if key != current and current is not None:
+                yield current, parts
+                parts = {}
+            current = key
+            parts[ext] = tar.extractfile(m).read()
+        if current is not None:
+            yield current, parts
+        tar.close()
+
 
 MAX_GAP = 8 << 20      # read through up to 8 MiB of other members rather than issue another request
 MAX_SPAN = 256 << 20   # but hold no more than this in memory for one request

@@ -58,14 +58,13 @@ def verify_run(run_dir: Path) -> tuple[list[str], int]:
 
 def sample_digests(run_dir: Path) -> dict[str, dict[str, str]]:
     """key -> {member extension: sha256} over every final shard."""
-    from trainers.data import tar_members
+    from infra.tars import tar_samples
 
     out: dict[str, dict[str, str]] = {}
     for path in sorted((run_dir / "shard" / "shards").glob("*.tar")):
-        with tarfile.open(path) as tar:
-            for m in tar_members(tar, path):
-                key, _, ext = m.name.partition(".")
-                out.setdefault(key, {})[ext] = hashlib.sha256(tar.extractfile(m).read()).hexdigest()
+        for key, parts in tar_samples(path):
+            for ext, data in parts.items():
+                out.setdefault(key, {})[ext] = hashlib.sha256(data).hexdigest()
     return out
 
 

@@ -83,13 +83,11 @@ class EncoderDescriber:
         self.model.eval()
 
     def __call__(self, image) -> tuple[np.ndarray, np.ndarray]:
-        from PIL import Image
+        from infra.media import to_input
 
-        arr = to_rgb_array(image)
-        s = self.cfg.image_size
-        x = np.asarray(Image.fromarray(arr).resize((s, s), Image.BICUBIC)).astype(np.float32) / 127.5 - 1
+        x = to_input(to_rgb_array(image), self.cfg.image_size)            # (3, S, S)
         with self.torch.no_grad():
-            f = self.model.image_features(self.torch.from_numpy(x).permute(2, 0, 1)[None])[0].numpy()
+            f = self.model.image_features(self.torch.from_numpy(x)[None])[0].numpy()
         return (f / (np.linalg.norm(f) + 1e-6)).astype(np.float32), np.zeros(3, np.float32)
 
 

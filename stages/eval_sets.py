@@ -14,7 +14,6 @@ import glob
 import hashlib
 import itertools
 import json
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Literal
@@ -80,14 +79,13 @@ def iter_images(es: EvalSetConfig, run_dir: Path | None) -> Iterator[tuple[str, 
             if f.suffix.lower() in IMAGE_SUFFIXES:
                 yield str(f.relative_to(root)).replace(".", "_"), read_regular(f, es.name)
     elif es.kind == "webdataset":
-        from trainers.data import tar_members
+        from infra.tars import tar_samples
 
         for shard in _shard_paths(es.path):
-            with tarfile.open(shard) as tar:
-                for m in tar_members(tar, f"evaluation set {es.name}: {shard}"):
-                    stem, _, ext = m.name.rpartition("/")[-1].partition(".")
+            for key, parts in tar_samples(shard, f"evaluation set {es.name}: {shard}"):
+                for ext, data in parts.items():
                     if "." + ext.lower() in IMAGE_SUFFIXES:
-                        yield f"{Path(shard).stem}/{stem}", tar.extractfile(m).read()
+                        yield f"{Path(shard).stem}/{key.rpartition('/')[-1]}", data
     elif es.kind == "parquet":
         import pyarrow.parquet as pq
 

@@ -13,14 +13,13 @@ Batch: images (B, 3, S, S) float in [-1, 1] (resized, no crop, no flip), labels 
 """
 from __future__ import annotations
 
-import io
-import tarfile
+from infra.media import to_input
+from infra.tars import tar_samples
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
 from infra.errors import UserError
 
@@ -60,8 +59,8 @@ def encode_caption(sp, text: str, max_len: int) -> np.ndarray:
 
 
 def decode_image(data: bytes, size: int) -> np.ndarray:
-    img = Image.open(io.BytesIO(data)).convert("RGB").resize((size, size), Image.BICUBIC)
-    return (np.asarray(img, np.float32) / 127.5 - 1.0).transpose(2, 0, 1)
+    """(3, size, size) in [-1, 1]: infra/media.py's one preprocessing."""
+    return to_input(data, size)
 
 
 def epoch_shards(shards: list[Path], seed: int, epoch: int, rank: int, world: int) -> list[Path]:
@@ -69,43 +68,10 @@ def epoch_shards(shards: list[Path], seed: int, epoch: int, rank: int, world: in
     return [shards[i] for i in order[rank::world]]
 
 
-MAX_MEMBER_BYTES = 64 * 2**20   # an image or caption larger than this in a tar is not one
-
-
-def tar_members(tar: tarfile.TarFile, where, max_bytes: int = MAX_MEMBER_BYTES):
-    """The members of an untrusted tar, refusing what a dataset tar never holds: a link (it can
-    name any file), a device, FIFO or other special file, a GNU sparse member (a few KB on disk
-    that read as gigabytes) and a member over `max_bytes`. Folders are passed over. The one tar
-    reader every capline stage and tool uses."""
-    for m in tar:
-        if m.isdir():
-            continue
-        kind = ("a link" if m.issym() or m.islnk() else "a sparse member" if m.issparse()
-                else None if m.isreg() else "a device or special file")
-        if kind:
-            raise UserError(f"{where}: member {m.name!r} is {kind}; a dataset tar holds regular files only")
-        if m.size > max_bytes:
-            raise UserError(f"{where}: member {m.name!r} is {m.size} bytes, over the {max_bytes}-byte limit "
-                            "for one sample's file")
-        yield m
-
-
 def iter_samples(shards: list[Path]):
-    """(key, jpg bytes, caption) in file order."""
-    from infra.storage import open_input
-
+    """(key, {extension: bytes}) in file order, from capline's final shards (local paths or URIs)."""
     for path in shards:
-        with open_input(path) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
-            current, parts = None, {}
-            for m in tar_members(tar, path):
-                key, _, ext = m.name.partition(".")
-                if key != current and current is not None:
-                    yield current, parts
-                    parts = {}
-                current = key
-                parts[ext] = tar.extractfile(m).read()
-            if current is not None:
-                yield current, parts
+        yield from tar_samples(path, path)
 
 
 class ShardStream(torch.utils.data.IterableDataset):

@@ -221,3 +221,16 @@ def test_executor_fills_a_cluster_of_many_cpus_with_stages_of_every_kind(tmp_pat
     assert f"stage count: {n} samples were kept before it, it read {n - 1}" in out["lost"]
     assert out["gpu"].startswith("UserError: gpu: its tasks ask for 1 GPU(s) and no node of the cluster has any; "
                                  "set stages.gpu.gpus to 0")
+
+
+def test_tar_samples_group_consecutive_members_and_refuse_what_is_not_a_plain_tar(tmp_path):
+    import gzip
+
+    from infra.tars import tar_samples
+
+    _tar(tmp_path / "s.tar", {"a.jpg": b"A", "a.txt": b"cap a", "d/b.jpg": b"B", "d/b.json": b"{}"})
+    assert list(tar_samples(tmp_path / "s.tar")) == [("a", {"jpg": b"A", "txt": b"cap a"}),
+                                                      ("d/b", {"jpg": b"B", "json": b"{}"})]
+    (tmp_path / "s.tar.gz").write_bytes(gzip.compress((tmp_path / "s.tar").read_bytes()))
+    with pytest.raises(UserError, match=r"s.tar.gz: not an uncompressed tar .* decompress it first"):
+        list(tar_samples(tmp_path / "s.tar.gz"))

@@ -233,7 +233,7 @@ def test_untrusted_evaluation_sets_cannot_make_capline_read_what_they_point_at(t
     with pytest.raises(UserError, match="b.jpg is not a regular file"):
         build_reference(EvalSetConfig(name="f", kind="folder", path=str(folder)), None, tmp_path / "c", PARAMS)
     (folder / "b.jpg").unlink()
-    monkeypatch.setattr("trainers.data.MAX_MEMBER_BYTES", 1_000_000)
+    monkeypatch.setattr("infra.tars.MAX_MEMBER_BYTES", 1_000_000)
     (folder / "b.jpg").write_bytes(b"\xff" * 1_000_001)
     with pytest.raises(UserError, match="b.jpg is 1000001 bytes, over 1000000"):
         build_reference(EvalSetConfig(name="f", kind="folder", path=str(folder)), None, tmp_path / "c", PARAMS)

@@ -3,7 +3,7 @@ captioning sets (COCO captions JSON with an image folder, WebDataset with .txt),
 (JSON-lines pairs; ARO order perturbations generated from a captioning set). Nothing here knows
 how the data was made: the demo's held-out split is files of these kinds.
 
-Readers take untrusted input: tars through trainers/data.tar_members, folders refuse symlinks and
+Readers take untrusted input: tars through infra/tars.py, folders refuse symlinks and
 special files, an unreadable image is an error naming it.
 """
 from __future__ import annotations
@@ -14,7 +14,6 @@ import io
 import json
 import random
 import stat
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +45,7 @@ def _open(data, where: str) -> Image.Image:
 def read_regular(f: Path, name: str) -> bytes:
     """A set's image file, if it is a regular file of sane size: a symlink (to /dev/zero, to
     /etc/shadow) or a device in an evaluation folder is refused, not followed."""
-    from trainers.data import MAX_MEMBER_BYTES
+    from infra.tars import MAX_MEMBER_BYTES
 
     st = f.lstat()
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
@@ -145,19 +144,15 @@ def load_captions(s: CaptionSet, run_dir: Path) -> list[tuple[str, Image.Image, 
             f = root / files[image_id]
             out.append((str(image_id), _open(read_regular(f, s.name), str(f)), refs[image_id]))
     else:
-        from trainers.data import tar_members
+        from infra.tars import tar_samples
 
         p = path
         shards = sorted(str(x) for x in p.glob("*.tar")) if p.is_dir() else sorted(glob.glob(str(p)))
         if not shards:
             raise UserError(f"captioning set {s.name}: no .tar shards at {p}")
         for shard in shards:
-            samples: dict[str, dict] = {}
-            with tarfile.open(shard) as tar:
-                for m in tar_members(tar, f"captioning set {s.name}: {shard}"):
-                    key, _, ext = m.name.partition(".")
-                    samples.setdefault(key, {})[ext.lower()] = tar.extractfile(m).read()
-            for key, parts in samples.items():
+            for key, parts in tar_samples(shard, f"captioning set {s.name}: {shard}"):
+                parts = {ext.lower(): data for ext, data in parts.items()}
                 img = next((parts[e] for e in ("jpg", "jpeg", "png", "webp") if e in parts), None)
                 if img is None or "txt" not in parts:
                     continue

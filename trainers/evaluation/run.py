@@ -11,6 +11,7 @@ run's training is in MLflow, to that MLflow run as a table and headline metrics.
 """
 from __future__ import annotations
 
+from infra.media import to_input
 from trainers.families import spec
 
 import json
@@ -19,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
 from infra.errors import UserError
 
@@ -29,14 +29,7 @@ TASKS = ("fewshot", "captioning", "zeroshot", "wordorder")
 
 
 def _prep(images: list, size: int) -> torch.Tensor:
-    out = []
-    for im in images:
-        arr = np.asarray(im)
-        if arr.ndim == 2:
-            arr = np.stack([arr] * 3, -1)
-        im = Image.fromarray(arr.astype(np.uint8)).convert("RGB").resize((size, size), Image.BICUBIC)
-        out.append(np.asarray(im, np.float32).transpose(2, 0, 1) / 127.5 - 1)
-    return torch.from_numpy(np.stack(out))
+    return torch.from_numpy(np.stack([to_input(im, size) for im in images]))
 
 
 @torch.no_grad()
