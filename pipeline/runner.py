@@ -167,7 +167,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
     summary = {}
     for stage in stages:
         sdir = run_dir / stage.name
-        in_digest = hashlib.sha256((stage.fingerprint(cfg) + prev_digest).encode()).hexdigest()
+        fingerprint = stage.fingerprint(cfg)   # once: it may hash files (the source, evaluation sets)
+        in_digest = hashlib.sha256((fingerprint + prev_digest).encode()).hexdigest()
         marker = controls.read(stage.name, "_SUCCESS")
         parts = parts_from_json(controls.read(stage.name, "parts.json")) if marker else None
         if marker and marker.get("input_digest") == in_digest and parts is not None:
@@ -186,7 +187,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
             ctx = StageContext(name=stage.name, run_dir=run_dir, stage_dir=sdir, cfg=stage.section(cfg), seed=cfg.seed,
                                run_name=cfg.name, storage=storage, upstream=upstream,
                                artifacts=dict(manifest.data.get("artifacts", {})), log=log,
-                               fingerprint=stage.fingerprint(cfg), executor=executor, notes=stage.note_names())
+                               fingerprint=fingerprint, executor=executor, notes=stage.note_names())
             marker, artifacts, parts, summary[stage.name] = _run_stage(stage, ctx, in_digest, controls, store,
                                                                             upstream_digest=prev_digest)
             manifest.record_stage(stage.name, marker, artifacts)

@@ -290,7 +290,7 @@ class IngestStage(Source):
         fp = hashlib.sha256(ctx.fingerprint.encode()).hexdigest()
         jobs, reused, units = [], [], set()
         for u in ctx.upstream or []:
-            unit = f"{safe_name(u.part)}-{hashlib.sha256((fp + u['sha256']).encode()).hexdigest()[:12]}"
+            unit = f"{safe_name(u.part)}-{hashlib.sha256((fp + u.sha256).encode()).hexdigest()[:12]}"
             units.add(unit)
             done = {Path(r).stem: r for r in ctx.storage.list(f"ingest/parts/{unit}/results", ".json")}
             for i, start in enumerate(range(0, u.kept, cfg.samples_per_shard)):

@@ -9,6 +9,9 @@ A NaN or infinite loss stops the run, naming the steps since the last finite one
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import json
 import os
 import tempfile
@@ -26,14 +29,29 @@ def _save(path: Path, model, opt, sched, step: int, loader_states: list, gen_sta
     (path / "meta.json").write_text(json.dumps({"step": step, "loader": loader_states}))
 
 
-def train_loop_per_worker(c: dict) -> None:
+@dataclass
+class WorkerJob:
+    """What every training worker gets, typed end to end (Ray Train hands it over pickled)."""
+    train: Any                    # TrainConfig
+    model: Any                    # ModelConfig
+    seed: int
+    shards: list                  # paths or URIs of the final shards
+    tokenizer: bytes              # spm.model
+    storage: Any                  # the run folder's Storage
+    out: str                      # run-relative folder of this training's outputs
+    image_encoder: str | None     # ClipCap's frozen encoder, run-relative
+    lm_checkpoint: str | None
+    mlflow_uri: str
+    run_id: str
+
+
+def train_loop_per_worker(config: dict) -> None:
     import ray.train
     import ray.train.torch
     import sentencepiece as spm
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from infra.configtools import build
     from .data import LoaderState, ShardStream, make_loader, next_state
     from .models import ModelConfig
     from .optim import build_optimizer, build_schedule
@@ -43,22 +61,23 @@ def train_loop_per_worker(c: dict) -> None:
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    tc: TrainConfig = build(TrainConfig, c["train"], "train")
-    mc: ModelConfig = build(ModelConfig, c["model"], "model")
+    c: WorkerJob = config["job"]
+    tc: TrainConfig = c.train
+    mc: ModelConfig = c.model
     # every file goes to the run folder's storage: this worker may be on a node with no disk in common
-    storage, out = c["storage"], c["out"]
+    storage, out = c.storage, c.out
     storage.write_bytes(f"{out}/_pids/rank{rank}", str(os.getpid()).encode())
     # which Ray node each rank ran on, for the stage's stats
     storage.write_bytes(f"{out}/_nodes/rank{rank}", ray.get_runtime_context().get_node_id().encode())
     scratch = Path(tempfile.mkdtemp(prefix="capline-train-"))
     tokenizer = scratch / "spm.model"   # SentencePiece and the loader processes want a file
-    tokenizer.write_bytes(c["tokenizer"])
-    torch.manual_seed(c["seed"] * 1000 + rank)
-    gen = torch.Generator().manual_seed(c["seed"] * 1000 + rank)
+    tokenizer.write_bytes(c.tokenizer)
+    torch.manual_seed(c.seed * 1000 + rank)
+    gen = torch.Generator().manual_seed(c.seed * 1000 + rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
-    encoder = c.get("image_encoder")   # ClipCap's frozen encoder, from the run folder's storage
-    lm = c.get("lm_checkpoint")
+    encoder = c.image_encoder   # ClipCap's frozen encoder, from the run folder's storage
+    lm = c.lm_checkpoint
     task = make_task(mc, str(storage.local_dir(encoder)) if encoder else None,
                      str(storage.local_dir(lm)) if lm else None)
     model = task.build()
@@ -80,11 +99,11 @@ def train_loop_per_worker(c: dict) -> None:
     device = ray.train.torch.get_device()
     wrapped = ray.train.torch.prepare_model(LossModule(model))
     use_amp = device.type == "cuda"
-    stream = ShardStream(c["shards"], str(tokenizer), tc.micro_batch or tc.per_worker_batch,
-                         mc.image_size, mc.max_len, c["seed"], rank, world, state)
+    stream = ShardStream(c.shards, str(tokenizer), tc.micro_batch or tc.per_worker_batch,
+                         mc.image_size, mc.max_len, c.seed, rank, world, state)
     batches = iter(make_loader(stream, tc.loader_workers))
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
-    buffer = MetricBuffer(c["mlflow_uri"], c["run_id"], log=lambda m: print(m, flush=True)) if rank == 0 else None
+    buffer = MetricBuffer(c.mlflow_uri, c.run_id, log=lambda m: print(m, flush=True)) if rank == 0 else None
     fixed = None
     last_finite, t_last = step, time.perf_counter()
     t_progress, p_step = t_last, step
@@ -135,7 +154,7 @@ def train_loop_per_worker(c: dict) -> None:
         if buffer is not None and task.writes and tc.sample_every and step % tc.sample_every == 0 and fixed is not None:
             caps = task.samples(model, fixed.to(device), sp)
             try:
-                client(c["mlflow_uri"]).log_text(c["run_id"], "\n".join(caps), f"samples/step_{step:06d}.txt")
+                client(c.mlflow_uri).log_text(c.run_id, "\n".join(caps), f"samples/step_{step:06d}.txt")
             except Exception as err:  # noqa: BLE001 - MLflow down: keep the samples beside the model
                 storage.write_bytes(f"{out}/samples/step_{step:06d}.txt", "\n".join(caps).encode())
                 print(f"mlflow: sample captions of step {step} not logged ({type(err).__name__}); "

@@ -37,7 +37,7 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from .loop import train_loop_per_worker
+    from .loop import WorkerJob, train_loop_per_worker
 
     shards = [storage.uri(r) for r in storage.list(shards_rel, ".tar")]
     if not shards:
@@ -100,10 +100,9 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
         f"({tc.accumulation} micro-batches each), MLflow run {run_id} at {redact(uri)}")
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"train": dataclasses.asdict(tc), "model": dataclasses.asdict(mc), "seed": seed,
-                           "shards": shards, "tokenizer": tokenizer, "storage": storage, "out": out_rel,
-                           "image_encoder": encoder_rel, "lm_checkpoint": lm_rel,
-                           "mlflow_uri": uri, "run_id": run_id},
+        train_loop_config={"job": WorkerJob(train=tc, model=mc, seed=seed, shards=shards, tokenizer=tokenizer,
+                                            storage=storage, out=out_rel, image_encoder=encoder_rel,
+                                            lm_checkpoint=lm_rel, mlflow_uri=uri, run_id=run_id)},
         scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu),
         run_config=RunConfig(name=f"train-{run_id[:12]}", storage_path=storage.path(f"{out_rel}/ray"),
                              storage_filesystem=storage.fs,

@@ -250,11 +250,12 @@ def test_the_evaluation_index_built_in_ray_tasks_equals_the_one_built_here(tmp_p
     monkeypatch.setattr(eval_sets, "BATCH", 2)     # several tasks for five images
     es = EvalSetConfig(name="s", kind="folder", path=str(folder))
     logs = []
-    parallel, _ = build_reference(es, None, tmp_path / "a", PARAMS, log=logs.append)
-    assert any("dedup: indexing s: 3/3" in m for m in logs), logs
-    import ray
+    from pipeline.executor import Executor
 
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    here, _ = build_reference(es, None, tmp_path / "b", PARAMS, log=lambda m: None)
+    executor = Executor(log=logs.append)
+    parallel, _ = build_reference(es, None, tmp_path / "a", PARAMS, log=logs.append, run=executor.run)
+    assert any("dedup: indexing s: 3/3" in m for m in logs), logs
+    assert executor.records[-1]["tasks"] == 3
+    here, _ = build_reference(es, None, tmp_path / "b", PARAMS, log=lambda m: None)   # no executor: in this process
     a, b = np.load(parallel), np.load(here)
     assert list(a["ids"]) == list(b["ids"]) and np.array_equal(a["vecs"], b["vecs"])
