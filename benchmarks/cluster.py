@@ -21,14 +21,11 @@ parallelism the executor asks for and Ray grants), not how fast a real cluster i
 from __future__ import annotations
 
 import argparse
-import http.client
-import http.server
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from datetime import datetime, timezone
@@ -42,62 +39,6 @@ from benchmarks._common import RESULTS, write_results  # noqa: E402
 
 STAGES = ["source", "ingest", "dedup", "basic", "language", "clip_score", "tokenizer", "shard"]
 BUCKET = "capline-bench"
-
-
-class Proxy(http.server.ThreadingHTTPServer):
-    """Forwards every request to the object store after `latency` seconds; logs (time, method, key, bytes)."""
-    daemon_threads = True
-
-    def __init__(self, upstream: tuple[str, int], latency: float):
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.upstream, self.latency = upstream, latency
-        self.log_lock = threading.Lock()
-        self.entries: list[tuple[float, str, str, int, int]] = []
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):
-        pass
-
-    def _body(self) -> bytes:
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            out = b""
-            while True:
-                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    self.rfile.readline()
-                    return out
-                out += self.rfile.read(size)
-                self.rfile.readline()
-        n = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(n) if n else b""
-
-    def _forward(self):
-        body = self._body()
-        time.sleep(self.server.latency)
-        headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
-        if body or self.command in ("PUT", "POST"):
-            headers["Content-Length"] = str(len(body))
-        conn = http.client.HTTPConnection(*self.server.upstream, timeout=120)
-        conn.request(self.command, self.path, body=body, headers=headers)
-        resp = conn.getresponse()
-        data = resp.read()
-        conn.close()
-        with self.server.log_lock:
-            self.server.entries.append((time.time(), self.command, self.path.split("?")[0], len(body), len(data)))
-        self.send_response_only(resp.status, resp.reason)
-        for k, v in resp.getheaders():
-            if k.lower() not in ("transfer-encoding", "content-length", "connection"):
-                self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)) if self.command != "HEAD" else
-                         resp.getheader("Content-Length", "0"))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-
-    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
 
 def _stage_windows(client, prefix: str) -> dict[str, tuple[float, float, dict]]:
@@ -114,14 +55,14 @@ def _stage_windows(client, prefix: str) -> dict[str, tuple[float, float, dict]]:
 
 
 def run(args) -> dict:
-    from helpers import moto_s3
+    from helpers import CountingProxy, moto_s3
 
     tree = Path(args.tree).resolve() if args.tree else ROOT
     gen = moto_s3(BUCKET)
     env_s3, client = next(gen)
     upstream = env_s3["AWS_ENDPOINT_URL"].rsplit(":", 1)
-    proxy = Proxy(("127.0.0.1", int(upstream[1])), args.latency_ms / 1000)
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    proxy = CountingProxy(("127.0.0.1", int(upstream[1])), args.latency_ms / 1000)
+    proxy.start()
     tmp = Path(tempfile.mkdtemp(prefix="capline-cluster-bench-"))
     prefix = f"runs/{args.label}"
     env = {**os.environ, **env_s3, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.server_address[1]}",

@@ -36,6 +36,11 @@ class Storage:
         return cls(pafs.LocalFileSystem(), str(Path(path).resolve()))
 
     @classmethod
+    def of(cls, where) -> "Storage":
+        """A Storage as it is, or a local folder's."""
+        return where if isinstance(where, Storage) else cls.local(where)
+
+    @classmethod
     def from_uri(cls, uri: str) -> "Storage":
         import pyarrow.fs as pafs
 

@@ -172,6 +172,20 @@ def _say(message: str) -> None:
     print(_redact(message), flush=True)
 
 
+def _run_storage(where: str):
+    """A run folder where it is, for the tools that read summaries and single rows (status, explain):
+    a bucket is read in place, nothing is fetched."""
+    from infra.storage import Storage
+
+    from .storage import RunStore
+
+    store = RunStore(where)
+    if store.uri:
+        store.check()
+        return store.storage()
+    return Storage.local(store.local)
+
+
 def _local_run(where: str) -> Path:
     """A run folder to read: local as it is; an s3:// one fetched into its working copy first."""
     from .storage import RunStore
@@ -405,7 +419,7 @@ def _main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             from .inspect_run import format_status, status_rows
 
-            rows = status_rows(_local_run(args.run_dir))
+            rows = status_rows(_run_storage(args.run_dir))
             print(json.dumps(rows, indent=1) if args.json else format_status(rows))
             return 0
         if args.command == "report":
@@ -418,7 +432,7 @@ def _main(argv: list[str] | None = None) -> int:
 
             if bool(args.key) == bool(args.url):
                 raise UserError("explain: give a KEY or --url URL (one of them)")
-            run_dir = _local_run(args.run_dir)
+            run_dir = _run_storage(args.run_dir)
             key = args.key or key_of_url(run_dir, args.url)
             rows = explain(run_dir, key)
             print(json.dumps(rows, indent=1, ensure_ascii=False) if args.json else format_explain(key, rows))

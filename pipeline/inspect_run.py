@@ -1,39 +1,39 @@
 """`capline status` and `capline explain`: read a run folder, print what happened."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-
 from infra.errors import UserError
+from infra.storage import Storage
 
-from .runner import read_marker, stage_names
+from .runner import stage_names
+
+# Every tool here reads the run folder where it is (a local folder or a bucket, through Storage):
+# status reads each stage's control files, explain a sample's rows; neither fetches the data.
 
 
-def _require_run(run_dir: Path) -> None:
-    if not (run_dir / "manifest.json").is_file():
-        raise UserError(f"{run_dir}: not a capline run folder (no manifest.json)")
+def _require_run(storage: Storage) -> None:
+    if not storage.exists("manifest.json"):
+        raise UserError(f"{storage.uri()}: not a capline run folder (no manifest.json)")
 
 
-def status_rows(run_dir: Path) -> list[dict]:
-    _require_run(run_dir)
-    """One row per stage. A finished stage is `stale` when the stage before it is not finished, or
-    finished since with another output than the one this stage was made from: a rerun redoes it."""
+def status_rows(where) -> list[dict]:
+    """One row per stage, from its `_SUCCESS`, `_STARTED` and `stats.json` alone. A finished stage is
+    `stale` when the stage before it is not finished, or finished since with another output than the
+    one this stage was made from: a rerun redoes it."""
+    storage = Storage.of(where)
+    _require_run(storage)
     rows = []
     prev = {"output_digest": ""}
     for name in stage_names():
-        sdir = run_dir / name
-        stats_path = sdir / "stats.json"
-        marker = read_marker(sdir)
+        marker = storage.read_json(f"{name}/_SUCCESS")
         if marker:
             made_from = marker.get("upstream_digest")
             upstream_ok = prev is not None and (made_from is None or made_from == prev.get("output_digest"))
             state = "done" if upstream_ok else "stale"
-        elif (sdir / "_STARTED").exists():
+        elif storage.exists(f"{name}/_STARTED"):
             state = "incomplete"
         else:
             state = "pending"
-        stats = json.loads(stats_path.read_text()) if marker and stats_path.is_file() else {}
+        stats = (storage.read_json(f"{name}/stats.json") or {}) if marker else {}
         rows.append({"stage": name, "state": state, "in": stats.get("in"), "kept": stats.get("kept"),
                      "dropped": stats.get("dropped", {}), "wall_seconds": stats.get("wall_seconds")})
         prev = marker if state == "done" else None
@@ -61,24 +61,26 @@ def _n(v) -> str:
     return "-" if v is None else str(v)
 
 
-def key_of_url(run_dir: Path, url: str) -> str:
+def key_of_url(where, url: str) -> str:
     """The key the source stage gave a URL (the first row, if the list holds it twice)."""
     from stages.base import has_ledger, read_ledger
 
+    run_dir = Storage.of(where)
     _require_run(run_dir)
     if not has_ledger(run_dir, "source"):
-        raise UserError(f"{run_dir}: the source stage has not run; no URL is known yet")
+        raise UserError(f"{run_dir.uri()}: the source stage has not run; no URL is known yet")
     for name in ("source", "ingest"):   # ingest's column is the URL fetched (a served demo's real address)
         if has_ledger(run_dir, name):
             rows = read_ledger(run_dir, name, ["key"], filters=[("url", "==", url)]).column("key").to_pylist()
             if rows:
                 return rows[0]
-    raise UserError(f"no sample with URL {url!r} in {run_dir}")
+    raise UserError(f"no sample with URL {url!r} in {run_dir.uri()}")
 
 
-def explain(run_dir: Path, key: str) -> list[dict]:
+def explain(where, key: str) -> list[dict]:
     """The sample's row in every stage's ledger up to the one that dropped it; a kept sample's last
     row (shard) names its tar and the byte offset of its first member."""
+    run_dir = Storage.of(where)
     _require_run(run_dir)
     out = []
     from stages.base import has_ledger, read_ledger
@@ -93,6 +95,7 @@ def explain(run_dir: Path, key: str) -> list[dict]:
                         "url": rows[0]["url"], "caption": rows[0]["caption"]})
         for r in rows:
             row = {c: r.get(c) for c in ("key", "stage", "verdict", "reason", "score", "detail")}
+            row.update({c: r[c] for c in ("match_set", "match_key") if r.get(c)})   # what a match refers to
             if name == "shard" and r.get("tar"):
                 row.update(tar=r["tar"], offset=r.get("offset"))
                 row["detail"] = f"{r['tar']} at byte {r.get('offset')}"
@@ -100,8 +103,8 @@ def explain(run_dir: Path, key: str) -> list[dict]:
         if rows and rows[0]["verdict"] == "dropped":
             break
     if not any(r["stage"] != "(input)" for r in out):
-        raise UserError(f"no sample with key {key!r} in {run_dir} "
-                        f"(see the key column of {run_dir}/source/ledger/)")
+        raise UserError(f"no sample with key {key!r} in {run_dir.uri()} "
+                        f"(see the key column of {run_dir.uri('source/ledger')}/)")
     return out
 
 

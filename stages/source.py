@@ -379,9 +379,15 @@ class SourceStage(Source):
         results = ctx.run(_read_file_task, [(ctx.storage, str(f), cfg, p) for f, p in zip(files, pinned)], "source",
                           num_cpus=1, describe=lambda c: f"URL list file {Path(c[1]).name}", unit="files")
         parts = [p for r in results for p in r]
+        from .source_keys import unique_across_files
+
+        parts, renamed = unique_across_files(ctx, parts, {p.part: i for i, r in enumerate(results) for p in r},
+                                             own_keys=bool(cfg.key_col))
         rows = sum(p.n_in for p in parts)
-        ctx.log(f"source: {rows} rows from {cfg.path} in {len(files)} file(s), {len(parts)} partitions")
-        return StageResult(parts, {"rows": rows, "files": len(files)})
+        ctx.log(f"source: {rows} rows from {cfg.path} in {len(files)} file(s), {len(parts)} partitions"
+                + (f"; {renamed} rows repeat a row of an earlier file (kept under their own keys, for dedup "
+                   "to drop as exact_duplicate)" if renamed else ""))
+        return StageResult(parts, {"rows": rows, "files": len(files), "repeated_across_files": renamed})
 
     def _generated(self, ctx: StageContext, cfg: SourceConfig, table: pa.Table, name: str, extra: dict) -> StageResult:
         n = table.num_rows

@@ -1,7 +1,11 @@
 """Helpers the tests import (conftest.py is pytest's; importing it again would run its set-up twice)."""
 from __future__ import annotations
 
+import http.client
+import http.server
 import os
+import threading
+import time
 import signal
 import shutil
 import subprocess
@@ -113,3 +117,72 @@ def chromium_console(page, screenshot, size="1300,3000") -> list[str]:
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return [ln for ln in proc.stderr.splitlines() if ":CONSOLE" in ln]
+
+
+class CountingProxy(http.server.ThreadingHTTPServer):
+    """A loopback proxy in front of an object store: forwards every request after `latency` seconds and
+    logs (time, method, path, bytes sent, bytes received), so a test or benchmark counts requests."""
+    daemon_threads = True
+
+    def __init__(self, upstream: tuple[str, int], latency: float):
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.upstream, self.latency = upstream, latency
+        self.log_lock = threading.Lock()
+        self.entries: list[tuple[float, str, str, int, int]] = []
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def start(self) -> "CountingProxy":
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+        return self
+
+    def gets(self, suffix: str = "") -> list[str]:
+        with self.log_lock:
+            return [p for _, m, p, _, _ in self.entries if m == "GET" and p.endswith(suffix)]
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            out = b""
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    self.rfile.readline()
+                    return out
+                out += self.rfile.read(size)
+                self.rfile.readline()
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n else b""
+
+    def _forward(self):
+        body = self._body()
+        time.sleep(self.server.latency)
+        headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+        if body or self.command in ("PUT", "POST"):
+            headers["Content-Length"] = str(len(body))
+        conn = http.client.HTTPConnection(*self.server.upstream, timeout=120)
+        conn.request(self.command, self.path, body=body, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        conn.close()
+        with self.server.log_lock:
+            self.server.entries.append((time.time(), self.command, self.path.split("?")[0], len(body), len(data)))
+        self.send_response_only(resp.status, resp.reason)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("transfer-encoding", "content-length", "connection"):
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)) if self.command != "HEAD" else
+                         resp.getheader("Content-Length", "0"))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, bucket_keys, capline, kill_driver, moto_s3
+from helpers import ROOT, CountingProxy, bucket_keys, capline, kill_driver, moto_s3
 
 pytestmark = pytest.mark.slow
 BUCKET = "capline-runs"
@@ -91,3 +91,31 @@ def test_run_folder_in_s3_resumes_after_a_kill_elsewhere(s3, tmp_path):
     texts += [p.read_bytes() for root in ("machine-a", "machine-b") for p in (tmp_path / root).rglob("*") if p.is_file()]
     texts += [client.get_object(Bucket=BUCKET, Key=k)["Body"].read() for k in keys]
     assert not any(secret in t or key_id in t for t in texts)
+
+
+def test_status_and_explain_on_s3_read_summaries_and_rows_not_tars(s3, tmp_path):
+    """On the run the test above left in the bucket: `capline status` reads each stage's control files
+    in place, `explain` one sample's rows; neither downloads a tar (nor, for status, any ledger)."""
+    env, client = s3
+    if "runs/demo/shard/_SUCCESS" not in _keys(client, "runs/demo/shard/"):
+        pytest.skip("needs the finished run of test_run_folder_in_s3_resumes_after_a_kill_elsewhere")
+    proxy = CountingProxy(("127.0.0.1", int(env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])), 0).start()
+    try:
+        fresh = {**env, "AWS_ENDPOINT_URL": proxy.endpoint, "CAPLINE_CACHE": str(tmp_path / "new-machine")}
+        status = capline("status", "--run-dir", f"s3://{BUCKET}/runs/demo", "--json", env=fresh)
+        assert status.returncode == 0, status.stderr
+        rows = {r["stage"]: r for r in json.loads(status.stdout)}
+        assert rows["shard"]["state"] == "done" and rows["shard"]["kept"] > 0
+        assert not proxy.gets(".tar") and not proxy.gets(".parquet"), proxy.gets()
+        assert len(proxy.gets()) <= 4 * len(rows), len(proxy.gets())      # a few small objects per stage
+        key = next(k for k in _keys(client, "runs/demo/shard/index/") if k.endswith(".parquet"))
+        import pyarrow.parquet as pq
+        import io
+
+        sample = pq.read_table(io.BytesIO(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())).column("key")[0].as_py()
+        explain = capline("explain", sample, "--run-dir", f"s3://{BUCKET}/runs/demo", env=fresh)
+        assert explain.returncode == 0 and "shard" in explain.stdout, explain.stderr
+        assert not proxy.gets(".tar"), proxy.gets(".tar")
+        assert not (tmp_path / "new-machine").exists() or not list((tmp_path / "new-machine").rglob("*.tar"))
+    finally:
+        proxy.shutdown()

@@ -1,0 +1,109 @@
+"""Keys unique across a URL list's files (stages/source_keys.py): the logic in-process, and a whole
+run through the shards with two files that share rows."""
+import json
+from types import SimpleNamespace
+
+import pyarrow.parquet as pq
+import pytest
+
+from infra.errors import UserError
+from infra.storage import Storage
+from pipeline.config import load_config
+from stages.base import read_ledger
+from stages.source import _read_file_task
+from stages.source_keys import key_ranges, unique_across_files
+
+
+def _in_process(fn, calls, what, **_):
+    """Our own logic, without a cluster: each call in this process, in order."""
+    return [fn(*c) for c in calls]
+
+
+def _files(tmp_path, *contents):
+    paths = []
+    for i, rows in enumerate(contents):
+        p = tmp_path / f"list{i}.csv"
+        p.write_text("url,caption\n" + "".join(f"{u},{c}\n" for u, c in rows))
+        paths.append(p)
+    return paths
+
+
+def _run(tmp_path, paths, *overrides, rows_per_part=2):
+    cfg = load_config(None, ["source.kind=urls", f"source.path={tmp_path}", f"source.rows_per_part={rows_per_part}",
+                             *overrides]).source
+    storage = Storage.local(tmp_path / "run")
+    results = [_read_file_task(storage, str(p), cfg) for p in paths]
+    parts = [p for r in results for p in r]
+    ctx = SimpleNamespace(run=_in_process, storage=storage)
+    out, renamed = unique_across_files(ctx, parts, {p.part: i for i, r in enumerate(results) for p in r},
+                                       own_keys=bool(cfg.key_col))
+    (tmp_path / "run" / "source").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "run" / "source" / "parts.json").write_text(json.dumps([p.to_json() for p in out]))
+    return out, renamed, read_ledger(storage, "source").to_pylist()
+
+
+def test_key_ranges_cover_every_key_once():
+    ranges = key_ranges(7)
+    assert ranges[0][0] == "" and ranges[-1][1] == "\uffff"
+    for key in ("u0000000000000000", "u7fff", "uffffffffffffffff_3", "a-user-key", "zz"):
+        assert sum(lo <= key < hi for lo, hi in ranges) == 1
+
+
+def test_rows_repeated_across_files_get_keys_as_if_the_files_were_one(tmp_path):
+    a = [("http://x/1.jpg", "one"), ("http://x/2.jpg", "two"), ("http://x/1.jpg", "one")]
+    b = [("http://x/3.jpg", "three"), ("http://x/1.jpg", "one"), ("http://x/2.jpg", "two")]
+    c = [("http://x/1.jpg", "one")]
+    parts, renamed, rows = _run(tmp_path, _files(tmp_path, a, b, c))
+    keys = [r["key"] for r in rows]
+    assert len(keys) == len(set(keys)) == 7                       # every copy a sample, each its own key
+    ones = sorted((r["key"], r["detail"]) for r in rows if r["url"] == "http://x/1.jpg")
+    base = ones[0][0]
+    assert [k for k, _ in ones] == [base, f"{base}_1", f"{base}_2", f"{base}_3"]   # file order, then row order
+    by_key = dict(ones)
+    assert by_key[base] == "list0.csv row 0" and by_key[f"{base}_1"] == "list0.csv row 2"
+    assert by_key[f"{base}_2"] == "list1.csv row 1; the same URL and caption as list0.csv row 0"
+    assert by_key[f"{base}_3"] == "list2.csv row 0; the same URL and caption as list0.csv row 0"
+    assert renamed == 3 and sum(p.n_in for p in parts) == 7
+
+
+def test_one_file_is_left_as_keyed_rows_made_it(tmp_path):
+    parts, renamed, rows = _run(tmp_path, _files(tmp_path, [("http://x/1.jpg", "one"), ("http://x/1.jpg", "one")]))
+    assert renamed == 0 and sorted(r["key"][-2:] == "_1" for r in rows) == [False, True]
+
+
+def test_the_users_own_keys_in_two_files_are_refused_naming_both(tmp_path):
+    (tmp_path / "a.csv").write_text("id,url,caption\nk1,http://x/1.jpg,one\nk2,http://x/2.jpg,two\n")
+    (tmp_path / "b.csv").write_text("id,url,caption\nk3,http://x/3.jpg,three\nk1,http://x/9.jpg,other\n")
+    with pytest.raises(UserError, match=r"1 key_col value\(s\) appear in more than one URL list file "
+                                        r"\(a.csv row 0 and b.csv row 1\)"):
+        _run(tmp_path, [tmp_path / "a.csv", tmp_path / "b.csv"], "source.key_col=id")
+
+
+@pytest.mark.slow
+def test_two_url_files_sharing_rows_run_to_shards_and_every_copy_has_a_verdict(tmp_path, ray_local):
+    from pipeline.runner import run_pipeline
+    from stages import synthetic
+    from stages.demo_server import DemoServer
+    from stages.source import DefectFractions
+    from stages.synthetic import SERVER_PLACEHOLDER
+
+    synthetic.generate(tmp_path / "site", 40, 5, 48, 3, {k: 0 for k in vars(DefectFractions())}, 100, 100)
+    rows = pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()
+    urls = tmp_path / "urls"
+    urls.mkdir()
+    with DemoServer(tmp_path / "site" / "www") as server:
+        line = [f"{r['url'].replace(SERVER_PLACEHOLDER, server.base_url)},\"{r['caption']}\"" for r in rows]
+        (urls / "a.csv").write_text("url,caption\n" + "\n".join(line[:30]) + "\n")
+        (urls / "b.csv").write_text("url,caption\n" + "\n".join(line[20:]) + "\n")      # rows 20-29 in both
+        cfg = load_config(None, ["source.kind=urls", f"source.path={urls}", f"stages.ingest.allow_hosts=['{server.netloc}']",
+                                 "stages.ingest.samples_per_shard=20", "stages.dedup.eval_sets=[]",
+                                 "stages.basic.min_image_side=8", "stages.language.enabled=false",
+                                 "stages.clip_score.enabled=false", "stages.tokenizer.vocab_size=300",
+                                 f"stages.dedup.cache_dir={tmp_path / 'cache'}"])
+        summary = run_pipeline(cfg, tmp_path / "run", until="shard", log=lambda m: None)
+    assert summary["source"]["in"] == 50 and summary["source"]["repeated_across_files"] == 10
+    dedup = read_ledger(tmp_path / "run", "dedup", ["key", "verdict", "reason", "match_key"]).to_pylist()
+    repeats = [r for r in dedup if r["verdict"] == "dropped"]
+    assert len(dedup) == 50 and len(repeats) == 10                # every copy got a verdict
+    assert all(r["reason"] == "exact_duplicate" and r["key"] == r["match_key"] + "_1" for r in repeats)
+    assert summary["shard"]["kept"] == 40
