@@ -5,7 +5,7 @@
 2. A Ray task per partition reads its images through the sample index, describes each
    (stages/imagehash.py), searches the evaluation indexes (loaded once per worker), writes the
    descriptors to `_work/desc/<part>.parquet` and each sample's signatures into hash buckets
-   (`_work/sig/bNNN/<part>.parquet`): its pixel hash, its URL+caption hash, and the bands of its
+   (`_work/sig/<part>.parquet`, a row group per bucket): its pixel hash, its URL+caption hash, and the bands of its
    SimHash code (banded LSH).
 3. A task per bucket groups the signatures: equal pixels or URL+caption make `exact_duplicate`
    pairs; codes that share a band, are within the Hamming radius the cosine threshold implies and
@@ -35,6 +35,8 @@ import pyarrow.compute as pc
 
 from infra.configtools import join, require
 from infra.errors import UserError
+
+from infra.shuffle import read_bucket, write_buckets
 
 from .base import Decide, StageContext, StageResult
 from .dataplane import DROPPED, KEPT, PartTask, key_hashes, read_images
@@ -186,9 +188,10 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
     table = pa.table({"sig": sig, "kind": kind, "key": sk, "part": [part] * len(sig),
                       "code": pa.array(code, pa.binary()),
                       "mean": pa.array([m.tolist() for m in mean], pa.list_(pa.float32(), 3))})
-    bucket = np.array([int(h % n_buckets) for h in key_hashes(sig)], np.int64) if sig else np.zeros(0, np.int64)
-    for b in range(n_buckets):
-        storage.write_table(f"dedup/_work/sig/b{b:03d}/{part}.parquet", table.filter(pa.array(bucket == b)))
+    bucket = np.array([int(h % n_buckets) for h in key_hashes(sig)], np.int32) if sig else np.zeros(0, np.int32)
+    # one file per partition, a row group per bucket (infra/shuffle.py): no file per (partition, bucket)
+    write_buckets(storage, f"{SIG_DIR}/{part}.parquet", table.append_column("bucket", pa.array(bucket, pa.int32())),
+                  "bucket")
     return {"part": part, "described": n, "undecodable": int((~ok).sum())}
 
 
@@ -205,12 +208,17 @@ def hamming_radius(threshold: float, bits: int) -> int:
     return int(2.5 * expected) + 8
 
 
-def _group_task(storage, bucket: int, cfg: DedupConfig) -> list[tuple]:
+SIG_DIR = "dedup/_work/sig"
+SIG_SCHEMA = pa.schema([("sig", pa.string()), ("kind", pa.string()), ("key", pa.string()), ("part", pa.string()),
+                        ("code", pa.binary()), ("mean", pa.list_(pa.float32(), 3)), ("bucket", pa.int32())])
+
+
+def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str]) -> list[tuple]:
     """Ray task: one signature bucket -> pairs (key_a, part_a, key_b, part_b, kind) with key_a < key_b."""
-    files = storage.list(f"dedup/_work/sig/b{bucket:03d}", ".parquet")
-    if not files:
+    t = read_bucket(storage, files, "bucket", bucket, SIG_SCHEMA)
+    if not t.num_rows:
         return []
-    t = pa.concat_tables([storage.read_table(f) for f in files]).sort_by([("sig", "ascending"), ("key", "ascending")])
+    t = t.sort_by([("sig", "ascending"), ("key", "ascending")])
     sig, kind, keys, parts = (t.column(c).to_pylist() for c in ("sig", "kind", "key", "part"))
     codes = t.column("code").to_pylist()
     means = t.column("mean").to_pylist()
@@ -374,7 +382,8 @@ class DedupStage(Decide):
                                              for u in upstream], "dedup describe", num_cpus=cfg.cpus_per_worker,
                             describe=lambda c: f"partition {c[1]}")
         ctx.log(f"dedup: described {sum(d['described'] for d in described)} images")
-        found = ctx.run(_group_task, [(ctx.storage, b, cfg) for b in range(n_buckets)], "dedup group",
+        sig_files = [f"{SIG_DIR}/{u.part}.parquet" for u in upstream]
+        found = ctx.run(_group_task, [(ctx.storage, b, cfg, sig_files) for b in range(n_buckets)], "dedup group",
                         num_cpus=cfg.cpus_per_worker, unit="buckets")
         pairs = sorted({Pair(*p) for bucket in found for p in bucket})
         exact = [(p.a, p.b) for p in pairs if p.kind == "exact_duplicate"]

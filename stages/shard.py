@@ -42,6 +42,7 @@ from infra.configtools import join, require
 from .base import KEPT, Sink, StageContext, StageResult
 from .dataplane import read_images, read_kept, write_part
 from infra.hashing import order_key
+from infra.shuffle import read_bucket, write_buckets
 
 
 @dataclass
@@ -112,22 +113,22 @@ def _map_task(storage, part: str, file: str, seed: int, n_out: int) -> dict:
                                 "sha256": sha, **(json.loads(n) if n else {})},
                                sort_keys=True, ensure_ascii=False))
     ext = [(m or "x.jpg").rsplit(".", 1)[-1] for m in rows.column("member").to_pylist()]
-    table = pa.table({"key": keys, "order": order, "image": pa.array(images, pa.binary()), "ext": ext,
-                      "caption": rows.column("caption"), "meta": meta})
-    for s in np.unique(out):
-        storage.write_table(f"shard/_work/map/{s:06d}/{part}.parquet", table.filter(pa.array(out == s)))
-    storage.write_bytes(f"shard/_work/mapdone/{part}.json", b"{}")
+    table = pa.table({"shard": pa.array(out, pa.int32()), "key": keys, "order": order,
+                      "image": pa.array(images, pa.binary()), "ext": ext, "caption": rows.column("caption"),
+                      "meta": meta})
+    # one object per map task (infra/shuffle.py), not one per (partition, shard): about one per sample at scale
+    write_buckets(storage, f"{MAP_DIR}/{part}.parquet", table, "shard")
     return {"part": part, "samples": len(keys)}
 
 
-def _reduce_task(storage, shard: int) -> dict:
-    """Ray task: one output shard from its buckets: the tar, its index, its ledger partition."""
-    files = storage.list(f"shard/_work/map/{shard:06d}", ".parquet")
-    t = (pa.concat_tables([storage.read_table(f) for f in files]) if files
-         else pa.table({"key": pa.array([], pa.string()), "order": pa.array([], pa.string()),
-                        "image": pa.array([], pa.binary()), "ext": pa.array([], pa.string()),
-                        "caption": pa.array([], pa.string()), "meta": pa.array([], pa.string())}))
-    t = t.sort_by("order")
+MAP_DIR = "shard/_work/map"
+MAP_SCHEMA = pa.schema([("shard", pa.int32()), ("key", pa.string()), ("order", pa.string()), ("image", pa.binary()),
+                        ("ext", pa.string()), ("caption", pa.string()), ("meta", pa.string())])
+
+
+def _reduce_task(storage, shard: int, maps: list[str]) -> dict:
+    """Ray task: one output shard from the map files' row groups: the tar, its index, its ledger partition."""
+    t = read_bucket(storage, maps, "shard", shard, MAP_SCHEMA).sort_by("order")
     name = f"{shard:06d}.tar"
     buf = io.BytesIO()
     offsets = []
@@ -168,12 +169,14 @@ class ShardStage(Sink):
             ctx.log(f"shard: {n} samples make {n_out} shard(s) of {cfg.samples_per_shard}; writing "
                     f"{min(cfg.min_shards, n)} (stages.shard.min_shards), one per training worker")
             n_out = max(n_out, min(cfg.min_shards, n))
-        done = {r.rsplit("/", 1)[-1][:-5] for r in ctx.storage.list("shard/_work/mapdone", ".json")}
-        todo = [u for u in upstream if u.part not in done]
+        maps = {u.part: f"{MAP_DIR}/{u.part}.parquet" for u in upstream}
+        done = set(ctx.storage.list(MAP_DIR, ".parquet"))     # written whole: a map file is a finished map
+        todo = [u for u in upstream if maps[u.part] not in done]
         ctx.run(_map_task, [(ctx.storage, u.part, u.file, ctx.seed, n_out) for u in todo], "shard map",
                 num_cpus=1, describe=lambda c: f"partition {c[1]}")
-        parts = ctx.run(_reduce_task, [(ctx.storage, i) for i in range(n_out)], "shard write", num_cpus=1,
-                        describe=lambda c: f"shard {c[1]:06d}", unit="shards")
+        map_files = sorted(maps.values())
+        parts = ctx.run(_reduce_task, [(ctx.storage, i, map_files) for i in range(n_out)], "shard write",
+                        num_cpus=1, describe=lambda c: f"shard {c[1]:06d}", unit="shards")
         names = {p.extra["name"] for p in parts}
         for stale in ctx.storage.list("shard/shards", ".tar"):
             if stale.rsplit("/", 1)[-1] not in names:

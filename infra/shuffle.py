@@ -1,0 +1,49 @@
+"""A shuffle's map side and reduce side, in few objects: each map task writes ONE Parquet file whose
+row groups are its rows per bucket (sorted by bucket), and a reduce task reads, from every map file,
+only the row groups of its bucket, found through the file's footer (the min and max of the bucket
+column). Objects written: one per map task, never one per (map, bucket); requests per reduce: two
+per map file (footer, row groups). Used by the shard stage (bucket: output shard) and dedup (bucket:
+signature bucket).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+
+def write_buckets(storage, rel: str, table: pa.Table, column: str) -> str:
+    """Write `table` to `rel` as one file, a row group per value of the integer `column` (sorted by
+    it first; a stable sort, so rows keep their order within a bucket). -> sha256 of the file."""
+    table = table.take(pc.sort_indices(table, [(column, "ascending")]))
+    sink = pa.BufferOutputStream()
+    with pq.ParquetWriter(sink, table.schema, compression="zstd") as writer:
+        values = table.column(column).to_numpy()
+        bounds = np.flatnonzero(np.diff(values)) + 1
+        for lo, hi in zip([0, *bounds], [*bounds, table.num_rows]):
+            if hi > lo:
+                writer.write_table(table.slice(lo, hi - lo), row_group_size=hi - lo)
+        if table.num_rows == 0:
+            writer.write_table(table)
+    return storage.write_bytes(rel, sink.getvalue().to_pybytes())   # whole or not at all: the map is done
+
+
+def read_bucket(storage, files: list[str], column: str, value: int, schema: pa.Schema,
+                counter: dict | None = None) -> pa.Table:
+    """The rows of bucket `value` from every map file (each row group that holds it, by its statistics)."""
+    pieces = []
+    for rel in files:
+        with storage.fs.open_input_file(storage.path(rel)) as f:
+            pf = pq.ParquetFile(f)
+            col = pf.schema_arrow.get_field_index(column)
+            groups = [i for i in range(pf.metadata.num_row_groups)
+                      if (st := pf.metadata.row_group(i).column(col).statistics) is not None
+                      and st.has_min_max and st.min <= value <= st.max]
+            if groups:
+                pieces.append(pf.read_row_groups(groups))
+            if counter is not None:
+                counter["files"] = counter.get("files", 0) + 1
+                counter["groups"] = counter.get("groups", 0) + len(groups)
+    t = pa.concat_tables(pieces) if pieces else schema.empty_table()
+    return t.filter(pc.equal(t.column(column), value))
