@@ -242,3 +242,22 @@ def open_input(path):
         fs, p = filesystem(path)
         return fs.open_input_stream(p)
     return open(path, "rb")
+
+
+def file_size(path) -> int:
+    """Bytes of a local file or an object."""
+    if is_uri(path):
+        fs, p = filesystem(path)
+        return fs.get_file_info(p).size
+    return Path(path).stat().st_size
+
+
+def read_range_of(path, offset: int, size: int) -> bytes:
+    """`size` bytes from `offset` of a local file or an object: one ranged read."""
+    if is_uri(path):
+        fs, p = filesystem(path)
+        with fs.open_input_file(p) as f:
+            return f.read_at(size, offset)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(size)

@@ -48,11 +48,15 @@ def sample_key(name: str) -> tuple[str, str]:
 
 
 def tar_samples(path, where=None):
-    """(key, {extension: bytes}) for each sample of a WebDataset tar at `path` (a local path or a
-    URI), streamed in order; members of one sample are consecutive, as webdataset writes them."""
+    """(key, {extension: bytes}) for each sample of a WebDataset tar at `path` (a local path, a URI,
+    or a readable file object holding part of a tar from a member's header on), streamed in order;
+    members of one sample are consecutive, as webdataset writes them."""
+    import contextlib
+
     from .storage import open_input
 
-    with open_input(path) as stream:
+    opened = contextlib.nullcontext(path) if hasattr(path, "read") else open_input(path)
+    with opened as stream:
         try:
             tar = tarfile.open(fileobj=stream, mode="r|")
         except tarfile.ReadError as err:

@@ -68,6 +68,41 @@ def epoch_shards(shards: list[Path], seed: int, epoch: int, rank: int, world: in
     return [shards[i] for i in order[rank::world]]
 
 
+def shard_index(shards: list) -> dict | None:
+    """shard -> {offsets of its samples' first members, file size}, from capline's index beside the
+    shards (`shard/index/NNNNNN.parquet` for `shard/shards/NNNNNN.tar`); None if any shard has none."""
+    import pyarrow.parquet as pq
+
+    from infra.storage import file_size, filesystem, is_uri
+
+    out = {}
+    for shard in shards:
+        s = str(shard)
+        folder, _, name = s.rpartition("/shards/")
+        rel = f"{folder}/index/{name[:-4]}.parquet" if folder and name.endswith(".tar") else None
+        if rel is None:
+            return None
+        try:
+            if is_uri(rel):
+                fs, path = filesystem(rel)
+                table = pq.read_table(path, columns=["offset"], filesystem=fs)
+            else:
+                table = pq.read_table(rel, columns=["offset"])
+        except (OSError, FileNotFoundError):
+            return None
+        out[shard] = {"offsets": table.column("offset").to_pylist(), "size": file_size(s)}
+    return out
+
+
+def samples_in_range(shard, offset: int, size: int):
+    """(key, {extension: bytes}) of the samples whose members lie in [offset, offset + size) of a tar."""
+    import io
+
+    from infra.storage import read_range_of
+
+    return tar_samples(io.BytesIO(read_range_of(shard, offset, size)), f"{shard} bytes {offset}..{offset + size}")
+
+
 def iter_samples(shards: list[Path]):
     """(key, {extension: bytes}) in file order, from capline's final shards (local paths or URIs)."""
     for path in shards:
@@ -87,6 +122,12 @@ class ShardStream(torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         pid, k = (info.id, info.num_workers) if info else (0, 1)
+        index = shard_index(self.shards)
+        if index is not None:
+            yield from self._indexed(index, pid, k)
+            return
+        # shards without capline's index (a user's own WebDataset): every loader process streams the
+        # rank's shards and keeps its own batches
         epoch, start = self.state.epoch, self.state.batch
         g = 0  # batches handed out since `state`, across epochs: process g % k owns batch g
         while True:
@@ -103,6 +144,36 @@ class ShardStream(torch.utils.data.IterableDataset):
                         g += 1
                     batch_keys, parts_list, b = [], [], b + 1
             epoch, start = epoch + 1, 0
+
+    def _indexed(self, index: dict, pid: int, k: int):
+        """Each loader process reads only the byte ranges of its own batches (batch g since `state` is
+        process g % k's), found through the shards' index (key -> offset of its first member); a resumed
+        stream starts at its batch, reading nothing before it. The batches are those of the streamed
+        path: the rank's epoch shards, concatenated, cut into full batches."""
+        epoch, start = self.state.epoch, self.state.batch
+        g = 0
+        while True:
+            order = epoch_shards(self.shards, self.seed, epoch, self.rank, self.world)
+            counts = [len(index[s]["offsets"]) for s in order]
+            first = np.concatenate([[0], np.cumsum(counts)])          # stream position of each shard's first sample
+            for b in range(start, int(first[-1]) // self.batch_size):
+                if g % k == pid:
+                    samples = list(self._read_batch(order, index, first, b * self.batch_size, self.batch_size))
+                    yield self._collate([key for key, _ in samples], [p for _, p in samples], epoch, b)
+                g += 1
+            epoch, start = epoch + 1, 0
+
+    def _read_batch(self, order, index, first, lo: int, n: int):
+        """Samples [lo, lo + n) of the epoch's stream, one ranged read per shard they lie in."""
+        hi = lo + n
+        for s, shard in enumerate(order):
+            a, z = max(lo, int(first[s])), min(hi, int(first[s + 1]))
+            if a >= z:
+                continue
+            offsets, size = index[shard]["offsets"], index[shard]["size"]
+            begin = offsets[a - first[s]]
+            end = offsets[z - first[s]] if z - first[s] < len(offsets) else size
+            yield from samples_in_range(shard, begin, end - begin)
 
     def _collate(self, keys, parts_list, epoch, b):
         images = np.stack([decode_image(p["jpg"], self.image_size) for p in parts_list])

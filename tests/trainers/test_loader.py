@@ -89,3 +89,52 @@ def test_schedule_and_decay_groups():
     assert "decoder.embed.weight" in skipped and "encoder.pos" in skipped
     assert any(n.endswith("ln1.weight") for n in skipped)
     assert "decoder.head.weight" in {names[id(p)] for p in decay["params"]}
+
+
+@pytest.fixture(scope="module")
+def indexed(data, tmp_path_factory):
+    """The same shards laid out as the shard stage writes them: shards/ and, beside it, index/ (key ->
+    offset of the sample's first member)."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import tarfile
+
+    root = tmp_path_factory.mktemp("indexed")
+    shutil.copytree(data / "shards", root / "shards")
+    (root / "index").mkdir()
+    for tar_path in sorted((root / "shards").glob("*.tar")):
+        with tarfile.open(tar_path) as tar:
+            firsts = {}
+            for m in tar.getmembers():
+                firsts.setdefault(m.name.split(".")[0], m.offset)
+        pq.write_table(pa.table({"key": list(firsts), "offset": pa.array(list(firsts.values()), pa.int64())}),
+                       root / "index" / f"{tar_path.stem}.parquet")
+    shutil.copy(data / "spm.model", root / "spm.model")
+    return root
+
+
+def test_with_the_shard_index_each_loader_process_reads_only_its_batches(data, indexed, monkeypatch):
+    import infra.storage
+
+    read = []
+    real = infra.storage.read_range_of
+    monkeypatch.setattr(infra.storage, "read_range_of", lambda p, o, n: read.append(n) or real(p, o, n))
+    streamed = _take(iter(make_loader(_stream(data, 1, 2, LoaderState()), 0)), 9)
+    ranged_stream = _stream(indexed, 1, 2, LoaderState())
+    ranged = _take(iter(ranged_stream), 9)        # in this process: the monkeypatched reader sees every read
+    assert [b["keys"] for b in ranged] == [b["keys"] for b in streamed]        # the same batches, in order
+    assert all(torch.equal(a["images"], b["images"]) and torch.equal(a["labels"], b["labels"])
+               for a, b in zip(ranged, streamed))
+    from trainers.data import epoch_shards
+
+    mine = epoch_shards(list_shards(indexed / "shards"), 0, 0, 1, 2)   # rank 1's shards in epoch 0
+    assert len(read) == 9                                               # a batch within one shard: one read
+    assert sum(read[:6]) <= sum(p.stat().st_size for p in mine)         # the epoch's bytes, each once
+    # two loader processes: each takes its own batches, together the same sequence
+    both = _take(iter(make_loader(_stream(indexed, 1, 2, LoaderState()), 2)), 9)
+    assert [b["keys"] for b in both] == [b["keys"] for b in streamed]
+    # a resumed stream starts at its batch
+    resumed = _take(iter(make_loader(_stream(indexed, 1, 2, LoaderState(0, 4)), 2)), 3)
+    assert [b["keys"] for b in resumed] == [b["keys"] for b in streamed[4:7]]
