@@ -110,7 +110,7 @@ class Match(NamedTuple):
 
 
 BANDS, BAND_BITS = 8, 16     # banded LSH over the first 128 bits of the SimHash code
-MAX_GROUP = 2000             # members of one signature compared pairwise (a larger group: with its first)
+BLOCK = 1024                 # rows of a signature group compared at once (memory: BLOCK x group x bits/8)
 
 
 _LOADED: dict = {}
@@ -217,13 +217,13 @@ def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str]) -> lis
     """Ray task: one signature bucket -> pairs (key_a, part_a, key_b, part_b, kind) with key_a < key_b."""
     t = read_bucket(storage, files, "bucket", bucket, SIG_SCHEMA)
     if not t.num_rows:
-        return []
+        return {"pairs": [], "largest_group": 0}
     t = t.sort_by([("sig", "ascending"), ("key", "ascending")])
     sig, kind, keys, parts = (t.column(c).to_pylist() for c in ("sig", "kind", "key", "part"))
     codes = t.column("code").to_pylist()
     means = t.column("mean").to_pylist()
     radius = hamming_radius(cfg.within_threshold, cfg.bits)
-    pairs = []
+    pairs, largest = [], 0
     i = 0
     while i < len(sig):
         j = i
@@ -235,15 +235,28 @@ def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str]) -> lis
                 first = members[0]
                 pairs += [Pair(keys[first], parts[first], keys[m], parts[m], "exact_duplicate") for m in members[1:]]
             else:
-                cand = members[:MAX_GROUP]
-                bits = np.unpackbits(np.frombuffer(b"".join(codes[m] for m in cand), np.uint8).reshape(len(cand), -1), axis=1)
-                mv = np.array([means[m] for m in cand], np.float32)
-                ham = (bits[:, None, :] != bits[None, :, :]).sum(-1)
-                close = (ham <= radius) & (np.abs(mv[:, None] - mv[None, :]).max(-1) <= cfg.colour_tol)
-                for a, b in zip(*np.nonzero(np.triu(close, 1))):
-                    pairs.append(Pair(keys[cand[a]], parts[cand[a]], keys[cand[b]], parts[cand[b]], "near_duplicate"))
+                largest = max(largest, len(members))
+                for a, b in close_pairs([codes[m] for m in members], [means[m] for m in members], radius,
+                                        cfg.colour_tol):
+                    pairs.append(Pair(keys[members[a]], parts[members[a]], keys[members[b]], parts[members[b]],
+                                      "near_duplicate"))
         i = j
-    return sorted(set(pairs))
+    return {"pairs": sorted(set(pairs)), "largest_group": largest}
+
+
+def close_pairs(codes: list[bytes], means: list, radius: int, colour_tol: float, block: int = BLOCK):
+    """(a, b), a < b, of the codes within `radius` bits of each other whose mean colours agree: XOR and
+    popcount of the packed codes, a block of rows at a time, so a large group costs time, not memory,
+    and is never cut short (a cut group silently loses recall)."""
+    c = np.frombuffer(b"".join(codes), np.uint64).reshape(len(codes), -1)
+    mv = np.asarray(means, np.float32)
+    for lo in range(0, len(c), block):
+        hi = min(len(c), lo + block)
+        ham = np.bitwise_count(c[lo:hi, None, :] ^ c[None, lo:, :]).sum(-1)        # (rows, lo..n)
+        near = (ham <= radius) & (np.abs(mv[lo:hi, None] - mv[None, lo:]).max(-1) <= colour_tol)
+        for a, b in zip(*np.nonzero(near)):
+            if lo + a < lo + b:
+                yield int(lo + a), int(lo + b)
 
 
 def _verify_task(storage, pairs: list[Pair], threshold: float) -> list[Match]:
@@ -323,6 +336,7 @@ class Candidates:
     n_candidates: int
     part_of: dict
     set_stats: dict
+    largest_group: int = 0        # the most codes one LSH band value held (compared in full, never cut)
 
 
 class DedupStage(Decide):
@@ -385,14 +399,15 @@ class DedupStage(Decide):
         sig_files = [f"{SIG_DIR}/{u.part}.parquet" for u in upstream]
         found = ctx.run(_group_task, [(ctx.storage, b, cfg, sig_files) for b in range(n_buckets)], "dedup group",
                         num_cpus=cfg.cpus_per_worker, unit="buckets")
-        pairs = sorted({Pair(*p) for bucket in found for p in bucket})
+        pairs = sorted({Pair(*p) for bucket in found for p in bucket["pairs"]})
         exact = [(p.a, p.b) for p in pairs if p.kind == "exact_duplicate"]
         exact_set = set(exact)
         cand = sorted({p for p in pairs if p.kind == "near_duplicate" and (p.a, p.b) not in exact_set})
         near = ctx.call(_verify_task, ctx.storage, cand, cfg.within_threshold, what="dedup verify",
                         num_cpus=cfg.cpus_per_worker) if cand else []
         part_of = {k: part for p in pairs for k, part in ((p.a, p.part_a), (p.b, p.part_b))}
-        return Candidates(exact, near, len(cand), part_of, set_stats)
+        return Candidates(exact, near, len(cand), part_of, set_stats,
+                          max((f["largest_group"] for f in found), default=0))
 
     def decide(self, ctx: StageContext, found: Candidates) -> dict[str, dict]:
         """Pairs joined into clusters; of each the smallest key is kept. -> partition -> key -> (reason, score, kept key)."""
@@ -425,6 +440,7 @@ class DedupStage(Decide):
             for name, c in p.extra.get("eval_matches", {}).items():
                 evals[name] = evals.get(name, 0) + c
         return StageResult(parts, {"eval_sets": found.set_stats, "eval_matches": evals,
+                                   "largest_lsh_group": found.largest_group,
                                    "pairs": {"exact": len(found.exact), "near_candidates": found.n_candidates,
                                              "near": len(found.near)},
                                    "method": {"descriptor": "thumb16-v2", "eval_threshold": cfg.eval_threshold,

@@ -259,3 +259,23 @@ def test_the_evaluation_index_built_in_ray_tasks_equals_the_one_built_here(tmp_p
     here, _ = build_reference(es, None, tmp_path / "b", PARAMS, log=lambda m: None)   # no executor: in this process
     a, b = np.load(parallel), np.load(here)
     assert list(a["ids"]) == list(b["ids"]) and np.array_equal(a["vecs"], b["vecs"])
+
+
+def test_a_large_lsh_group_is_compared_in_full_not_cut():
+    """More codes share one band value than one block holds: every close pair is still found (the
+    old code compared only a group's first 2,000 members, silently)."""
+    from stages.dedup import close_pairs
+
+    rng = np.random.default_rng(0)
+    n = 2600
+    codes = rng.integers(0, 256, (n, 32), dtype=np.uint8)
+    twin = codes[2500].copy()
+    twin[0] ^= 0b101                                   # 2 bits from code 2500
+    codes[2599] = twin
+    means = np.zeros((n, 3), np.float32)
+    found = set(close_pairs([c.tobytes() for c in codes], means, radius=4, colour_tol=1.0, block=256))
+    assert (2500, 2599) in found
+    ham = lambda a, b: int(np.unpackbits(codes[a] ^ codes[b]).sum())   # noqa: E731
+    assert all(a < b and ham(a, b) <= 4 for a, b in found)
+    means[2599] = 50
+    assert (2500, 2599) not in set(close_pairs([c.tobytes() for c in codes], means, 4, 1.0, block=256))
