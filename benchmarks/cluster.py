@@ -21,6 +21,7 @@ parallelism the executor asks for and Ray grants), not how fast a real cluster i
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 import json
 import os
 import subprocess
@@ -54,6 +55,62 @@ def _stage_windows(client, prefix: str) -> dict[str, tuple[float, float, dict]]:
     return out
 
 
+def _ray_pids() -> set[int]:
+    import psutil
+
+    out = set()
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "ray/core/src" in cmd or "ray::" in cmd or "ray/dashboard" in cmd or "ray/_private" in cmd \
+                or "ray/autoscaler" in cmd:
+            out.add(p.pid)
+    return out
+
+
+@contextmanager
+def ray_nodes(n: int, cpus: int, env: dict, tree: Path):
+    """n nodes started with `capline ray start` (one head), `cpus` logical CPUs among them; yields the
+    address (None for n <= 1: `capline run` starts its own local cluster). Stopped by pid."""
+    import psutil
+
+    from helpers import free_port
+
+    if n <= 1:
+        yield None
+        return
+    before = _ray_pids()
+    port, dash = free_port(), free_port()
+    per = max(1, cpus // n)
+    common = ["--node-ip-address", "127.0.0.1", "--num-cpus", str(per), "--object-store-memory", str(150 * 2**20)]
+    cli = [sys.executable, "-m", "pipeline.cli", "ray", "start"]
+    try:
+        for i in range(n):
+            extra = (["--head", "--port", str(port), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash)]
+                     if i == 0 else ["--address", f"127.0.0.1:{port}"])
+            out = subprocess.run(cli + extra + common, cwd=tree, env=env, capture_output=True, text=True, timeout=180)
+            if out.returncode != 0:
+                raise SystemExit(f"ray start failed: {out.stdout[-1500:]} {out.stderr[-1500:]}")
+        yield f"127.0.0.1:{port}"
+    finally:
+        procs = []
+        for pid in _ray_pids() - before:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=15)
+        for p in alive:
+            p.kill()
+        current = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
+        if current.is_file() and current.read_text().strip().endswith(f":{port}"):
+            current.unlink()
+
+
 def run(args) -> dict:
     from helpers import CountingProxy, moto_s3
 
@@ -68,14 +125,20 @@ def run(args) -> dict:
     env = {**os.environ, **env_s3, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.server_address[1]}",
            "CAPLINE_CACHE": str(tmp / "cache"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
            "PYTHONPATH": str(tree), "CAPLINE_PROGRESS": "0", "CAPLINE_NETGUARD": "1"}
+    if args.nodes > 1:
+        env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(tmp / "cache" / "ray_auth_token")})
     sets = [f"ray.num_cpus={args.cpus}", f"source.num_samples={args.samples}", "source.serve_port=0",
             f"stages.ingest.samples_per_shard={args.per_shard}", "stages.clip_score.bootstrap.steps=30",
             f"stages.dedup.cache_dir={tmp / 'eval-index'}", "track_data=false"]
     cmd = [sys.executable, "-m", "pipeline.cli", "run", str(tree / "configs" / "demo.yaml"), "--run-dir",
            f"s3://{BUCKET}/{prefix}", "--until", "shard"] + [x for s in sets for x in ("--set", s)]
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
-    wall = time.time() - t0
+    if args.scorer_cpus:
+        cmd += ["--set", f"stages.clip_score.bootstrap.cpus={args.scorer_cpus}"]
+    with ray_nodes(args.nodes, args.cpus, env, tree) as address:
+        t0 = time.time()
+        proc = subprocess.run(cmd + (["--address", address] if address else []), cwd=tree, env=env,
+                              capture_output=True, text=True, timeout=3600)
+        wall = time.time() - t0
     if proc.returncode != 0:
         print(proc.stdout[-4000:], proc.stderr[-4000:])
         raise SystemExit(f"capline run failed ({proc.returncode})")
@@ -105,7 +168,8 @@ def run(args) -> dict:
                                                     and e[2].endswith(".tar")) / n, 4),
             "bytes_read_per_sample": round(sum(e[4] for e in mine if e[1] == "GET") / n),
             "objects_written_per_sample": round(methods["PUT"] / n, 4)}
-    return {"label": args.label, "tree": str(tree), "cpus_declared": args.cpus, "samples": args.samples,
+    return {"label": args.label, "tree": str(tree), "cpus_declared": args.cpus, "nodes": max(1, args.nodes),
+            "samples": args.samples,
             "samples_per_ingest_shard": args.per_shard, "latency_ms": args.latency_ms, "wall_seconds": round(wall, 1),
             "requests": len(entries), "methods": dict(Counter(e[1] for e in entries)),
             "ingest_images": images, "ingest_tar_gets": tar_gets,
@@ -131,6 +195,8 @@ def main():
     p.add_argument("--samples", type=int, default=3200)
     p.add_argument("--per-shard", type=int, default=100)
     p.add_argument("--latency-ms", type=float, default=25)
+    p.add_argument("--nodes", type=int, default=1, help="Ray nodes (`capline ray start`), --cpus split among them")
+    p.add_argument("--scorer-cpus", type=int, default=0, help="stages.clip_score.bootstrap.cpus (0: the config's)")
     p.add_argument("--tree", help="another capline checkout to run the same way (before/after)")
     p.add_argument("--label", default="current")
     args = p.parse_args()

@@ -94,6 +94,9 @@ def test_runs_then_skips_then_reruns_when_input_changes(tmp_path, ray_local):
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert set(manifest["stages"]) == {"numbers", "dropodd"}
     assert manifest["config"]["source"]["num_samples"] == 5
+    # the manifest is sized by stages: counts and digests; the file lists stay in each _SUCCESS
+    assert manifest["stages"]["dropodd"]["files"] == 2 and manifest["stages"]["dropodd"]["output_digest"]
+    assert len(json.loads((tmp_path / "dropodd" / "_SUCCESS").read_text())["files"]) == 2
     from stages.base import read_ledger
 
     rows = read_ledger(tmp_path, "dropodd").to_pylist()
