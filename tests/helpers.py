@@ -130,6 +130,13 @@ class CountingProxy(http.server.ThreadingHTTPServer):
         self.log_lock = threading.Lock()
         self.entries: list[tuple[float, str, str, int, int]] = []
 
+    def handle_error(self, request, client_address):
+        import sys
+
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            return   # the client gave up on a response (its SDK retries): not the proxy's error
+        super().handle_error(request, client_address)
+
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"

@@ -137,7 +137,9 @@ def test_no_shared_filesystem_two_nodes_s3_and_a_kill_mid_ingest(tmp_path):
                     "--set", "stages.ingest.thread_count=4", "--set", "stages.tokenizer.vocab_size=400",
                     "--set", "stages.dedup.eval_sets=[]", "--set", f"stages.dedup.cache_dir={driver / 'eval-index'}",
                     "--set", "stages.basic.min_image_side=16", "--set", "stages.language.min_confidence=0.1",
-                    "--set", "stages.clip_score.bootstrap.steps=20", "--set", "stages.clip_score.bootstrap.cpus=1",
+                    # the bootstrap scorer keeps its default 2 CPUs: on these 1-CPU nodes the executor fits
+                    # the request to the largest node (it used to wait forever for a node of 2)
+                    "--set", "stages.clip_score.bootstrap.steps=20",
                     "--set", "stages.dedup.cpus_per_worker=0.5", "--set", "stages.clip_score.cpus_per_worker=0.5",
                     "--set", "stages.shard.samples_per_shard=60", "--set", "train.steps=10",
                     "--set", "train.num_workers=2", "--set", "train.checkpoint_every=5", "--set", "train.sample_every=0",
@@ -180,6 +182,8 @@ def test_no_shared_filesystem_two_nodes_s3_and_a_kill_mid_ingest(tmp_path):
             assert len(ingest["nodes"]) == 2, ingest["nodes"]          # download tasks ran on both nodes
             assert len(train["nodes"]) == 2, train["nodes"]            # one training worker on each
             assert train["step"] == 10
+            scorer = [t for t in stats("clip_score")["tasks"] if t["what"] == "clip_score bootstrap scorer"]
+            assert scorer and scorer[0]["cpus_per_task"] == 1        # 2 asked, the largest node has 1
             keys = set(bucket_keys(client, BUCKET, "runs/cluster/"))
             for stage in ("source", "ingest", "dedup", "basic", "language", "clip_score", "tokenizer", "shard", "train"):
                 assert f"runs/cluster/{stage}/_SUCCESS" in keys, stage
