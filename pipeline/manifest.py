@@ -69,7 +69,7 @@ class Manifest:
     def record_stage(self, name: str, marker: dict, artifacts: dict | None = None) -> None:
         """The stage's digests and when it finished, and how many files it made: sized by stages, not
         partitions (every file with its sha256 stays in the stage's own `_SUCCESS`)."""
-        self.data["stages"][name] = {**{k: v for k, v in marker.items() if k not in ("files", "outputs", "driver_files")},
+        self.data["stages"][name] = {**{k: v for k, v in marker.items() if k not in ("files", "outputs", "driver_files", "artifacts")},
                                      "files": len(marker.get("files", {})), "outputs": len(marker.get("outputs", {}))}
         if artifacts:
             self.data["artifacts"][name] = artifacts

@@ -173,6 +173,10 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
         parts = parts_from_json(controls.read(stage.name, "parts.json")) if marker else None
         if marker and marker.get("input_digest") == in_digest and parts is not None:
             log(f"{stage.name}: done before with the same input, skipped")
+            if stage.name not in manifest.data["stages"]:
+                # a run folder made from another's stage folders (a rebuild copies the source): what
+                # the stage registered travels in its own _SUCCESS
+                manifest.record_stage(stage.name, marker, marker.get("artifacts"))
             if controls.mirror and not (sdir / "_SUCCESS").is_file():   # the working copy's view of it
                 for name, obj in (("parts.json", [p.to_json() for p in parts]),
                                   ("stats.json", controls.read(stage.name, "stats.json")),
@@ -196,6 +200,9 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
                 manifest.save()
             if store is not None:
                 store.push_top()    # the manifest, so another machine sees what finished
+        declared = stage.declares(stage.section(cfg))
+        if declared:   # what a later stage needs of this one's config, run or skipped (the demo's site)
+            manifest.data["artifacts"].setdefault(stage.name, {}).update(declared)
         if stage.kind != "sink":   # a sink judges nothing: the next stage reads what the last judge kept
             upstream = parts
         prev_digest = marker["output_digest"]
@@ -257,6 +264,7 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
               "upstream_digest": upstream_digest, **({"chain": chain} if chain else {}),
               "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "outputs": dict(sorted(result.files.items())), "files": dict(sorted(files.items())),
+              "artifacts": result.artifacts,
               "driver_files": sorted(driver)}
     controls.write(stage.name, "_SUCCESS", marker)    # last: the stage is finished once this exists
     dropped = ", ".join(f"{k}={v}" for k, v in counts["dropped"].items()) or "none"

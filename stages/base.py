@@ -114,6 +114,11 @@ class Stage:
             raise NotImplementedError
         return getattr(config.stages, self.config_key)
 
+    def declares(self, section) -> dict:
+        """Artifacts that follow from the stage's config alone (registered whether it runs or is
+        skipped): what a later stage needs of this one's settings, typed, instead of its section."""
+        return {}
+
     def note_names(self) -> tuple[str | None, str | None]:
         return self.notes if self.notes is not None else (f"{self.name}_score", f"{self.name}_detail")
 

@@ -353,16 +353,13 @@ class SourceStage(Source):
         extra = {"heldout_format": self.HELDOUT_FORMAT} if config.source.kind == "synthetic" else {}
         return super().fingerprint(config) + json.dumps({**self.input_fingerprint(config), **extra}, sort_keys=True)
 
-    def run(self, ctx: StageContext) -> StageResult:
-        result = self._read(ctx)
-        cfg: SourceConfig = ctx.cfg
-        # what ingest needs of a source this run serves itself (the demo's site): a typed artifact,
-        # so ingest never reads the source's config section
-        result.artifacts["site"] = {"served": cfg.served, "folder": "source/www", "slow_seconds": cfg.slow_seconds,
-                                    "port": cfg.serve_port}
-        return result
+    def declares(self, cfg: SourceConfig) -> dict:
+        """What ingest needs of a source this run serves itself (the demo's site), so ingest never
+        reads the source's config section."""
+        return {"site": {"served": cfg.served, "folder": "source/www", "slow_seconds": cfg.slow_seconds,
+                         "port": cfg.serve_port}}
 
-    def _read(self, ctx: StageContext) -> StageResult:
+    def run(self, ctx: StageContext) -> StageResult:
         cfg: SourceConfig = ctx.cfg
         if cfg.kind == "synthetic":
             counts = synthetic.generate(ctx.stage_dir, cfg.num_samples, cfg.eval_size, cfg.image_size,

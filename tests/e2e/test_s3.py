@@ -102,7 +102,7 @@ def test_status_and_explain_on_s3_read_summaries_and_rows_not_tars(s3, tmp_path)
     proxy = CountingProxy(("127.0.0.1", int(env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])), 0).start()
     try:
         fresh = {**env, "AWS_ENDPOINT_URL": proxy.endpoint, "CAPLINE_CACHE": str(tmp_path / "new-machine")}
-        status = capline("status", "--run-dir", f"s3://{BUCKET}/runs/demo", "--json", env=fresh)
+        status = capline("status", f"s3://{BUCKET}/runs/demo", "--json", env=fresh)
         assert status.returncode == 0, status.stderr
         rows = {r["stage"]: r for r in json.loads(status.stdout)}
         assert rows["shard"]["state"] == "done" and rows["shard"]["kept"] > 0
@@ -113,7 +113,7 @@ def test_status_and_explain_on_s3_read_summaries_and_rows_not_tars(s3, tmp_path)
         import io
 
         sample = pq.read_table(io.BytesIO(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())).column("key")[0].as_py()
-        explain = capline("explain", sample, "--run-dir", f"s3://{BUCKET}/runs/demo", env=fresh)
+        explain = capline("explain", f"s3://{BUCKET}/runs/demo", sample, env=fresh)
         assert explain.returncode == 0 and "shard" in explain.stdout, explain.stderr
         assert not proxy.gets(".tar"), proxy.gets(".tar")
         assert not (tmp_path / "new-machine").exists() or not list((tmp_path / "new-machine").rglob("*.tar"))
