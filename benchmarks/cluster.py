@@ -55,30 +55,16 @@ def _stage_windows(client, prefix: str) -> dict[str, tuple[float, float, dict]]:
     return out
 
 
-def _ray_pids() -> set[int]:
-    import psutil
-
-    out = set()
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "ray/core/src" in cmd or "ray::" in cmd or "ray/dashboard" in cmd or "ray/_private" in cmd \
-                or "ray/autoscaler" in cmd:
-            out.add(p.pid)
-    return out
-
-
 @contextmanager
 def ray_nodes(n: int, cpus: int, env: dict, tree: Path):
     """n nodes started with `capline ray start` (one head), `cpus` logical CPUs among them; yields the
     address (None for n <= 1: `capline run` starts its own local cluster). Stopped by pid."""
-    import psutil
-
-    from helpers import free_port
+    from helpers import free_port, ray_pids, stop_pids
 
     if n <= 1:
         yield None
         return
-    before = _ray_pids()
+    before = ray_pids()
     port, dash = free_port(), free_port()
     per = max(1, cpus // n)
     common = ["--node-ip-address", "127.0.0.1", "--num-cpus", str(per), "--object-store-memory", str(150 * 2**20)]
@@ -92,20 +78,7 @@ def ray_nodes(n: int, cpus: int, env: dict, tree: Path):
                 raise SystemExit(f"ray start failed: {out.stdout[-1500:]} {out.stderr[-1500:]}")
         yield f"127.0.0.1:{port}"
     finally:
-        procs = []
-        for pid in _ray_pids() - before:
-            try:
-                procs.append(psutil.Process(pid))
-            except psutil.NoSuchProcess:
-                pass
-        for p in procs:
-            try:
-                p.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=15)
-        for p in alive:
-            p.kill()
+        stop_pids(ray_pids() - before)
         current = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
         if current.is_file() and current.read_text().strip().endswith(f":{port}"):
             current.unlink()

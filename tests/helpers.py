@@ -193,3 +193,37 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(data)
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+
+def ray_pids() -> set[int]:
+    """Pids of every Ray process on this machine (raylets, GCS, dashboards, workers)."""
+    import psutil
+
+    out = set()
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "ray" in cmd and ("raylet" in cmd or "gcs_server" in cmd or "ray/" in cmd or "ray::" in cmd):
+            out.add(p.pid)
+    return out
+
+
+def stop_pids(pids: set[int]) -> None:
+    """Terminate these processes and their children, by pid; kill what is left after 15 s."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            procs += [p, *p.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    for p in alive:
+        p.kill()
+    psutil.wait_procs(alive, timeout=10)

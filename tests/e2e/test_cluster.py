@@ -17,39 +17,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import ROOT, bucket_keys, free_port, kill_driver, moto_s3
+from helpers import ROOT, bucket_keys, free_port, kill_driver, moto_s3, ray_pids, stop_pids
 
 pytestmark = pytest.mark.slow
 RAY = str(Path(sys.executable).parent / "ray")
 BUCKET = "capline-cluster"
-
-
-def _ray_pids() -> set[int]:
-    out = set()
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "ray" in cmd and ("raylet" in cmd or "gcs_server" in cmd or "ray/" in cmd or "ray::" in cmd):
-            out.add(p.pid)
-    return out
-
-
-def _stop(pids: set[int]) -> None:
-    procs = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            procs += [p, *p.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            pass
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=15)
-    for p in alive:
-        p.kill()
-    psutil.wait_procs(alive, timeout=10)
 
 
 @contextmanager
@@ -58,7 +30,7 @@ def two_node_cluster(hidden: Path, node_env: dict):
     (the folder holding the driver's files): that node's workers see the code and the system, not
     the driver's disk. Yields (address, pid of the second node's raylet); stops both by pid."""
     port, dash = free_port(), free_port()
-    before = _ray_pids()
+    before = ray_pids()
     common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--object-store-memory", str(200 * 2**20),
               "--disable-usage-stats"]
     # the nodes get the guard but none of capline's quiet switches, as a user's shell would:
@@ -73,23 +45,23 @@ def two_node_cluster(hidden: Path, node_env: dict):
                                "--dashboard-port", str(dash), *common],
                               capture_output=True, text=True, timeout=120, env=env)
         assert head.returncode == 0, head.stdout + head.stderr
-        head_pids = _ray_pids() - before
+        head_pids = ray_pids() - before
         join = " ".join(shlex.quote(a) for a in [RAY, "start", "--address", f"127.0.0.1:{port}", *common])
         second = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
                                  f"mount -t tmpfs none {shlex.quote(str(hidden))} && exec {join}"],
                                 capture_output=True, text=True, timeout=120, env=env)
         assert second.returncode == 0, second.stdout + second.stderr
-        started = _ray_pids() - before
+        started = ray_pids() - before
         raylets = [p for p in started - head_pids if "raylet" in " ".join(psutil.Process(p).cmdline())]
         assert raylets, "the second node's raylet did not start"
         yield f"127.0.0.1:{port}", raylets[0]
     finally:
-        _stop(started or (_ray_pids() - before))
+        stop_pids(started or (ray_pids() - before))
         # `ray start --head` records itself for plain ray.init() calls to join; it is gone now
         current = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
         if current.is_file() and current.read_text().strip().endswith(f":{port}"):
             current.unlink()
-        assert not (_ray_pids() - before) & started, "the cluster's processes outlived the stop"
+        assert not (ray_pids() - before) & started, "the cluster's processes outlived the stop"
 
 
 @contextmanager
@@ -210,7 +182,7 @@ def test_capline_ray_start_gives_the_node_quiet_switches_and_token_auth(tmp_path
     env["CAPLINE_CACHE"] = str(tmp_path / "cache")
     env["HOME"] = str(tmp_path / "home")      # no ~/.ray/auth_token of the user's to prefer
     port, dash = free_port(), free_port()
-    before = _ray_pids()
+    before = ray_pids()
     started = set()
     try:
         out = subprocess.run([sys.executable, "-m", "pipeline.cli", "ray", "start", "--head", "--port", str(port),
@@ -220,7 +192,7 @@ def test_capline_ray_start_gives_the_node_quiet_switches_and_token_auth(tmp_path
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         token = tmp_path / "cache" / "ray_auth_token"
         assert f"token auth: token, token {token}" in out.stdout
-        started = _ray_pids() - before
+        started = ray_pids() - before
         raylet = next(p for p in started if "raylet" in " ".join(psutil.Process(p).cmdline()))
         node_env = psutil.Process(raylet).environ()
         assert {k: node_env.get(k) for k in QUIET_ENV} == QUIET_ENV
@@ -231,7 +203,7 @@ def test_capline_ray_start_gives_the_node_quiet_switches_and_token_auth(tmp_path
                                 env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
         assert "JOINED" in joined.stdout, joined.stderr[-1500:]
     finally:
-        _stop(started or (_ray_pids() - before))
+        stop_pids(started or (ray_pids() - before))
         current = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
         if current.is_file() and current.read_text().strip().endswith(f":{port}"):
             current.unlink()
