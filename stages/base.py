@@ -20,7 +20,7 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .dataplane import DROPPED, KEPT, PartTask, Storage, one_to_one  # noqa: F401 - re-exported
+from .dataplane import DROPPED, KEPT, PartResult, PartTask, Storage, one_to_one  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -36,7 +36,7 @@ class StageContext:
     seed: int
     run_name: str
     storage: Storage                 # the run folder's filesystem, as workers reach it
-    upstream: list[dict] | None      # the previous judging stage's PartResults (None for the first stage)
+    upstream: list[PartResult] | None  # the previous judging stage's PartResults (None for the first stage)
     artifacts: dict[str, dict] = field(default_factory=dict)   # finished stages' registered outputs
     log: Callable[[str], None] = print
     fingerprint: str = ""            # this stage's (Stage.fingerprint): with a partition's input, what decides it
@@ -44,7 +44,7 @@ class StageContext:
     notes: tuple = (None, None)      # what this stage's score and detail are called in a kept sample's json
 
     def map_parts(self, fn: Callable, tasks: list[PartTask] | None = None, num_cpus: float = 1.0,
-                  num_gpus: float = 0.0, reuse: bool = False, setting: str | None = None, **kwargs) -> list[dict]:
+                  num_gpus: float = 0.0, reuse: bool = False, setting: str | None = None, **kwargs) -> list[PartResult]:
         """`fn(table, **kwargs) -> (verdicts, extra)` over each partition (default: one task per
         upstream partition, same name), in Ray tasks that write their own part files. `reuse`: for a
         pure `fn`, partitions computed by an earlier run from the same input are taken as they are."""
@@ -83,7 +83,7 @@ class StageContext:
 
 @dataclass
 class StageResult:
-    parts: list[dict]                                    # PartResults, one per partition written
+    parts: list[PartResult]                              # PartResults, one per partition written
     extra_stats: dict = field(default_factory=dict)
     artifacts: dict = field(default_factory=dict)        # recorded in manifest.json (paths, checksums)
     files: dict = field(default_factory=dict)            # other outputs: run-relative path -> sha256
@@ -159,7 +159,7 @@ class Filter(Stage):
         parts = ctx.map_parts(type(self).judge, num_cpus=self.cpus(ctx.cfg), reuse=True, cfg=ctx.cfg)
         return self.finish(ctx, parts)
 
-    def finish(self, ctx: StageContext, parts: list[dict]) -> StageResult:
+    def finish(self, ctx: StageContext, parts: list[PartResult]) -> StageResult:
         return StageResult(parts)
 
 

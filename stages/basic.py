@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from infra.configtools import join, require
 
-from .base import DROPPED, KEPT, Filter, StageContext, StageResult
+from .base import DROPPED, KEPT, Filter, PartResult, StageContext, StageResult
 from .captions import clean_caption
 from .examples import write_examples
 
@@ -113,7 +113,7 @@ class BasicStage(Filter):
     report = "basic/report.html"
     judge = staticmethod(judge)
 
-    def finish(self, ctx: StageContext, parts: list[dict]) -> StageResult:
+    def finish(self, ctx: StageContext, parts: list[PartResult]) -> StageResult:
         cfg: BasicConfig = ctx.cfg
         repaired = sum(p.extra["repaired"] for p in parts)
         shown = write_examples(ctx, parts, cfg.examples_per_reason, "Basic filter")

@@ -291,7 +291,7 @@ def reuse_key(fingerprint: str, task: PartTask) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def one_to_one(upstream: list[dict], **kwargs) -> list[PartTask]:
+def one_to_one(upstream: list[PartResult], **kwargs) -> list[PartTask]:
     """A task per upstream partition, named like it (the usual shape of a per-sample stage)."""
     return [PartTask(part=u.part, file=u.file, input=u.part, kwargs=kwargs, input_sha=u.sha256)
             for u in upstream]

@@ -30,7 +30,7 @@ class EvalStage(Sink):
     def run(self, ctx: StageContext) -> StageResult:
         from trainers.evaluation.run import evaluate, summary
 
-        parts: list[dict] = []   # evaluation judges no sample
+        parts: list = []   # evaluation judges no sample
         model_dir = ctx.run_dir / "train" / "model"
         # evaluation runs here, on the driver: the model in the working copy
         ctx.storage.copy_to(ctx.run_dir, ctx.storage.list("train/model") + ctx.storage.list("train", "mlflow_run_id")

@@ -19,7 +19,7 @@ class TrainStage(Sink):
 
         from trainers.run import train
 
-        parts: list[dict] = []   # training consumes the shards; it judges no sample
+        parts: list = []   # training consumes the shards; it judges no sample
         tc = ctx.cfg
         if tc.steps == 0:
             ctx.log("train: train.steps is 0, nothing to train")
