@@ -27,7 +27,14 @@ def tar_members(tar: tarfile.TarFile, where, max_bytes: int = MAX_MEMBER_BYTES):
     name any file), a device, FIFO or other special file, a GNU sparse member (a few KB on disk
     that read as gigabytes) and a member over `max_bytes`. Folders are passed over. The one tar
     reader every capline stage and tool uses."""
+    last = -1
     for m in tar:
+        # a negative size or a header at or before the last one is how tars that make Python 3.11.7's
+        # tarfile walk backwards are built (CVE-2025-8194): refused before it takes the next step
+        if m.size < 0 or m.offset <= last:
+            raise UserError(f"{where}: member {m.name!r} has a negative size or a header that goes backwards; "
+                            "not a valid tar")
+        last = m.offset
         if m.isdir():
             continue
         kind = ("a link" if m.issym() or m.islnk() else "a sparse member" if m.issparse()

@@ -234,3 +234,18 @@ def test_tar_samples_group_consecutive_members_and_refuse_what_is_not_a_plain_ta
     (tmp_path / "s.tar.gz").write_bytes(gzip.compress((tmp_path / "s.tar").read_bytes()))
     with pytest.raises(UserError, match=r"s.tar.gz: not an uncompressed tar .* decompress it first"):
         list(tar_samples(tmp_path / "s.tar.gz"))
+
+
+def test_a_tar_member_with_a_negative_size_is_refused(tmp_path):
+    """A member whose size is negative (base-256 encoded, as CVE-2025-8194's tars are) is refused in one
+    line naming the member, not read."""
+    from infra.tars import tar_samples
+
+    _tar(tmp_path / "ok.tar", {"a.jpg": b"A" * 600, "a.txt": b"cap"})
+    data = bytearray((tmp_path / "ok.tar").read_bytes())
+    data[124:136] = b"\xff" * 12                      # size field: base-256, all ones = -1
+    data[148:156] = b" " * 8                          # checksum over the header with spaces in its field
+    data[148:156] = f"{sum(data[:512]):06o}\0 ".encode()
+    (tmp_path / "bad.tar").write_bytes(bytes(data))
+    with pytest.raises(UserError, match=r"bad.tar: member 'a.jpg' has a negative size"):
+        list(tar_samples(tmp_path / "bad.tar"))
