@@ -271,24 +271,25 @@ def _cmd_run(args) -> int:
         with ray_session(cfg.ray, args.address, log=_say):
             run_pipeline(cfg, run_dir, until=args.until, only=args.only, log=_say,
                          store=store)
-    print()
-    print(format_status(status_rows(run_dir)))
-    summary = run_dir / "eval" / "summary.txt"
-    if summary.is_file() and args.only in (None, "eval"):
-        print("\n" + summary.read_text().rstrip())
-    from .data_tracking import log_report
-    from .dataset_card import open_clip_args
-    from .report import write_report
+        # the report and manifest are the run's last writes: under the lock too
+        print()
+        print(format_status(status_rows(run_dir)))
+        summary = run_dir / "eval" / "summary.txt"
+        if summary.is_file() and args.only in (None, "eval"):
+            print("\n" + summary.read_text().rstrip())
+        from .data_tracking import log_report
+        from .dataset_card import open_clip_args
+        from .report import write_report
 
-    print(f"\ncapline: finished in {time.time() - t0:.0f}s; run folder {run_dir.resolve()}")
-    report = write_report(run_dir, storage=store.storage())
-    print(f"report: {report}")
-    log_report(run_dir, Path(report), log=_say)
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    if open_clip_args(manifest):
-        print(f"dataset card: {store.storage().uri('shard/README.md')}")
-        print(f"open_clip: python -m open_clip_train.main {open_clip_args(manifest)} ...")
-    store.push_top()
+        print(f"\ncapline: finished in {time.time() - t0:.0f}s; run folder {run_dir.resolve()}")
+        report = write_report(run_dir, storage=store.storage())
+        print(f"report: {report}")
+        log_report(run_dir, Path(report), log=_say)
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        if open_clip_args(manifest):
+            print(f"dataset card: {store.storage().uri('shard/README.md')}")
+            print(f"open_clip: python -m open_clip_train.main {open_clip_args(manifest)} ...")
+        store.push_top()
     if (run_dir / "mlflow.db").is_file():
         print(f"MLflow: .venv/bin/mlflow ui --backend-store-uri sqlite:///{(run_dir / 'mlflow.db').resolve()} "
               "(then open http://127.0.0.1:5000)")
@@ -365,13 +366,16 @@ def _cmd_rebuild(args) -> int:
         raise UserError("rebuild into another --run-dir: the rebuild is compared with the original")
     if input_fingerprints(cfg) != manifest.get("inputs"):
         raise UserError(f"the inputs changed since {path} was written: {input_fingerprints(cfg)} != {manifest.get('inputs')}")
-    if (old_dir / "source" / "_SUCCESS").is_file() and not (new_dir / "source").exists():
-        shutil.copytree(old_dir / "source", new_dir / "source")  # the pinned URL list (and demo site)
     print(f"capline: rebuilding {old_dir} into {new_dir}", flush=True)
-    with ray_session(cfg.ray, args.address, log=_say):
-        run_pipeline(cfg, new_dir, log=_say)
-    report = drift(old_dir, new_dir)
-    (new_dir / "drift.json").write_text(json.dumps(report, indent=1))
+    from .lock import run_lock
+
+    with run_lock(new_dir, log=_say):
+        if (old_dir / "source" / "_SUCCESS").is_file() and not (new_dir / "source").exists():
+            shutil.copytree(old_dir / "source", new_dir / "source")  # the pinned URL list (and demo site)
+        with ray_session(cfg.ray, args.address, log=_say):
+            run_pipeline(cfg, new_dir, log=_say)
+        report = drift(old_dir, new_dir)
+        (new_dir / "drift.json").write_text(json.dumps(report, indent=1))
     print(f"drift: {len(report['died'])} URLs died, {len(report['changed'])} changed content, "
           f"{len(report['revived'])} came back (details in {new_dir / 'drift.json'})")
     for kind in ("died", "changed", "revived"):
@@ -449,7 +453,9 @@ def _main(argv: list[str] | None = None) -> int:
             run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
             models = tuple(m.strip() for m in args.models.split(",") if m.strip())
             check_experiment(run_dir, models, args.budget)   # before a cluster starts
-            with ray_session(cfg.ray, args.address, log=_say):
+            from .lock import run_lock
+
+            with run_lock(run_dir, log=_say), ray_session(cfg.ray, args.address, log=_say):
                 path = run_experiment(run_dir, cfg.train, cfg.seed, models, args.budget, log=_say, eval_cfg=cfg.eval)
             print(path.read_text())
             return 0
@@ -464,7 +470,10 @@ def _main(argv: list[str] | None = None) -> int:
                 shots = tuple(int(k) for k in args.shots.split(",")) if args.shots else None
             except ValueError:
                 raise UserError(f"--shots {args.shots}: expected comma-separated integers, e.g. 1,5,10,25") from None
-            results = evaluate(ckpt, run_dir, [t.strip() for t in args.tasks.split(",") if t.strip()], shots=shots)
+            from .lock import run_lock
+
+            with run_lock(run_dir, log=_say):   # evaluation writes into the run folder
+                results = evaluate(ckpt, run_dir, [t.strip() for t in args.tasks.split(",") if t.strip()], shots=shots)
             print(json.dumps(results, indent=1) if args.json else summary(results))
             return 0
         if args.command == "verify":

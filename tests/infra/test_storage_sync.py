@@ -2,16 +2,14 @@
 hostile object keys refused, the run lock in the bucket (conditional puts), and a local lock whose
 stale takeover is atomic. No Ray: the stages here write from the driver."""
 import json
-import multiprocessing
 import os
-import time
 
 import pyarrow as pa
 import pytest
 
 from helpers import bucket_keys, capline, moto_s3
 from pipeline.config import load_config
-from pipeline.lock import BucketLock, _take_local, run_lock
+from pipeline.lock import run_lock
 from pipeline.runner import output_digest, run_pipeline
 from pipeline.storage import RunStore
 from stages.base import KEPT, Stage, StageResult
@@ -136,69 +134,3 @@ def test_second_driver_on_one_s3_run_folder_is_refused_naming_the_holder(s3, s3_
         assert f"{uri} is in use by another capline run (pid {os.getpid()} on" in out.stderr
         assert "ray:" not in out.stdout and "Traceback" not in out.stderr
     assert "sync/locked/.capline.lock" not in bucket_keys(s3, BUCKET, "sync/locked/")   # released
-
-
-def test_a_stale_bucket_lock_is_taken_over_by_exactly_one(s3, tmp_path):
-    import threading
-
-    uri = f"s3://{BUCKET}/sync/stale"
-    gone = {"host": "node-that-died", "pid": 4242, "pid_started": 0, "since": 0, "heartbeat": time.time() - 3600}
-    s3.put_object(Bucket=BUCKET, Key="sync/stale/.capline.lock", Body=json.dumps(gone).encode())
-    said, results = [], []
-
-    def take(i):
-        try:
-            BucketLock(uri).take({**gone, "host": "here", "pid": os.getpid(), "pid_started": _started(),
-                                  "heartbeat": time.time(), "who": i}, said.append)
-            results.append(("took", i))
-        except UserError as err:
-            results.append(("refused", str(err)))
-
-    threads = [threading.Thread(target=take, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    took = [r for r in results if r[0] == "took"]
-    assert len(took) == 1, results
-    assert said == ["lock: taking over a stale lock of pid 4242 on node-that-died (its heartbeat stopped)"]
-    holder = json.loads(s3.get_object(Bucket=BUCKET, Key="sync/stale/.capline.lock")["Body"].read())
-    assert holder["who"] == took[0][1]
-    assert all("in use by another capline run" in r[1] for r in results if r[0] == "refused")
-
-
-def _started() -> float:
-    import psutil
-
-    return psutil.Process().create_time()
-
-
-def _taker(path, q):
-    from pipeline.lock import _holder
-
-    try:
-        _take_local(path, _holder(), lambda m: None)
-        q.put(("took", os.getpid()))
-        time.sleep(0.6)      # hold it while the others try (they started together)
-    except UserError as err:
-        q.put(("refused", str(err)))
-
-
-def test_a_stale_local_lock_is_taken_over_by_exactly_one(tmp_path):
-    path = tmp_path / ".capline.lock"
-    dead = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0,))
-    dead.start()
-    dead.join()
-    path.write_text(json.dumps({"host": os.uname().nodename, "pid": dead.pid, "pid_started": 0, "since": 0,
-                                "heartbeat": 0}))
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_taker, args=(path, q)) for _ in range(6)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=30) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-    took = [r for r in results if r[0] == "took"]
-    assert len(took) == 1, results
-    assert all("is in use by another capline run" in r[1] for r in results if r[0] == "refused"), results

@@ -1,19 +1,15 @@
 """Scheduled runs: `--incremental` against the last completed run, and the run-folder lock."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
-import psutil
 import pyarrow.parquet as pq
 import pytest
 
 from helpers import ROOT, capline, kill_driver
-from pipeline.lock import run_lock
 from pipeline.schedule import plan
-from infra.errors import UserError
 
 
 def _manifest(run_dir, files, completed=True):
@@ -36,33 +32,6 @@ def test_plan_names_what_is_new(tmp_path):
     assert needed and "1 changed since the last run: a.csv" in why
     _manifest(tmp_path / "k", {"a.csv": "1"}, completed=False)
     assert plan(src({"a.csv": "1"}), tmp_path / "k") == (True, "incremental: the last run did not complete; resuming it")
-
-
-def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
-    with run_lock(tmp_path):
-        with pytest.raises(UserError, match=f"in use by another capline run \\(pid {os.getpid()} on"):
-            with run_lock(tmp_path):
-                pass
-    assert not (tmp_path / ".capline.lock").exists()   # released
-    # a holder that died: same host, its pid gone
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    started = psutil.Process(dead.pid).create_time() if psutil.pid_exists(dead.pid) else time.time()
-    dead.wait()
-    lock = tmp_path / ".capline.lock"
-    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "pid_started": started,
-                                "since": time.time(), "heartbeat": time.time()}))
-    said = []
-    with run_lock(tmp_path, log=said.append):
-        assert json.loads(lock.read_text())["pid"] == os.getpid()
-    assert said and f"stale lock of pid {dead.pid}" in said[0]
-    # another host: alive while its heartbeat is fresh, stale after
-    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "since": time.time(), "heartbeat": time.time()}))
-    with pytest.raises(UserError, match="on elsewhere"):
-        with run_lock(tmp_path):
-            pass
-    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "since": 0, "heartbeat": time.time() - 3600}))
-    with run_lock(tmp_path, log=said.append):
-        pass
 
 
 @pytest.mark.slow
