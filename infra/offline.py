@@ -15,6 +15,10 @@ from pathlib import Path
 
 PROCENV_DIR = Path(__file__).resolve().parent / "procenv"
 
+# Ray's per-node metrics exporter answers plain HTTP /metrics on 0.0.0.0, token or not (seen with
+# 2.60): a local cluster is not to be read from the LAN. RAY_enable_metrics_collection=1 brings it back.
+RAY_PRIVATE_ENV = {"RAY_enable_metrics_collection": "0"}
+
 QUIET_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_USAGE_STATS_PROMPT_ENABLED": "0",
@@ -68,6 +72,8 @@ def apply(ray_auth_for_local: bool = True) -> None:
     cluster this process starts (else Ray 2.60 writes a world-readable ~/.ray/auth_token itself)."""
     if ray_auth_for_local:
         ray_auth(joining=False)
+    for key, value in RAY_PRIVATE_ENV.items():
+        os.environ.setdefault(key, value)
     if not telemetry_allowed():
         for key, value in QUIET_ENV.items():
             os.environ.setdefault(key, value)
@@ -82,6 +88,20 @@ def apply(ray_auth_for_local: bool = True) -> None:
     spec.loader.exec_module(module)  # idempotent: the guard and the import patch install once
 
 
+def check_private(path: Path, what: str) -> None:
+    """A secret file must be this user's and readable by nobody else (Ray 2.60 writes its
+    ~/.ray/auth_token 0644): refuse it otherwise, saying how to fix it."""
+    from infra.errors import UserError
+
+    st = path.stat()
+    if st.st_uid != os.geteuid():
+        raise UserError(f"{what} ({path}) belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}): "
+                        "another user could have chosen the token; use a token file of your own")
+    if st.st_mode & 0o077:
+        raise UserError(f"{what} ({path}) is readable by other users (mode {st.st_mode & 0o777:o}), so any of them "
+                        f"could join your Ray cluster; run: chmod 600 {path}")
+
+
 def ray_auth(joining: bool) -> dict[str, str]:
     """Turn Ray's token authentication on for a cluster this process will start (before Ray is
     imported: it reads the mode then). The token is the user's own (RAY_AUTH_TOKEN,
@@ -89,9 +109,13 @@ def ray_auth(joining: bool) -> dict[str, str]:
     process that joins a cluster keeps whatever the user set for it. -> what was set."""
     if joining or os.environ.get("RAY_AUTH_MODE"):
         return {}
-    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        env = {"RAY_AUTH_MODE": "token"}
+    elif os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        check_private(Path(os.environ["RAY_AUTH_TOKEN_PATH"]), "RAY_AUTH_TOKEN_PATH")
         env = {"RAY_AUTH_MODE": "token"}
     elif (Path.home() / ".ray" / "auth_token").is_file():
+        check_private(Path.home() / ".ray" / "auth_token", "~/.ray/auth_token")
         env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(Path.home() / ".ray" / "auth_token")}
     else:
         import secrets

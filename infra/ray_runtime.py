@@ -53,6 +53,27 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
                         "start one with `ray start --head`, or leave out --address to use a local one") from None
 
 
+def private_temp_dir() -> str:
+    """Ray's temp root for a local cluster this user starts: inside a folder per user, mode 0700. Ray's default
+    (/tmp/ray) is shared by every user and its session folders are 0777 without the sticky bit,
+    so anyone on the machine could read the logs or swap a socket. Kept short: Ray's socket paths
+    live under it."""
+    import tempfile
+
+    path = os.path.join(os.environ.get("CAPLINE_RAY_TMPDIR") or tempfile.gettempdir(), f"capline-ray-{os.geteuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != os.geteuid():
+        raise UserError(f"{path} (Ray's temp folder) is not a folder of yours; remove it or set CAPLINE_RAY_TMPDIR "
+                        "to a folder of your own")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return os.path.join(path, "r")     # Ray makes its own root 0777: the 0700 fence is the folder above
+
+
 @contextmanager
 def ray_session(cfg: RayConfig, address: str | None = None, log=print):
     """Yield with Ray initialised; shut down what this call started."""
@@ -87,7 +108,7 @@ def ray_session(cfg: RayConfig, address: str | None = None, log=print):
         # left in /tmp/ray/ray_current_cluster (plain ray.init() would join that, or its corpse).
         ray.init(address="local", num_cpus=num_cpus, object_store_memory=cfg.object_store_memory_mb * 2**20,
                  include_dashboard=cfg.dashboard, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
-                 **common)
+                 _temp_dir=private_temp_dir(), **common)
     # Ray Data logs every operator's progress at INFO; capline prints its own per-stage progress.
     for name in ("ray.data", "ray.data._internal"):
         logging.getLogger(name).setLevel(logging.WARNING)

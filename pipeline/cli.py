@@ -412,10 +412,10 @@ def _main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.WARNING)
     parser = _parser()
     args = parser.parse_args(argv)
-    # a cluster this run starts gets Ray's token auth; before anything imports Ray
-    if args.command != "ray":   # `capline ray start` decides for the node it starts
-        offline.ray_auth(joining=bool(getattr(args, "address", None) or os.environ.get("RAY_ADDRESS")))
     try:
+        # a cluster this run starts gets Ray's token auth; before anything imports Ray
+        if args.command != "ray":   # `capline ray start` decides for the node it starts
+            offline.ray_auth(joining=bool(getattr(args, "address", None) or os.environ.get("RAY_ADDRESS")))
         if args.command == "run":
             return _cmd_run(args)
         if args.command == "train":

@@ -44,8 +44,12 @@ import img2dataset.downloader as _i2d
 from infra.media import FORMATS
 
 METADATA_HOSTS = {"metadata.google.internal", "metadata", "instance-data"}
-# special-purpose blocks refused whole (Python's is_global leaves a few of their addresses global)
-NOT_PUBLIC = [ipaddress.ip_network(n) for n in ("192.0.0.0/24", "100.64.0.0/10", "198.18.0.0/15")]
+# special-purpose blocks refused whole (Python's is_global leaves a few of their addresses global;
+# 3.11.7 counts as global the IPv6 ones below: IPv4-compatible ::/96, IPv4-mapped ::ffff:0:0/96 (its
+# unusual spellings), IPv4-translated ::ffff:0:0:0/96, local-use NAT64 64:ff9b:1::/48 and deprecated
+# site-local fec0::/10, all of which reach private hosts)
+NOT_PUBLIC = [ipaddress.ip_network(n) for n in ("192.0.0.0/24", "100.64.0.0/10", "198.18.0.0/15", "::/96",
+                                                "::ffff:0:0/96", "::ffff:0:0:0/96", "64:ff9b:1::/48", "fec0::/10")]
 METADATA_ADDRS = {ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")}
 
 

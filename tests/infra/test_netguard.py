@@ -85,3 +85,29 @@ def test_the_per_test_check_reads_the_log_children_write():
     after = guard_log_lines()
     assert len(after) == len(before) + 1 and "169.254.169.254" in after[-1]
     _GUARD_LOG.write_text("".join(line + "\n" for line in before))  # this one was on purpose
+
+
+EXACT = """
+import socket, sys
+assert getattr(sys, "_capline_netguard", False)
+for host in sys.argv[1:]:
+    try:
+        socket.getaddrinfo(host, 80)
+        print(host, "PASSED")
+    except OSError as e:
+        print(host, "GUARD" if "capline netguard" in str(e) else "PASSED")
+"""
+
+
+def test_guard_compares_parsed_addresses_not_prefixes(tmp_path):
+    # text prefixes let "::127.0.0.1" (an IPv4-compatible address, not loopback) and any DNS name
+    # starting "127." or "localhost" through; parsed addresses do not
+    hosts = {"127.0.0.1": "PASSED", "127.3.2.1": "PASSED", "::1": "PASSED", "::ffff:127.0.0.1": "PASSED",
+             "localhost": "PASSED", "::127.0.0.1": "GUARD", "127.evil.example": "GUARD",
+             "localhost.evil.example": "GUARD", "::1.evil.example": "GUARD", "169.254.169.254": "GUARD",
+             "10.9.8.7": "PASSED", "10.9.9.1": "GUARD", "mirror.internal": "PASSED"}
+    env = offline.guard_env(dict(os.environ), str(tmp_path / "refused.log"))
+    env["CAPLINE_NETGUARD_ALLOW"] = "10.9.8.0/24,mirror.internal"
+    out = subprocess.run([sys.executable, "-c", EXACT, *hosts], env=env, capture_output=True, text=True, timeout=60)
+    got = dict(line.rsplit(" ", 1) for line in out.stdout.splitlines())
+    assert got == hosts, out.stderr[-2000:]

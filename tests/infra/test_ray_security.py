@@ -1,5 +1,7 @@
 """capline's local Ray cluster with token authentication: whatever interfaces Ray binds (it binds
-all of them), a client without the token cannot join and the job-submission API refuses it."""
+all of them), a client without the token cannot join, the job-submission API refuses it, nothing
+answers plain HTTP without it, and the cluster's temp folder is the user's alone. A token file
+another user could read or have written is refused."""
 import json
 import os
 import stat
@@ -13,7 +15,6 @@ import pytest
 
 from helpers import ROOT
 
-pytestmark = pytest.mark.slow
 
 HOLD = """
 import json, os, sys, time
@@ -23,12 +24,40 @@ from infra.ray_runtime import RayConfig, ray_session
 import ray
 with ray_session(RayConfig(num_cpus=1, object_store_memory_mb=100), log=lambda m: None):
     ctx = ray.get_runtime_context()
-    print(json.dumps({"gcs": ctx.gcs_address, "token": os.environ.get("RAY_AUTH_TOKEN_PATH"),
+    print(json.dumps({"gcs": ctx.gcs_address, "session": ray._private.worker.global_worker.node.get_session_dir_path(), "token": os.environ.get("RAY_AUTH_TOKEN_PATH"),
                       "mode": os.environ.get("RAY_AUTH_MODE"), "dashboard": ray.worker.get_dashboard_url()}), flush=True)
     sys.stdin.read()      # hold the cluster until the test closes stdin
 """
 
 
+def test_a_token_file_others_can_read_or_wrote_is_refused(tmp_path, monkeypatch):
+    from infra import offline
+    from infra.errors import UserError
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(k, raising=False)
+    token = tmp_path / ".ray" / "auth_token"
+    token.parent.mkdir()
+    token.write_text("t" * 64)
+    os.chmod(token, 0o644)                 # as Ray 2.60 writes it
+    with pytest.raises(UserError, match=f"readable by other users \\(mode 644\\).*run: chmod 600 {token}"):
+        offline.ray_auth(joining=False)
+    os.chmod(token, 0o600)
+    assert offline.ray_auth(joining=False) == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    if os.geteuid() == 0:                   # root can hand the file to another user
+        os.chown(token, 65534, 65534)
+        with pytest.raises(UserError, match="belongs to uid 65534, not to you"):
+            offline.ray_auth(joining=False)
+        os.chown(token, 0, 0)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    os.chmod(token, 0o640)
+    with pytest.raises(UserError, match="RAY_AUTH_TOKEN_PATH .* is readable by other users"):
+        offline.ray_auth(joining=False)
+
+
+@pytest.mark.slow
 def test_an_unauthenticated_client_is_refused(tmp_path):
     env = {**os.environ, "CAPLINE_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path / "home")}
     env = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
@@ -46,6 +75,22 @@ def test_an_unauthenticated_client_is_refused(tmp_path):
             recursive=True)] for c in _listening(p)}
         print("listening:", sorted(listening))
         assert any(ip not in ("127.0.0.1", "::1") for _, ip in listening)   # why the token matters
+        # nothing off loopback answers plain HTTP without the token (Ray's metrics servers did, on 0.0.0.0)
+        for p in [psutil.Process(holder.pid), *psutil.Process(holder.pid).children(recursive=True)]:
+            for c in _listening(p):
+                if c.laddr.ip in ("127.0.0.1", "::1"):
+                    continue        # loopback only: the metrics servers are moved there
+                ip = "127.0.0.1" if c.laddr.ip in ("0.0.0.0", "::") else c.laddr.ip
+                try:
+                    answer = urllib.request.urlopen(f"http://{ip}:{c.laddr.port}/metrics", timeout=5).status
+                except urllib.error.HTTPError as e:
+                    answer = e.code
+                except Exception:  # not HTTP (gRPC), or closed
+                    answer = None
+                assert answer in (None, 401, 403, 404), (p.name(), c.laddr, answer)
+        # the session folder is inside a folder only this user can enter
+        root = os.path.dirname(os.path.dirname(info["session"]))
+        assert stat.S_IMODE(os.stat(root).st_mode) == 0o700 and os.stat(root).st_uid == os.geteuid(), root
 
         code = f"import ray; ray.init(address={info['gcs']!r}); print('JOINED')"
         for extra in ({"RAY_AUTH_MODE": "disabled"}, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}):

@@ -40,6 +40,11 @@ def _reason(fn, *args):
     ("http://[64:ff9b::a00:1]/x.jpg", "unsafe_url:private_address"),               # NAT64 of 10.0.0.1
     ("http://0.0.0.0/x.jpg", "unsafe_url:private_address"),
     ("http://[ff02::1]/x.jpg", "unsafe_url:private_address"),
+    # global by Python 3.11.7's tables, private in fact
+    ("http://[::a00:1]/x.jpg", "unsafe_url:private_address"),                      # IPv4-compatible 10.0.0.1
+    ("http://[::ffff:0:a00:1]/x.jpg", "unsafe_url:private_address"),               # IPv4-translated
+    ("http://[64:ff9b:1::a00:1]/x.jpg", "unsafe_url:private_address"),             # local-use NAT64
+    ("http://[fec0::1]/x.jpg", "unsafe_url:private_address"),                      # site-local
 ])
 def test_unsafe_urls_refused_before_any_connection(url, reason):
     assert _reason(check_url, url, POLICY) == reason
