@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 
 
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^/@:\s]*):(?P<pw>[^/@\s]*)@")
+# the password runs to the *last* "@" of the word: raw passwords hold "/" and "@" (a URI should
+# percent-encode them; people paste them as they are), and cutting short would print the rest
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^/@:\s]*):(?P<pw>\S*)@")
 
 
 def redact(text) -> str:

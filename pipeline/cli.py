@@ -439,7 +439,7 @@ def _main(argv: list[str] | None = None) -> int:
             run_dir = _run_storage(args.run_dir)
             key = args.key or key_of_url(run_dir, args.url)
             rows = explain(run_dir, key)
-            print(json.dumps(rows, indent=1, ensure_ascii=False) if args.json else format_explain(key, rows))
+            print(json.dumps(rows, indent=1, ensure_ascii=True) if args.json else format_explain(key, rows))
             return 0
         if args.command == "experiment":
             from trainers.evaluation.experiment import run_experiment

@@ -85,7 +85,9 @@ class RunStore:
         """The working-copy path of an object key; a key that would land outside it is refused."""
         root = self.local.resolve()
         dst = (root / rel).resolve()
-        if rel.startswith("/") or "\\" in rel or (dst != root and root not in dst.parents):
+        # a file strictly inside: "", "." or "basic/.." name the working copy itself
+        if (rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in rel.split("/"))
+                or root not in dst.parents):
             raise UserError(f"storage: {self.uri}: object key {rel!r} would be written outside the working copy "
                             f"{root}; refusing to pull it (someone wrote a hostile key into the bucket)")
         return dst
@@ -114,6 +116,17 @@ class RunStore:
         os.replace(tmp, dst)
         return True
 
+    def _keep(self, rel: str, data: bytes) -> bool:
+        """Write bytes already read (and checked) to the working copy. -> changed."""
+        dst = self._inside(rel)
+        if dst.is_file() and dst.read_bytes() == data:
+            return False
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(dst.name + ".part")
+        tmp.write_bytes(data)
+        os.replace(tmp, dst)
+        return True
+
     def pull(self, log=print, full: bool = False) -> int:
         """Bring the bucket's finished stages into the working copy. The run itself needs only what the
         driver reads (control files, driver-written files); `full` takes every file (for the tools
@@ -131,7 +144,12 @@ class RunStore:
                 n += self._download(storage, rel, None)
         stages = [d for d in storage.list_dirs("") if storage.exists(f"{d}/_SUCCESS")]
         for stage in stages:
-            marker = storage.read_json(f"{stage}/_SUCCESS") or {}
+            # read once: the copy validated below is the copy kept (a re-download could be another)
+            raw = storage.read_bytes(f"{stage}/_SUCCESS")
+            try:
+                marker = json.loads(raw) if raw.strip() else {}
+            except ValueError:
+                raise UserError(f"storage: {self.uri}/{stage}/_SUCCESS is not JSON; rerun the stage") from None
             files = marker.get("files", {})
             wanted = set(marker.get("driver_files", []))
             if full:
@@ -149,7 +167,7 @@ class RunStore:
                     files.get(p.file) != p.sha256 for p in parts)):
                 raise UserError(f"storage: {self.uri}/{stage}: its _SUCCESS does not match its parts.json "
                                 "(a stale _SUCCESS, or files rewritten after it); rerun the stage")
-            n += self._download(storage, f"{stage}/_SUCCESS", None)   # last: finished here once whole
+            n += self._keep(f"{stage}/_SUCCESS", raw)   # last: finished here once whole
         if n:
             log(f"storage: fetched {n} files of {len(stages)} finished stages from {self.uri}")
         return n

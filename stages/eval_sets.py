@@ -151,7 +151,7 @@ def describe_batch(batch: list, describer=None) -> tuple[list, list, list, list]
             got = [describe(v) if describer is None else describer(v)
                    for v in (crops(image) if describer is None else [image])]
         except Exception as err:  # noqa: BLE001 - an unreadable image is a counted skip
-            bad.append((image_id, type(err).__name__))
+            bad.append((image_id, getattr(err, "reason", type(err).__name__)))
             continue
         for d, m in got:
             ids.append(image_id)

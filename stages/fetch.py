@@ -37,11 +37,10 @@ import urllib.request
 import warnings
 from dataclasses import dataclass
 
-from PIL import Image
 
 import img2dataset.downloader as _i2d
 
-from infra.media import FORMATS
+from infra.media import FORMATS, ImageRefused, _failure, open_checked
 
 METADATA_HOSTS = {"metadata.google.internal", "metadata", "instance-data"}
 # special-purpose blocks refused whole (Python's is_global leaves a few of their addresses global;
@@ -226,40 +225,22 @@ def check_image(data: bytes, policy: FetchPolicy, budget: PixelBudget | None = N
     """Refuse formats outside the policy, images over the pixel cap (from the header alone) and
     files that do not decode fully; decode within the process's budget of pixels in flight."""
     budget = budget or _budget
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # PIL warns on big images; we decide ourselves below
-        try:
-            img = Image.open(io.BytesIO(data), formats=list(policy.formats))
-        except Exception as err:  # noqa: BLE001 - PIL raises many types for garbage
-            fmt = _sniff(data)
-            if fmt and fmt not in policy.formats:
-                raise Refused("unsupported_format", f"{fmt} (allowed: {', '.join(policy.formats)})") from None
-            raise _decode_failure(err) from None
-        w, h = img.size
-        if w * h > policy.max_pixels:
-            raise Refused("image_too_large", f"{w}x{h} pixels > max_pixels {policy.max_pixels}")
-        budget.take(w * h)
-        try:
-            img.load()
-        except Exception as err:  # noqa: BLE001
-            raise _decode_failure(err) from None
-        finally:
-            del img
-            budget.give(w * h)
-
-
-def _sniff(data: bytes) -> str | None:
-    """What a refused file is, by PIL's full list of formats (only to name it in the verdict)."""
     try:
-        with Image.open(io.BytesIO(data)) as img:   # identifies; nothing is decoded or run here
-            return img.format
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def _decode_failure(err: Exception) -> Refused:
-    reason = "truncated_image" if "truncated" in str(err).lower() else "undecodable_image"
-    return Refused(reason, type(err).__name__ + ": " + str(err)[:120])
+        img = open_checked(data, policy.formats, policy.max_pixels)
+    except ImageRefused as err:
+        raise Refused(err.reason, err.detail) from None
+    w, h = img.size
+    budget.take(w * h)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            img.load()
+    except Exception as err:  # noqa: BLE001
+        refusal = _failure(err)
+        raise Refused(refusal.reason, refusal.detail) from None
+    finally:
+        del img
+        budget.give(w * h)
 
 
 def safe_download_image(row, timeout, user_agent_token, disallowed_header_directives):
@@ -368,10 +349,6 @@ class SafeDownloader(_i2d.Downloader):
             _policy, _budget = self.policy, PixelBudget(self.policy.pixels_in_flight)
         return super().download_shard(row)
 
-
-# max_pixels, checked from the header above, is the limit: PIL's own bomb check (a fixed 89M
-# pixels, an exception only at twice that) would name its limit instead of the configured one.
-Image.MAX_IMAGE_PIXELS = None
 
 # Replace the module function the Downloader calls (through download_image_with_retry).
 _i2d.download_image = safe_download_image

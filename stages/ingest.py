@@ -72,7 +72,10 @@ class IngestConfig:
         require(self.samples_per_shard >= 1, join(prefix, "samples_per_shard"), "must be >= 1")
         require(0 < self.encode_quality <= 100, join(prefix, "encode_quality"), "must be 1..100")
         require(self.max_bytes > 0, join(prefix, "max_bytes"), "must be > 0")
-        require(self.max_pixels > 0, join(prefix, "max_pixels"), "must be > 0")
+        # PIL refuses more than twice its MAX_IMAGE_PIXELS (89.5M) whatever we allow, and capline
+        # never raises that process-wide limit
+        require(0 < self.max_pixels <= 178_956_970, join(prefix, "max_pixels"),
+                f"must be > 0 and <= 178956970 (PIL's hard limit), got {self.max_pixels}")
         require(self.min_image_size is None, join(prefix, "min_image_size"),
                 "moved: the basic stage drops small images; set stages.basic.min_image_side instead")
         require(self.max_aspect_ratio is None, join(prefix, "max_aspect_ratio"),

@@ -1,8 +1,12 @@
 """Start a shared MLflow tracking server for capline: a SQL backend store and an artifact root.
 
     python -m infra.mlflow.serve --root /srv/mlflow --port 5000           # SQLite + a folder
-    python -m infra.mlflow.serve --backend-store-uri postgresql://mlflow:PASS@db/mlflow \\
+    MLFLOW_BACKEND_STORE_URI=postgresql://mlflow:PASS@db/mlflow python -m infra.mlflow.serve \\
         --artifacts-destination s3://my-bucket/mlflow --host 0.0.0.0 --port 5000 --auth proxy
+
+A database password never goes on a command line (every user of the machine reads those in `ps`):
+the backend store URI travels in MLFLOW_BACKEND_STORE_URI, which MLflow's server reads itself;
+`--backend-store-uri` with a password in it is refused.
 
 Then point capline at it: `MLFLOW_TRACKING_URI=http://HOST:5000 capline run ...` (every process
 capline starts, and Ray Train's workers, get the URI from the driver). With `--artifacts-destination`
@@ -23,12 +27,25 @@ import urllib.request
 from pathlib import Path
 
 
-def command(backend_uri: str, artifacts: str, host: str, port: int, workers: int = 1,
-            auth: str = "none") -> list[str]:
+def command(artifacts: str, host: str, port: int, workers: int = 1, auth: str = "none") -> list[str]:
+    """The server's command line: no backend store URI (it goes in the environment, see server_env)."""
     mlflow = Path(sys.executable).parent / "mlflow"
-    return [str(mlflow) if mlflow.exists() else "mlflow", "server", "--backend-store-uri", backend_uri,
+    return [str(mlflow) if mlflow.exists() else "mlflow", "server",
             "--artifacts-destination", artifacts, "--serve-artifacts", "--host", host, "--port", str(port),
             "--workers", str(workers)] + (["--app-name", "basic-auth"] if auth == "basic" else [])
+
+
+def server_env(backend_uri: str) -> dict[str, str]:
+    return {**os.environ, "MLFLOW_BACKEND_STORE_URI": backend_uri}
+
+
+def secret_on_command_line(uri: str | None) -> str | None:
+    import urllib.parse
+
+    if uri and urllib.parse.urlsplit(uri).password:
+        return ("--backend-store-uri holds a password, which every user of this machine can read in `ps`; "
+                "pass the URI in MLFLOW_BACKEND_STORE_URI instead")
+    return None
 
 
 def is_loopback(host: str) -> bool:
@@ -83,8 +100,8 @@ def start(root: Path, port: int, host: str = "127.0.0.1", backend_uri: str | Non
     offline.apply(ray_auth_for_local=False)   # quiet switches; it starts no Ray
     b, a = defaults(root)
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    proc = subprocess.Popen(command(backend_uri or b, artifacts or a, host, port), stdout=out,
-                            stderr=subprocess.STDOUT, env=dict(os.environ), start_new_session=True)
+    proc = subprocess.Popen(command(artifacts or a, host, port), stdout=out, stderr=subprocess.STDOUT,
+                            env=server_env(backend_uri or b), start_new_session=True)
     url = f"http://{host}:{port}"
     wait_ready(url, proc=proc)
     return proc, url
@@ -109,7 +126,8 @@ def main() -> int:
     p = argparse.ArgumentParser(prog="python -m infra.mlflow.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default="mlflow-server", help="folder for the SQLite store and artifacts (default ./mlflow-server)")
-    p.add_argument("--backend-store-uri", help="SQLAlchemy URI, e.g. postgresql://user:pass@host/db (default: SQLite in --root)")
+    p.add_argument("--backend-store-uri", help="SQLAlchemy URI without a password, e.g. sqlite:////srv/mlflow.db "
+                   "(default: MLFLOW_BACKEND_STORE_URI, else SQLite in --root)")
     p.add_argument("--artifacts-destination", help="artifact root, e.g. s3://bucket/mlflow (default: --root/artifacts)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=5000)
@@ -118,7 +136,7 @@ def main() -> int:
                    help="who checks passwords: none (loopback only), basic (MLflow's basic-auth app), or proxy "
                         "(a reverse proxy in front of it does; the server itself then trusts every request)")
     args = p.parse_args()
-    why = check_exposure(args.host, args.auth)
+    why = secret_on_command_line(args.backend_store_uri) or check_exposure(args.host, args.auth)
     if why:
         print(f"serve: error: {why}", file=sys.stderr)
         return 2
@@ -126,10 +144,9 @@ def main() -> int:
 
     offline.apply(ray_auth_for_local=False)   # quiet switches; it starts no Ray
     b, a = defaults(Path(args.root))
-    cmd = command(args.backend_store_uri or b, args.artifacts_destination or a, args.host, args.port, args.workers,
-                  args.auth)
+    cmd = command(args.artifacts_destination or a, args.host, args.port, args.workers, args.auth)
     print(f"mlflow server: MLFLOW_TRACKING_URI=http://{args.host}:{args.port}", flush=True)
-    os.execvpe(cmd[0], cmd, dict(os.environ))
+    os.execvpe(cmd[0], cmd, server_env(args.backend_store_uri or os.environ.get("MLFLOW_BACKEND_STORE_URI") or b))
 
 
 if __name__ == "__main__":

@@ -134,3 +134,32 @@ def test_second_driver_on_one_s3_run_folder_is_refused_naming_the_holder(s3, s3_
         assert f"{uri} is in use by another capline run (pid {os.getpid()} on" in out.stderr
         assert "ray:" not in out.stdout and "Traceback" not in out.stderr
     assert "sync/locked/.capline.lock" not in bucket_keys(s3, BUCKET, "sync/locked/")   # released
+
+
+@pytest.mark.parametrize("key", ["", ".", "numbers/..", "numbers/./x", "numbers//x", "/etc/x", "numbers\\..\\x"])
+def test_keys_naming_the_working_copy_itself_are_refused(s3, key):
+    with pytest.raises(UserError, match="would be written outside the working copy"):
+        RunStore(f"s3://{BUCKET}/sync/d")._inside(key)
+
+
+def test_pull_keeps_the_success_marker_it_validated(s3, tmp_path, monkeypatch):
+    """A writer replaces _SUCCESS while another machine pulls: the copy kept is the one checked
+    against parts.json, not a second download of whatever is there by then."""
+    from infra.storage import Storage
+
+    store = RunStore(f"s3://{BUCKET}/sync/e")
+    _run(store, 8)
+    validated = s3.get_object(Bucket=BUCKET, Key="sync/e/numbers/_SUCCESS")["Body"].read()
+    read = Storage.read_bytes
+
+    def racing_read(self, rel):
+        data = read(self, rel)
+        if rel == "numbers/_SUCCESS":
+            s3.put_object(Bucket=BUCKET, Key="sync/e/numbers/_SUCCESS", Body=b'{"swapped": true}')
+        return data
+
+    monkeypatch.setattr(Storage, "read_bytes", racing_read)
+    monkeypatch.setenv("CAPLINE_CACHE", str(tmp_path / "machine-b"))
+    fresh = RunStore(f"s3://{BUCKET}/sync/e")
+    fresh.pull(log=lambda m: None)
+    assert (fresh.local / "numbers" / "_SUCCESS").read_bytes() == validated

@@ -129,3 +129,20 @@ def test_a_run_folders_config_that_no_longer_loads_says_what_to_do(tmp_path):
     proc = capline("train", "--run-dir", str(tmp_path), timeout=60)
     assert proc.returncode == 2 and "the run folder's own config" in proc.stderr
     assert "stages.basic.min_image_side" in proc.stderr and "capline train CONFIG --run-dir" in proc.stderr
+
+
+def test_explain_json_escapes_controls_and_bidi_overrides(tmp_path, monkeypatch, capsys):
+    """A caption is the web's text: C1 controls (\\x9b is a terminal's CSI) and bidi overrides must
+    reach a terminal or a log escaped, as JSON can say them, never raw."""
+    import pipeline.cli as cli
+    import pipeline.inspect_run as inspect_run
+
+    hostile = "a cat\x9b31m on a mat \u202egnp.exe\u2066 \x1b]0;owned\x07"
+    rows = [{"stage": "(input)", "verdict": "", "reason": "", "score": None, "detail": f"caption={hostile!r}",
+             "url": "http://example.com/x.jpg", "caption": hostile}]
+    monkeypatch.setattr(cli, "_run_storage", lambda where: tmp_path)
+    monkeypatch.setattr(inspect_run, "explain", lambda where, key: rows)
+    assert cli.main(["explain", str(tmp_path), "k1", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.isascii() and "\\u202e" in out and "\\u009b" in out
+    assert json.loads(out)[0]["caption"] == hostile

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import glob
 import gzip
-import io
 import json
 import random
 import stat
@@ -35,11 +34,28 @@ def resolve(path: str, run_dir: Path) -> Path:
 
 
 def _open(data, where: str) -> Image.Image:
+    """An evaluation image under the one untrusted-input policy (infra/media.py): format
+    allow-list, pixel cap from the header, full decode; a refusal names the file."""
+    from infra.media import ImageRefused, decode
+
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise UserError(f"{where}: not image bytes ({type(data).__name__})")
     try:
-        img = Image.open(io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data)
-        return img.convert("RGB")
-    except Exception as err:  # noqa: BLE001 - PIL raises many types for garbage
-        raise UserError(f"{where}: not a readable image ({type(err).__name__})") from None
+        return decode(data)
+    except ImageRefused as err:
+        raise UserError(f"{where}: refused as an image ({err.reason}: {err.detail})") from None
+
+
+def inside(root: Path, name, what: str) -> Path:
+    """`name` (from a set's own files: a COCO file_name, a JSON-lines image) as a path under root;
+    an absolute path or one that climbs out (`..`) is refused, not read."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise UserError(f"{what}: image name {name!r} is not a relative path")
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise UserError(f"{what}: image name {name!r} points outside {root}; a set names its images relative "
+                        "to its own folder")
+    return root / rel
 
 
 def read_regular(f: Path, name: str) -> bytes:
@@ -116,7 +132,7 @@ def load_classification(s: ClassificationSet, run_dir: Path) -> tuple[list[Image
         if isinstance(cell, dict):   # HF-style {"bytes": ..., "path": ...}
             cell = cell.get("bytes")
         if isinstance(cell, str):    # a path relative to the Parquet file
-            cell = read_regular(path.parent / cell, s.name)
+            cell = read_regular(inside(path.parent, cell, f"evaluation set {s.name}, row {i}"), s.name)
         imgs.append(_open(cell, f"evaluation set {s.name}, row {i}"))
     return imgs, [str(x) for x in labels]
 
@@ -141,7 +157,7 @@ def load_captions(s: CaptionSet, run_dir: Path) -> list[tuple[str, Image.Image, 
         for image_id in list(files)[: s.limit or None]:
             if image_id not in refs:
                 continue
-            f = root / files[image_id]
+            f = inside(root, files[image_id], f"captioning set {s.name}, image {image_id}")
             out.append((str(image_id), _open(read_regular(f, s.name), str(f)), refs[image_id]))
     else:
         from infra.tars import tar_samples
@@ -197,7 +213,7 @@ def load_wordorder(s: WordOrderSet, run_dir: Path, captions: dict[str, list]) ->
             continue
         try:
             r = json.loads(line)
-            f = path.parent / r["image"]
+            f = inside(path.parent, r["image"], f"word-order set {s.name}, line {n}")
             out.append((_open(read_regular(f, s.name), str(f)), r["caption"], dict(r["negatives"])))
         except (ValueError, KeyError, TypeError) as err:
             raise UserError(f"word-order set {s.name}: {path} line {n}: expected {{image, caption, negatives}} ({err})") from None
