@@ -70,13 +70,16 @@ def tar_samples(path, where=None):
             raise UserError(f"{where or path}: not an uncompressed tar ({err}); capline reads dataset tars "
                             "uncompressed, so decompress it first") from None
         current, parts = None, {}
-        for m in tar_members(tar, where or path):
-            key, ext = sample_key(m.name)
-            if key != current and current is not None:
-                yield current, parts
-                parts = {}
-            current = key
-            parts[ext] = tar.extractfile(m).read()
+        try:
+            for m in tar_members(tar, where or path):
+                key, ext = sample_key(m.name)
+                if key != current and current is not None:
+                    yield current, parts
+                    parts = {}
+                current = key
+                parts[ext] = tar.extractfile(m).read()
+        except (tarfile.TarError, EOFError) as err:   # cut short, or a header that does not parse
+            raise UserError(f"{where or path}: truncated or not a valid tar ({err})") from None
         if current is not None:
             yield current, parts
         tar.close()

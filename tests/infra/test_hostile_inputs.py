@@ -1,0 +1,269 @@
+"""Hostile inputs against every reader of untrusted files, under one policy: an image opener
+(downloads, evaluation sets, training shards), the tar reader (evaluation and dataset tars) and the
+evaluation sets' own files (COCO captions, word-order pairs, Parquet). Each one ends in a one-line
+verdict naming what was refused, within seconds and without memory growing: never a crash (another
+exception type), a hang or a file read from outside the set. The parameter count here is the
+"hostile inputs tried" figure of the closing note."""
+import bz2
+import gzip
+import io
+import json
+import lzma
+import os
+import resource
+import signal
+import struct
+import tarfile
+import zlib
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+import stages.fetch  # noqa: F401 - loaded first (img2dataset's imports weigh ~300 MB); it used to
+#                                   set PIL's MAX_IMAGE_PIXELS = None for the whole process
+from infra.errors import UserError
+from infra.media import ImageRefused, decode
+from infra.tars import tar_samples
+from trainers.evaluation.config import CaptionSet, ClassificationSet, WordOrderSet
+from trainers.evaluation.datasets import load_captions, load_classification, load_wordorder
+
+
+@pytest.fixture(autouse=True)
+def no_hang_no_bloat():
+    """Each input gets 20 s and 300 MB of new peak memory: a hang or a bomb fails the test."""
+    def hung(*_):
+        raise TimeoutError("a hostile input hung the reader")
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mb < 300, f"peak memory grew {grown_mb:.0f} MB"
+
+
+# ---- images ---------------------------------------------------------------------------------------
+
+def _png_header(w, h, body=b""):
+    """A valid PNG of w x h grey pixels whose compressed body is tiny (zlib of zeros)."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    raw = body or zlib.compress(b"\x00" * (w + 1) * min(h, 64), 9)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", raw) + chunk(b"IEND", b""))
+
+
+def _encoded(fmt, size=(8, 8), **kw):
+    buf = io.BytesIO()
+    Image.new("RGB", size, (10, 200, 30)).save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def _with_dims(data: bytes, old: bytes, new: bytes) -> bytes:
+    assert old in data
+    return data.replace(old, new, 1)
+
+
+IMAGES = {
+    "png_bomb_14000x14000": (_png_header(14000, 14000), "image_too_large"),
+    "png_over_pil_hard_limit": (_png_header(60000, 60000), "image_too_large"),
+    "gif_logical_screen_65535": (_with_dims(_encoded("GIF"), b"\x08\x00\x08\x00", b"\xff\xff\xff\xff"), "image_too_large"),
+    "bmp_huge_header": (_with_dims(_encoded("BMP"), struct.pack("<ii", 8, 8), struct.pack("<ii", 60000, 60000)),
+                        "image_too_large"),
+    "jpeg_huge_header": (_with_dims(_encoded("JPEG"), b"\x00\x08\x00\x08", b"\xff\xf0\xff\xf0"), "image_too_large"),
+    "eps_runs_ghostscript": (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\nshowpage\n", "unsupported_format"),
+    "ico_not_allowed": (_encoded("ICO", (16, 16)), "unsupported_format"),
+    "pdf": (b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF", "undecodable_image"),
+    "svg_text": (b"<svg xmlns='http://www.w3.org/2000/svg' width='9e9' height='9e9'/>", "undecodable_image"),
+    "truncated_jpeg": (_encoded("JPEG", (64, 64))[:200], "truncated_image"),
+    "truncated_png": (_encoded("PNG", (64, 64))[:60], "truncated_image"),
+    "garbage": (os.urandom(4096), "undecodable_image"),
+    "empty": (b"", "undecodable_image"),
+    "one_byte": (b"\xff", "undecodable_image"),
+    "html_error_page": (b"<html><body>404 Not Found</body></html>", "undecodable_image"),
+}
+
+
+@pytest.mark.parametrize("name", IMAGES)
+def test_image_inputs_are_refused_with_a_reason(name):
+    data, reason = IMAGES[name]
+    with pytest.raises(ImageRefused) as err:
+        decode(data)
+    assert err.value.reason in (reason, "undecodable_image", "truncated_image") and "\n" not in str(err.value)
+    if reason in ("image_too_large", "unsupported_format"):
+        assert err.value.reason == reason, err.value
+    assert Image.MAX_IMAGE_PIXELS is not None      # never switched off for the whole process
+
+
+def test_importing_the_downloader_leaves_pils_limit_alone():
+    assert Image.MAX_IMAGE_PIXELS == 89478485
+
+
+# ---- tars -----------------------------------------------------------------------------------------
+
+def _tar(*members) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as t:
+        for info, data in members:
+            t.addfile(info, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+def _member(name, data=b"x", kind=tarfile.REGTYPE, **kw):
+    info = tarfile.TarInfo(name)
+    info.type, info.size = kind, (len(data) if kind == tarfile.REGTYPE else 0)
+    for k, v in kw.items():
+        setattr(info, k, v)
+    return info, (data if kind == tarfile.REGTYPE else None)
+
+
+def _negative_size() -> bytes:
+    good = bytearray(_tar(_member("a.jpg", b"x" * 10), _member("a.txt", b"cap")))
+    field = bytearray(b"\xff" * 12)                  # base-256: -1
+    good[124:136] = field
+    good[148:156] = b" " * 8                         # the checksum over the new header
+    good[148:155] = f"{sum(good[:512]):06o}\0".encode()
+    return bytes(good)
+
+
+def _pax_negative_size() -> bytes:
+    # the same walk backwards through a pax header's "size" record
+    info, _ = _member("a.jpg", b"")
+    info.pax_headers = {"size": "-1000"}
+    return info.tobuf(format=tarfile.PAX_FORMAT) + bytes(2048)
+
+
+def _sparse() -> bytes:
+    info, _ = _member("big.jpg", b"")
+    info.type = tarfile.GNUTYPE_SPARSE
+    raw = bytearray(info.tobuf(format=tarfile.GNU_FORMAT))
+    return bytes(raw) + bytes(1024)
+
+
+TARS = {
+    "gzip_named_tar": (gzip.compress(_tar(_member("a.jpg", b"\x00" * 200_000))), "not an uncompressed tar"),
+    "bzip2_named_tar": (bz2.compress(_tar(_member("a.jpg"))), "not an uncompressed tar"),
+    "xz_named_tar": (lzma.compress(_tar(_member("a.jpg"))), "not an uncompressed tar"),
+    "negative_size_cve_2025_8194": (_negative_size(), "negative size|not a valid tar|not an uncompressed tar"),
+    "pax_negative_size": (_pax_negative_size(), "negative size|not a valid tar|not an uncompressed tar"),
+    "symlink_to_etc_shadow": (_tar(_member("a.jpg", kind=tarfile.SYMTYPE, linkname="/etc/shadow")), "is a link"),
+    "hardlink": (_tar(_member("a.txt", b"c"), _member("a.jpg", kind=tarfile.LNKTYPE, linkname="a.txt")), "is a link"),
+    "sparse_member": (_sparse(), "sparse member"),
+    "fifo_member": (_tar(_member("a.jpg", kind=tarfile.FIFOTYPE)), "device or special file"),
+    "char_device": (_tar(_member("a.jpg", kind=tarfile.CHRTYPE, devmajor=1, devminor=5)), "device or special file"),
+    "member_over_the_size_cap": (None, "over the"),
+    "truncated_mid_member": (_tar(_member("a.jpg", b"y" * 5000))[:1500], "truncated|not a valid tar"),
+    "random_bytes": (os.urandom(3000), "not an uncompressed tar"),
+}
+
+
+def _huge_member_header() -> bytes:
+    info, _ = _member("a.jpg", b"")
+    info.size = 2**40                                # declared a terabyte; only the header is there
+    return info.tobuf(format=tarfile.GNU_FORMAT) + bytes(1024)
+
+
+@pytest.mark.parametrize("name", TARS)
+def test_tar_inputs_are_refused_naming_the_file(name, tmp_path):
+    data, expected = TARS[name]
+    if data is None:
+        data = _huge_member_header()
+    path = tmp_path / f"{name}.tar"
+    path.write_bytes(data)
+    with pytest.raises(UserError) as err:
+        list(tar_samples(str(path), f"evaluation set e: {path}"))
+    message = str(err.value)
+    assert str(path) in message and "\n" not in message
+    assert any(e in message for e in expected.split("|")), message
+
+
+def test_a_caption_set_of_a_gzip_named_tar_is_refused_not_inflated(tmp_path):
+    (tmp_path / "s.tar").write_bytes(gzip.compress(bytes(50_000_000)))    # 50 MB of zeros, ~50 KB on disk
+    with pytest.raises(UserError, match="not an uncompressed tar"):
+        load_captions(CaptionSet(name="c", kind="webdataset", path=str(tmp_path / "s.tar")), tmp_path)
+
+
+# ---- evaluation sets' own files ---------------------------------------------------------------------
+
+def _coco(tmp_path, file_name, extra_setup=None):
+    images = tmp_path / "images"
+    images.mkdir(exist_ok=True)
+    (images / "ok.png").write_bytes(_encoded("PNG"))
+    if extra_setup:
+        extra_setup(images)
+    doc = {"images": [{"id": 1, "file_name": file_name}], "annotations": [{"image_id": 1, "caption": "a thing"}]}
+    (tmp_path / "captions.json").write_text(json.dumps(doc))
+    return CaptionSet(name="coco", kind="coco", path=str(tmp_path / "captions.json"), images=str(images))
+
+
+def _outside(tmp_path):
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(_encoded("PNG"))
+    return secret
+
+
+COCO = {
+    "absolute_path": (lambda t: str(_outside(t)), "points outside"),
+    "dot_dot": (lambda t: (_outside(t), "../secret.png")[1], "points outside"),
+    "deep_dot_dot": (lambda t: "a/../../../../../../etc/passwd", "points outside"),
+    "nul_in_name": (lambda t: "ok.png\x00.jpg", "is not a relative path"),
+    "number_not_a_name": (lambda t: 7, "is not a relative path"),
+    "empty_name": (lambda t: "", "is not a relative path"),
+    "missing_file": (lambda t: "nope.png", "No such file|does not exist|nope.png"),
+    "png_bomb_in_the_set": (lambda t: "bomb.png", "image_too_large"),
+    "symlink_to_a_system_file": (lambda t: "link.png", "is a symlink"),
+    "fifo_that_would_block": (lambda t: "pipe.png", "not a regular file"),
+}
+
+
+def _setup(name):
+    def make(images):
+        if name == "png_bomb_in_the_set":
+            (images / "bomb.png").write_bytes(_png_header(14000, 14000))
+        if name == "symlink_to_a_system_file":
+            os.symlink("/etc/passwd", images / "link.png")
+        if name == "fifo_that_would_block":
+            os.mkfifo(images / "pipe.png")
+    return make
+
+
+@pytest.mark.parametrize("name", COCO)
+def test_coco_file_names_stay_inside_the_set_and_images_obey_the_policy(name, tmp_path):
+    make, expected = COCO[name]
+    s = _coco(tmp_path, make(tmp_path), _setup(name))
+    with pytest.raises((UserError, FileNotFoundError)) as err:
+        load_captions(s, tmp_path)
+    assert any(e in str(err.value) for e in expected.split("|")), err.value
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("doc", ["[1, 2]", "{\"images\": 5}", "not json", "{\"images\": [{\"id\": 1}]}"])
+def test_malformed_coco_files_are_named(doc, tmp_path):
+    (tmp_path / "c.json").write_text(doc)
+    with pytest.raises(UserError, match="is not a COCO captions file"):
+        load_captions(CaptionSet(name="c", kind="coco", path=str(tmp_path / "c.json"), images=str(tmp_path)), tmp_path)
+
+
+def test_word_order_pairs_cannot_read_outside_their_folder(tmp_path):
+    _outside(tmp_path)
+    sub = tmp_path / "set"
+    sub.mkdir()
+    (sub / "pairs.jsonl").write_text(json.dumps({"image": "../secret.png", "caption": "a b c d",
+                                                  "negatives": {"x": "d c b a"}}) + "\n")
+    with pytest.raises(UserError, match="points outside"):
+        load_wordorder(WordOrderSet(name="w", kind="pairs", path=str(sub / "pairs.jsonl")), tmp_path, {})
+
+
+def test_parquet_image_paths_cannot_read_outside_their_folder(tmp_path):
+    _outside(tmp_path)
+    sub = tmp_path / "set"
+    sub.mkdir()
+    pq.write_table(pa.table({"image": ["../secret.png"], "label": ["a"]}), sub / "s.parquet")
+    with pytest.raises(UserError, match="points outside"):
+        load_classification(ClassificationSet(name="p", kind="parquet", path=str(sub / "s.parquet")), tmp_path)
