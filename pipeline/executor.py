@@ -192,10 +192,25 @@ class Executor:
         return results
 
 
+# how an object store says a node's credentials are missing or wrong (pyarrow's S3 codes, boto's)
+REFUSED_CREDENTIALS = ("ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "AccessDenied",
+                       "InvalidAccessKeyId", "SignatureDoesNotMatch", "Unable to locate credentials",
+                       "MISSING_AUTHENTICATION_TOKEN", "EXPIRED_TOKEN", "ExpiredToken")
+
+
 def _task_error(err: Exception, what: str, label: str) -> Exception:
     cause = getattr(err, "cause", None)
     if isinstance(cause, UserError):   # the input's fault, said in one line: not a crash
         return UserError(f"{what}: {label}: {cause}")
     text = str(err).strip()
+    code = next((c for c in REFUSED_CREDENTIALS if c in text), None)
+    if code:   # one node without the bucket's credentials: name it, not a traceback
+        import re
+
+        found = re.search(r"\bip=([0-9A-Fa-f.:]+)\)", text)   # Ray's header line: (pid=..., ip=...)
+        node = getattr(err, "ip", None) or (found.group(1) if found else "of unknown address")
+        return UserError(f"{what}: {label}: the object store refused node {node} ({code}); give that node the "
+                         "run folder's credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment of "
+                         "its `ray start`, or an instance role), then rerun to resume")
     return RuntimeError(f"{what}: {label} failed: {type(err).__name__}: "
                         f"{text.splitlines()[-1][:300] if text else ''}")

@@ -14,6 +14,25 @@ from infra.tracking import flatten, log_dataset, redact, start_run, tracking_uri
 from .train_config import TrainConfig
 
 
+
+def _cluster_shape() -> dict:
+    import ray
+
+    alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    return {"cpus": sum(r.get("CPU", 0) for r in alive), "gpus": sum(r.get("GPU", 0) for r in alive),
+            "nodes": len(alive)}
+
+
+def check_fits(tc, shape: dict) -> None:
+    """Ray Train waits, silently and forever, for workers the cluster cannot place: say so before
+    it starts, naming the setting."""
+    if tc.use_gpu and shape["gpus"] < tc.num_workers:
+        raise UserError(f"train.use_gpu is true and train.num_workers is {tc.num_workers}, but the cluster has "
+                        f"{shape['gpus']:g} GPU(s); set train.use_gpu: false, lower train.num_workers, or add GPU nodes")
+    if shape["cpus"] < tc.num_workers:
+        raise UserError(f"train.num_workers is {tc.num_workers} (a CPU each) but the cluster has {shape['cpus']:g} CPUs "
+                        f"on {shape['nodes']} node(s); lower train.num_workers or add nodes")
+
 def model_config(tc: TrainConfig, vocab_size: int) -> ModelConfig:
     args = dict(tc.model_args)
     if "vocab_size" in args and args["vocab_size"] != vocab_size:
@@ -43,6 +62,7 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
     if not shards:
         raise UserError(f"no shards (*.tar) in {storage.uri(shards_rel)}; run the pipeline's shard stage first")
     check_readers(len(shards), tc.num_workers, tc.loader_workers)
+    check_fits(tc, _cluster_shape())
     if not storage.exists(tokenizer_rel):
         raise UserError(f"no tokenizer model at {storage.uri(tokenizer_rel)}; run the tokenizer stage first")
     tokenizer = storage.read_bytes(tokenizer_rel)   # small: it travels in the job's config
