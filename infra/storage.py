@@ -68,9 +68,16 @@ class Storage:
         target = self.path(rel)
         if self.fs.type_name == "local":
             tmp = f"{target}.tmp{time.monotonic_ns()}"
-            with self.fs.open_output_stream(tmp) as out:
-                out.write(data)
-            self.fs.move(tmp, target)
+            try:
+                with self.fs.open_output_stream(tmp) as out:
+                    out.write(data)
+                self.fs.move(tmp, target)
+            except OSError:      # a full disk, most often: no half-written file left behind
+                try:
+                    self.fs.delete_file(tmp)
+                except OSError:
+                    pass
+                raise
         else:   # an object store's PUT is atomic already
             with self.fs.open_output_stream(target) as out:
                 out.write(data)

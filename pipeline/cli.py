@@ -515,6 +515,14 @@ def _main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("capline: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+    except OSError as err:
+        import errno
+
+        if err.errno != errno.ENOSPC and "No space left on device" not in str(err):
+            raise
+        print(f"capline: error: no space left on the device holding {getattr(err, 'filename', None) or 'the run folder'}; "
+              "free space or move --run-dir elsewhere, then rerun the same command to resume", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ It runs every task through Ray; the driver holds only the calls and the small re
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -70,9 +71,34 @@ def max_overlap(intervals: list[tuple[float, float]]) -> int:
     return most
 
 
-def _timed(fn: Callable, *args, **kwargs):
+FAILPOINTS = "CAPLINE_FAILPOINTS"
+
+
+def _failpoint(what: str) -> None:
+    """Fault injection for the fault tests (as etcd's and databases' failpoints): with
+    CAPLINE_FAILPOINTS=<folder> in the workers' environment, the first task of every group of
+    tasks kills its own worker process (SIGKILL, as the OOM killer would), once per group; Ray
+    runs the task again elsewhere. Unset, this is one environment lookup."""
+    folder = os.environ.get(FAILPOINTS)
+    if not folder:
+        return
+    import hashlib
+    import signal
+
+    marker = os.path.join(folder, hashlib.sha256(what.encode()).hexdigest()[:16])
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return
+    os.write(fd, f"{what}\n".encode())
+    os.close(fd)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _timed(what: str, fn: Callable, *args, **kwargs):
     """Runs in the worker: the result and when it ran (this node's clock). The call's arguments stay
     top-level arguments of the task, so Ray resolves any ObjectRef among them (an index put once)."""
+    _failpoint(what)
     t0 = time.time()
     out = fn(*args, **kwargs)
     return t0, time.time(), out
@@ -111,7 +137,7 @@ class Executor:
         t_start = time.time()
         while done < total:
             while nxt < total and len(pending) < limit:
-                pending[remote.remote(fn, *calls[nxt], **(kwargs[nxt] if kwargs else {}))] = nxt
+                pending[remote.remote(what, fn, *calls[nxt], **(kwargs[nxt] if kwargs else {}))] = nxt
                 nxt += 1
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.poll_seconds)
             if not ready:
@@ -203,6 +229,9 @@ def _task_error(err: Exception, what: str, label: str) -> Exception:
     if isinstance(cause, UserError):   # the input's fault, said in one line: not a crash
         return UserError(f"{what}: {label}: {cause}")
     text = str(err).strip()
+    if "No space left on device" in text or "[errno 28]" in text.lower():
+        return UserError(f"{what}: {label}: no space left on the run folder's disk; free space or move --run-dir "
+                         "elsewhere, then rerun the same command to resume")
     code = next((c for c in REFUSED_CREDENTIALS if c in text), None)
     if code:   # one node without the bucket's credentials: name it, not a traceback
         import re

@@ -124,11 +124,34 @@ class CountingProxy(http.server.ThreadingHTTPServer):
     logs (time, method, path, bytes sent, bytes received), so a test or benchmark counts requests."""
     daemon_threads = True
 
-    def __init__(self, upstream: tuple[str, int], latency: float):
+    def __init__(self, upstream: tuple[str, int], latency: float, faults: float = 0.0, seed: int = 0,
+                 stall: float = 2.0):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.upstream, self.latency = upstream, latency
         self.log_lock = threading.Lock()
         self.entries: list[tuple[float, str, str, int, int]] = []
+        # faults: this share of requests answered 503 SlowDown or 500, cut (connection reset) or
+        # stalled `stall` seconds, chosen by a seeded draw; a request that got a fault is let through
+        # when it comes again, as a store's transient faults clear on retry
+        import random
+
+        self.faults, self.stall, self.rng = faults, stall, random.Random(seed)
+        self.faulted: set[tuple[str, str]] = set()
+        self.injected: dict[str, int] = {}
+
+    def fault_for(self, method: str, path: str) -> str | None:
+        if not self.faults:
+            return None
+        with self.log_lock:
+            if (method, path) in self.faulted:
+                self.faulted.discard((method, path))
+                return None
+            if self.rng.random() >= self.faults:
+                return None
+            kind = self.rng.choice(("503", "500", "reset", "stall"))
+            self.faulted.add((method, path))
+            self.injected[kind] = self.injected.get(kind, 0) + 1
+            return kind
 
     def handle_error(self, request, client_address):
         import sys
@@ -169,9 +192,34 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         n = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(n) if n else b""
 
+    def _fault(self, kind: str) -> bool:
+        """Answer with an injected fault; -> True if the request is finished with it."""
+        import socket
+        import struct
+
+        if kind == "stall":
+            time.sleep(self.server.stall)
+            return False
+        if kind == "reset":   # RST, not FIN: the client sees "connection reset by peer"
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            return True
+        code, name = ("SlowDown", "Please reduce your request rate.") if kind == "503" else ("InternalError", "We encountered an internal error.")
+        body = f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>{name}</Message></Error>".encode()
+        self.send_response_only(int(kind), code)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+        return True
+
     def _forward(self):
         body = self._body()
         time.sleep(self.server.latency)
+        kind = self.server.fault_for(self.command, self.path)
+        if kind and self._fault(kind):
+            return
         headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
         if body or self.command in ("PUT", "POST"):
             headers["Content-Length"] = str(len(body))
