@@ -492,7 +492,8 @@ def _main(argv: list[str] | None = None) -> int:
             out = Path(args.output) if args.output else Path("configs") / f"{src.name.split('.')[0]}.yaml"
             name = write_config(src, out, found, args.name)
             print(f"capline init: URLs in '{found['url_col']}', captions in '{found['caption_col']}'"
-                  + (f", keys in '{found['key_col']}'" if found["key_col"] else "") + f"; wrote {out} (run {name})")
+                  + (f", keys in '{found['key_col']}'" if found["key_col"] is not None else "")
+                  + (" (no header: columns by position)" if not found.get("header", True) else "") + f"; wrote {out} (run {name})")
             print(f"next: capline run {out}")
             return 0
         if args.command == "models":

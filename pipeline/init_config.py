@@ -32,12 +32,19 @@ def _head(path: Path, fmt: str) -> pa.Table:
         if fmt == "parquet":
             f = pq.ParquetFile(path)
             return f.read_row_group(0) if f.num_row_groups else f.schema_arrow.empty_table()
-        with open(path, "rb") as f:
+        with pa.input_stream(str(path), compression="detect") as f:   # .gz / .zst / .bz2 by suffix
             data = f.read(4 << 20)
         data = data[: data.rfind(b"\n") + 1] or data
         if fmt in ("csv", "tsv"):
-            return pacsv.read_csv(pa.BufferReader(data), parse_options=pacsv.ParseOptions(
-                delimiter="\t" if fmt == "tsv" else ",", invalid_row_handler=lambda row: "skip"))
+            parse = pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",", invalid_row_handler=lambda row: "skip")
+            t = pacsv.read_csv(pa.BufferReader(data), parse_options=parse)
+            if any(URL_RE.match(n.strip()) for n in t.column_names):
+                # a URL among the "column names": the first line is a row (CC3M's TSVs have no header)
+                t = pacsv.read_csv(pa.BufferReader(data), parse_options=parse,
+                                   read_options=pacsv.ReadOptions(autogenerate_column_names=True))
+                t = t.rename_columns([str(i) for i in range(t.num_columns)])
+                return t.replace_schema_metadata({b"capline_headerless": b"1"})
+            return t
         return pajson.read_json(pa.BufferReader(data))
     except (pa.ArrowInvalid, OSError) as err:
         raise UserError(f"{path}: not a readable {fmt} file ({str(err).splitlines()[0]})") from None
@@ -84,8 +91,13 @@ def detect(path: Path, fmt: str = "auto") -> dict:
             if len(set(vals)) == len(vals):
                 key_col = name
                 break
+    headerless = bool(t.schema.metadata and t.schema.metadata.get(b"capline_headerless"))
+    if headerless:   # columns by position
+        url_col, caption_col = int(url_col), int(caption_col)
+        key_col = int(key_col) if key_col is not None else None
     return {"format": _format(path, fmt), "url_col": url_col, "caption_col": caption_col, "key_col": key_col,
-            "rows_seen": t.num_rows, "url_share": scores[url_col][0], "caption_words": scores[caption_col][1]}
+            "header": not headerless, "rows_seen": t.num_rows, "url_share": scores[url_col if not headerless else str(url_col)][0],
+            "caption_words": scores[caption_col if not headerless else str(caption_col)][1]}
 
 
 def write_config(path: Path, out: Path, found: dict, name: str | None = None) -> str:
@@ -94,8 +106,10 @@ def write_config(path: Path, out: Path, found: dict, name: str | None = None) ->
     name = name or re.sub(r"[^A-Za-z0-9_-]+", "-", path.name.split(".")[0]).strip("-") or "run"
     source = {"kind": "urls", "path": str(path.resolve()), "format": found["format"],
               "url_col": found["url_col"], "caption_col": found["caption_col"]}
-    if found["key_col"]:
+    if found["key_col"] is not None:
         source["key_col"] = found["key_col"]
+    if not found.get("header", True):
+        source["header"] = False
     cfg = {"name": name, "seed": 0, "source": source,
            "stages": {"dedup": {"eval_sets": [{"name": "digits", "kind": "builtin", "path": "digits"}]},
                       "basic": {"min_image_side": 200, "max_aspect_ratio": 3.0, "min_words": 3},

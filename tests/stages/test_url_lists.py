@@ -101,3 +101,56 @@ def test_explain_shows_escape_sequences_from_the_data_instead_of_sending_them():
          "detail": "HTTP Error 404: \x1b[31mNot Found\u202e\r"}])
     assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text and "\r" not in text
     assert "\\x1b[2J" in text and "\\u202e" in text
+
+
+CC3M_ROWS = [("a tabby cat asleep on a sofa", "http://a.example/1.jpg"),
+             ("clip art of analogue clock", "http://a.example/2.jpg"),
+             ("a red bicycle leaning on a wall", "http://a.example/3.jpg")]
+
+
+def _cc3m(path, opener=open):
+    with opener(path, "wt") as f:
+        f.write("".join(f"{c}\t{u}\n" for c, u in CC3M_ROWS))
+
+
+@pytest.mark.parametrize("suffix", [".tsv", ".tsv.gz", ".tsv.zst"])
+def test_a_headerless_tsv_keeps_its_first_row_columns_by_position(tmp_path, suffix):
+    import gzip
+
+    path = tmp_path / f"cc3m{suffix}"
+    if suffix == ".tsv.zst":
+        import pyarrow as pa
+
+        with pa.output_stream(str(path), compression="zstd") as out:
+            out.write("".join(f"{c}\t{u}\n" for c, u in CC3M_ROWS).encode())
+    else:
+        _cc3m(path, gzip.open if suffix.endswith(".gz") else open)
+    rows = _source(tmp_path, path, "source.header=false", "source.url_col=1", "source.caption_col=0")
+    assert [(r["caption"], r["url"]) for r in (rows[str(i)] for i in range(3))] == CC3M_ROWS   # row 0 kept
+    named = _source(tmp_path / "named", path, "source.header=false", "source.columns=[caption,url]")
+    assert named["0"]["url"] == CC3M_ROWS[0][1]
+
+
+def test_a_headerless_file_read_with_a_header_says_how_to_fix_it(tmp_path):
+    from stages.source import check_url_list
+
+    path = tmp_path / "cc3m.tsv"
+    _cc3m(path)
+    cfg = load_config(None, ["source.kind=urls", f"source.path={path}"]).source
+    with pytest.raises(UserError, match="set source.header: false and name columns by position"):
+        check_url_list(cfg)
+    with pytest.raises(UserError, match="source.url_col: column position 5, but the file has 2"):
+        check_url_list(load_config(None, ["source.kind=urls", f"source.path={path}", "source.header=false",
+                                          "source.url_col=5"]).source)
+
+
+def test_init_detects_a_headerless_compressed_list(tmp_path):
+    import gzip
+
+    from pipeline.init_config import detect
+
+    path = tmp_path / "cc3m.tsv.gz"
+    _cc3m(path, gzip.open)
+    found = detect(path)
+    assert (found["url_col"], found["caption_col"], found["header"], found["format"]) == (1, 0, False, "tsv")
+    assert found["rows_seen"] == 3                 # the first line counted as a row
