@@ -208,6 +208,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
         prev_digest = marker["output_digest"]
         if stage.name not in summary:   # skipped: its stats from the earlier run
             summary[stage.name] = controls.read(stage.name, "stats.json")
+        if stage.kind != "sink" and (why := stage.dead_end(summary[stage.name] or {})):
+            raise UserError(why)   # after its _SUCCESS: fixing the setting reruns just what it changes
         for obs in observers:   # run or skipped: they skip what they did before
             obs.after_stage(stage.name, run_dir=run_dir, cfg=cfg, manifest=manifest, summary=summary,
                             log=log, storage=storage)

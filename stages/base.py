@@ -108,11 +108,30 @@ class Stage:
     thresholds: bool = False             # its section is a filter's thresholds (the dataset card lists them)
     final_data: bool = False             # it writes the dataset (observers of a finished dataset wait for it)
     preserve: tuple[str, ...] = ()       # sub-paths of its folder that survive a change of input
+    # a run stops after this stage when it keeps nothing, or when this share of its input is
+    # dropped for one reason (None: only when it keeps nothing); `remedies` names the setting to
+    # change for a reason (its prefix), in that stop's one line
+    dead_end_share: float | None = None
+    remedies: dict[str, str] = {}
 
     def section(self, config) -> Any:
         if self.config_key is None:
             raise NotImplementedError
         return getattr(config.stages, self.config_key)
+
+    def dead_end(self, counts: dict) -> str | None:
+        """Why the run cannot go on after this stage's counts (in, kept, dropped by reason), or None."""
+        n, dropped = counts.get("in", 0), counts.get("dropped", {})
+        if not n or not dropped:
+            return None
+        reason, most = max(dropped.items(), key=lambda kv: kv[1])
+        if counts.get("kept", 0) > 0 and (self.dead_end_share is None or most < self.dead_end_share * n):
+            return None
+        fix = next((v for k, v in self.remedies.items() if reason == k or reason.startswith(k + ":")), None)
+        what = "kept nothing" if not counts.get("kept") else f"dropped {most} of {n} ({100 * most / n:.0f}%) as {reason}"
+        return (f"{self.name} {what}" + (f" (most as {reason}: {most} of {n})" if not counts.get("kept") else "")
+                + (f"; {fix}" if fix else f"; see `capline explain` for a sample, and {self.report or 'its ledger'}")
+                + "; the run stops here rather than run the later stages on this")
 
     def declares(self, section) -> dict:
         """Artifacts that follow from the stage's config alone (registered whether it runs or is

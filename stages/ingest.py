@@ -281,6 +281,18 @@ class IngestStage(Source):
     notes = (None, None)          # a download's details stay in the ledger, not in the sample's json
     thresholds = True             # its size and format bounds are a filter's thresholds
     preserve = ("parts",)
+    dead_end_share = 0.9
+    remedies = {
+        "unsafe_url:private_address": "the URLs point at private or loopback addresses, refused unless trusted: "
+                                      "list those hosts in stages.ingest.allow_hosts (e.g. ['10.0.0.5:9000'])",
+        "unsafe_url:metadata_address": "the URLs point at a cloud metadata address, which is never fetched",
+        "dns_error": "the hosts' names do not resolve from the workers: check their DNS",
+        "timeout": "the servers did not answer in time: raise stages.ingest.timeout",
+        "deadline_exceeded": "downloads ran past the deadline: raise stages.ingest.deadline",
+        "too_many_bytes": "the responses are larger than stages.ingest.max_bytes: raise it",
+        "image_too_large": "the images are larger than stages.ingest.max_pixels: raise it",
+        "unsupported_format": "the images are in formats outside stages.ingest.formats",
+    }
 
     def run(self, ctx: StageContext) -> StageResult:
         from contextlib import nullcontext

@@ -218,3 +218,18 @@ def test_samples_is_a_ray_dataset_of_what_the_previous_stage_kept(tmp_path, ray_
     reader = Captions()
     run_pipeline(_cfg(10), tmp_path, log=lambda m: None, stages=[Numbers(), DropOdd(), reader], observers=[])
     assert reader.seen == [(f"k{i:04d}", f"caption {i}") for i in range(0, 10, 2)]
+
+
+def test_a_dead_end_names_the_reason_and_the_setting():
+    from stages.ingest import IngestStage
+    from stages.registry import by_name
+
+    ingest = IngestStage()
+    assert ingest.dead_end({"in": 100, "kept": 95, "dropped": {"http_404": 5}}) is None
+    most = ingest.dead_end({"in": 100, "kept": 5, "dropped": {"unsafe_url:private_address": 92, "http_404": 3}})
+    assert most.startswith("ingest dropped 92 of 100 (92%) as unsafe_url:private_address")
+    assert "stages.ingest.allow_hosts" in most
+    # a filter stops the run only when it keeps nothing; 90 % dropped by a filter may be the intent
+    language = by_name("language")
+    assert language.dead_end({"in": 100, "kept": 5, "dropped": {"language": 95}}) is None
+    assert language.dead_end({"in": 100, "kept": 0, "dropped": {"language": 100}}).startswith("language kept nothing")

@@ -130,3 +130,28 @@ def test_rerun_resumes_only_missing_shards(tmp_path, ray_local):
     assert any("4 shards downloaded before, reused; 1 to download" in m for m in logs), logs
     assert (shards / "00001.tar").stat().st_mtime_ns == untouched
     assert _content(tmp_path) == before
+
+
+def test_a_list_of_private_urls_stops_after_ingest_naming_allow_hosts(tmp_path, ray_local):
+    """Every URL on a loopback mirror and no allow_hosts: the run ends after ingest in one line that
+    names the setting, instead of running four more stages on nothing."""
+    from stages import synthetic
+    from stages.source import DefectFractions
+    from infra.errors import UserError
+
+    none = {k: 0 for k in vars(DefectFractions())}
+    synthetic.generate(tmp_path / "site", 30, 5, 48, 3, none, 100, 100)
+    rows = pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()
+    with DemoServer(tmp_path / "site" / "www") as server:
+        csv = tmp_path / "urls.csv"
+        csv.write_text("url,caption\n" + "".join(f"{r['url'].replace(SERVER_PLACEHOLDER, server.base_url)},"
+                                                 f"\"{r['caption']}\"\n" for r in rows))
+        cfg = load_config(None, ["source.kind=urls", f"source.path={csv}", "stages.ingest.samples_per_shard=20"])
+        said = []
+        with pytest.raises(UserError) as err:
+            run_pipeline(cfg, tmp_path / "run", log=said.append)
+    message = str(err.value)
+    assert message.startswith("ingest kept nothing (most as unsafe_url:private_address: 30 of 30)")
+    assert "stages.ingest.allow_hosts" in message and "\n" not in message
+    assert (tmp_path / "run" / "ingest" / "_SUCCESS").exists()       # its verdicts are kept
+    assert not any(line.startswith("dedup:") for line in said)        # nothing ran after it
