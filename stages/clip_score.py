@@ -42,8 +42,11 @@ from infra.hashing import order_key
 class ClipScoreConfig:
     REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs"}
     enabled: bool = True
-    scorer: Literal["bootstrap", "checkpoint"] = "bootstrap"
+    scorer: Literal["bootstrap", "checkpoint", "column"] = "bootstrap"
     checkpoint: str | None = None     # scorer: checkpoint -> a capline clip/siglip/coca model folder
+    # scorer: column -> a score the URL list already holds (LAION's `similarity`, DataComp's
+    # `clip_b32_similarity_score`), carried in by source.keep_columns; a sample without it scores -1
+    column: str | None = None
     tokenizer: str | None = None      # default: <checkpoint>/spm.model
     threshold: float | None = None    # keep score >= threshold ...
     keep_fraction: float | None = 0.3  # ... or the top fraction (DataComp's best: 30 %); set one of them
@@ -64,6 +67,9 @@ class ClipScoreConfig:
             require(-1 <= self.threshold <= 1, join(prefix, "threshold"), f"a cosine in [-1, 1], got {self.threshold}")
         if self.scorer == "checkpoint":
             require(bool(self.checkpoint), join(prefix, "checkpoint"), "scorer: checkpoint needs the checkpoint folder")
+        if self.scorer == "column":
+            require(bool(self.column), join(prefix, "column"),
+                    "scorer: column needs the name of the URL list's score column (e.g. similarity)")
         require(self.batch_size >= 1, join(prefix, "batch_size"), "must be >= 1")
 
 
@@ -127,6 +133,22 @@ def _score_task(storage, part: str, file: str, folder: str, sha: str, device: st
     scores = _scorer(storage, folder, sha, device).score(images, rows.column("caption").to_pylist()) \
         if rows.num_rows else np.zeros(0)
     ints = np.round(np.asarray(scores, np.float64) * SCALE).astype(np.int64)
+    storage.write_table(f"clip_score/_work/scores/{part}.parquet",
+                        pa.table({"key": rows.column("key"), "score": pa.array(ints, pa.int64())}))
+    values, counts = np.unique(ints, return_counts=True)
+    return {"part": part, "values": values.tolist(), "counts": counts.tolist()}
+
+
+def _column_task(storage, part: str, file: str, column: str) -> dict:
+    """Ray task: a partition's scores from the URL list's own column (in each sample's notes)."""
+    import json
+
+    rows = read_kept(storage, file, ["key", "notes"])
+    scores = []
+    for n in rows.column("notes").to_pylist():
+        v = json.loads(n).get(column) if n else None
+        scores.append(float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else -1.0)
+    ints = np.round(np.clip(np.asarray(scores, np.float64), -1.0, 1.0) * SCALE).astype(np.int64)
     storage.write_table(f"clip_score/_work/scores/{part}.parquet",
                         pa.table({"key": rows.column("key"), "score": pa.array(ints, pa.int64())}))
     values, counts = np.unique(ints, return_counts=True)
@@ -197,6 +219,16 @@ class ClipScoreStage(Decide):
     def measure(self, ctx: StageContext) -> Scores:
         """Each partition scored by the workers (scores written beside the stage); their counts per value."""
         cfg: ClipScoreConfig = ctx.cfg
+        if cfg.scorer == "column":
+            import hashlib
+
+            scorer = {"kind": "column", "column": cfg.column, "sha256": hashlib.sha256(cfg.column.encode()).hexdigest()}
+            found = ctx.run(_column_task, [(ctx.storage, u.part, u.file, cfg.column) for u in ctx.upstream or []],
+                            "clip_score", num_cpus=0.5, describe=lambda c: f"partition {c[1]}")
+            counts: Counter = Counter()
+            for f in found:
+                counts.update(dict(zip(f["values"], f["counts"])))
+            return Scores(scorer, counts)
         scorer = self._scorer(ctx, cfg)
         found = ctx.run(_score_task, [(ctx.storage, u.part, u.file, SCORER_DIR, scorer["sha256"], cfg.device)
                                       for u in ctx.upstream or []], "clip_score", num_cpus=cfg.cpus_per_worker,
@@ -245,7 +277,8 @@ class ClipScoreStage(Decide):
             "enabled": True, "scorer": scorer, "threshold": cfg.threshold, "keep_fraction": cfg.keep_fraction,
             "cut": cut_value, "score_mean": mean,
             "histogram": {"counts": hist.astype(int).tolist(), "edges": [round(float(e), 6) for e in edges]}},
-            artifacts={"scorer": SCORER_DIR, "scorer_sha256": scorer["sha256"], "report": "clip_score/report.html"})
+            artifacts={"scorer": SCORER_DIR if scorer["kind"] != "column" else None, "scorer_sha256": scorer["sha256"],
+                       "report": "clip_score/report.html"})
 
     def _scorer(self, ctx: StageContext, cfg: ClipScoreConfig) -> dict:
         """The scorer folder, in the run folder's storage (SCORER_DIR), where every worker reads it."""

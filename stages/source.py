@@ -82,6 +82,10 @@ class SourceConfig:
     key_col: str | int | None = None
     header: bool = True              # csv/tsv: false when the first line is already a row
     columns: list[str] | None = None  # csv/tsv without a header: names for its columns, in order
+    # other columns carried into each sample's JSON (LICENSE, WIDTH, similarity, punsafe, ...):
+    # null: every other column of a Parquet list, none of a text list; [] none; values over
+    # 1,000 characters are left out
+    keep_columns: list[str | int] | None = None
     # kind: synthetic
     num_samples: int = 2000
     eval_size: int = 300
@@ -284,6 +288,7 @@ def keyed_rows(table: pa.Table, cfg: SourceConfig, part: str) -> pa.Table:
     urls = texts(table.column(url_col))
     caps = texts(table.column(caption_col))
     ids = texts(table.column(key_col)) if key_col else None
+    notes = _carried(table, cfg, part, {url_col, caption_col, key_col})
     if ids is not None:
         _check_keys(ids, key_col, part)
     seen: dict[str, int] = {}
@@ -304,7 +309,52 @@ def keyed_rows(table: pa.Table, cfg: SourceConfig, part: str) -> pa.Table:
         reasons.append("" if ok else "malformed_row:invalid_utf8" if bad else "malformed_row:missing_url")
         details.append(f"{part} row {i}" + (f": its {bad} is not UTF-8" if bad else ""))
     return pa.table({"key": keys, "url": pa.array(out_urls, pa.string()), "caption": out_caps,
-                     "partition": [part] * len(keys), "verdict": verdicts, "reason": reasons, "detail": details})
+                     "partition": [part] * len(keys), "verdict": verdicts, "reason": reasons, "detail": details,
+                     "notes": pa.array(notes, pa.string())})
+
+
+MAX_CARRIED_CHARS = 1000
+SAMPLE_FIELDS = {"key", "url", "caption", "status", "error_message", "width", "height", "original_width",
+                 "original_height", "sha256"}
+
+
+def _jsonable(v):
+    import math
+
+    if isinstance(v, bytes):
+        v = v.decode("utf-8", "replace")
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    return str(v)
+
+
+def _carried(table: pa.Table, cfg: SourceConfig, part: str, used: set) -> list[str | None]:
+    """Each row's other columns (source.keep_columns) as the JSON its sample carries to the shards."""
+    names = table.column_names
+    if cfg.keep_columns is None:
+        wanted = [n for n in names if n not in used] if part.endswith(".parquet") else []
+    else:
+        wanted = [column_ref(c, names, "keep_columns") for c in cfg.keep_columns]
+        missing = [c for c in wanted if c not in names]
+        if missing:
+            raise UserError(f"source.keep_columns: {part} has no column(s) {', '.join(missing)} "
+                            f"(columns: {', '.join(names[:20])})")
+    if not wanted:
+        return [None] * table.num_rows
+    # a list's own column named like a field capline writes (DataComp's sha256, a width) keeps its
+    # value under source_<name>, never over capline's
+    cols = {(f"source_{n}" if n in SAMPLE_FIELDS else n): table.column(n).to_pylist() for n in wanted}
+    out = []
+    for i in range(table.num_rows):
+        entry = {}
+        for n, values in cols.items():
+            v = _jsonable(values[i])
+            if v is not None and len(json.dumps(v)) <= MAX_CARRIED_CHARS:
+                entry[n] = v
+        out.append(json.dumps(entry, sort_keys=True, ensure_ascii=False) if entry else None)
+    return out
 
 
 def _check_keys(ids: list, column: str, part: str) -> None:
