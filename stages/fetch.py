@@ -42,6 +42,8 @@ import img2dataset.downloader as _i2d
 
 from infra.media import FORMATS, ImageRefused, _failure, open_checked
 
+from .polite import Hosts, Manners, retry_after
+
 METADATA_HOSTS = {"metadata.google.internal", "metadata", "instance-data"}
 # special-purpose blocks refused whole (Python's is_global leaves a few of their addresses global;
 # 3.11.7 counts as global the IPv6 ones below: IPv4-compatible ::/96, IPv4-mapped ::ffff:0:0/96 (its
@@ -60,6 +62,8 @@ class FetchPolicy:
     deadline: float = 60.0              # seconds per URL, connect + headers + body, every hop
     formats: tuple[str, ...] = FORMATS  # what PIL may open
     pixels_in_flight: int = 100_000_000  # decoded at once per process (>= max_pixels)
+    manners: Manners = Manners()        # per-host politeness (stages/polite.py)
+    own_hosts: tuple[str, ...] = ()     # "host:port" capline itself serves (the demo site): no manners needed
 
 
 class PixelBudget:
@@ -86,6 +90,7 @@ _budget = PixelBudget(FetchPolicy().pixels_in_flight)
 
 
 _policy = FetchPolicy()
+_hosts = Hosts(_policy.manners)
 
 
 class Refused(Exception):
@@ -243,15 +248,79 @@ def check_image(data: bytes, policy: FetchPolicy, budget: PixelBudget | None = N
         budget.give(w * h)
 
 
+class _SlowDown(Exception):
+    """The server said 429 or 503: wait (its Retry-After) and ask again, politely."""
+
+    def __init__(self, code: int, retry_after: str | None):
+        super().__init__(f"HTTP {code}")
+        self.code, self.retry_after = code, retry_after
+
+
+HOST_FAILURES = ("timeout", "connection_refused", "connection_reset", "dns_error", "deadline_exceeded", "http_500",
+                 "http_502", "http_504")
+
+
 def safe_download_image(row, timeout, user_agent_token, disallowed_header_directives):
-    """Drop-in for img2dataset.downloader.download_image: same arguments, same return value."""
+    """Drop-in for img2dataset.downloader.download_image: same arguments, same return value. Each URL
+    is asked of its host politely (stages/polite.py): robots.txt, a rate and a concurrency per host,
+    waits on 429/503, a circuit breaker."""
     key, url = row
+    try:
+        check_url(url, _policy)
+    except Refused as err:
+        return key, None, str(err)
+    finally:
+        _pinned().clear()
+    m = _policy.manners
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc in _policy.own_hosts:
+        return _fetch_once(key, url, timeout, m.token, disallowed_header_directives)
+    host = _hosts.get(parts.netloc)
+    if host.open:
+        return key, None, (f"capline:host_unavailable: {parts.hostname} failed {m.breaker_failures} times in a row; "
+                           "not asked again by this task")
+    allowed, why = _hosts.robots_allow(host, parts.scheme, parts.netloc, url, lambda u: _fetch_small(u, timeout))
+    if not allowed:
+        return key, None, f"capline:robots_disallowed: {why}"
+    for attempt in range(m.retries + 1):
+        host.take_slot()
+        try:
+            result = _fetch_once(key, url, timeout, m.token, disallowed_header_directives)
+        except _SlowDown as slow:
+            wait = retry_after(slow.retry_after, attempt)
+            if wait > m.max_wait:
+                return key, None, (f"capline:rate_limited: HTTP {slow.code} asking to wait {wait:.0f}s, more than "
+                                   f"max_retry_after {m.max_wait:g}s")
+            host.pause(wait)
+            continue
+        finally:
+            host.give_slot()
+        reason = reason_of("success" if result[1] is not None else "failed", result[2])
+        host.outcome(reason not in HOST_FAILURES)
+        return result
+    return key, None, f"capline:rate_limited: HTTP 429/503 {m.retries + 1} times (waited as asked each time)"
+
+
+def _fetch_small(url: str, timeout: float, limit: int = 512 << 10) -> tuple[int, bytes]:
+    """A small file (robots.txt) through the same checked, pinned opener: -> (status, body)."""
+    try:
+        check_url(url, _policy)
+        request = urllib.request.Request(url, headers={"User-Agent": _policy.manners.user_agent})
+        with _opener.open(request, timeout=timeout) as r:
+            return r.status, r.read(limit)
+    except urllib.error.HTTPError as err:
+        return err.code, b""
+    finally:
+        _pinned().clear()
+
+
+def _fetch_once(key, url, timeout, user_agent_token, disallowed_header_directives):
     _pins.sockets = []
     start = time.monotonic()
     ticket = _watchdog.watch(start + _policy.deadline, _pins.sockets)
     try:
         check_url(url, _policy)
-        request = urllib.request.Request(url, headers={"User-Agent": "capline/0.1 (img2dataset)"})
+        request = urllib.request.Request(url, headers={"User-Agent": _policy.manners.user_agent})
         try:
             with _opener.open(request, timeout=timeout) as r:
                 if disallowed_header_directives and _i2d.is_disallowed(
@@ -275,6 +344,10 @@ def safe_download_image(row, timeout, user_agent_token, disallowed_header_direct
                 ctype = (r.headers.get("Content-Type") or "").split(";")[0].strip().lower()
         except Refused:
             raise
+        except urllib.error.HTTPError as err:
+            if err.code in (429, 503):
+                raise _SlowDown(err.code, err.headers.get("Retry-After")) from None
+            raise
         except Exception:
             if time.monotonic() - start >= _policy.deadline:
                 raise Refused("deadline_exceeded", f"not fetched within {_policy.deadline:g}s "
@@ -289,6 +362,8 @@ def safe_download_image(row, timeout, user_agent_token, disallowed_header_direct
                 raise Refused("not_an_image", f"Content-Type {ctype}") from None
             raise
         return key, io.BytesIO(data), None
+    except _SlowDown:
+        raise
     except Refused as err:
         return key, None, str(err)
     except Exception as err:  # noqa: BLE001 - every failure becomes the sample's recorded reason
@@ -344,10 +419,16 @@ class SafeDownloader(_i2d.Downloader):
         self.policy = policy
 
     def download_shard(self, row):
-        global _policy, _budget
+        global _policy, _budget, _hosts
         if _policy != self.policy:
             _policy, _budget = self.policy, PixelBudget(self.policy.pixels_in_flight)
+        _hosts = Hosts(self.policy.manners)   # per shard task: its rate share, breakers and report
         return super().download_shard(row)
+
+
+def throttled() -> dict:
+    """The hosts of the last shard that asked this process to slow down: {host: [times, seconds waited]}."""
+    return {h: [st.slowdowns, round(st.waited, 1)] for h, st in sorted(_hosts.hosts.items()) if st.slowdowns}
 
 
 # Replace the module function the Downloader calls (through download_image_with_retry).

@@ -20,6 +20,8 @@ reaches images by. The driver gets counts back. capline adds:
 """
 from __future__ import annotations
 
+import re
+
 import hashlib
 import json
 import os
@@ -63,6 +65,14 @@ class IngestConfig:
     formats: list[str] = field(default_factory=lambda: list(FORMATS))   # PIL formats a download may be
     pixels_in_flight: int = 100_000_000   # decoded at once per task: its decode memory is ~4 B x this
     task_retries: int = 2            # Ray retries of a shard whose worker died
+    # politeness per host (stages/polite.py), for the whole cluster: each download task gets its share
+    user_agent_token: str = "capline"    # in the User-Agent; the robots.txt / X-Robots-Tag token honoured
+    respect_robots: bool = True
+    host_rate: float = 20.0              # requests per second to one host
+    host_concurrency: int = 16           # requests in flight to one host
+    max_retry_after: float = 60.0        # the longest wait a 429/503 Retry-After is granted
+    rate_limit_retries: int = 3          # waits on 429/503 per URL before it is `rate_limited`
+    breaker_failures: int = 20           # consecutive failures that stop a task asking a host
 
     def validate(self, prefix: str) -> None:
         require(16 <= self.image_size <= 4096, join(prefix, "image_size"), f"must be 16..4096, got {self.image_size}")
@@ -70,6 +80,13 @@ class IngestConfig:
         require(self.retries >= 0, join(prefix, "retries"), f"must be >= 0, got {self.retries}")
         require(1 <= self.thread_count <= 1024, join(prefix, "thread_count"), f"must be 1..1024, got {self.thread_count}")
         require(self.samples_per_shard >= 1, join(prefix, "samples_per_shard"), "must be >= 1")
+        require(self.host_rate > 0, join(prefix, "host_rate"), f"must be > 0 requests per second, got {self.host_rate}")
+        require(self.host_concurrency >= 1, join(prefix, "host_concurrency"), "must be >= 1")
+        require(self.max_retry_after >= 0, join(prefix, "max_retry_after"), "must be >= 0 seconds")
+        require(self.rate_limit_retries >= 0, join(prefix, "rate_limit_retries"), "must be >= 0")
+        require(self.breaker_failures >= 1, join(prefix, "breaker_failures"), "must be >= 1")
+        require(bool(re.fullmatch(r"[A-Za-z0-9_-]+", self.user_agent_token)), join(prefix, "user_agent_token"),
+                f"a robots.txt token is letters, digits, '-' and '_', got {self.user_agent_token!r}")
         require(0 < self.encode_quality <= 100, join(prefix, "encode_quality"), "must be 1..100")
         require(self.max_bytes > 0, join(prefix, "max_bytes"), "must be > 0")
         # PIL refuses more than twice its MAX_IMAGE_PIXELS (89.5M) whatever we allow, and capline
@@ -170,12 +187,18 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server) -> dict:
                         _with_state(table, rows), rel=f"{unit}/ledger/{name}.parquet", notes=IngestStage.notes,
                         extra={"node": ray.get_runtime_context().get_node_id(),
                                "successes": sum(v == KEPT for v in verdicts["verdict"]),
-                               **failures_by_host(verdicts)})
+                               "throttled": _throttled(), **failures_by_host(verdicts)})
     storage.write_bytes(f"{unit}/results/{name}.json", json.dumps(result.to_json(), sort_keys=True).encode())
     return result
 
 
 TOP_FAILURES = 50   # (host, reason) counts a shard reports: bounded, whatever the number of hosts
+
+
+def _throttled() -> dict:
+    from .fetch import throttled
+
+    return dict(sorted(throttled().items(), key=lambda kv: -kv[1][1])[:TOP_FAILURES])
 
 
 def failures_by_host(verdicts: dict[str, list]) -> dict:
@@ -213,6 +236,12 @@ def write_report(stage_dir: Path, parts: list[dict], name: str) -> Path:
         other += p.extra.get("failures_other", 0)
         for reason, rows in p.extra.get("failure_examples", {}).items():
             examples.setdefault(reason, []).extend(rows[: 3 - len(examples.get(reason, []))])
+    slowed: dict[str, list] = {}
+    for p in parts:
+        for host, (times, waited) in p.extra.get("throttled", {}).items():
+            got = slowed.setdefault(host, [0, 0.0])
+            got[0] += times
+            got[1] += waited
     by_host: Counter = Counter()
     reasons: Counter = Counter()
     for pair, n in by_pair.items():
@@ -234,7 +263,14 @@ def write_report(stage_dir: Path, parts: list[dict], name: str) -> Path:
             + (f" ({other} in (host, reason) pairs too rare to list per shard)" if other else "") + ".</p>"
             "<h2>By host and reason</h2><table><tr><th>host</th><th>failed</th>"
             + "".join(f"<th>{html.escape(r)}</th>" for r in cols) + "</tr>" + "".join(rows) + "</table>"
-            "<h2>Examples</h2>" + ex + "</body></html>")
+            "<h2>Examples</h2>" + ex
+            + "<h2>Hosts that asked to slow down (429/503), waited for as asked</h2>"
+            + ("<table><tr><th>host</th><th>times</th><th>seconds waited</th></tr>" + "".join(
+                f"<tr><td>{html.escape(h)}</td><td>{t}</td><td>{w:.1f}</td></tr>"
+                for h, (t, w) in sorted(slowed.items(), key=lambda kv: -kv[1][1])) + "</table>" if slowed else "<p>none</p>")
+            + "<p>Refused by robots.txt or X-Robots-Tag: the <code>robots_disallowed</code> column; given up after "
+              "waits: <code>rate_limited</code>; hosts that failed too often in a row: <code>host_unavailable</code>.</p>"
+            + "</body></html>")
     path = stage_dir / "report.html"
     stage_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(page)
@@ -332,7 +368,9 @@ class IngestStage(Source):
                     import psutil
 
                     alive = (socket.gethostname(), os.getpid(), psutil.Process().create_time())
-                downloader = _downloader(cfg, allow)
+                # the cluster-wide per-host manners, shared out among the tasks that run at once
+                at_once = max(1, min(len(jobs), int(ctx.executor.shape().cpus)))
+                downloader = _downloader(cfg, allow, at_once, own=(server.netloc,) if served else ())
                 start = time.time()
                 results = ctx.run(_shard_task, [(ctx.storage, j, downloader, base, alive) for j in jobs], "ingest",
                                   num_cpus=1, max_retries=cfg.task_retries,
@@ -348,11 +386,17 @@ class IngestStage(Source):
                            artifacts={"ledger": "ingest/parts.json", "report": "ingest/report.html"})
 
 
-def _downloader(cfg: IngestConfig, allow: tuple):
+def _downloader(cfg: IngestConfig, allow: tuple, at_once: int = 1, own: tuple = ()):
     from img2dataset.resizer import Resizer
     from img2dataset.writer import WebDatasetSampleWriter
 
     from .fetch import FetchPolicy, SafeDownloader
+    from .polite import Manners
+
+    manners = Manners(token=cfg.user_agent_token, rate=cfg.host_rate / at_once,
+                      concurrency=max(1, cfg.host_concurrency // at_once), robots=cfg.respect_robots,
+                      max_wait=cfg.max_retry_after, retries=cfg.rate_limit_retries,
+                      breaker_failures=cfg.breaker_failures)
 
     resizer = Resizer(image_size=cfg.image_size, resize_mode=cfg.resize_mode,
                       resize_only_if_bigger=False, encode_quality=cfg.encode_quality,
@@ -363,7 +407,8 @@ def _downloader(cfg: IngestConfig, allow: tuple):
         column_list=["uid", "caption", "url"], timeout=cfg.timeout,
         number_sample_per_shard=cfg.samples_per_shard, oom_shard_count=5, compute_hash="sha256",
         verify_hash_type=None, encode_format=cfg.encode_format, retries=cfg.retries,
-        user_agent_token=None, disallowed_header_directives=["noai", "noimageai", "noindex", "noimageindex"],
+        user_agent_token=cfg.user_agent_token,
+        disallowed_header_directives=["noai", "noimageai", "noindex", "noimageindex"],
         policy=FetchPolicy(allow_hosts=allow, max_bytes=cfg.max_bytes, max_pixels=cfg.max_pixels,
                            deadline=cfg.deadline, formats=tuple(cfg.formats),
-                           pixels_in_flight=cfg.pixels_in_flight))
+                           pixels_in_flight=cfg.pixels_in_flight, manners=manners, own_hosts=own))

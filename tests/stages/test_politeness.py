@@ -1,0 +1,133 @@
+"""Polite downloading against a loopback server that rate-limits (429 with Retry-After) and has a
+robots.txt: the per-host rate holds, every URL ends with a verdict saying why, robots.txt is
+honoured for capline's token, and the ingest report names the host that asked to slow down."""
+import email.utils
+import http.server
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from stages.polite import Host, Manners, retry_after
+
+
+def test_retry_after_reads_seconds_and_dates_else_backs_off():
+    assert retry_after("7", 0) == 7.0
+    soon = email.utils.formatdate(time.time() + 30, usegmt=True)
+    assert 28 <= retry_after(soon, 0) <= 31
+    assert [retry_after(None, a) for a in range(4)] == [1.0, 2.0, 4.0, 8.0]
+    assert retry_after("garbage", 2) == 4.0
+
+
+def test_a_hosts_slots_keep_its_rate_across_threads():
+    host = Host(Manners(rate=20.0, concurrency=2))
+    times = []
+
+    def ask():
+        host.take_slot()
+        times.append(time.monotonic())
+        host.give_slot()
+
+    threads = [threading.Thread(target=ask) for _ in range(21)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    times.sort()
+    assert times[-1] - times[0] >= 0.95          # 21 requests at 20/s: a second at least
+    host.pause(0.3)
+    t0 = time.monotonic()
+    ask()
+    assert time.monotonic() - t0 >= 0.25         # a 429's wait holds the whole host
+
+
+class RateLimited(http.server.ThreadingHTTPServer):
+    """Serves the demo site's images; every third image path answers 429 (Retry-After: 1) the first
+    time; robots.txt disallows /private/ for capline's token only. Logs each image request's time."""
+    daemon_threads = True
+
+    def __init__(self, root: Path):
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.root, self.lock, self.times, self.limited, self.asked = root, threading.Lock(), [], set(), Counter()
+
+    @property
+    def base(self):
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        s = self.server
+        if self.path == "/robots.txt":
+            body = b"User-agent: capline\nDisallow: /private/\n\nUser-agent: *\nAllow: /\n"
+            return self._send(200, body, "text/plain")
+        with s.lock:
+            s.times.append(time.monotonic())
+            s.asked[self.path] += 1
+            first = s.asked[self.path] == 1
+        name = self.path.rsplit("/", 1)[-1]
+        if first and hash(name) % 3 == 0:
+            with s.lock:
+                s.limited.add(self.path)
+            return self._send(429, b"slow down", "text/plain", {"Retry-After": "1"})
+        f = s.root / "img" / name
+        if not f.is_file():
+            return self._send(404, b"no", "text/plain")
+        self._send(200, f.read_bytes(), "image/jpeg")
+
+    def _send(self, code, body, ctype, extra=None):
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (extra or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.mark.slow
+def test_rate_limit_retry_after_and_robots_through_ingest(tmp_path, ray_local):
+    from pipeline.config import load_config
+    from pipeline.runner import run_pipeline
+    from stages import synthetic
+    from stages.base import read_ledger
+    from stages.source import DefectFractions
+
+    synthetic.generate(tmp_path / "site", 36, 5, 48, 3, {k: 0 for k in vars(DefectFractions())}, 100, 100)
+    rows = pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()
+    server = RateLimited(tmp_path / "site" / "www")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        lines = ["url,caption"]
+        for i, r in enumerate(rows):
+            folder = "private" if i < 6 else "img"
+            lines.append(f"{server.base}/{folder}/{r['key']}.jpg,\"{r['caption']}\"")
+        (tmp_path / "urls.csv").write_text("\n".join(lines) + "\n")
+        cfg = load_config(None, ["source.kind=urls", f"source.path={tmp_path / 'urls.csv'}",
+                                 f"stages.ingest.allow_hosts=['127.0.0.1:{server.server_address[1]}']",
+                                 "stages.ingest.samples_per_shard=12", "stages.ingest.host_rate=6"])
+        summary = run_pipeline(cfg, tmp_path / "run", until="ingest", log=lambda m: None)
+    finally:
+        server.shutdown()
+    ledger = {r["url"]: r for r in read_ledger(tmp_path / "run", "ingest").to_pylist()}
+    assert len(ledger) == 36                                            # nothing lost
+    private = [u for u in ledger if "/private/" in u]
+    assert {ledger[u]["reason"] for u in private} == {"robots_disallowed"}
+    assert not any("/private/" in p for p in server.asked)               # never even asked
+    public = [u for u in ledger if "/img/" in u]
+    assert all(ledger[u]["verdict"] == "kept" for u in public), [ledger[u]["reason"] for u in public]
+    assert server.limited and all(server.asked[p] == 2 for p in server.limited)   # asked again once, after waiting
+    # the rate: 6 requests per second to this host, across the cluster's tasks
+    times = sorted(server.times)
+    worst = max(sum(1 for t in times if t0 <= t < t0 + 1.0) for t0 in times)
+    print(f"requests: {len(times)}, most in any 1 s window: {worst}, 429s: {len(server.limited)}")
+    assert worst <= 6 + 1
+    report = (tmp_path / "run" / "ingest" / "report.html").read_text()
+    assert "Hosts that asked to slow down" in report and f"127.0.0.1:{server.server_address[1]}" in report
+    assert summary["ingest"]["dropped"] == {"robots_disallowed": 6}
