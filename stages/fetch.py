@@ -266,26 +266,30 @@ def safe_download_image(row, timeout, user_agent_token, disallowed_header_direct
     waits on 429/503, a circuit breaker."""
     key, url = row
     try:
-        check_url(url, _policy)
+        check_url(url, _policy)      # pinned: the first attempt connects to the address checked here
     except Refused as err:
-        return key, None, str(err)
-    finally:
         _pinned().clear()
+        return key, None, str(err)
+    global _hosts
     m = _policy.manners
+    if _hosts.manners != m:        # the policy changed under us (a test, a new downloader)
+        _hosts = Hosts(m)
     parts = urllib.parse.urlsplit(url)
     if parts.netloc in _policy.own_hosts:
-        return _fetch_once(key, url, timeout, m.token, disallowed_header_directives)
+        return _fetch_once(key, url, timeout, m.token, disallowed_header_directives, checked=True)
     host = _hosts.get(parts.netloc)
     if host.open:
+        _pinned().clear()
         return key, None, (f"capline:host_unavailable: {parts.hostname} failed {m.breaker_failures} times in a row; "
                            "not asked again by this task")
     allowed, why = _hosts.robots_allow(host, parts.scheme, parts.netloc, url, lambda u: _fetch_small(u, timeout))
     if not allowed:
+        _pinned().clear()
         return key, None, f"capline:robots_disallowed: {why}"
     for attempt in range(m.retries + 1):
         host.take_slot()
         try:
-            result = _fetch_once(key, url, timeout, m.token, disallowed_header_directives)
+            result = _fetch_once(key, url, timeout, m.token, disallowed_header_directives, checked=attempt == 0)
         except _SlowDown as slow:
             wait = retry_after(slow.retry_after, attempt)
             if wait > m.max_wait:
@@ -310,16 +314,16 @@ def _fetch_small(url: str, timeout: float, limit: int = 512 << 10) -> tuple[int,
             return r.status, r.read(limit)
     except urllib.error.HTTPError as err:
         return err.code, b""
-    finally:
-        _pinned().clear()
 
 
-def _fetch_once(key, url, timeout, user_agent_token, disallowed_header_directives):
+def _fetch_once(key, url, timeout, user_agent_token, disallowed_header_directives, checked: bool = False):
+    """One attempt at `url`; `checked`: its address was checked and pinned just before."""
     _pins.sockets = []
     start = time.monotonic()
     ticket = _watchdog.watch(start + _policy.deadline, _pins.sockets)
     try:
-        check_url(url, _policy)
+        if not checked:
+            check_url(url, _policy)
         request = urllib.request.Request(url, headers={"User-Agent": _policy.manners.user_agent})
         try:
             with _opener.open(request, timeout=timeout) as r:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from stages.polite import Manners
 from stages.fetch import FetchPolicy, Refused, check_image, check_url, reason_of, safe_download_image
 from stages.synthetic import png_bomb
 
@@ -127,7 +128,9 @@ def redirector():
 def test_redirect_to_private_address_and_byte_cap(redirector, monkeypatch):
     import stages.fetch as fetch
 
-    monkeypatch.setattr(fetch, "_policy", FetchPolicy(allow_hosts=(redirector,), max_bytes=10_000))
+    # robots.txt off: this is about where a redirect may lead (tests/stages/test_politeness.py has robots)
+    monkeypatch.setattr(fetch, "_policy", FetchPolicy(allow_hosts=(redirector,), max_bytes=10_000,
+                                                      manners=Manners(robots=False)))
     _, stream, err = safe_download_image((0, f"http://{redirector}/go"), 3, None, None)
     assert stream is None and reason_of("failed_to_download", err) == "unsafe_url:private_address"
     _, stream, err = safe_download_image((1, f"http://{redirector}/big"), 3, None, None)
@@ -204,7 +207,7 @@ def test_dns_rebinding_connects_only_to_the_checked_address(counting, monkeypatc
     socket_create = socket.create_connection
     monkeypatch.setattr(socket, "getaddrinfo", rebinding)
     monkeypatch.setattr(fetch.socket, "create_connection", no_network)
-    monkeypatch.setattr(fetch, "_policy", FetchPolicy(deadline=10))
+    monkeypatch.setattr(fetch, "_policy", FetchPolicy(deadline=10, manners=Manners(robots=False)))
     _, stream, err = safe_download_image((0, f"http://rebind.example:{port}/a.jpg"), 3, None, None)
     assert stream is None and err
     assert connected == ["93.184.216.34"] and hits == []

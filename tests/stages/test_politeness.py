@@ -22,6 +22,24 @@ def test_retry_after_reads_seconds_and_dates_else_backs_off():
     assert retry_after("garbage", 2) == 4.0
 
 
+def test_robots_txt_unreachable_means_disallowed_and_a_404_allows_everything():
+    from stages.polite import Hosts
+
+    hosts = Hosts(Manners())
+
+    def down(url):
+        raise ConnectionResetError("reset")
+
+    assert hosts.robots_allow(hosts.get("a:80"), "http", "a:80", "http://a/x.jpg", down) == (
+        False, "robots.txt unreachable (ConnectionResetError)")
+    assert hosts.robots_allow(hosts.get("b:80"), "http", "b:80", "http://b/x.jpg", lambda u: (503, b""))[0] is False
+    assert hosts.robots_allow(hosts.get("c:80"), "http", "c:80", "http://c/x.jpg", lambda u: (404, b""))[0] is True
+    rules = b"User-agent: capline\nDisallow: /\n"
+    assert hosts.robots_allow(hosts.get("d:80"), "http", "d:80", "http://d/x.jpg", lambda u: (200, rules))[0] is False
+    assert Hosts(Manners(token="other")).robots_allow(Host(Manners(token="other")), "http", "d:80", "http://d/x.jpg",
+                                                      lambda u: (200, rules))[0] is True
+
+
 def test_a_hosts_slots_keep_its_rate_across_threads():
     host = Host(Manners(rate=20.0, concurrency=2))
     times = []
