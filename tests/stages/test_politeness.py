@@ -141,11 +141,13 @@ def test_rate_limit_retry_after_and_robots_through_ingest(tmp_path, ray_local):
     public = [u for u in ledger if "/img/" in u]
     assert all(ledger[u]["verdict"] == "kept" for u in public), [ledger[u]["reason"] for u in public]
     assert server.limited and all(server.asked[p] == 2 for p in server.limited)   # asked again once, after waiting
-    # the rate: 6 requests per second to this host, across the cluster's tasks
+    # the rate: 6 requests per second to this host across the cluster's 2 tasks (3/s each, evenly
+    # spaced): any 1 s window holds at most 3 + 1 per task; any 3 s window at most 9 + 1 per task
     times = sorted(server.times)
-    worst = max(sum(1 for t in times if t0 <= t < t0 + 1.0) for t0 in times)
-    print(f"requests: {len(times)}, most in any 1 s window: {worst}, 429s: {len(server.limited)}")
-    assert worst <= 6 + 1
+    worst = {w: max(sum(1 for t in times if t0 <= t < t0 + w) for t0 in times) for w in (1.0, 3.0)}
+    print(f"requests: {len(times)}, most in a 1 s / 3 s window: {worst[1.0]} / {worst[3.0]}, "
+          f"429s: {len(server.limited)}")
+    assert worst[1.0] <= 6 + 2 and worst[3.0] <= 18 + 2
     report = (tmp_path / "run" / "ingest" / "report.html").read_text()
     assert "Hosts that asked to slow down" in report and f"127.0.0.1:{server.server_address[1]}" in report
     assert summary["ingest"]["dropped"] == {"robots_disallowed": 6}
