@@ -288,7 +288,9 @@ def _cmd_run(args) -> int:
         manifest = json.loads((run_dir / "manifest.json").read_text())
         if open_clip_args(manifest):
             print(f"dataset card: {store.storage().uri('shard/README.md')}")
-            print(f"open_clip: python -m open_clip_train.main {open_clip_args(manifest)} ...")
+            from .dataset_card import OPEN_CLIP_EXAMPLE
+
+            print(f"open_clip: python -m open_clip_train.main {open_clip_args(manifest)} {OPEN_CLIP_EXAMPLE}")
         store.push_top()
     if (run_dir / "mlflow.db").is_file():
         print(f"MLflow: .venv/bin/mlflow ui --backend-store-uri sqlite:///{(run_dir / 'mlflow.db').resolve()} "

@@ -35,6 +35,10 @@ def open_clip_args(manifest: dict) -> str | None:
     return f"--train-data '{shard['train_data']}' --train-num-samples {n} --dataset-type webdataset"
 
 
+# what the printed open_clip line adds so it runs when pasted (a small model; change to taste)
+OPEN_CLIP_EXAMPLE = "--model ViT-B-32 --batch-size 256 --epochs 1 --workers 4"
+
+
 def card(manifest: dict, summary: dict, cfg) -> str:
     shard = manifest["artifacts"].get("shard", {})
     digest = manifest["stages"]["shard"]["output_digest"]
@@ -72,5 +76,5 @@ def card(manifest: dict, summary: dict, cfg) -> str:
               "`shardindex.json` (wids).", ""]
     args = open_clip_args(manifest)
     if args:
-        lines += ["```", f"python -m open_clip_train.main {args} ...", "```", ""]
+        lines += ["```", f"python -m open_clip_train.main {args} {OPEN_CLIP_EXAMPLE}", "```", ""]
     return "\n".join(lines)

@@ -119,7 +119,7 @@ def write_config(path: Path, out: Path, found: dict, name: str | None = None) ->
     header = (f"# Written by `capline init {path}`: URLs in '{found['url_col']}' ({100 * found['url_share']:.0f}% of "
               f"{found['rows_seen']} rows looked at), captions in '{found['caption_col']}' "
               f"({found['caption_words']:.1f} words on average).\n# Every other value is a default: see README.md, "
-              "'Configuration'. Run it with: capline run " + str(out) + "\n")
+              "'Your own URL list'. Run it with: capline run " + str(out) + "\n")
     if out.exists():
         raise UserError(f"{out} exists; give another --output or remove it")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -198,7 +198,8 @@ def test_the_printed_open_clip_line_and_wids_read_the_shards(reference_run):
 
     run_dir, proc = reference_run
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("open_clip: "))
-    args = shlex.split(line.split("open_clip_train.main", 1)[1].rstrip(". "))
+    assert not line.rstrip().endswith("...")            # pasted as printed, it runs
+    args = shlex.split(line.split("open_clip_train.main", 1)[1])
     opts = dict(zip(args[::2], args[1::2]))
     assert opts["--dataset-type"] == "webdataset"
     n = int(opts["--train-num-samples"])
