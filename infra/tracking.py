@@ -58,15 +58,22 @@ def client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
+# MLflow 3's UI opens an experiment in its GenAI overview ("Traces 0") unless the experiment says it
+# is model training: then it opens on the runs table, where capline's runs are
+EXPERIMENT_KIND, TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"
+
+
 def start_run(uri: str, run_dir: Path, experiment: str, name: str, params: dict, tags: dict,
               start_time: int | None = None) -> str:
     c = client(uri)
     exp = c.get_experiment_by_name(experiment)
     if exp is None:
         artifacts = (Path(run_dir) / "mlartifacts").resolve().as_uri() if uri.startswith("sqlite") else None
-        exp_id = c.create_experiment(experiment, artifact_location=artifacts)
+        exp_id = c.create_experiment(experiment, artifact_location=artifacts, tags={EXPERIMENT_KIND: TRAINING_KIND})
     else:
         exp_id = exp.experiment_id
+        if exp.tags.get(EXPERIMENT_KIND) is None:   # made by an older capline: the UI would guess
+            c.set_experiment_tag(exp_id, EXPERIMENT_KIND, TRAINING_KIND)
     run = c.create_run(exp_id, run_name=name, tags=tags, start_time=start_time)
     from mlflow.entities import Param
 

@@ -293,8 +293,9 @@ def _cmd_run(args) -> int:
             print(f"open_clip: python -m open_clip_train.main {open_clip_args(manifest)} {OPEN_CLIP_EXAMPLE}")
         store.push_top()
     if (run_dir / "mlflow.db").is_file():
-        print(f"MLflow: .venv/bin/mlflow ui --backend-store-uri sqlite:///{(run_dir / 'mlflow.db').resolve()} "
-              "(then open http://127.0.0.1:5000)")
+        mlflow = Path(sys.executable).parent / "mlflow"
+        print(f"MLflow: {mlflow if mlflow.exists() else 'mlflow'} ui --backend-store-uri "
+              f"sqlite:///{(run_dir / 'mlflow.db').resolve()} (then open http://127.0.0.1:5000)")
     return 0
 
 

@@ -189,3 +189,17 @@ def test_serve_refuses_an_exposed_address_without_authentication(tmp_path):
     assert check_exposure("127.0.0.1", "none") is None and check_exposure("::1", "none") is None
     assert check_exposure("10.0.0.5", "proxy") is None and check_exposure("0.0.0.0", "basic") is None
     assert check_exposure("192.168.1.4", "none")
+
+
+@pytest.mark.slow
+def test_experiments_open_on_the_runs_table(tmp_path):
+    """MLflow 3 opens an untagged experiment in its GenAI overview ("Traces 0"); capline's say they
+    are model training, and an older capline's experiment gets the tag on its next run."""
+    from infra.tracking import EXPERIMENT_KIND, start_run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    start_run(uri, tmp_path, "capline-data", "r1", {}, {})
+    assert client(uri).get_experiment_by_name("capline-data").tags[EXPERIMENT_KIND] == "custom_model_development"
+    old = client(uri).create_experiment("older")
+    start_run(uri, tmp_path, "older", "r2", {}, {})
+    assert client(uri).get_experiment(old).tags[EXPERIMENT_KIND] == "custom_model_development"
