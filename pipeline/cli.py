@@ -254,6 +254,9 @@ def _cmd_run(args) -> int:
     store.check()                  # a missing bucket or refused credentials: before any work
     _check_tracking(cfg, store, select(args.until, args.only))
     if args.only:                  # the stages before it must be done, with this config: before lock and Ray
+        if not store.storage().exists("manifest.json"):
+            raise UserError(f"{store}: no capline run folder there (no manifest.json); check --run-dir, or build "
+                            f"the data first with `capline run CONFIG --run-dir {store}`")
         check_before(cfg, store.storage(), args.only)
     run_dir = store.local
     t0 = time.time()

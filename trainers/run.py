@@ -38,7 +38,7 @@ def model_config(tc: TrainConfig, vocab_size: int) -> ModelConfig:
     if "vocab_size" in args and args["vocab_size"] != vocab_size:
         raise UserError(f"the tokenizer has {vocab_size} pieces but train.model_args.vocab_size is "
                         f"{args['vocab_size']}; remove it (it follows the tokenizer) or retrain the tokenizer")
-    args.update(family=tc.model, size=tc.size, vocab_size=vocab_size, max_len=tc.max_len, image_size=tc.image_size)
+    args.update(family=tc.model, size=tc.size, vocab_size=vocab_size, max_len=tc.max_len, image_size=tc.input_size)
     return build(ModelConfig, args, "train.model_args")
 
 

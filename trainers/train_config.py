@@ -46,7 +46,7 @@ class TrainConfig:
     model: Literal["cap", "cappa", "clip", "siglip", "coca", "clipcap"] = "cappa"
     size: Literal["tiny", "s16", "m16", "b16", "l14"] = "tiny"
     model_args: dict[str, Any] = field(default_factory=dict)   # any ModelConfig field, e.g. {width: 96}
-    image_size: int = 64
+    image_size: int | None = None  # null: 64 for size tiny, 224 (the paper's) for the ViT sizes
     max_len: int = 64              # caption tokens with EOS, as the paper's sizes use
     steps: int = 0                 # 0: the train stage trains nothing
     global_batch: int = 64         # independent of the number of workers
@@ -80,12 +80,20 @@ class TrainConfig:
         require(self.keep_checkpoints >= 1, join(prefix, "keep_checkpoints"), "must be >= 1")
         require(self.max_failures >= 0, join(prefix, "max_failures"), "must be >= 0")
         require(self.max_len >= 4, join(prefix, "max_len"), "must be >= 4")
+        require(self.image_size is None or 16 <= self.image_size <= 1024, join(prefix, "image_size"),
+                f"must be 16..1024 pixels or null, got {self.image_size}")
         if self.model == "clipcap":
             require(bool(self.image_encoder), join(prefix, "image_encoder"),
                     "clipcap trains on a frozen image encoder: name a capline checkpoint directory")
             require(self.model_args.get("mapper") != "transformer" or bool(self.lm_checkpoint), join(prefix, "lm_checkpoint"),
                     "clipcap's transformer mapper keeps the LM frozen: name a trained ClipCap checkpoint to take it "
                     "from (a frozen, freshly initialised LM only outputs zeros), or use mapper: mlp")
+
+    @property
+    def input_size(self) -> int:
+        """The image side the model reads: image_size, else the size's own (a B/16 at 64 pixels would
+        see 4x4 patches)."""
+        return self.image_size or (64 if self.size == "tiny" else 224)
 
     @property
     def per_worker_batch(self) -> int:

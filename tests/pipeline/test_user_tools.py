@@ -115,7 +115,8 @@ def test_evaluation_rows_have_every_shot_count_and_headline_metrics():
 @pytest.mark.slow   # capline processes (~1.5 s each)
 def test_train_and_experiment_check_their_arguments_before_ray_starts(tmp_path):
     proc = capline("train", "--run-dir", str(tmp_path / "nothing"), timeout=60)
-    assert proc.returncode == 2 and "source before it has not finished" in proc.stderr
+    assert proc.returncode == 2 and f"{tmp_path / 'nothing'}: no capline run folder there" in proc.stderr
+    assert not (tmp_path / "nothing").exists()            # nothing made where nothing was
     assert "ray:" not in proc.stdout
     for args, needle in ((["--budget", "huge"], "--budget huge"), (["--models", "cap,clipp"], "--models clipp"),
                          ([], "no final shards")):

@@ -169,3 +169,12 @@ def test_experiment_paper_writes_its_table(data_run):
     assert clip[head.index("CIDEr demo own")].strip() == "-"
     bad = capline("experiment", "paper", "--run-dir", str(run), "--budget", "huge", *args)
     assert bad.returncode == 2 and "--budget huge" in bad.stderr
+
+
+def test_a_vit_size_reads_the_papers_input_size_unless_told():
+    from trainers.run import model_config
+    from trainers.train_config import TrainConfig
+
+    assert model_config(TrainConfig(size="b16"), 1000).image_size == 224       # not 64: 4x4 patches
+    assert model_config(TrainConfig(size="tiny"), 1000).image_size == 64
+    assert model_config(TrainConfig(size="b16", image_size=384), 1000).image_size == 384
