@@ -68,6 +68,28 @@ def sample_digests(run_dir: Path) -> dict[str, dict[str, str]]:
     return out
 
 
+MAX_JSON_DIFFS = 200
+
+
+def sample_jsons(run_dir: Path, keys: set) -> dict[str, dict]:
+    """key -> the sample's json, for `keys` only."""
+    import json
+
+    from infra.tars import tar_samples
+
+    out = {}
+    if not keys:
+        return out
+    for path in sorted((run_dir / "shard" / "shards").glob("*.tar")):
+        for key, parts in tar_samples(path):
+            if key in keys and "json" in parts:
+                try:
+                    out[key] = json.loads(parts["json"])
+                except ValueError:
+                    out[key] = {"(not JSON)": parts["json"][:80].decode("utf-8", "replace")}
+    return out
+
+
 def file_digests(run_dir: Path) -> dict[str, str]:
     """shard name -> sha256 of the file on disk now (not what a manifest says it was)."""
     _shard_list(run_dir, _manifest(run_dir))   # a run whose shard stage finished
@@ -97,10 +119,19 @@ def compare_runs(a: Path, b: Path) -> list[str]:
         lines.append(f"{key}: only in {a}")
     for key in sorted(set(db) - set(da)):
         lines.append(f"{key}: only in {b}")
+    changed = {}
     for key in sorted(set(da) & set(db)):
         if da[key] != db[key]:
-            diff = sorted(ext for ext in set(da[key]) | set(db[key]) if da[key].get(ext) != db[key].get(ext))
-            lines.append(f"{key}: {', '.join(diff)} differ")
+            changed[key] = sorted(ext for ext in set(da[key]) | set(db[key]) if da[key].get(ext) != db[key].get(ext))
+    # a differing json: which of its fields, and their two values (read again, only these samples)
+    wanted = {k for k, exts in list(changed.items())[:MAX_JSON_DIFFS] if "json" in exts}
+    ja, jb = sample_jsons(a, wanted), sample_jsons(b, wanted)
+    for key, exts in changed.items():
+        fields = ""
+        if key in ja and key in jb:
+            names = sorted(f for f in set(ja[key]) | set(jb[key]) if ja[key].get(f) != jb[key].get(f))
+            fields = " (json: " + "; ".join(f"{f} {ja[key].get(f)!r} -> {jb[key].get(f)!r}"[:160] for f in names) + ")"
+        lines.append(f"{key}: {', '.join(exts)} differ{fields}")
     if not lines:
         lines.append("the same samples with the same bytes, but laid out in different shards")
     return lines

@@ -100,6 +100,7 @@ def test_compare_two_runs_names_the_differing_samples(tmp_path):
     assert same.returncode == 0 and "identical" in same.stdout
     samples = _samples()
     samples[3]["caption"] = "another caption"
+    samples[2]["meta"]["url"] = "http://y/2.jpg"            # a json field: verify names it and both values
     import hashlib
 
     p = b / "shard" / "shards" / "000001.tar"
@@ -109,4 +110,5 @@ def test_compare_two_runs_names_the_differing_samples(tmp_path):
     (b / "manifest.json").write_text(json.dumps(manifest))
     diff = capline("verify", str(a), str(b))
     assert diff.returncode == 1
-    assert "k3: txt differ" in diff.stdout and "k2" not in diff.stdout
+    assert "k3: txt differ" in diff.stdout
+    assert "k2: json differ (json: url 'http://x/2.jpg' -> 'http://y/2.jpg')" in diff.stdout, diff.stdout
