@@ -33,7 +33,12 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow" $(ARGS)
 
+# short non-English text for benchmarks/language_threshold.py
+BENCH_DEBS := fortunes-de fortunes-es fortunes-it fortunes-br fortunes-pl fortunes-cs
+
 bench: install
+	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  dpkg -s $(BENCH_DEBS) >/dev/null 2>&1 || apt-get install -y -q $(BENCH_DEBS) >/dev/null 2>&1 || true; fi
 	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
 
 clean:

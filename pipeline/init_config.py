@@ -113,7 +113,7 @@ def write_config(path: Path, out: Path, found: dict, name: str | None = None) ->
     cfg = {"name": name, "seed": 0, "source": source,
            "stages": {"dedup": {"eval_sets": [{"name": "digits", "kind": "builtin", "path": "digits"}]},
                       "basic": {"min_image_side": 200, "max_aspect_ratio": 3.0, "min_words": 3},
-                      "language": {"languages": ["en"], "min_confidence": 0.5},
+                      "language": {"languages": ["en"]},   # min_confidence: the measured default
                       "clip_score": {"scorer": "bootstrap", "keep_fraction": 0.9}},
            "train": {"model": "cappa", "size": "tiny", "steps": 1000}}
     header = (f"# Written by `capline init {path}`: URLs in '{found['url_col']}' ({100 * found['url_share']:.0f}% of "

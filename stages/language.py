@@ -10,7 +10,9 @@ language is allowed but too uncertain.
 
 Identification runs as a Ray task per partition (each worker process loads the model once).
 Short alt-text is hard: fastText gives "a small yellow circle" only 0.19 English (and calls it
-Persian), so the demo sets a low `min_confidence`; on web alt-text 0.25-0.5 is usual.
+Persian). The default 0.1 is measured (benchmarks/language_threshold.py, on openclipart titles and
+short German, Spanish, Italian, Portuguese, Polish and Czech lines): it drops 12.5 % of English
+titles and 94.9 % of the others; 0.25 would drop 26 % of the English for 97.8 %, 0.5 56 % for 99.3 %.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class LanguageConfig:
     enabled: bool = True
     backend: Literal["fasttext", "langid"] = "fasttext"
     languages: list[str] = field(default_factory=lambda: ["en"])
-    min_confidence: float = 0.25
+    min_confidence: float = 0.1      # measured: see the module's docstring
     cpus_per_worker: float = 0.5
     batch_size: int = 1024
     examples_per_reason: int = 20

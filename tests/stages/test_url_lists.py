@@ -154,3 +154,14 @@ def test_init_detects_a_headerless_compressed_list(tmp_path):
     found = detect(path)
     assert (found["url_col"], found["caption_col"], found["header"], found["format"]) == (1, 0, False, "tsv")
     assert found["rows_seen"] == 3                 # the first line counted as a row
+
+
+def test_init_writes_the_one_measured_language_default(tmp_path):
+    from pipeline.init_config import detect, write_config
+    from stages.language import LanguageConfig
+
+    path = tmp_path / "list.csv"
+    path.write_text("url,caption\n" + "".join(f"http://a.example/{i}.jpg,a photo of thing {i}\n" for i in range(5)))
+    write_config(path, tmp_path / "cfg.yaml", detect(path))
+    cfg = load_config(tmp_path / "cfg.yaml", [])
+    assert cfg.stages.language.min_confidence == LanguageConfig().min_confidence == 0.1
