@@ -479,7 +479,8 @@ def _main(argv: list[str] | None = None) -> int:
             from .lock import run_lock
 
             with run_lock(run_dir, log=_say):   # evaluation writes into the run folder
-                results = evaluate(ckpt, run_dir, [t.strip() for t in args.tasks.split(",") if t.strip()], shots=shots)
+                results = evaluate(ckpt, run_dir, [t.strip() for t in args.tasks.split(",") if t.strip()], shots=shots,
+                                   log=lambda m: print(m, file=sys.stderr, flush=True))   # stdout: the results
             print(json.dumps(results, indent=1) if args.json else summary(results))
             return 0
         if args.command == "verify":

@@ -56,6 +56,9 @@ def test_declared_evaluation_sets_on_a_url_list_run(tmp_path, ray_local):
     assert results["zeroshot"]["shapes"]["classes"] == 3
     assert set(results["wordorder"]["mycoco_order"]) == {"shuffled_trigrams", "shuffled_within_trigrams"}
     assert not any("skipped" in m for m in logs)
+    for task in ("few-shot probes", "captioning", "zero-shot", "word order"):   # progress, task by task
+        assert any(m.startswith(f"eval: {task} on ") for m in logs) and any(
+            m.startswith(f"eval: {task} done (") for m in logs), task
     # small data (~200 samples, 500 a shard): still stages.shard.min_shards (4) shards, one per worker
     assert len(list((tmp_path / "run" / "shard" / "shards").glob("*.tar"))) == 4
     assert any("(stages.shard.min_shards), one per training worker" in m for m in logs)

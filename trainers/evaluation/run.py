@@ -175,11 +175,14 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
         captions = {s.name: load_captions(s, run_dir) for s in ec.captioning}
     if "fewshot" in tasks and ec.fewshot:
         t0 = time.perf_counter()
+        log(f"eval: few-shot probes ({', '.join(map(str, shots))} shots) on {', '.join(s.name for s in ec.fewshot)}")
         _fewshot(model, cfg, ec.fewshot, ec, shots, strict, results, run_dir)
         timings["fewshot"] = time.perf_counter() - t0
+        log(f"eval: few-shot probes done ({timings['fewshot']:.0f}s)")
     lit_decoder = None
     if "captioning" in tasks and ec.captioning:
         t0 = time.perf_counter()
+        log(f"eval: captioning on {', '.join(s.name for s in ec.captioning)}")
         if ec.lit_decoder.steps and shards and family.lit_decoder:
             from .lit import train_lit_decoder
 
@@ -206,8 +209,10 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
                                                                             ids, refs).items()})
         results["captioning"] = out
         timings["captioning"] = time.perf_counter() - t0
+        log(f"eval: captioning done ({timings['captioning']:.0f}s)")
     if "zeroshot" in tasks and ec.zeroshot:
         t0 = time.perf_counter()
+        log(f"eval: zero-shot on {', '.join(s.name for s in ec.zeroshot)}")
         lit_text = None
         if captioner and ec.lit.steps and shards:
             from .lit import train_lit_text
@@ -246,8 +251,10 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
             zs[s.name] = res
         results["zeroshot"] = zs
         timings["zeroshot"] = time.perf_counter() - t0
+        log(f"eval: zero-shot done ({timings['zeroshot']:.0f}s)")
     if "wordorder" in tasks and ec.wordorder:
         t0 = time.perf_counter()
+        log(f"eval: word order on {', '.join(s.name for s in ec.wordorder)}")
         wo = {}
         for s in ec.wordorder:
             cases = load_wordorder(s, run_dir, captions)
@@ -261,6 +268,7 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
             wo[s.name] = word_order_eval([(t, n) for _, t, n in cases], score)
         results["wordorder"] = wo
         timings["wordorder"] = time.perf_counter() - t0
+        log(f"eval: word order done ({timings['wordorder']:.0f}s)")
     for note in results["skipped"]:
         log(f"eval: skipped {note}")
     results["seconds"] = timings
