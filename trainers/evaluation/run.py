@@ -175,7 +175,7 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
         captions = {s.name: load_captions(s, run_dir) for s in ec.captioning}
     if "fewshot" in tasks and ec.fewshot:
         t0 = time.perf_counter()
-        log(f"eval: few-shot probes ({', '.join(map(str, shots))} shots) on {', '.join(s.name for s in ec.fewshot)}")
+        log(f"eval: few-shot probes on {', '.join(s.name for s in ec.fewshot)} ({', '.join(map(str, shots))} shots)")
         _fewshot(model, cfg, ec.fewshot, ec, shots, strict, results, run_dir)
         timings["fewshot"] = time.perf_counter() - t0
         log(f"eval: few-shot probes done ({timings['fewshot']:.0f}s)")
