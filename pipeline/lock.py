@@ -299,12 +299,15 @@ def run_lock(run_dir: Path, log=print, uri: str | None = None):
     held = Held(backend, info, take(backend, info, log), log)
     held.thread.start()
     where = f"{uri.rstrip('/')}/.capline.lock" if uri else str(backend.path)
+    lost = lambda: UserError(f"{backend.where}: {held.lost}, so this run stopped writing; "  # noqa: E731
+                             "see which run holds the folder now before starting again")
     try:
         yield where
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):
         if held.lost:
-            raise UserError(f"{backend.where}: {held.lost}, so this run stopped writing; "
-                            "see which run holds the folder now before starting again") from None
+            raise lost() from None
         raise
     finally:
         held.release()
+    if held.lost:   # the interrupt was taken by another handler (Ray Train aborts on SIGINT): still an error
+        raise lost()

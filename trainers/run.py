@@ -4,6 +4,7 @@ from __future__ import annotations
 from trainers.families import spec
 
 import dataclasses
+from contextlib import contextmanager
 from pathlib import Path
 
 from infra.configtools import build
@@ -13,6 +14,32 @@ from .models import ModelConfig
 from infra.tracking import flatten, log_dataset, redact, start_run, tracking_uri
 from .train_config import TrainConfig
 
+
+
+@contextmanager
+def _interrupts_noticed():
+    """Ray Train installs its own SIGINT handler during fit() (it aborts the run gracefully, then
+    returns or exits 0/1 without a word); note that it fired, so Ctrl-C ends `capline train` as it
+    ends every other stage: "interrupted; rerun to resume", exit 130. -> a list, non-empty once fired."""
+    import signal
+
+    fired: list = []
+    real, before = signal.signal, signal.getsignal(signal.SIGINT)
+
+    def recording(sig, handler):
+        if sig == signal.SIGINT and callable(handler):
+            def noticed(s, frame, handler=handler):
+                fired.append(s)
+                return handler(s, frame)
+            return real(sig, noticed)
+        return real(sig, handler)
+
+    signal.signal = recording
+    try:
+        yield fired
+    finally:
+        signal.signal = real
+        real(signal.SIGINT, before)
 
 
 def _cluster_shape() -> dict:
@@ -128,8 +155,15 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
                              storage_filesystem=storage.fs,
                              checkpoint_config=CheckpointConfig(num_to_keep=tc.keep_checkpoints),
                              failure_config=FailureConfig(max_failures=tc.max_failures)))
-    with _TrainingProgress(storage, f"{out_rel}/progress.json", tc.steps, log):
-        trainer.fit()
+    with _TrainingProgress(storage, f"{out_rel}/progress.json", tc.steps, log), _interrupts_noticed() as interrupted:
+        try:
+            trainer.fit()
+        except BaseException:
+            if interrupted:   # Ray Train's own SIGINT handler aborted the run (and may sys.exit)
+                raise KeyboardInterrupt from None
+            raise
+        if interrupted:
+            raise KeyboardInterrupt
     final = storage.read_json(f"{out_rel}/final.json")
     from infra.tracking import client, replay_unlogged
 

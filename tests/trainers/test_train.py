@@ -178,3 +178,33 @@ def test_a_vit_size_reads_the_papers_input_size_unless_told():
     assert model_config(TrainConfig(size="b16"), 1000).image_size == 224       # not 64: 4x4 patches
     assert model_config(TrainConfig(size="tiny"), 1000).image_size == 64
     assert model_config(TrainConfig(size="b16", image_size=384), 1000).image_size == 384
+
+
+def test_ctrl_c_during_training_says_interrupted_and_exits_130(data_run):
+    """Ray Train takes SIGINT for itself during fit(); capline train still ends like every other
+    stage on Ctrl-C: one line saying how to resume, exit 130 (it used to exit 1 saying nothing)."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    run, cache = data_run
+    progress = run / "train" / "progress.json"
+    progress.unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", "--run-dir", str(run), "--set", "train.steps=2000",
+                             "--set", "train.checkpoint_every=1000", "--set", "train.sample_every=0",
+                             "--set", f"stages.dedup.cache_dir={cache}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if json.loads(progress.read_text()).get("step", 0) >= 2:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, (proc.returncode, out[-1500:], err[-1500:])
+    assert "capline: interrupted; rerun the same command to resume" in err
