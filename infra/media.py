@@ -48,8 +48,12 @@ def open_checked(data, formats=FORMATS, max_pixels: int = MAX_PIXELS):
         warnings.simplefilter("ignore")  # PIL warns on big images; the cap below decides
         try:
             img = Image.open(io.BytesIO(data), formats=list(formats))
-        except Image.DecompressionBombError as err:   # over PIL's own hard limit (~179M pixels)
-            raise ImageRefused("image_too_large", str(err)[:160]) from None
+        except Image.DecompressionBombError as err:   # over PIL's own hard limit (~179M pixels), > any cap
+            import re
+
+            found = re.search(r"\((\d+) pixels\)", str(err))
+            size = f"{found.group(1)} pixels" if found else "more pixels than PIL opens"
+            raise ImageRefused("image_too_large", f"{size} > max_pixels {max_pixels}") from None
         except Exception as err:  # noqa: BLE001 - PIL raises many types for garbage
             fmt = _sniff(data)
             if fmt and fmt not in formats:
