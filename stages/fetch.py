@@ -276,7 +276,10 @@ def safe_download_image(row, timeout, user_agent_token, disallowed_header_direct
         _hosts = Hosts(m)
     parts = urllib.parse.urlsplit(url)
     if parts.netloc in _policy.own_hosts:
-        return _fetch_once(key, url, timeout, m.token, disallowed_header_directives, checked=True)
+        try:
+            return _fetch_once(key, url, timeout, m.token, disallowed_header_directives, checked=True)
+        except _SlowDown as slow:   # capline's own server does not rate-limit; if it did, say so
+            return key, None, f"HTTP Error {slow.code}: asked to slow down"
     host = _hosts.get(parts.netloc)
     if host.open:
         _pinned().clear()
