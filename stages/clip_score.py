@@ -42,8 +42,10 @@ from infra.hashing import order_key
 class ClipScoreConfig:
     REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs"}
     enabled: bool = True
-    scorer: Literal["bootstrap", "checkpoint", "column"] = "bootstrap"
-    checkpoint: str | None = None     # scorer: checkpoint -> a capline clip/siglip/coca model folder
+    scorer: Literal["bootstrap", "checkpoint", "hf", "column"] = "bootstrap"
+    # scorer: checkpoint -> a capline clip/siglip/coca model folder; scorer: hf -> a local Hugging
+    # Face CLIP folder (OpenAI's ViT-B/32 or ViT-L/14 as `save_pretrained` writes them), offline
+    checkpoint: str | None = None
     # scorer: column -> a score the URL list already holds (LAION's `similarity`, DataComp's
     # `clip_b32_similarity_score`), carried in by source.keep_columns; a sample without it scores -1
     column: str | None = None
@@ -65,8 +67,8 @@ class ClipScoreConfig:
                     f"must be in (0, 1], got {self.keep_fraction}")
         if self.threshold is not None:
             require(-1 <= self.threshold <= 1, join(prefix, "threshold"), f"a cosine in [-1, 1], got {self.threshold}")
-        if self.scorer == "checkpoint":
-            require(bool(self.checkpoint), join(prefix, "checkpoint"), "scorer: checkpoint needs the checkpoint folder")
+        if self.scorer in ("checkpoint", "hf"):
+            require(bool(self.checkpoint), join(prefix, "checkpoint"), f"scorer: {self.scorer} needs the model folder")
         if self.scorer == "column":
             require(bool(self.column), join(prefix, "column"),
                     "scorer: column needs the name of the URL list's score column (e.g. similarity)")
@@ -76,6 +78,10 @@ class ClipScoreConfig:
 def preflight(cfg: ClipScoreConfig) -> None:
     if cfg.enabled and cfg.scorer == "checkpoint":
         check_scorer(cfg.checkpoint, cfg.tokenizer)
+    if cfg.enabled and cfg.scorer == "hf":
+        from .hf_clip import check_hf
+
+        check_hf(cfg.checkpoint)
 
 
 SCALE = 1_000_000   # scores as integers of 1e-6
@@ -117,20 +123,25 @@ SCORER_DIR = "clip_score/scorer"   # in the run folder's storage
 _SCORERS: dict = {}
 
 
-def _scorer(storage, folder: str, sha: str, device: str) -> Scorer:
+def _scorer(storage, folder: str, sha: str, device: str, kind: str = "checkpoint"):
     """Once per worker process, from the run folder's storage (a copy fetched on another node)."""
-    key = (storage.uri(folder), sha, device)
+    key = (storage.uri(folder), sha, device, kind)
     if key not in _SCORERS:
         _SCORERS.clear()
-        _SCORERS[key] = Scorer(str(storage.local_dir(folder)), None, device)
+        if kind == "hf":
+            from .hf_clip import HFScorer
+
+            _SCORERS[key] = HFScorer(str(storage.local_dir(folder)), device)
+        else:
+            _SCORERS[key] = Scorer(str(storage.local_dir(folder)), None, device)
     return _SCORERS[key]
 
 
-def _score_task(storage, part: str, file: str, folder: str, sha: str, device: str) -> dict:
+def _score_task(storage, part: str, file: str, folder: str, sha: str, device: str, kind: str = "checkpoint") -> dict:
     """Ray task: score one partition, write its scores, return how many of each value."""
     rows = read_kept(storage, file, ["key", "caption", "tar", "offset", "size"])
     images = read_images(storage, rows)
-    scores = _scorer(storage, folder, sha, device).score(images, rows.column("caption").to_pylist()) \
+    scores = _scorer(storage, folder, sha, device, kind).score(images, rows.column("caption").to_pylist()) \
         if rows.num_rows else np.zeros(0)
     ints = np.round(np.asarray(scores, np.float64) * SCALE).astype(np.int64)
     storage.write_table(f"clip_score/_work/scores/{part}.parquet",
@@ -230,7 +241,7 @@ class ClipScoreStage(Decide):
                 counts.update(dict(zip(f["values"], f["counts"])))
             return Scores(scorer, counts)
         scorer = self._scorer(ctx, cfg)
-        found = ctx.run(_score_task, [(ctx.storage, u.part, u.file, SCORER_DIR, scorer["sha256"], cfg.device)
+        found = ctx.run(_score_task, [(ctx.storage, u.part, u.file, SCORER_DIR, scorer["sha256"], cfg.device, scorer["kind"])
                                       for u in ctx.upstream or []], "clip_score", num_cpus=cfg.cpus_per_worker,
                         num_gpus=cfg.gpus_per_worker, setting="stages.clip_score.gpus_per_worker",
                         describe=lambda c: f"partition {c[1]}")
@@ -282,6 +293,12 @@ class ClipScoreStage(Decide):
 
     def _scorer(self, ctx: StageContext, cfg: ClipScoreConfig) -> dict:
         """The scorer folder, in the run folder's storage (SCORER_DIR), where every worker reads it."""
+        if cfg.scorer == "hf":
+            from .hf_clip import check_hf
+
+            info = check_hf(cfg.checkpoint)
+            ctx.storage.put_dir(SCORER_DIR, cfg.checkpoint)
+            return info
         if cfg.scorer == "checkpoint":
             info = check_scorer(cfg.checkpoint, cfg.tokenizer)
             ctx.storage.put_dir(SCORER_DIR, cfg.checkpoint)

@@ -1,0 +1,110 @@
+"""A CLIP the user has on disk in Hugging Face format (`transformers`' `save_pretrained` folder: config
+.json, model.safetensors, tokenizer files, preprocessor_config.json), as the CLIP-score stage's
+scorer (`scorer: hf`). Nothing is downloaded: every load is `local_files_only`.
+
+The score is the cosine of CLIP's *projected* image and text embeddings, as DataComp and LAION
+compute it. Images go through the untrusted-input policy (infra/media.py), then CLIP's own
+preprocessing: shortest side resized to the model's input size (bicubic), centre crop, normalised
+with the folder's mean and std (CLIP's when it names none). `transformers` is an optional extra:
+`pip install 'capline[hf]'`.
+
+Shapes: images (B, 3, S, S) float32; tokens (B, L) int64; embeddings (B, D) -> cosine (B,).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from infra.errors import UserError
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise UserError("stages.clip_score.scorer hf needs the transformers package: pip install 'capline[hf]'") from None
+    return transformers
+
+
+def check_hf(folder: str) -> dict:
+    """Fail before any work if `folder` is not a local Hugging Face CLIP. -> a description."""
+    from .scorer import dir_sha256
+
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        raise UserError(f"stages.clip_score.checkpoint {folder}: not a Hugging Face model folder (no config.json)")
+    tf = _transformers()
+    try:
+        cfg = tf.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise UserError(f"stages.clip_score.checkpoint {folder}: its config.json does not load ({err})") from None
+    if getattr(cfg, "model_type", "") not in ("clip", "siglip"):
+        raise UserError(f"stages.clip_score.checkpoint {folder}: a {cfg.model_type} model, not a CLIP; "
+                        "scorer: hf needs a CLIPModel folder")
+    if not any((path / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json")):
+        raise UserError(f"stages.clip_score.checkpoint {folder}: no tokenizer files next to the model")
+    return {"kind": "hf", "path": str(path), "family": cfg.model_type, "sha256": dir_sha256(path)}
+
+
+class HFScorer:
+    """Loads the folder once; `score(images, captions)` -> cosine per pair (as stages/scorer.Scorer)."""
+
+    CHUNK = 64   # every forward pass has exactly this many rows: a pair's score never depends on its batch
+
+    def __init__(self, folder: str, device: str = "cpu"):
+        import json
+
+        import torch
+
+        tf = _transformers()
+        self.torch = torch
+        self.device = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+        self.model = tf.AutoModel.from_pretrained(folder, local_files_only=True).to(self.device).eval()
+        self.tokenizer = tf.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        vision = self.model.config.vision_config
+        self.size = int(vision.image_size)
+        self.max_len = int(getattr(self.model.config.text_config, "max_position_embeddings", 77))
+        pre = Path(folder) / "preprocessor_config.json"
+        conf = json.loads(pre.read_text()) if pre.is_file() else {}
+        self.mean = np.array(conf.get("image_mean", CLIP_MEAN), np.float32).reshape(3, 1, 1)
+        self.std = np.array(conf.get("image_std", CLIP_STD), np.float32).reshape(3, 1, 1)
+
+    def _pixels(self, data: bytes) -> np.ndarray:
+        """(3, S, S): shortest side to S (bicubic), centre crop, CLIP's normalisation."""
+        from PIL import Image
+
+        from infra.media import decode
+
+        img = decode(data)
+        w, h = img.size
+        scale = self.size / min(w, h)
+        img = img.resize((max(self.size, round(w * scale)), max(self.size, round(h * scale))), Image.BICUBIC)
+        w, h = img.size
+        left, top = (w - self.size) // 2, (h - self.size) // 2
+        img = img.crop((left, top, left + self.size, top + self.size))
+        x = np.asarray(img, np.float32).transpose(2, 0, 1) / 255.0
+        return (x - self.mean) / self.std
+
+    def score(self, images: list[bytes], captions: list[str]) -> np.ndarray:
+        torch = self.torch
+        out = []
+        for i in range(0, len(images), self.CHUNK):
+            imgs, caps = images[i:i + self.CHUNK], captions[i:i + self.CHUNK]
+            n = len(imgs)
+            imgs, caps = imgs + [imgs[0]] * (self.CHUNK - n), caps + [caps[0]] * (self.CHUNK - n)
+            x = torch.from_numpy(np.stack([self._pixels(b) for b in imgs])).to(self.device)
+            t = self.tokenizer(list(caps), padding="max_length", truncation=True, max_length=self.max_len,
+                               return_tensors="pt").to(self.device)
+            with torch.no_grad():
+                im = self.model.get_image_features(pixel_values=x)
+                tx = self.model.get_text_features(input_ids=t["input_ids"], attention_mask=t.get("attention_mask"))
+                im = getattr(im, "pooler_output", im)
+                tx = getattr(tx, "pooler_output", tx)
+                im = im / im.norm(dim=-1, keepdim=True)
+                tx = tx / tx.norm(dim=-1, keepdim=True)
+                out.append((im * tx).sum(-1)[:n].float().cpu().numpy().astype(np.float64))
+        return np.concatenate(out) if out else np.zeros(0)
