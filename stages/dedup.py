@@ -53,8 +53,12 @@ class DedupConfig:
     within_threshold: float = 0.97
     colour_tol: float = 12.0           # max mean-colour difference per channel (0..255) for a match
     bits: int = 256                    # SimHash bits for the binary candidate search
+    # an image encoder whose embeddings are compared too: a capline model directory, or a TorchScript
+    # file (.pt: DataComp's ISC descriptor, an open_clip visual tower traced), fed encoder_image_size
+    # pixels, shortest side resized and centre-cropped, ImageNet-normalised
     encoder_checkpoint: str | None = None
     encoder_threshold: float = 0.95
+    encoder_image_size: int = 224
     cpus_per_worker: float = 0.75      # < 1 leaves room for Ray Data's read tasks on small machines
     batch_size: int = 256
     cache_dir: str = "~/.cache/capline/eval-index"
@@ -68,28 +72,67 @@ class DedupConfig:
         names = [e.name for e in self.eval_sets]
         require(len(names) == len(set(names)), join(prefix, "eval_sets"), f"set names repeat: {names}")
         if self.encoder_checkpoint:
-            require(Path(self.encoder_checkpoint).is_dir(), join(prefix, "encoder_checkpoint"),
-                    f"{self.encoder_checkpoint} is not a capline model directory")
+            p = Path(self.encoder_checkpoint)
+            require(p.is_dir() or (p.is_file() and p.suffix in TORCHSCRIPT), join(prefix, "encoder_checkpoint"),
+                    f"{self.encoder_checkpoint} is neither a capline model directory nor a TorchScript file "
+                    f"({', '.join(TORCHSCRIPT)})")
+        require(16 <= self.encoder_image_size <= 1024, join(prefix, "encoder_image_size"), "must be 16..1024 pixels")
+
+
+TORCHSCRIPT = (".pt", ".pth", ".torchscript")
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def torchscript_file(path) -> Path | None:
+    """The TorchScript file `path` names: itself, or the one a copied folder holds."""
+    p = Path(path)
+    if p.is_file() and p.suffix in TORCHSCRIPT:
+        return p
+    found = sorted(f for f in p.glob("*") if f.suffix in TORCHSCRIPT) if p.is_dir() and not (p / "model.json").is_file() else []
+    return found[0] if found else None
 
 
 class EncoderDescriber:
-    """Unit image embeddings from a capline checkpoint (GAP of the final tokens), no colour check."""
+    """Unit image embeddings, no colour check: from a capline checkpoint (GAP of the final tokens), or
+    from a TorchScript image model (its output flattened; shapes: (1, 3, S, S) -> (1, D))."""
 
-    def __init__(self, checkpoint: str):
+    def __init__(self, checkpoint: str, image_size: int = 224):
         import torch
 
-        from trainers.models.checkpoint import load_model
-
         self.torch = torch
-        self.model, self.cfg = load_model(checkpoint)
-        self.model.eval()
+        script = torchscript_file(checkpoint)
+        if script is not None:
+            self.script = torch.jit.load(str(script), map_location="cpu").eval()
+            self.size = image_size
+        else:
+            from trainers.models.checkpoint import load_model
+
+            self.script = None
+            self.model, self.cfg = load_model(checkpoint)
+            self.model.eval()
+
+    def _pixels(self, image) -> np.ndarray:
+        """(3, S, S): shortest side to S (bicubic), centre crop, ImageNet's normalisation."""
+        from PIL import Image
+
+        img = Image.fromarray(to_rgb_array(image))
+        w, h = img.size
+        scale = self.size / min(w, h)
+        img = img.resize((max(self.size, round(w * scale)), max(self.size, round(h * scale))), Image.BICUBIC)
+        left, top = (img.size[0] - self.size) // 2, (img.size[1] - self.size) // 2
+        x = np.asarray(img.crop((left, top, left + self.size, top + self.size)), np.float32).transpose(2, 0, 1) / 255.0
+        return ((x - np.reshape(IMAGENET_MEAN, (3, 1, 1))) / np.reshape(IMAGENET_STD, (3, 1, 1))).astype(np.float32)
 
     def __call__(self, image) -> tuple[np.ndarray, np.ndarray]:
         from infra.media import to_input
 
-        x = to_input(to_rgb_array(image), self.cfg.image_size)            # (3, S, S)
         with self.torch.no_grad():
-            f = self.model.image_features(self.torch.from_numpy(x)[None])[0].numpy()
+            if self.script is not None:
+                out = self.script(self.torch.from_numpy(self._pixels(image))[None])
+                f = (out[0] if isinstance(out, (tuple, list)) else out).reshape(-1).float().numpy()
+            else:
+                x = to_input(to_rgb_array(image), self.cfg.image_size)            # (3, S, S)
+                f = self.model.image_features(self.torch.from_numpy(x)[None])[0].numpy()
         return (f / (np.linalg.norm(f) + 1e-6)).astype(np.float32), np.zeros(3, np.float32)
 
 
@@ -116,7 +159,7 @@ BLOCK = 1024                 # rows of a signature group compared at once (memor
 _LOADED: dict = {}
 
 
-def _indexes(storage, blobs: dict, names: tuple, encoder_checkpoint: str | None):
+def _indexes(storage, blobs: dict, names: tuple, encoder_checkpoint: str | None, image_size: int = 224):
     """Loaded once per worker process, however many partitions it describes. The driver built them on
     its own disk, which a worker on another node cannot see: they arrive through Ray's object store
     (`blobs`: kind -> set name -> the index file's bytes; `names` identify them)."""
@@ -128,7 +171,8 @@ def _indexes(storage, blobs: dict, names: tuple, encoder_checkpoint: str | None)
         _LOADED.clear()
         _LOADED[key] = ({n: load(b) for n, b in blobs["hash"].items()},
                         {n: load(b) for n, b in blobs["encoder"].items()},
-                        EncoderDescriber(str(storage.local_dir(encoder_checkpoint))) if encoder_checkpoint else None)
+                        EncoderDescriber(str(storage.local_dir(encoder_checkpoint)), image_size) if encoder_checkpoint
+                        else None)
     return _LOADED[key]
 
 
@@ -140,7 +184,7 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
     from .imagehash import simhash
 
     rows = read_kept(storage, file, ["key", "url", "caption", "tar", "offset", "size"])
-    indexes, enc_indexes, encoder = _indexes(storage, blobs, names, encoder_checkpoint)
+    indexes, enc_indexes, encoder = _indexes(storage, blobs, names, encoder_checkpoint, cfg.encoder_image_size)
     images = read_images(storage, rows)
     n = rows.num_rows
     vecs, means = np.zeros((n, 768), np.float32), np.zeros((n, 3), np.float32)
@@ -158,8 +202,10 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
         if not idx_map or n == 0:
             continue
         if kind == "encoder":
-            qv, qm = map(np.stack, zip(*(encoder(img) if good else (np.zeros(768, np.float32), np.zeros(3, np.float32))
-                                         for img, good in zip(images, ok))))
+            got = [encoder(img)[0] if good else None for img, good in zip(images, ok)]
+            dim = next((g.shape[0] for g in got if g is not None), 1)    # an encoder's own width
+            qv = np.stack([g if g is not None else np.zeros(dim, np.float32) for g in got])
+            qm = np.zeros((n, 3), np.float32)
         else:
             qv, qm = vecs, means
         for name, index in idx_map.items():
@@ -377,14 +423,18 @@ class DedupStage(Decide):
             index_paths[es.name], set_stats[es.name] = path, st
             if cfg.encoder_checkpoint:
                 enc_params = {"descriptor": "encoder", "checkpoint": _dir_digest(cfg.encoder_checkpoint),
-                              "bits": cfg.bits, "colour_tol": None}
-                epath, _ = build_reference(es, ctx.run_dir, cache, enc_params,
-                                           describer=EncoderDescriber(cfg.encoder_checkpoint), log=ctx.log)
+                              "bits": cfg.bits, "colour_tol": None, "image_size": cfg.encoder_image_size}
+                epath, _ = build_reference(es, ctx.run_dir, cache, enc_params, log=ctx.log,
+                                           describer=EncoderDescriber(cfg.encoder_checkpoint, cfg.encoder_image_size))
                 enc_paths[es.name] = epath
         encoder_rel = None
         if cfg.encoder_checkpoint:
             encoder_rel = "dedup/_work/encoder"
-            ctx.storage.put_dir(encoder_rel, cfg.encoder_checkpoint)
+            src = Path(cfg.encoder_checkpoint)
+            if src.is_file():   # a TorchScript file: its folder's copy holds just it
+                ctx.storage.write_bytes(f"{encoder_rel}/{src.name}", src.read_bytes())
+            else:
+                ctx.storage.put_dir(encoder_rel, cfg.encoder_checkpoint)
         upstream = [u for u in ctx.upstream or []]
         n_buckets = max(1, min(64, len(upstream)))
         # one copy in the object store, shared by every task on a node (a path here means nothing there)
@@ -453,6 +503,8 @@ class DedupStage(Decide):
 
 def _dir_digest(path: str) -> str:
     h = hashlib.sha256()
+    if Path(path).is_file():
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     for f in sorted(Path(path).glob("*")):
         if f.is_file():
             h.update(f.name.encode() + f.read_bytes())

@@ -279,3 +279,67 @@ def test_a_large_lsh_group_is_compared_in_full_not_cut():
     assert all(a < b and ham(a, b) <= 4 for a, b in found)
     means[2599] = 50
     assert (2500, 2599) not in set(close_pairs([c.tobytes() for c in codes], means, 4, 1.0, block=256))
+
+
+def test_a_torchscript_image_model_is_a_dedup_descriptor(tmp_path):
+    """DataComp-style: an image model saved as TorchScript (here a tiny one traced locally) gives the
+    encoder embeddings; its output is flattened and unit-normalised; near copies stay near."""
+    import io
+
+    import torch
+    from PIL import Image
+
+    from infra.errors import ConfigError
+    from pipeline.config import load_config
+    from stages.dedup import EncoderDescriber
+
+    class Thumb(torch.nn.Module):
+        def forward(self, x):                       # (B, 3, S, S) -> (B, 3*4*4), centred
+            t = torch.nn.functional.adaptive_avg_pool2d(x, 4).flatten(1)
+            return t - t.mean(dim=1, keepdim=True)
+
+    path = tmp_path / "isc.pt"
+    torch.jit.trace(Thumb(), torch.zeros(1, 3, 32, 32)).save(str(path))
+    describe = EncoderDescriber(str(path), image_size=32)
+
+    def png(f):
+        img = Image.new("RGB", (48, 40))
+        img.putdata([f(x, y) for y in range(40) for x in range(48)])
+        buf = io.BytesIO()
+        img.save(buf, "PNG")
+        return buf.getvalue()
+
+    a = png(lambda x, y: (x * 5, y * 6, 100))
+    brighter = png(lambda x, y: (min(255, x * 5 + 8), min(255, y * 6 + 8), 108))
+    other = png(lambda x, y: (255 - y * 6, x * 5, 30))
+    va, vb, vc = (describe(i)[0] for i in (a, brighter, other))
+    assert va.shape == (48,) and abs(np.linalg.norm(va) - 1) < 1e-4
+    assert float(va @ vb) >= 0.95 > float(va @ vc)
+    load_config(None, [f"stages.dedup.encoder_checkpoint={path}", "stages.dedup.encoder_image_size=32"])
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="neither a capline model directory nor a TorchScript file"):
+        load_config(None, [f"stages.dedup.encoder_checkpoint={tmp_path / 'weights.bin'}"])
+
+
+@pytest.mark.slow
+def test_dedup_runs_a_torchscript_encoder_in_its_tasks(tmp_path, ray_local):
+    import torch
+
+    from helpers import free_port
+
+    class Thumb(torch.nn.Module):
+        def forward(self, x):
+            t = torch.nn.functional.adaptive_avg_pool2d(x, 4).flatten(1)
+            return t - t.mean(dim=1, keepdim=True)
+
+    path = tmp_path / "isc.pt"
+    torch.jit.trace(Thumb(), torch.zeros(1, 3, 32, 32)).save(str(path))
+    cfg = load_config(None, ["source.num_samples=120", "source.eval_size=30", "source.slow_seconds=2",
+                             "stages.ingest.timeout=1", "stages.ingest.samples_per_shard=60", f"source.serve_port={free_port()}",
+                             f"stages.dedup.cache_dir={tmp_path / 'cache'}", f"stages.dedup.encoder_checkpoint={path}",
+                             "stages.dedup.encoder_image_size=32",
+                             "stages.dedup.eval_sets=[{name: demo, kind: builtin, path: demo_heldout}]"])
+    summary = run_pipeline(cfg, tmp_path / "run", until="dedup", log=lambda m: None)
+    assert summary["dedup"]["in"] == summary["dedup"]["kept"] + sum(summary["dedup"]["dropped"].values())
+    assert summary["dedup"]["dropped"].get("eval_duplicate", 0) > 0
+    assert list((tmp_path / "cache").rglob("*")), "no evaluation index was built"
