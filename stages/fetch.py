@@ -37,7 +37,6 @@ import urllib.request
 import warnings
 from dataclasses import dataclass
 
-
 import img2dataset.downloader as _i2d
 
 from infra.media import FORMATS, ImageRefused, _failure, open_checked
