@@ -479,8 +479,10 @@ def _main(argv: list[str] | None = None) -> int:
             from .lock import run_lock
 
             with run_lock(run_dir, log=_say):   # evaluation writes into the run folder
+                # progress on stdout before the summary; with --json, stdout is the JSON alone
+                progress = sys.stderr if args.json else sys.stdout
                 results = evaluate(ckpt, run_dir, [t.strip() for t in args.tasks.split(",") if t.strip()], shots=shots,
-                                   log=lambda m: print(m, file=sys.stderr, flush=True))   # stdout: the results
+                                   log=lambda m: print(m, file=progress, flush=True))
             print(json.dumps(results, indent=1) if args.json else summary(results))
             return 0
         if args.command == "verify":
