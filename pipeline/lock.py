@@ -148,7 +148,7 @@ class BucketLock:
         bucket, _, prefix = uri.split("://", 1)[1].partition("/")
         self.bucket, self.key = bucket, f"{prefix.rstrip('/')}/.capline.lock".lstrip("/")
         self.where = uri
-        self.client = boto3.client("s3")
+        self.client = boto3.session.Session().client("s3")   # credentials as the environment has them now
 
     @staticmethod
     def _conflict(err) -> bool:
