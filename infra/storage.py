@@ -21,6 +21,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pathlib import Path
 
+from .errors import UserError
+
+
+_blocked: str | None = None
+
+
+def block_writes(reason: str | None) -> None:
+    """Refuse (reason) or allow again (None) every write through a Storage in this process: a run that
+    lost its lock stops writing at once, whatever the main thread is doing."""
+    global _blocked
+    _blocked = reason
+
 
 @dataclass
 class Storage:
@@ -64,6 +76,8 @@ class Storage:
 
     def write_bytes(self, rel: str, data: bytes) -> str:
         """Write whole or not at all (temp + move where moves exist); -> sha256 of the bytes."""
+        if _blocked:   # this process lost its run folder's lock: nothing more is written
+            raise UserError(_blocked)
         self._ensure_parent(rel)
         target = self.path(rel)
         if self.fs.type_name == "local":

@@ -249,6 +249,9 @@ class Held:
                 return
             self.lost = why
             self.log(f"lock: {why}; this run stops writing")
+            from infra.storage import block_writes
+
+            block_writes(f"{self.backend.where}: {why}, so this run stopped writing")   # even if the signal is caught
             # the main thread is where the run writes: stop it now. A real signal, aimed at it,
             # also wakes a blocking call (a sleep, a wait on Ray), where interrupt_main() would not
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
@@ -309,5 +312,9 @@ def run_lock(run_dir: Path, log=print, uri: str | None = None):
         raise
     finally:
         held.release()
+        if held.lost:
+            from infra.storage import block_writes
+
+            block_writes(None)
     if held.lost:   # the interrupt was taken by another handler (Ray Train aborts on SIGINT): still an error
         raise lost()

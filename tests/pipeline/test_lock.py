@@ -141,10 +141,18 @@ def test_racing_runs_one_takes_and_the_lock_is_never_seen_empty(tmp_path):
 def test_a_run_that_loses_its_lock_stops_and_leaves_the_new_holders(tmp_path):
     lock = tmp_path / ".capline.lock"
     said = []
+    from infra.storage import Storage
+
+    storage = Storage.local(tmp_path / "data")
+    t0 = time.monotonic()
     with pytest.raises(UserError, match="the lock was taken by pid 4242 on usurper, so this run stopped writing"):
         with run_lock(tmp_path, log=said.append):
             lock.write_text(json.dumps({"host": "usurper", "pid": 4242}))
-            time.sleep(30)           # interrupted by the heartbeat thread long before this ends
+            while time.monotonic() - t0 < 30:    # a run writing: stopped by the heartbeat thread within a beat
+                storage.write_bytes("part.bin", b"x")
+                time.sleep(0.02)
+    assert time.monotonic() - t0 < 5
+    storage.write_bytes("after.bin", b"x")                 # released: this process may write again
     assert json.loads(lock.read_text())["pid"] == 4242      # not ours to release
     assert "this run stops writing" in said[-1]
     lock.unlink()
@@ -207,3 +215,24 @@ def test_a_bucket_lock_taken_away_stops_the_run(s3, tmp_path):
             s3.put_object(Bucket=BUCKET, Key="lost/.capline.lock", Body=json.dumps({"host": "other-node", "pid": 5}).encode())
             time.sleep(30)
     assert json.loads(s3.get_object(Bucket=BUCKET, Key="lost/.capline.lock")["Body"].read())["pid"] == 5
+
+
+def test_a_lost_lock_stops_writes_even_when_something_else_takes_sigint(tmp_path):
+    """A library may own SIGINT (Ray Train does during fit): the run's writes stop all the same."""
+    import signal
+
+    from infra.storage import Storage
+
+    storage = Storage.local(tmp_path / "data")
+    before = signal.signal(signal.SIGINT, lambda *a: None)     # the interrupt is swallowed
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(UserError, match="the lock was taken by pid 7 on other, so this run stopped writing"):
+            with run_lock(tmp_path):
+                (tmp_path / ".capline.lock").write_text(json.dumps({"host": "other", "pid": 7}))
+                while time.monotonic() - t0 < 30:
+                    storage.write_bytes("part.bin", b"x")
+                    time.sleep(0.02)
+        assert time.monotonic() - t0 < 5
+    finally:
+        signal.signal(signal.SIGINT, before)
