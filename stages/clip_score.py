@@ -68,7 +68,9 @@ class ClipScoreConfig:
         if self.threshold is not None:
             require(-1 <= self.threshold <= 1, join(prefix, "threshold"), f"a cosine in [-1, 1], got {self.threshold}")
         if self.scorer in ("checkpoint", "hf"):
-            require(bool(self.checkpoint), join(prefix, "checkpoint"), f"scorer: {self.scorer} needs the model folder")
+            require(bool(self.checkpoint), join(prefix, "checkpoint"),
+                    "scorer: checkpoint needs the checkpoint folder" if self.scorer == "checkpoint"
+                    else "scorer: hf needs the checkpoint folder (a local Hugging Face CLIP)")
         if self.scorer == "column":
             require(bool(self.column), join(prefix, "column"),
                     "scorer: column needs the name of the URL list's score column (e.g. similarity)")
