@@ -80,6 +80,7 @@ def _run(tmp_path, stages, **kw):
     return run_pipeline(_cfg(kw.pop("n", 10)), tmp_path, log=lambda m: None, stages=stages, observers=[], **kw)
 
 
+@pytest.mark.slow   # a few seconds of training or many images: not in the fast set
 def test_runs_then_skips_then_reruns_when_input_changes(tmp_path, ray_local):
     a, b = Numbers(), DropOdd()
     summary = _run(tmp_path, [a, b])

@@ -47,6 +47,7 @@ def random_transform(arr, rng, degrees=4.0, crop=0.15, quality=30):
     return _jpeg(np.asarray(im), quality)
 
 
+@pytest.mark.slow   # a few seconds of training or many images: not in the fast set
 def test_random_transform_set_on_demo_scenes(tmp_path):
     """A second transform set, drawn at random, to show the method is not tuned to the demo's own."""
     fr = {k: 0 for k in vars(DefectFractions())}
@@ -81,6 +82,7 @@ def _photos():
     return photos
 
 
+@pytest.mark.slow   # a few seconds of training or many images: not in the fast set
 def test_real_photos_near_copies_caught_and_others_not(tmp_path):
     photos = _photos()
     folder = tmp_path / "photos"
@@ -281,6 +283,7 @@ def test_a_large_lsh_group_is_compared_in_full_not_cut():
     assert (2500, 2599) not in set(close_pairs([c.tobytes() for c in codes], means, 4, 1.0, block=256))
 
 
+@pytest.mark.slow   # a few seconds of training or many images: not in the fast set
 def test_a_torchscript_image_model_is_a_dedup_descriptor(tmp_path):
     """DataComp-style: an image model saved as TorchScript (here a tiny one traced locally) gives the
     encoder embeddings; its output is flattened and unit-normalised; near copies stay near."""

@@ -40,6 +40,7 @@ def _png(color, size=(40, 30)):
     return buf.getvalue()
 
 
+@pytest.mark.slow   # a few seconds of training or many images: not in the fast set
 def test_a_local_hf_clip_scores_pairs_and_is_checked_first(tmp_path):
     from infra.errors import UserError
     from stages.hf_clip import HFScorer, check_hf

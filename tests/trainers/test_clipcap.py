@@ -31,6 +31,7 @@ def _train(model, steps, lr=3e-3):
     return losses
 
 
+@pytest.mark.slow   # a few seconds of training or many images: not in the fast set
 def test_transformer_mapper_learns_on_a_trained_local_lm_and_refuses_a_random_one(tmp_path):
     torch.manual_seed(0)
     mlp = build_model(tiny("clipcap", image_embed_dim=32))       # trains its LM (the "pretrained" one here)

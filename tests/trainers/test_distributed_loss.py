@@ -54,6 +54,7 @@ def _free_port():
 
 
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
+@pytest.mark.slow   # a few seconds of training or many images: not in the fast set
 def test_two_process_loss_and_grads_equal_single_process(kind, tmp_path):
     out = str(tmp_path / "rank0.pt")
     mp.spawn(_worker, args=(2, _free_port(), kind, out), nprocs=2, join=True)

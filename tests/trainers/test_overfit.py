@@ -28,6 +28,7 @@ def batch():
 
 
 @pytest.mark.parametrize("family", sorted(THRESHOLDS))
+@pytest.mark.slow   # a few seconds of training or many images: not in the fast set
 def test_tiny_model_overfits_eight_pairs(family, batch):
     imgs, y, vocab = batch
     torch.manual_seed(0)
