@@ -90,21 +90,18 @@ class HFScorer:
         return (x - self.mean) / self.std
 
     def score(self, images: list[bytes], captions: list[str]) -> np.ndarray:
+        from .scorer import in_chunks
+
         torch = self.torch
-        out = []
-        for i in range(0, len(images), self.CHUNK):
-            imgs, caps = images[i:i + self.CHUNK], captions[i:i + self.CHUNK]
-            n = len(imgs)
-            imgs, caps = imgs + [imgs[0]] * (self.CHUNK - n), caps + [caps[0]] * (self.CHUNK - n)
+
+        def cosines(imgs, caps):
             x = torch.from_numpy(np.stack([self._pixels(b) for b in imgs])).to(self.device)
             t = self.tokenizer(list(caps), padding="max_length", truncation=True, max_length=self.max_len,
                                return_tensors="pt").to(self.device)
             with torch.no_grad():
                 im = self.model.get_image_features(pixel_values=x)
                 tx = self.model.get_text_features(input_ids=t["input_ids"], attention_mask=t.get("attention_mask"))
-                im = getattr(im, "pooler_output", im)
-                tx = getattr(tx, "pooler_output", tx)
-                im = im / im.norm(dim=-1, keepdim=True)
-                tx = tx / tx.norm(dim=-1, keepdim=True)
-                out.append((im * tx).sum(-1)[:n].float().cpu().numpy().astype(np.float64))
-        return np.concatenate(out) if out else np.zeros(0)
+                im, tx = getattr(im, "pooler_output", im), getattr(tx, "pooler_output", tx)
+                return ((im / im.norm(dim=-1, keepdim=True)) * (tx / tx.norm(dim=-1, keepdim=True))).sum(-1).float().cpu().numpy()
+
+        return in_chunks(images, captions, self.CHUNK, cosines)

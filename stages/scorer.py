@@ -103,23 +103,31 @@ class Scorer:
     CHUNK = 64   # every forward pass has exactly this many rows
 
     def score(self, images: list[bytes], captions: list[str]) -> np.ndarray:
-        """Cosine per pair. Ray Data hands actors batches whose size depends on how blocks arrived,
-        and a matrix product's last bits depend on its row count; so the model always sees chunks
-        of CHUNK rows (the last padded with copies of its first), and a pair's score does not
-        depend on which other pairs shared its batch."""
+        """Cosine per pair, in fixed-size chunks (in_chunks)."""
         from trainers.data import decode_image, encode_caption
 
         torch = self.torch
-        out = []
-        for i in range(0, len(images), self.CHUNK):
-            imgs, caps = images[i:i + self.CHUNK], captions[i:i + self.CHUNK]
-            n = len(imgs)
-            imgs, caps = imgs + [imgs[0]] * (self.CHUNK - n), caps + [caps[0]] * (self.CHUNK - n)
+
+        def cosines(imgs, caps):
             x = torch.from_numpy(np.stack([decode_image(b, self.cfg.image_size) for b in imgs])).to(self.device)
             t = torch.from_numpy(np.stack([encode_caption(self.sp, c, self.cfg.max_len) for c in caps])).to(self.device)
             with torch.no_grad():
-                out.append(self.model.score(x, t).diagonal()[:n].float().cpu().numpy().astype(np.float64))
-        return np.concatenate(out) if out else np.zeros(0)
+                return self.model.score(x, t).diagonal().float().cpu().numpy()
+
+        return in_chunks(images, captions, self.CHUNK, cosines)
+
+
+def in_chunks(images: list, captions: list, chunk: int, cosines) -> np.ndarray:
+    """`cosines(images, captions)` over chunks of exactly `chunk` pairs (the last padded with copies of
+    its first): a matrix product's last bits depend on its row count, so a pair's score must not
+    depend on which other pairs shared its batch. -> float64 cosine per pair."""
+    out = []
+    for i in range(0, len(images), chunk):
+        imgs, caps = images[i:i + chunk], captions[i:i + chunk]
+        n = len(imgs)
+        got = cosines(imgs + [imgs[0]] * (chunk - n), caps + [caps[0]] * (chunk - n))
+        out.append(np.asarray(got, np.float64)[:n])
+    return np.concatenate(out) if out else np.zeros(0)
 
 
 def _decode_all(images: list[bytes], size: int) -> np.ndarray:
