@@ -16,6 +16,8 @@ from stages.base import KEPT, Stage, StageResult
 from stages.dataplane import write_part
 from infra.errors import UserError
 
+pytestmark = pytest.mark.slow   # a moto server / capline processes per test: not in the fast set
+
 BUCKET = "capline-sync"
 
 

@@ -3,6 +3,8 @@ import pytest
 
 from helpers import capline
 
+pytestmark = pytest.mark.slow   # a moto server / capline processes per test: not in the fast set
+
 
 def _one_line_error(proc, *needles):
     assert proc.returncode == 2, proc.stdout + proc.stderr

@@ -105,6 +105,7 @@ def _taker(path, q):
         q.put(("refused", str(err)))
 
 
+@pytest.mark.slow   # starts Ray, a moto server or capline processes: not in the fast set
 def test_racing_runs_one_takes_and_the_lock_is_never_seen_empty(tmp_path):
     path = tmp_path / ".capline.lock"
     dead = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0,))
@@ -181,6 +182,7 @@ def s3(s3_env, monkeypatch):
     return client
 
 
+@pytest.mark.slow   # starts Ray, a moto server or capline processes: not in the fast set
 def test_a_stale_bucket_lock_is_taken_over_by_exactly_one(s3):
     uri = f"s3://{BUCKET}/stale"
     gone = {"host": "node-that-died", "pid": 4242, "since": 0, "heartbeat": time.time()}
@@ -208,6 +210,7 @@ def test_a_stale_bucket_lock_is_taken_over_by_exactly_one(s3):
     assert all("in use by another capline run" in r[1] for r in results if r[0] == "refused")
 
 
+@pytest.mark.slow   # starts Ray, a moto server or capline processes: not in the fast set
 def test_a_bucket_lock_taken_away_stops_the_run(s3, tmp_path):
     uri = f"s3://{BUCKET}/lost"
     with pytest.raises(UserError, match="the lock was taken by pid 5 on other-node"):

@@ -105,6 +105,7 @@ def test_runs_then_skips_then_reruns_when_input_changes(tmp_path, ray_local):
     assert rows[1]["caption"] == "caption 1"         # a stage's state travels with its verdicts
 
 
+@pytest.mark.slow   # starts Ray, a moto server or capline processes: not in the fast set
 def test_a_lost_sample_fails_the_stage_naming_its_partition(tmp_path, ray_local):
     with pytest.raises(RuntimeError, match=r"stage dropodd, partition p1: 4 samples entered and 3 got a verdict"):
         _run(tmp_path, [Numbers(), DropOdd(lose="k0005")])
@@ -112,12 +113,14 @@ def test_a_lost_sample_fails_the_stage_naming_its_partition(tmp_path, ray_local)
     assert (tmp_path / "numbers" / "_SUCCESS").exists()
 
 
+@pytest.mark.slow   # starts Ray, a moto server or capline processes: not in the fast set
 def test_an_added_sample_fails_the_stage_naming_its_partition(tmp_path, ray_local):
     with pytest.raises(RuntimeError, match=r"stage dropodd, partition p1: 4 samples entered and 5 got a verdict"):
         _run(tmp_path, [Numbers(), DropOdd(add=True)])
     assert not (tmp_path / "dropodd" / "_SUCCESS").exists()
 
 
+@pytest.mark.slow   # starts Ray, a moto server or capline processes: not in the fast set
 def test_until_and_only(tmp_path, ray_local):
     a, b = Numbers(), DropOdd()
     with pytest.raises(UserError, match="has not finished"):
@@ -178,6 +181,7 @@ def test_keyset_sum_is_order_independent_and_wraps():
     assert keyset_sum(keys[:-1]) != keyset_sum(keys)
 
 
+@pytest.mark.slow   # starts Ray, a moto server or capline processes: not in the fast set
 def test_a_pure_stage_reuses_the_partitions_whose_input_did_not_change(tmp_path, ray_local):
     said = []
     run_pipeline(_cfg(10), tmp_path, log=said.append, stages=[Numbers(), DropOdd(reuse=True)], observers=[])

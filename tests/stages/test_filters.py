@@ -70,6 +70,7 @@ SENTENCES = {
 }
 
 
+@pytest.mark.slow   # builds B/16-sized models / loads a language model: not in the fast set
 @pytest.mark.parametrize("backend", ["fasttext", "langid"])
 def test_language_backends_name_real_sentences(backend):
     from stages.langid import load_backend

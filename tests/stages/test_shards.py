@@ -1,4 +1,5 @@
 """Unit: tokenizer determinism and ids, byte-reproducible shard writing, verify on tampered runs."""
+import pytest
 import json
 import tarfile
 
@@ -77,6 +78,7 @@ def _fake_run(tmp_path):
     return run
 
 
+@pytest.mark.slow   # starts Ray, a moto server or capline processes: not in the fast set
 def test_verify_names_a_tampered_manifest_and_a_truncated_shard(tmp_path):
     run = _fake_run(tmp_path)
     ok = capline("verify", str(run))
@@ -94,6 +96,7 @@ def test_verify_names_a_tampered_manifest_and_a_truncated_shard(tmp_path):
     assert "000001.tar" not in bad.stdout
 
 
+@pytest.mark.slow   # starts Ray, a moto server or capline processes: not in the fast set
 def test_compare_two_runs_names_the_differing_samples(tmp_path):
     a, b = _fake_run(tmp_path / "a"), _fake_run(tmp_path / "b")
     same = capline("verify", str(a), str(b))

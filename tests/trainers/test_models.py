@@ -169,6 +169,7 @@ def test_parallel_and_ar_scoring_match_their_definitions(cap):
             assert par[i, c].item() == pytest.approx(want_pa.item(), abs=1e-4)
 
 
+@pytest.mark.slow   # builds B/16-sized models / loads a language model: not in the fast set
 @pytest.mark.parametrize("size,family", sorted(PAPER))
 def test_parameter_parity_with_paper_table1(size, family):
     n = count(family, size) / 1e6
