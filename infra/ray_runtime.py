@@ -74,6 +74,20 @@ def private_temp_dir() -> str:
     return os.path.join(path, "r")     # Ray makes its own root 0777: the 0700 fence is the folder above
 
 
+# Ray kills a worker that idles for 1 s once a node has more workers than CPUs, and every new worker
+# imports torch and the stage's libraries again (~2 s of CPU). Stages follow each other with short
+# planning gaps, so a run paid that over and over: the demo at 600 samples started 28 worker
+# processes on 2 CPUs and took 121 s; keeping idle workers 60 s, 9 processes and 81 s.
+NODE_ENV = {"RAY_idle_worker_killing_time_threshold_ms": "60000"}
+
+
+def node_env() -> None:
+    """Set capline's Ray node settings in os.environ (a local cluster's raylet and `ray start` read them
+    there); a value the user set wins."""
+    for key, value in NODE_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 @contextmanager
 def ray_session(cfg: RayConfig, address: str | None = None, log=print):
     """Yield with Ray initialised; shut down what this call started."""
@@ -102,6 +116,7 @@ def ray_session(cfg: RayConfig, address: str | None = None, log=print):
         ray.init(address=address, runtime_env={"env_vars": quiet} if quiet else None, **common)
     else:
         num_cpus = cfg.num_cpus or os.cpu_count() or 1
+        node_env()
         log(f"ray: starting a local cluster ({num_cpus} CPUs, {cfg.object_store_memory_mb} MB object store)")
         # A local cluster lives on loopback: Ray otherwise finds its node address by asking the
         # route to an outside address. address="local": a new cluster, never one that `ray start`

@@ -314,6 +314,9 @@ def _cmd_ray(args) -> int:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     if "--disable-usage-stats" not in rest:
         rest.append("--disable-usage-stats")
+    from infra.ray_runtime import node_env
+
+    node_env()
     mode = os.environ.get("RAY_AUTH_MODE", "disabled")
     print(f"capline ray: ray start {' '.join(rest)} (token auth: {mode}"
           + (f", token {os.environ.get('RAY_AUTH_TOKEN_PATH') or 'from RAY_AUTH_TOKEN'}" if mode == "token" else "")

@@ -238,3 +238,22 @@ def test_a_dead_end_names_the_reason_and_the_setting():
     language = by_name("language")
     assert language.dead_end({"in": 100, "kept": 5, "dropped": {"language": 95}}) is None
     assert language.dead_end({"in": 100, "kept": 0, "dropped": {"language": 100}}).startswith("language kept nothing")
+
+
+@pytest.mark.slow   # starts Ray, a moto server or capline processes: not in the fast set
+def test_workers_outlive_the_gap_between_two_stages(ray_local):
+    """More workers than CPUs (fractional tasks), then a pause as between two stages: the next tasks
+    run in the same processes, not in new ones that import torch again (Ray's default kills them
+    after 1 s idle)."""
+    import os
+    import time
+
+    @ray_local.remote(num_cpus=0.5)
+    def pid(_):
+        time.sleep(0.5)
+        return os.getpid()
+
+    first = set(ray_local.get([pid.remote(i) for i in range(4)]))
+    time.sleep(4)
+    second = set(ray_local.get([pid.remote(i) for i in range(4)]))
+    assert len(first) == 4 and second == first, (first, second)
