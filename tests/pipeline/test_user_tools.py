@@ -99,14 +99,15 @@ def test_evaluation_rows_have_every_shot_count_and_headline_metrics():
                "fewshot_map": {"digits": {"10": {"mean": 0.6, "std": 0.03}}},
                "captioning": {"coco": {"greedy": {"cider": 0.7, "bleu4": 0.1}, "lit_greedy": {"cider": 0.4, "bleu4": 0.0}}},
                "zeroshot": {"shapes": {"classes": 3, "ar": {"accuracy": 0.4, "seconds_per_1000_images": 1.0}}},
-               "wordorder": {"demo": {"a": {"accuracy": 0.6, "n": 5}, "b": {"accuracy": 0.8, "n": 5}}}}
+               "wordorder": {"demo": {"precision_at_1": {"accuracy": 0.3, "n": 5},
+                                       "pairwise": {"a": {"accuracy": 0.6, "n": 5}, "b": {"accuracy": 0.8, "n": 5}}}}}
     rows = eval_rows(results)
     assert [(r["variant"], r["shots"]) for r in rows if r["task"] == "few-shot"] == [("linear", 1), ("linear", 10),
                                                                                    ("map", 10)]
     assert headline(rows) == pytest.approx({
         "eval.fewshot.digits.linear.10shot": 0.5, "eval.fewshot.digits.map.10shot": 0.6,
         "eval.captioning.coco.greedy.cider": 0.7, "eval.captioning.coco.lit_greedy.cider": 0.4,
-        "eval.zeroshot.shapes.ar": 0.4, "eval.wordorder.demo.mean": 0.7})
+        "eval.zeroshot.shapes.ar": 0.4, "eval.wordorder.demo.precision_at_1": 0.3})
     text = summary(results)
     assert "1-shot" in text and "10-shot" in text and "50.0%" in text and "20.0%" in text and "MAP-head" in text
     assert "skipped: zeroshot: no datasets" in text

@@ -69,9 +69,9 @@ def test_word_order_sanity_scorers():
     by_case = lambda f: lambda j, caps: f(idx[j], caps)  # noqa: E731 - case j is scene idx[j]
     pairs = [(t, n) for _, t, n in cases]
     bow, ora = word_order_eval(pairs, by_case(bag_of_words)), word_order_eval(pairs, by_case(oracle))
-    assert bow["relation_order"]["accuracy"] == 0.5 and bow["relation_order"]["n"] > 50
-    assert all(v["accuracy"] == 1.0 for v in ora.values())
-    assert set(ora) == {"relation_order", "attribute_swap", "added_object"}
+    assert bow["pairwise"]["relation_order"]["accuracy"] == 0.5 and bow["pairwise"]["relation_order"]["n"] > 50
+    assert all(v["accuracy"] == 1.0 for v in ora["pairwise"].values()) and ora["precision_at_1"]["accuracy"] == 1.0
+    assert set(ora["pairwise"]) == {"relation_order", "attribute_swap", "added_object"}
 
 
 def test_hard_negatives_change_only_what_they_claim():

@@ -138,7 +138,8 @@ def test_main_job_ends_with_an_evaluated_model(data_run):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "evaluation of cappa/tiny:" in out.stdout
     for line in ("    demo_shape", "captioning demo greedy", "zero-shot demo_shape ar", "zero-shot demo_shape parallel",
-                 "word order demo relation_order", "word order demo_aro shuffled_trigrams",
+                 "word order demo precision@1", "word order demo relation_order (pairwise)",
+                 "word order demo_aro precision@1", "word order demo_aro shuffle_nouns_and_adj (pairwise)",
                  f"run folder {run.resolve()}", "mlflow ui --backend-store-uri"):
         assert line in out.stdout, line
     results = json.loads(next((run / "eval").glob("train-cappa-tiny.json")).read_text())
@@ -159,7 +160,7 @@ def test_experiment_paper_writes_its_table(data_run):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     table = (run / "paper_table.md").read_text()
     assert "| Cap |" in table and "| CLIP* |" in table and "| linear digits | MAP digits |" in table
-    assert "CIDEr demo own | CIDEr demo LiT" in table and "word order demo |" in table
+    assert "CIDEr demo own | CIDEr demo LiT" in table and "word order demo P@1 |" in table
     assert (run / "paper_curves.png").is_file()
     cap = next(ln for ln in table.splitlines() if ln.startswith("| Cap |")).split("|")
     clip = next(ln for ln in table.splitlines() if ln.startswith("| CLIP* |")).split("|")

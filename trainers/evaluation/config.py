@@ -65,8 +65,8 @@ class CaptionSet:
 @dataclass
 class WordOrderSet:
     """`pairs`: a JSON-lines file of {image, caption, negatives: {category: text}} (image relative to
-    the file); `aro`: ARO's order perturbations (shuffled trigrams, words shuffled within trigrams)
-    generated from the captioning set named in `from`."""
+    the file); `aro`: ARO's four order perturbations of every reference caption of the captioning set
+    named in `from` (trainers/evaluation/aro.py)."""
     name: str = ""
     kind: Literal["pairs", "aro"] = "aro"
     path: str = ""

@@ -180,30 +180,14 @@ def load_captions(s: CaptionSet, run_dir: Path) -> list[tuple[str, Image.Image, 
     return out
 
 
-def aro_negatives(caption: str, seed: int) -> dict[str, str]:
-    """ARO's COCO/Flickr-Order perturbations that need no parser: the caption's trigrams shuffled,
-    and the words shuffled within each trigram. A perturbation equal to the caption is left out."""
-    words = caption.split()
-    out = {}
-    if len(words) < 4:
-        return out
-    rng = random.Random(seed)
-    tri = [words[i:i + 3] for i in range(0, len(words), 3)]
-    for name, make in (("shuffled_trigrams", lambda: [w for t in rng.sample(tri, len(tri)) for w in t]),
-                       ("shuffled_within_trigrams", lambda: [w for t in tri for w in rng.sample(t, len(t))])):
-        for _ in range(10):
-            cand = " ".join(make())
-            if cand != caption:
-                out[name] = cand
-                break
-    return out
-
-
 def load_wordorder(s: WordOrderSet, run_dir: Path, captions: dict[str, list]) -> list[tuple[Image.Image, str, dict]]:
     """-> [(image, true caption, {category: negative caption})]. captions: loaded captioning sets."""
     if s.kind == "aro":
-        return [(img, refs[0], negs) for i, (_, img, refs) in enumerate(captions[s.source])
-                if (negs := aro_negatives(refs[0], i))]
+        from .aro import aro_case
+
+        # every reference caption is a case, as in ARO; the seed follows the case, not the run
+        return [(img, *aro_case(ref, 1000 * i + j)) for i, (_, img, refs) in enumerate(captions[s.source])
+                for j, ref in enumerate(refs)]
     path = resolve(s.path, run_dir)
     if not path.is_file():
         raise UserError(f"word-order set {s.name}: {path} does not exist")

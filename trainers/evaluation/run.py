@@ -324,18 +324,19 @@ def eval_rows(results: dict) -> list[dict]:
             if isinstance(r, dict):
                 rows.append({"task": "zero-shot", "dataset": name, "variant": scorer, "shots": None,
                              "metric": "accuracy", "value": r["accuracy"], "std": None})
-    for name, cats in results.get("wordorder", {}).items():
-        for cat, r in cats.items():
+    for name, wo in results.get("wordorder", {}).items():
+        rows.append({"task": "word order", "dataset": name, "variant": "all", "shots": None,
+                     "metric": "precision@1", "value": wo["precision_at_1"]["accuracy"], "std": None})
+        for cat, r in wo["pairwise"].items():
             rows.append({"task": "word order", "dataset": name, "variant": cat, "shots": None,
-                         "metric": "accuracy", "value": r["accuracy"], "std": None})
+                         "metric": "pairwise accuracy", "value": r["accuracy"], "std": None})
     return rows
 
 
 def headline(rows: list[dict]) -> dict[str, float]:
     """A few metrics to sort runs by: 10-shot accuracy per set and probe, CIDEr per set and decoder,
-    zero-shot per set and scorer, mean word order per set."""
+    zero-shot per set and scorer, word order's precision@1 per set."""
     out = {}
-    wo: dict[str, list] = {}
     for r in rows:
         if r["task"] == "few-shot" and r["shots"] == 10:
             out[f"eval.fewshot.{r['dataset']}.{r['variant']}.10shot"] = r["value"]
@@ -343,10 +344,8 @@ def headline(rows: list[dict]) -> dict[str, float]:
             out[f"eval.captioning.{r['dataset']}.{r['variant']}.cider"] = r["value"]
         elif r["task"] == "zero-shot":
             out[f"eval.zeroshot.{r['dataset']}.{r['variant']}"] = r["value"]
-        elif r["task"] == "word order":
-            wo.setdefault(r["dataset"], []).append(r["value"])
-    for name, values in wo.items():
-        out[f"eval.wordorder.{name}.mean"] = sum(values) / len(values)
+        elif r["task"] == "word order" and r["metric"] == "precision@1":
+            out[f"eval.wordorder.{r['dataset']}.precision_at_1"] = r["value"]
     return out
 
 
@@ -368,9 +367,11 @@ def summary(results: dict) -> str:
             if isinstance(r, dict):
                 lines.append(f"  zero-shot {name} {scorer:<9} {100 * r['accuracy']:5.1f}%  "
                              f"({r['seconds_per_1000_images']:.2f}s / 1000 images)")
-    for name, cats in results.get("wordorder", {}).items():
-        for cat, r in cats.items():
-            lines.append(f"  word order {name} {cat:<24} {100 * r['accuracy']:5.1f}% of {r['n']}")
+    for name, wo in results.get("wordorder", {}).items():
+        p1 = wo["precision_at_1"]
+        lines.append(f"  word order {name} {'precision@1':<28} {100 * p1['accuracy']:5.1f}% of {p1['n']}")
+        for cat, r in wo["pairwise"].items():
+            lines.append(f"  word order {name} {cat + ' (pairwise)':<28} {100 * r['accuracy']:5.1f}% of {r['n']}")
     for note in results.get("skipped", []):
         lines.append(f"  skipped: {note}")
     return "\n".join(lines)
