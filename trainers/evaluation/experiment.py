@@ -115,16 +115,16 @@ def run_experiment(run_dir: Path, train_cfg, seed: int, models=("cap", "cappa", 
     path = run_dir / "paper_table.md"
     path.write_text(f"# Cap vs CapPa vs CLIP* on {run_dir.name} (budget {budget})\n\n{table}\n\n"
                     "Few-shot: 10-shot accuracy (%) of the linear (big_vision fewshot_lsr) and MAP-head probes. "
-                    "CIDEr: greedy, of the model's own decoder and of a LiT decoder trained on its frozen encoder. "
+                    "CIDEr (x100, as the papers print it): greedy, of the model's own decoder and of a LiT decoder trained on its frozen encoder. "
                     "Zero-shot (%): cos = the contrastive towers, ar/par = a captioner's autoregressive and "
-                    "parallel scores, lit = a text tower trained against the frozen encoder. Word order (%): mean "
-                    "over each set's categories.\n")
+                    "parallel scores, lit = a text tower trained against the frozen encoder. Word order (%): ARO's "
+                    "precision@1, the true caption above all its perturbations at once.\n")
     _log(run_dir, path, curves)
     return path
 
 
 def _fmt(v, pct=True):
-    return "-" if v is None else (f"{100 * v:.1f}" if pct else f"{v:.3f}")
+    return "-" if v is None else (f"{100 * v:.1f}" if pct else f"{v:.1f}")
 
 
 def _table(rows) -> str:

@@ -361,7 +361,7 @@ def summary(results: dict) -> str:
             lines.append(f"    {name:<20}" + "".join(f"{cells.get(k, '-'):>16}" for k in shots))
     for name, decoders in results.get("captioning", {}).items():
         for dec, r in decoders.items():
-            lines.append(f"  captioning {name} {dec:<11} CIDEr {r['cider']:.3f}  BLEU-4 {r['bleu4']:.3f}")
+            lines.append(f"  captioning {name} {dec:<11} CIDEr {r['cider']:.1f}  BLEU-4 {r['bleu4']:.1f}")
     for name, zs in results.get("zeroshot", {}).items():
         for scorer, r in zs.items():
             if isinstance(r, dict):
