@@ -108,3 +108,19 @@ def test_every_reference_caption_is_a_case():
     assert [t for _, t, _ in cases] == ["a dog on a red sofa", "the brown dog sleeps on a couch", "a dog",
                                         "two cats in a box", "a pair of cats sitting inside a cardboard box"]
     assert all(set(n) == set(KINDS) for _, _, n in cases)
+
+
+def test_without_wordnet_an_aro_set_is_refused_before_any_work(monkeypatch, tmp_path):
+    from infra.errors import UserError
+    from trainers.evaluation import postag
+    from trainers.evaluation.config import EvalConfig
+    from trainers.evaluation.datasets import check_exists
+
+    monkeypatch.setattr(postag, "WORDNET_DIR", tmp_path)
+    postag._lexicon.cache_clear()
+    try:
+        ec = EvalConfig(wordorder=[WordOrderSet(name="aro", kind="aro", source="coco")])
+        with pytest.raises(UserError, match="install the Debian package wordnet-base"):
+            check_exists(ec)
+    finally:
+        postag._lexicon.cache_clear()

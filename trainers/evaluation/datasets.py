@@ -213,6 +213,10 @@ def check_exists(ec) -> None:
                             "dataset-fashion-mnist, or remove the set from eval.fewshot / eval.zeroshot")
         if s.kind != "builtin" and Path(s.path).expanduser().is_absolute() and not Path(s.path).expanduser().exists():
             raise UserError(f"evaluation set {s.name}: {s.path} does not exist")
+    if any(w.kind == "aro" for w in ec.wordorder):
+        from .postag import _lexicon
+
+        _lexicon()      # ARO's noun/adjective perturbations: WordNet must be there before training starts
     for c in ec.captioning:
         for p in (c.path, c.images):
             if p and Path(p).expanduser().is_absolute() and not any(ch in p for ch in "*?[") \
