@@ -99,3 +99,29 @@ def test_features_from_tokens_are_the_models_image_features(family):
     x = torch.randn(3, 3, 16, 16)
     with torch.no_grad():
         assert torch.allclose(features_from_tokens(m, encoder_of(m)(x)), m.image_features(x), atol=1e-6)
+
+
+def test_zero_shot_averages_a_class_prompts_as_clip_does():
+    """Class A: three prompts that all sit near the image. Class B: one prompt equal to the image, two
+    far from it. The best single prompt is B's; the averaged class embedding is A's (CLIP's prompt
+    ensembling; taking the max prompt would answer B)."""
+    import torch
+    import torch.nn.functional as F
+
+    from trainers.evaluation.run import _prompt_ensemble
+
+    img = F.normalize(torch.tensor([[1.0, 0.2]]), dim=-1)
+    prompts = F.normalize(torch.tensor([[1.0, 0.3], [1.0, 0.3], [1.0, 0.3],     # class A
+                                        [1.0, 0.2], [0.0, 1.0], [-0.2, 1.0]]), dim=-1)   # class B
+
+    class Towers:
+        def embed_image(self, x):
+            return img.expand(len(x), -1)
+
+        def embed_text(self, ids):
+            return prompts[ids[:, 0]]
+
+    cands = torch.arange(6)[:, None]
+    scores = _prompt_ensemble(Towers(), torch.zeros(1, 3, 4, 4), cands, 2, torch.device("cpu"))
+    assert scores.shape == (1, 2) and scores.argmax(1).item() == 0
+    assert (img @ prompts.T).argmax().item() == 3       # the single best prompt is class B's

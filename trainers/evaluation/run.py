@@ -44,6 +44,15 @@ def _batched(fn, x: torch.Tensor, *rest, device: torch.device, batch: int = 128)
     return torch.cat([fn(x[i:i + batch].to(device), *rest).float().cpu() for i in range(0, len(x), batch)])
 
 
+@torch.no_grad()
+def _prompt_ensemble(model, x: torch.Tensor, cands: torch.Tensor, classes: int, device) -> torch.Tensor:
+    """CLIP's prompt ensembling: a class is the normalised mean of its prompts' unit text embeddings;
+    an image's score for it, their cosine. x (B, 3, S, S); cands (classes*per, L), class-major -> (B, classes)."""
+    text = torch.cat([model.embed_text(cands[i:i + 256].to(device)).float() for i in range(0, len(cands), 256)])
+    cls = torch.nn.functional.normalize(text.reshape(classes, -1, text.shape[-1]).mean(1), dim=-1)
+    return _batched(lambda b: model.embed_image(b).float() @ cls.T, x, device=device)
+
+
 def _features(model, images: torch.Tensor, batch: int = 128) -> np.ndarray:
     return _batched(model.image_features, images, device=_dev(model), batch=batch).numpy()
 
@@ -235,17 +244,19 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
             cands = _encode(sp, prompts, cfg.max_len, eos=ec.eos)
             scorers = []
             if captioner:
-                scorers += [("ar", lambda: _batched(model.score_ar, x, cands, device=dev), "logsumexp"),
-                            ("parallel", lambda: _batched(model.score_parallel, x, cands, device=dev), "logsumexp")]
+                def likelihood(fn):     # a class's score: log-sum-exp of its prompts' log-likelihoods
+                    return torch.logsumexp(_batched(fn, x, cands, device=dev).reshape(len(x), len(classes), per), -1)
+
+                scorers += [("ar", lambda: likelihood(model.score_ar)),
+                            ("parallel", lambda: likelihood(model.score_parallel))]
             if family.embeds_text:
-                scorers.append(("cosine", lambda: _batched(model.score, x, cands, device=dev), "max"))
+                scorers.append(("cosine", lambda: _prompt_ensemble(model, x, cands, len(classes), dev)))
             if lit_text is not None:
-                scorers.append(("lit", lambda: _batched(lit_text.score, x, cands, device=dev), "max"))
+                scorers.append(("lit", lambda: _prompt_ensemble(lit_text, x, cands, len(classes), dev)))
             res = {"classes": len(classes), "prompts_per_class": per}
-            for name, fn, agg in scorers:
+            for name, fn in scorers:
                 t1 = time.perf_counter()
-                sc = fn().reshape(len(x), len(classes), per)
-                sc = torch.logsumexp(sc, -1) if agg == "logsumexp" else sc.max(-1).values
+                sc = fn()
                 res[name] = {"accuracy": float((sc.argmax(1).numpy() == truth).mean()),
                              "seconds_per_1000_images": (time.perf_counter() - t1) * 1000 / len(x)}
             zs[s.name] = res

@@ -100,11 +100,18 @@ class CoCa(nn.Module):
         h = self.multimodal.hidden(h, mask, memory, cache=None if cache is None else cache["multi"], start=start)
         return self.multimodal.head(h)
 
+    def embed_image(self, images):
+        """(B, 3, S, S) -> (B, E), unit length."""
+        return self._image(images)[0]
+
+    def embed_text(self, tokens):
+        """(C, L) -> (C, E), unit length."""
+        return self._unimodal(tokens)[1]
+
     @torch.no_grad()
     def score(self, images, candidates):
         """Cosine of image and text embeddings, (B, 3, S, S), (C, L) -> (B, C)."""
-        zimg, _ = self._image(images)
-        return zimg @ self._unimodal(candidates)[1].T
+        return self.embed_image(images) @ self.embed_text(candidates).T
 
     @torch.no_grad()
     def score_ar(self, images, candidates):
