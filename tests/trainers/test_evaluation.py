@@ -125,3 +125,20 @@ def test_zero_shot_averages_a_class_prompts_as_clip_does():
     scores = _prompt_ensemble(Towers(), torch.zeros(1, 3, 4, 4), cands, 2, torch.device("cpu"))
     assert scores.shape == (1, 2) and scores.argmax(1).item() == 0
     assert (img @ prompts.T).argmax().item() == 3       # the single best prompt is class B's
+
+
+def test_probe_images_are_resized_and_centrally_cropped_not_squashed():
+    """A wide image, green in its centre square and red at the sides: the probes see only green."""
+    from PIL import Image
+
+    from trainers.evaluation.run import _prep
+
+    arr = np.zeros((32, 96, 3), np.uint8)
+    arr[:, :, 0] = 255
+    arr[:, 32:64] = (0, 255, 0)
+    for image in (Image.fromarray(arr), arr):
+        x = _prep([image], 16, crop=True)[0]
+        assert x.shape == (3, 16, 16)
+        assert float(x[1].min()) > 0.9 and float(x[0].max()) < -0.9       # all green, no red
+    squashed = _prep([Image.fromarray(arr)], 16)[0]
+    assert float(squashed[0].max()) > 0.9                                  # captioning keeps the whole frame

@@ -28,8 +28,27 @@ from .config import EvalConfig
 TASKS = ("fewshot", "captioning", "zeroshot", "wordorder")
 
 
-def _prep(images: list, size: int) -> torch.Tensor:
-    return torch.from_numpy(np.stack([to_input(im, size) for im in images]))
+def central_square(image):
+    """The largest centred square of an image (PIL or array): with the resize in to_input, the probes'
+    and zero-shot's resize + central crop (CLIP's and big_vision's evaluation preprocessing), where a
+    plain resize would squash a non-square image."""
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        arr = np.asarray(image)
+        h, w = arr.shape[:2]
+        side = min(h, w)
+        return arr[(h - side) // 2:(h - side) // 2 + side, (w - side) // 2:(w - side) // 2 + side]
+    w, h = image.size
+    side = min(w, h)
+    left, top = (w - side) // 2, (h - side) // 2
+    return image.crop((left, top, left + side, top + side))
+
+
+def _prep(images: list, size: int, crop: bool = False) -> torch.Tensor:
+    """Images as the model reads them; crop: resize + central crop (classification), else the whole
+    image resized (captioning and word order, whose captions may speak of the edges)."""
+    return torch.from_numpy(np.stack([to_input(central_square(im) if crop else im, size) for im in images]))
 
 
 @torch.no_grad()
@@ -107,7 +126,7 @@ def _fewshot(model, cfg, sets, ec: EvalConfig, shots, strict, results, run_dir: 
                                 "or a larger set")
             results["skipped"].append(f"few-shot on {s.name}: {sorted(set(shots) - set(fitting))}-shot left out, "
                                       f"a class has only {counts.min()} examples")
-        x = _prep(images, cfg.image_size)
+        x = _prep(images, cfg.image_size, crop=True)
         k = ec.map_probe.shots
         map_probe_runs = bool(ec.map_probe.steps) and k < counts.min()
         tokens = _tokens(model, x) if map_probe_runs else None     # the encoder runs once for both probes
@@ -236,7 +255,7 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
         zs = {}
         for s in ec.zeroshot:
             images, labels = load_classification(s, run_dir)
-            x = _prep(images, cfg.image_size)
+            x = _prep(images, cfg.image_size, crop=True)
             classes = sorted(set(labels))
             prompts = [t.format(c) for c in classes for t in s.templates]
             per = len(s.templates)
