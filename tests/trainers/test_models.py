@@ -266,3 +266,17 @@ def test_every_dispatch_on_a_family_reads_its_spec():
     assert ModelConfig(family="cappa").pa_prob == 0.75 and ModelConfig(family="cap").pa_prob == 0.0
     with pytest.raises(ValueError, match="unknown model family 'vit'; choose one of cap, cappa"):
         spec("vit")
+
+
+def test_coca_text_halves_are_as_deep_as_open_clips_configs():
+    """open_clip's CoCa ViT-B: 12 unimodal + 12 multimodal text layers beside the 12-layer encoder,
+    and no position embedding of the multimodal half's own."""
+    import torch
+
+    from trainers.models import build_model
+    from trainers.models.config import ModelConfig
+
+    with torch.device("meta"):
+        m = build_model(ModelConfig(family="coca", size="b16", vocab_size=32000))
+    assert len(m.encoder.blocks) == 12 and len(m.unimodal.blocks) == 12 and len(m.multimodal.blocks) == 12
+    assert m.multimodal.pos is None and not any("multimodal.pos" in n for n, _ in m.named_parameters())

@@ -33,7 +33,9 @@ class CoCa(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        d, half = cfg.dim, max(1, cfg.num_layers // 2)
+        # each text half as deep as the encoder (decoder_depth overrides both), as open_clip's CoCa
+        # configs have it: B/16 has 12 unimodal and 12 multimodal layers
+        d, half = cfg.dim, cfg.decoder_depth or cfg.num_layers
         self.encoder = ViT(cfg, pool="gap")
         self.con_pool = MAPHead(d, cfg.num_heads, cfg.mlp_dim, queries=1, bias=cfg.bias)
         self.cap_pool = MAPHead(d, cfg.num_heads, cfg.mlp_dim, queries=cfg.caption_queries, bias=cfg.bias)
@@ -42,9 +44,8 @@ class CoCa(nn.Module):
         # unimodal: embeddings (V+1 rows: id V is [CLS]) and causal blocks, positions for L + 1
         self.unimodal = TextDecoder(cfg, half, cross=False, max_len=cfg.max_len + 1, head=False)
         self.text_proj = nn.Linear(d, cfg.out_dim, bias=False)
-        self.multimodal = TextDecoder(cfg, half, cross=True, embed=False)
-        with torch.no_grad():
-            self.multimodal.pos.zero_()  # positions are already in the unimodal output
+        # no positions of its own: they are already in the unimodal output
+        self.multimodal = TextDecoder(cfg, half, cross=True, embed=False, positions=False)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
 
     def _image(self, images):

@@ -16,11 +16,11 @@ class TextDecoder(nn.Module):
     """Embedding (V+1 rows, std 1) + learned positions + blocks + final LN + untied, zero-init head."""
 
     def __init__(self, cfg: ModelConfig, layers: int, cross: bool, max_len: int | None = None,
-                 head: bool = True, embed: bool = True):
+                 head: bool = True, embed: bool = True, positions: bool = True):
         super().__init__()
         d = cfg.dim
         self.embed = nn.Embedding(cfg.vocab_size + 1, d) if embed else None  # init N(0, 1)
-        self.pos = nn.Parameter(torch.randn(1, max_len or cfg.max_len, d) * 0.02)
+        self.pos = nn.Parameter(torch.randn(1, max_len or cfg.max_len, d) * 0.02) if positions else None
         self.blocks = nn.ModuleList(Block(d, cfg.num_heads, cfg.mlp_dim, cross=cross, bias=cfg.bias)
                                     for _ in range(layers))
         self.ln = layer_norm(d, cfg.bias)
@@ -32,7 +32,8 @@ class TextDecoder(nn.Module):
     def hidden(self, x: torch.Tensor, mask: torch.Tensor | None, memory: torch.Tensor | None = None,
                cache: list | None = None, start: int = 0) -> torch.Tensor:
         """x: (B, L, D) input embeddings (positions are added here, from `start`) -> (B, L, D)."""
-        x = x + self.pos[:, start:start + x.shape[1]]
+        if self.pos is not None:
+            x = x + self.pos[:, start:start + x.shape[1]]
         for i, blk in enumerate(self.blocks):
             x = blk(x, mask=mask, memory=memory, cache=None if cache is None else cache[i])
         return self.ln(x)
