@@ -1,6 +1,7 @@
 """Optimiser and schedule: AdamW, or the paper's Adafactor variant (trainers/adafactor.py, big_vision's),
-linear warmup then cosine to 0, decoupled weight decay on weight matrices only (not biases, norms,
-position or token embeddings, probes). With Adafactor, weight_decay is big_vision's `wd`: multiplied
+linear warmup then cosine to 0, decoupled weight decay on every kernel, as big_vision's default
+`wd_mults` ('.*/kernel$'): the weights of every Linear and Conv, the patch embedding's included; not
+biases, norms, position or token embeddings, probes. With Adafactor, weight_decay is big_vision's `wd`: multiplied
 by the schedule, not by the learning rate (the paper: lr 1e-3, wd 1e-4)."""
 from __future__ import annotations
 
@@ -12,13 +13,11 @@ from .train_config import OptimConfig
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    kernels = {id(m.weight) for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        parts = name.split(".")
-        embedding = "embed" in parts or parts[-1] in ("pos", "probe")
-        (decay if p.ndim >= 2 and not embedding else no_decay).append(p)
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if id(p) in kernels else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -280,3 +280,25 @@ def test_coca_text_halves_are_as_deep_as_open_clips_configs():
         m = build_model(ModelConfig(family="coca", size="b16", vocab_size=32000))
     assert len(m.encoder.blocks) == 12 and len(m.unimodal.blocks) == 12 and len(m.multimodal.blocks) == 12
     assert m.multimodal.pos is None and not any("multimodal.pos" in n for n, _ in m.named_parameters())
+
+
+def test_initialisation_and_biases_are_big_visions():
+    """At B/16 width: xavier blocks in the ViT (0.0361 for q, 0.0228 for the MLP, where PyTorch's
+    default gives 0.0208 and 0.0104), lecun-normal patch kernel and decoder attention, positions
+    N(0, 1/D), biases in the encoder and none in CapPa's decoder."""
+    import torch
+
+    from trainers.models import build_model
+    from trainers.models.config import ModelConfig
+
+    torch.manual_seed(0)
+    m = build_model(ModelConfig(family="cappa", size="b16", depth=1, decoder_depth=1, vocab_size=1000))
+    blk = m.encoder.blocks[0]
+    assert float(blk.attn.q.weight.std()) == pytest.approx(0.0361, rel=0.03)
+    assert float(blk.mlp[0].weight.std()) == pytest.approx(0.0228, rel=0.03)
+    assert float(m.encoder.embed.weight.std()) == pytest.approx((1 / (3 * 16 * 16)) ** 0.5, rel=0.03)
+    assert float(m.encoder.pos.std()) == pytest.approx(768 ** -0.5, rel=0.03)
+    assert float(m.decoder.pos.std()) == pytest.approx(768 ** -0.5, rel=0.03)
+    assert float(m.decoder.blocks[0].attn.q.weight.std()) == pytest.approx(768 ** -0.5, rel=0.03)
+    assert blk.attn.q.bias is not None and blk.mlp[0].bias is not None and blk.ln1.bias is not None
+    assert m.decoder.blocks[0].attn.q.bias is None and m.decoder.blocks[0].mlp[0].bias is None

@@ -37,7 +37,8 @@ class ModelConfig:
     mlp: int | None = None
     patch: int | None = None
     decoder_depth: int | None = None     # captioners: default half the encoder depth
-    bias: bool = False                   # biases in attention, MLP and LayerNorm (the paper removes them)
+    bias: bool = False                   # text side: biases in attention, MLP, LayerNorm (CapPa's decoder_bias off)
+    encoder_bias: bool = True            # the ViT's biases, as big_vision's ViT has them
     pool: Literal["gap", "map"] = "gap"  # contrastive towers and the probe's image features
     masked_pred_prob: float | None = None  # CapPa: 0.75, Cap: 0
     embed_dim: int | None = None         # contrastive embedding (default: width)

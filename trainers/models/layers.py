@@ -14,6 +14,24 @@ def layer_norm(d: int, bias: bool) -> nn.LayerNorm:
     return nn.LayerNorm(d, eps=1e-6, bias=bias)
 
 
+# big_vision's initialisers (flax): a PyTorch default Linear has std 1/sqrt(3 fan_in) (0.0208 for
+# fan_in 768), xavier_uniform sqrt(2/(fan_in+fan_out)) (0.0361 for 768x768, 0.0228 for 768x3072).
+def lecun_normal_(w: torch.Tensor) -> torch.Tensor:
+    """flax lecun_normal: truncated normal (at 2 std) of variance 1/fan_in, corrected for the truncation."""
+    fan_in = w[0].numel()
+    return nn.init.trunc_normal_(w, std=(1.0 / fan_in) ** 0.5 / 0.87962566103423978, a=-2 * (1.0 / fan_in) ** 0.5
+                                 / 0.87962566103423978, b=2 * (1.0 / fan_in) ** 0.5 / 0.87962566103423978)
+
+
+def init_linear(layer: nn.Linear, kind: str, bias_std: float = 0.0) -> None:
+    """kind "xavier" (big_vision's ViT attention and every MLP) or "lecun" (flax's default, the CapPa
+    decoder's attention); biases zero, or normal(bias_std) as big_vision's MLP biases (1e-6)."""
+    with torch.no_grad():
+        nn.init.xavier_uniform_(layer.weight) if kind == "xavier" else lecun_normal_(layer.weight)
+        if layer.bias is not None:
+            nn.init.normal_(layer.bias, std=bias_std) if bias_std else nn.init.zeros_(layer.bias)
+
+
 class Attention(nn.Module):
     """Multi-head attention via scaled_dot_product_attention, with an optional key/value cache.
 
@@ -22,7 +40,7 @@ class Attention(nn.Module):
     memory's keys/values once and reuses them.
     """
 
-    def __init__(self, d: int, heads: int, bias: bool = False):
+    def __init__(self, d: int, heads: int, bias: bool = False, init: str = "xavier"):
         super().__init__()
         assert d % heads == 0, f"width {d} is not divisible by {heads} heads"
         self.heads = heads
@@ -30,6 +48,8 @@ class Attention(nn.Module):
         self.k = nn.Linear(d, d, bias=bias)
         self.v = nn.Linear(d, d, bias=bias)
         self.out = nn.Linear(d, d, bias=bias)
+        for layer in (self.q, self.k, self.v, self.out):
+            init_linear(layer, init)
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:  # (B, L, D) -> (B, H, L, Dh)
         b, n, d = x.shape
@@ -57,19 +77,22 @@ class MLP(nn.Sequential):
     def __init__(self, d: int, hidden: int, bias: bool = False):
         super().__init__(nn.Linear(d, hidden, bias=bias), nn.GELU(approximate="tanh"),
                          nn.Linear(hidden, d, bias=bias))
+        init_linear(self[0], "xavier", 1e-6)
+        init_linear(self[2], "xavier", 1e-6)
 
 
 class Block(nn.Module):
     """Pre-LN block: x = t + SelfAttn(LN(t), mask); [x = x + CrossAttn(LN(x), memory)]; x + MLP(LN(x))."""
 
-    def __init__(self, d: int, heads: int, mlp: int, cross: bool = False, bias: bool = False):
+    def __init__(self, d: int, heads: int, mlp: int, cross: bool = False, bias: bool = False,
+                 attn_init: str = "xavier"):
         super().__init__()
         self.ln1 = layer_norm(d, bias)
-        self.attn = Attention(d, heads, bias)
+        self.attn = Attention(d, heads, bias, attn_init)
         self.cross = cross
         if cross:
             self.ln_x = layer_norm(d, bias)
-            self.xattn = Attention(d, heads, bias)
+            self.xattn = Attention(d, heads, bias, attn_init)
         self.ln2 = layer_norm(d, bias)
         self.mlp = MLP(d, mlp, bias)
 
@@ -89,7 +112,8 @@ class MAPHead(nn.Module):
 
     def __init__(self, d: int, heads: int, mlp: int, queries: int = 1, bias: bool = False):
         super().__init__()
-        self.probe = nn.Parameter(torch.randn(1, queries, d) * d ** -0.5)
+        # big_vision: xavier_uniform over a (1, 1, D) probe, i.e. U(+-sqrt(6 / (1 + D)))
+        self.probe = nn.Parameter(torch.empty(1, queries, d).uniform_(-(6 / (1 + d)) ** 0.5, (6 / (1 + d)) ** 0.5))
         self.attn = Attention(d, heads, bias)
         self.ln = layer_norm(d, bias)
         self.mlp = MLP(d, mlp, bias)

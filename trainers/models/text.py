@@ -20,8 +20,9 @@ class TextDecoder(nn.Module):
         super().__init__()
         d = cfg.dim
         self.embed = nn.Embedding(cfg.vocab_size + 1, d) if embed else None  # init N(0, 1)
-        self.pos = nn.Parameter(torch.randn(1, max_len or cfg.max_len, d) * 0.02) if positions else None
-        self.blocks = nn.ModuleList(Block(d, cfg.num_heads, cfg.mlp_dim, cross=cross, bias=cfg.bias)
+        # big_vision's CapPa decoder: positions N(0, 1/D), attention with flax's default lecun_normal
+        self.pos = nn.Parameter(torch.randn(1, max_len or cfg.max_len, d) * d ** -0.5) if positions else None
+        self.blocks = nn.ModuleList(Block(d, cfg.num_heads, cfg.mlp_dim, cross=cross, bias=cfg.bias, attn_init="lecun")
                                     for _ in range(layers))
         self.ln = layer_norm(d, cfg.bias)
         self.head = nn.Linear(d, cfg.vocab_size) if head else None
@@ -56,12 +57,15 @@ class TextEncoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d = cfg.dim
+        # big_vision's text tower is its ViT encoder over token embeddings: flax's Embed init
+        # N(0, 1/D), positions N(0, 1/D), xavier blocks with the encoder's biases
+        bias = cfg.encoder_bias
         self.embed = nn.Embedding(cfg.vocab_size, d)
-        nn.init.normal_(self.embed.weight, std=0.02)
-        self.pos = nn.Parameter(torch.randn(1, cfg.max_len, d) * 0.02)
-        self.blocks = nn.ModuleList(Block(d, cfg.num_heads, cfg.mlp_dim, bias=cfg.bias) for _ in range(cfg.num_layers))
-        self.ln = layer_norm(d, cfg.bias)
-        self.map = MAPHead(d, cfg.num_heads, cfg.mlp_dim, bias=cfg.bias) if cfg.pool == "map" else None
+        nn.init.normal_(self.embed.weight, std=d ** -0.5)
+        self.pos = nn.Parameter(torch.randn(1, cfg.max_len, d) * d ** -0.5)
+        self.blocks = nn.ModuleList(Block(d, cfg.num_heads, cfg.mlp_dim, bias=bias) for _ in range(cfg.num_layers))
+        self.ln = layer_norm(d, bias)
+        self.map = MAPHead(d, cfg.num_heads, cfg.mlp_dim, bias=bias) if cfg.pool == "map" else None
         self.proj = nn.Linear(d, cfg.out_dim, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

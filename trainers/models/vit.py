@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Block, MAPHead, layer_norm
+from .layers import Block, MAPHead, layer_norm, lecun_normal_
 
 
 class ViT(nn.Module):
@@ -19,12 +19,17 @@ class ViT(nn.Module):
         d, p = cfg.dim, cfg.patch_size
         self.patch = p
         n = (cfg.image_size // p) ** 2
+        bias = cfg.encoder_bias
+        # big_vision's ViT: lecun-normal patch kernel, positions N(0, 1/D), xavier blocks with biases
         self.embed = nn.Conv2d(3, d, kernel_size=p, stride=p, bias=True)
-        self.pos = nn.Parameter(torch.randn(1, n, d) * 0.02)
-        self.blocks = nn.ModuleList(Block(d, cfg.num_heads, cfg.mlp_dim, bias=cfg.bias) for _ in range(cfg.num_layers))
-        self.ln = layer_norm(d, cfg.bias)
+        with torch.no_grad():
+            lecun_normal_(self.embed.weight)
+            nn.init.zeros_(self.embed.bias)
+        self.pos = nn.Parameter(torch.randn(1, n, d) * d ** -0.5)
+        self.blocks = nn.ModuleList(Block(d, cfg.num_heads, cfg.mlp_dim, bias=bias) for _ in range(cfg.num_layers))
+        self.ln = layer_norm(d, bias)
         self.pool = pool or cfg.pool
-        self.map = MAPHead(d, cfg.num_heads, cfg.mlp_dim, bias=cfg.bias) if self.pool == "map" else None
+        self.map = MAPHead(d, cfg.num_heads, cfg.mlp_dim, bias=bias) if self.pool == "map" else None
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """(B, 3, S, S) -> all final patch tokens (B, N, D)."""
