@@ -96,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     xp.add_argument("--budget", default="cpu-10min",
                     help=f"{', '.join(BUDGETS)} (default cpu-10min): model size, steps and batch of each training, "
                          "and of the LiT decoder, LiT text tower and MAP probe")
+    xp.add_argument("--recipe", default="paper", choices=["paper", "config"],
+                    help="paper (default): each model trains with its paper's optimiser (CapPa's big_vision Adafactor, "
+                         "lr 1e-3, weight decay 1e-4; ClipCap's AdamW 2e-5); config: with the run config's train.optim")
     xp.add_argument("--models", default="cap,cappa,clip",
                     help="comma-separated families (default: cap,cappa,clip; also siglip, coca, and clipcap, "
                          "which trains on the experiment's frozen CLIP* encoder)")
@@ -465,7 +468,8 @@ def _main(argv: list[str] | None = None) -> int:
             from .lock import run_lock
 
             with run_lock(run_dir, log=_say), ray_session(cfg.ray, args.address, log=_say):
-                path = run_experiment(run_dir, cfg.train, cfg.seed, models, args.budget, log=_say, eval_cfg=cfg.eval)
+                path = run_experiment(run_dir, cfg.train, cfg.seed, models, args.budget, log=_say, eval_cfg=cfg.eval,
+                                      recipe=args.recipe)
             print(path.read_text())
             return 0
         if args.command == "eval":

@@ -17,16 +17,29 @@ class OptimConfig:
     warmup_steps: int = 100
     schedule: Literal["cosine", "linear"] = "cosine"   # after warmup: cosine to 0, or linear to 0 (ClipCap's)
     clip: float = 1.0              # gradient norm clipping (0: off)
+    check_recipe: bool = True      # refuse a weight decay far from every published recipe (false: allow)
 
     def validate(self, prefix: str) -> None:
         require(self.lr > 0, join(prefix, "lr"), f"must be > 0, got {self.lr}")
         require(self.weight_decay >= 0, join(prefix, "weight_decay"), "must be >= 0")
+        # The two optimisers read weight_decay differently: big_vision's Adafactor decays by wd x schedule
+        # (the paper: 1e-4), AdamW by wd x lr (CLIP, open_clip: 0.1-0.2 at lr ~5e-4, i.e. ~1e-4 per step).
+        per_step = self.weight_decay * (1.0 if self.name == "adafactor" else self.lr)
+        require(not self.check_recipe or per_step <= 1e-2, join(prefix, "weight_decay"),
+                f"{self.weight_decay} with {self.name} decays weights by {per_step:g} of themselves per step, "
+                f"{per_step / 1e-4:.0f}x the published recipes' ~1e-4"
+                + (" (Adafactor's decay is not multiplied by the learning rate: the paper uses 1e-4)"
+                   if self.name == "adafactor" else "") + f"; lower it, or set {join(prefix, 'check_recipe')}=false")
         require(self.warmup_steps >= 0, join(prefix, "warmup_steps"), "must be >= 0")
         require(self.clip >= 0, join(prefix, "clip"), "must be >= 0")
 
 
 # Published recipes, applied under what the config sets itself (pipeline/config.py: load_config).
 RECIPES = {
+    # Tschannen et al. 2023 (big_vision): Adafactor with momentum 0.9, beta2 cap 0.999, lr 1e-3, decoupled
+    # decay 1e-4 on every kernel, cosine with linear warmup (10k of 650k steps at batch 8k)
+    "paper": {"optim": {"name": "adafactor", "lr": 1e-3, "weight_decay": 1e-4, "beta1": 0.9, "beta2": 0.999,
+                        "schedule": "cosine", "clip": 1.0}},
     # Mokady et al. 2021: AdamW, lr 2e-5, 5,000 warmup steps, then linear decay; batch 40
     "clipcap": {"global_batch": 40, "optim": {"name": "adamw", "lr": 2e-5, "warmup_steps": 5000, "schedule": "linear"}},
 }
@@ -60,7 +73,7 @@ class TrainConfig:
     sample_every: int = 100        # captioning models: log a few generated captions every N steps
     image_encoder: str | None = None  # clipcap: a capline checkpoint whose encoder stays frozen
     lm_checkpoint: str | None = None  # clipcap: a trained ClipCap checkpoint whose LM (lm.*) to start from
-    recipe: Literal["clipcap"] | None = None  # a published recipe's optimiser and batch under your values
+    recipe: Literal["clipcap", "paper"] | None = None  # a published recipe's optimiser and batch under your values
     experiment: str = "capline"
     optim: OptimConfig = field(default_factory=OptimConfig)
 

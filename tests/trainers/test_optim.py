@@ -1,5 +1,6 @@
 """Unit: the paper's Adafactor variant (big_vision's scale_by_adafactor) against a hand-written step."""
 import numpy as np
+import pytest
 import torch
 
 from trainers.adafactor import Adafactor, factored_dims
@@ -60,3 +61,30 @@ def test_build_optimizer_gives_the_variant_with_momentum():
 
     opt = build_optimizer(torch.nn.Linear(40, 40), OptimConfig(name="adafactor", weight_decay=1e-4))
     assert isinstance(opt, Adafactor) and opt.defaults["momentum"] == 0.9 and opt.defaults["beta2_cap"] == 0.999
+
+
+def test_experiment_trains_with_the_papers_recipe_unless_told_otherwise():
+    from trainers.evaluation.experiment import experiment_optim
+
+    mine = {"name": "adamw", "lr": 3e-4, "weight_decay": 0.05, "warmup_steps": 100, "schedule": "cosine"}
+    paper = experiment_optim("cappa", 300, "paper", mine)
+    assert (paper["name"], paper["lr"], paper["weight_decay"], paper["schedule"]) == ("adafactor", 1e-3, 1e-4, "cosine")
+    assert paper["warmup_steps"] == 5                      # the paper's 10k of 650k steps, at 300 steps
+    clipcap = experiment_optim("clipcap", 300, "paper", mine)
+    assert (clipcap["name"], clipcap["lr"], clipcap["schedule"]) == ("adamw", 2e-5, "linear")
+    assert experiment_optim("clip", 300, "config", mine) == mine
+
+
+def test_a_weight_decay_far_from_every_published_recipe_is_refused():
+    from infra.configtools import build
+    from infra.errors import UserError
+    from trainers.train_config import OptimConfig
+
+    with pytest.raises(UserError, match=r"train.optim.weight_decay.*1000x.*not multiplied by the learning rate.*"
+                                        r"train.optim.check_recipe=false"):
+        build(OptimConfig, {"name": "adafactor", "weight_decay": 0.1}, "train.optim")
+    build(OptimConfig, {"name": "adafactor", "weight_decay": 1e-4}, "train.optim")
+    build(OptimConfig, {"name": "adamw", "weight_decay": 0.1, "lr": 1e-3}, "train.optim")      # 1e-4 per step
+    with pytest.raises(UserError, match="train.optim.weight_decay"):
+        build(OptimConfig, {"name": "adamw", "weight_decay": 50.0, "lr": 1e-3}, "train.optim")
+    build(OptimConfig, {"name": "adafactor", "weight_decay": 0.1, "check_recipe": False}, "train.optim")

@@ -60,8 +60,26 @@ def check_experiment(run_dir: Path, models, budget: str) -> None:
         raise UserError(f"{run_dir}: no final shards and tokenizer; run `capline run --until shard` first")
 
 
+RECIPE_CHOICES = ("paper", "config")
+
+
+def experiment_optim(model: str, steps: int, recipe: str, configured: dict) -> dict:
+    """The optimiser a model trains with in the experiment. recipe "paper": the CapPa paper's (big_vision
+    Adafactor, lr 1e-3, decay 1e-4 on every kernel, cosine) for every family but ClipCap, which keeps
+    its own paper's (AdamW 2e-5, linear); warmup as the papers' share of their runs (10k of 650k
+    steps; ClipCap 5k of its ~150k). recipe "config": the run config's train.optim as it is."""
+    from trainers.train_config import RECIPES
+
+    if recipe == "config":
+        return configured
+    if recipe not in RECIPE_CHOICES:
+        raise UserError(f"--recipe {recipe}: choose one of {', '.join(RECIPE_CHOICES)}")
+    name, share = ("clipcap", 5_000 / 150_000) if model == "clipcap" else ("paper", 10_000 / 650_000)
+    return {**configured, **RECIPES[name]["optim"], "warmup_steps": max(1, round(steps * share))}
+
+
 def run_experiment(run_dir: Path, train_cfg, seed: int, models=("cap", "cappa", "clip"), budget="cpu-10min",
-                   log=print, eval_cfg=None) -> Path:
+                   log=print, eval_cfg=None, recipe: str = "paper") -> Path:
     from trainers.models.checkpoint import load_model
     from trainers.run import train
     from infra.storage import Storage
@@ -82,14 +100,15 @@ def run_experiment(run_dir: Path, train_cfg, seed: int, models=("cap", "cappa", 
     for m in order:
         base = {k: v for k, v in dataclasses.asdict(train_cfg).items() if k not in ("optim",)}
         base.update(BUDGETS[budget], model=m, sample_every=0, experiment="capline-paper")
-        optim = dataclasses.asdict(train_cfg.optim)
-        if m == "clipcap":   # on the frozen CLIP* encoder trained above; its own recipe's optimiser
+        optim = experiment_optim(m, base["steps"], recipe, dataclasses.asdict(train_cfg.optim))
+        if m == "clipcap":   # on the frozen CLIP* encoder trained above
             base["image_encoder"] = str(run_dir / "experiment" / "clip" / "model")
             base["model_args"] = {k: v for k, v in base["model_args"].items() if k != "patch"}
         tc = build(TrainConfig, {**base, "optim": optim}, "train")
         out = run_dir / "experiment" / m
         done = out / "experiment.json"   # a rerun reuses the models it finished, with the same budget
-        if done.is_file() and json.loads(done.read_text()).get("budget") == budget:
+        if done.is_file() and json.loads(done.read_text()).get("budget") == budget and \
+                json.loads(done.read_text()).get("optim") == optim:
             saved = json.loads(done.read_text())
             log(f"experiment: {NAMES[m]} done before with budget {budget}, reused")
             curves[NAMES[m]] = saved["curve"]
@@ -109,11 +128,16 @@ def run_experiment(run_dir: Path, train_cfg, seed: int, models=("cap", "cappa", 
         c = client(tracking_uri(run_dir))
         curves[NAMES[m]] = [(x.step, x.value) for x in c.get_metric_history(result["mlflow_run_id"], "loss")]
         rows.append((NAMES[m], params, tc.steps * tc.global_batch / wall, ev))
-        done.write_text(json.dumps({"budget": budget, "params": params, "examples_per_s": rows[-1][2],
+        done.write_text(json.dumps({"budget": budget, "optim": optim, "params": params, "examples_per_s": rows[-1][2],
                                     "curve": curves[NAMES[m]], "eval": ev}))
     table = _table(rows)
     path = run_dir / "paper_table.md"
-    path.write_text(f"# Cap vs CapPa vs CLIP* on {run_dir.name} (budget {budget})\n\n{table}\n\n"
+    recipe_line = ("the CapPa paper's recipe (Adafactor, lr 1e-3, weight decay 1e-4 on every kernel, cosine with "
+                   "warmup; ClipCap: its paper's AdamW 2e-5)" if recipe == "paper" else
+                   f"the run config's train.optim ({train_cfg.optim.name}, lr {train_cfg.optim.lr:g}, "
+                   f"weight decay {train_cfg.optim.weight_decay:g})")
+    path.write_text(f"# Cap vs CapPa vs CLIP* on {run_dir.name} (budget {budget})\n\nTrained with {recipe_line}.\n\n"
+                    f"{table}\n\n"
                     "Few-shot: 10-shot accuracy (%) of the linear (big_vision fewshot_lsr) and MAP-head probes. "
                     "CIDEr (x100, as the papers print it): greedy, of the model's own decoder and of a LiT decoder trained on its frozen encoder. "
                     "Zero-shot (%): cos = the contrastive towers, ar/par = a captioner's autoregressive and "
