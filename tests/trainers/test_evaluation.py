@@ -29,8 +29,39 @@ def test_probe_on_raw_digit_pixels_matches_scikit_learn_ridge():
 
 
 def test_too_few_examples_per_class_is_an_error():
-    with pytest.raises(UserError, match="25-shot needs more than 25"):
+    with pytest.raises(UserError, match="class 1 has 20 examples to draw from; 25-shot needs at least 25"):
         few_shot_split(np.array([0] * 30 + [1] * 20), 25, 0)
+
+
+def test_few_shot_tests_on_one_held_out_split_never_drawn_from():
+    from trainers.evaluation.fewshot import holdout_split
+
+    y = np.repeat(np.arange(4), 40)
+    pool, test = holdout_split(y, 0.5)
+    assert len(test) == 80 and np.array_equal(np.unique(y[test], return_counts=True)[1], [20] * 4)
+    assert np.array_equal(holdout_split(y, 0.5)[1], test)              # fixed: the same for every call
+    for k in (1, 10):
+        for seed in range(3):
+            tr, rest = few_shot_split(y, k, seed, pool)
+            assert not set(tr) & set(test) and not set(rest) & set(test) and len(tr) == 4 * k
+
+
+def test_map_probe_sweep_picks_its_setting_on_validation():
+    import torch
+
+    from trainers.evaluation.lit import map_probe
+    from trainers.models import ModelConfig
+
+    torch.manual_seed(0)
+    def tokens(labels):          # class c: token 0 carries +3 on feature c
+        t = torch.randn(len(labels), 4, 8) * 0.3
+        t[torch.arange(len(labels)), 0, torch.from_numpy(labels)] += 3.0
+        return t
+
+    ytr, yval, yte = np.repeat(np.arange(3), 5), np.repeat(np.arange(3), 5), np.repeat(np.arange(3), 30)
+    cfg = ModelConfig(family="cappa", width=8, heads=2, mlp=16)
+    out = map_probe((tokens(ytr), ytr), (tokens(yval), yval), (tokens(yte), yte), cfg, 40, [1e-9, 1e-2], seed=0)
+    assert out["lr"] == 1e-2 and out["steps"] in (20, 40) and out["accuracy"] > 0.9
 
 
 def test_cider_ranks_perfect_above_shuffled_and_matches_pycocoevalcap():

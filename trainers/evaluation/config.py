@@ -12,7 +12,8 @@ Paths are absolute or relative to the run folder (the demo's held-out split is
       shots: [1, 5, 10, 25]
       lit_decoder: {steps, batch_size, lr}     # a fresh decoder on the frozen encoder, every family
       lit: {steps, batch_size, lr}             # a text tower against the frozen encoder (Cap/CapPa)
-      map_probe: {steps, lr, shots}            # a MAP head + linear layer on frozen tokens
+      map_probe: {steps, lr, shots, sweep}     # a MAP head + linear layer on frozen tokens
+      holdout: 0.5                             # share of each few-shot class held out as the test split
 """
 from __future__ import annotations
 
@@ -97,6 +98,7 @@ class MapProbe:
     steps: int = 100
     lr: float = 3e-3
     shots: int = 10
+    sweep: bool = True             # also lr/3 and 3*lr, each read at steps/2 and steps; best on validation
 
     def validate(self, prefix: str) -> None:
         require(self.steps >= 0, join(prefix, "steps"), "must be >= 0 (0: skip the MAP-head probe)")
@@ -121,8 +123,10 @@ class EvalConfig:
     lit_decoder: Budget = field(default_factory=Budget)
     lit: Budget = field(default_factory=lambda: Budget(steps=300, batch_size=64))
     map_probe: MapProbe = field(default_factory=MapProbe)
+    holdout: float = 0.5           # share of each few-shot set's classes held out as its test split
 
     def validate(self, prefix: str) -> None:
+        require(0 < self.holdout < 1, join(prefix, "holdout"), f"a share between 0 and 1, got {self.holdout}")
         require(bool(self.shots) and all(k >= 1 for k in self.shots), join(prefix, "shots"),
                 "a list of shot counts >= 1, e.g. [1, 5, 10, 25]")
         require(self.seeds >= 1, join(prefix, "seeds"), "must be >= 1")

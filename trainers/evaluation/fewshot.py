@@ -1,6 +1,10 @@
 """Few-shot linear probe, as big_vision's fewshot_lsr: frozen features, standardised with the
 few-shot set's own mean and std, a constant bias feature, targets 2*onehot-1, closed-form ridge
 regression (lambda 2**10), accuracy of the argmax. Shots per class, several seeds, mean and spread.
+
+The test images are a held-out split: a fixed share of each class (`holdout_split`, the same for
+every seed and shot count), never among the images the shots are drawn from, as the paper evaluates
+on a test split its few-shot examples never come from.
 """
 from __future__ import annotations
 
@@ -27,32 +31,56 @@ def ridge_fit_predict(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarr
     return (xte @ w).argmax(1)
 
 
-def few_shot_split(labels: np.ndarray, shots: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """`shots` examples per class for training (by seed), the rest for testing."""
-    rng = np.random.default_rng(seed)
-    train = []
+HOLDOUT_SEED = 12345
+
+
+def holdout_split(labels: np.ndarray, share: float) -> tuple[np.ndarray, np.ndarray]:
+    """-> (pool, test) indices: `share` of each class (at least one image) held out for testing, by a
+    fixed seed; the shots of every seed are drawn from the pool."""
+    rng = np.random.default_rng(HOLDOUT_SEED)
+    test = []
     for c in np.unique(labels):
         idx = np.where(labels == c)[0]
-        if len(idx) <= shots:
-            raise UserError(f"class {c} has {len(idx)} examples; {shots}-shot needs more than {shots} "
-                            "(some must remain for testing)")
+        test += list(rng.choice(idx, size=max(1, int(round(share * len(idx)))), replace=False))
+    test = np.array(sorted(test))
+    return np.setdiff1d(np.arange(len(labels)), test), test
+
+
+def pool_sizes(labels: np.ndarray, share: float) -> int:
+    """The fewest pool images of any class: the most shots (plus validation) a set can serve."""
+    pool, _ = holdout_split(labels, share)
+    return int(np.unique(labels[pool], return_counts=True)[1].min())
+
+
+def few_shot_split(labels: np.ndarray, shots: int, seed: int, pool: np.ndarray | None = None,
+                   extra: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """`shots` examples per class drawn (by seed) from `pool` (default: every index) -> (train, rest
+    of the pool). extra: examples per class that must remain in the rest (validation)."""
+    rng = np.random.default_rng(seed)
+    pool = np.arange(len(labels)) if pool is None else pool
+    train = []
+    for c in np.unique(labels):
+        idx = pool[labels[pool] == c]
+        if len(idx) < shots + extra or not len(idx):
+            raise UserError(f"class {c} has {len(idx)} examples to draw from; {shots}-shot needs at least "
+                            f"{shots + extra}")
         train += list(rng.choice(idx, size=shots, replace=False))
     train = np.array(sorted(train))
-    test = np.setdiff1d(np.arange(len(labels)), train)
-    return train, test
+    return train, np.setdiff1d(pool, train)
 
 
 def probe(features: np.ndarray, labels: np.ndarray, shots=(1, 5, 10, 25), seeds=(0, 1, 2),
-          lam: float = 2.0 ** 10) -> dict:
-    """-> {shots: {"mean": acc, "std": acc, "runs": [...]}} for each shot count."""
+          lam: float = 2.0 ** 10, holdout: float = 0.5) -> dict:
+    """-> {shots: {"mean": acc, "std": acc, "runs": [...]}} for each shot count, on the held-out split."""
     classes = {c: i for i, c in enumerate(sorted(set(labels.tolist())))}
     y = np.array([classes[c] for c in labels.tolist()])
+    pool, test = holdout_split(y, holdout)
     out = {}
     for k in shots:
         accs = []
         for s in seeds:
-            tr, te = few_shot_split(y, k, s)
-            pred = ridge_fit_predict(features[tr], y[tr], features[te], len(classes), lam)
-            accs.append(float((pred == y[te]).mean()))
+            tr, _ = few_shot_split(y, k, s, pool)
+            pred = ridge_fit_predict(features[tr], y[tr], features[test], len(classes), lam)
+            accs.append(float((pred == y[test]).mean()))
         out[k] = {"mean": float(np.mean(accs)), "std": float(np.std(accs)), "runs": accs}
     return out

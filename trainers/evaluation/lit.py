@@ -129,20 +129,39 @@ def train_lit_text(model, cfg: ModelConfig, shards: list[Path], tokenizer: Path,
     return lit.eval()
 
 
-def map_probe(train_tokens: torch.Tensor, train_y: np.ndarray, test_tokens: torch.Tensor, test_y: np.ndarray,
-              cfg: ModelConfig, steps: int, lr: float, seed: int = 0) -> float:
-    """Accuracy of a MAP head + linear layer trained on (train_tokens (B, N, D), train_y) alone."""
-    torch.manual_seed(seed)
+def map_probe(train: tuple[torch.Tensor, np.ndarray], val: tuple[torch.Tensor, np.ndarray],
+              test: tuple[torch.Tensor, np.ndarray], cfg: ModelConfig, steps: int, lrs: list[float],
+              seed: int = 0) -> dict:
+    """A MAP head + linear layer trained on `train` (tokens (B, N, D), labels) alone, full batch with
+    Adam, for each learning rate of `lrs`, read at half and all of `steps`: the setting best on `val`
+    (drawn from the few-shot pool, never the test split) is the one whose `test` accuracy counts, as
+    the paper sweeps its probe's hyperparameters (Appendix A).
+    -> {"accuracy": test accuracy, "lr": chosen, "steps": chosen, "val_accuracy": its val accuracy}."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    k = int(max(train_y.max(), test_y.max())) + 1
-    d = train_tokens.shape[-1]
-    pool = MAPHead(d, cfg.num_heads, cfg.mlp_dim).to(dev)
-    linear = nn.Linear(d, k).to(dev)
-    train_tokens = train_tokens.to(dev)
-    y = torch.from_numpy(train_y).to(dev)
-    fit([*pool.parameters(), *linear.parameters()], steps,                  # full batch, Adam
-        lambda _: F.cross_entropy(linear(pool(train_tokens)[:, 0]), y), lr, optimizer="adam")
-    with torch.no_grad():
-        pred = torch.cat([linear(pool(test_tokens[i:i + 256].to(dev))[:, 0]).argmax(1).cpu()
-                          for i in range(0, len(test_tokens), 256)]).numpy()
-    return float((pred == test_y).mean())
+    k = int(max(train[1].max(), val[1].max(), test[1].max())) + 1
+    d = train[0].shape[-1]
+    x, y = train[0].to(dev), torch.from_numpy(train[1]).to(dev)
+    reads = sorted({max(1, steps // 2), steps})
+    best = None
+
+    def accuracy(pool, linear, tokens, labels):
+        with torch.no_grad():
+            pred = torch.cat([linear(pool(tokens[i:i + 256].to(dev))[:, 0]).argmax(1).cpu()
+                              for i in range(0, len(tokens), 256)]).numpy()
+        return float((pred == labels).mean())
+
+    for lr in lrs:
+        torch.manual_seed(seed)
+        pool = MAPHead(d, cfg.num_heads, cfg.mlp_dim).to(dev)
+        linear = nn.Linear(d, k).to(dev)
+
+        def read(step, _loss):
+            if step + 1 in reads:
+                nonlocal best
+                v = accuracy(pool, linear, *val)
+                if best is None or v > best["val_accuracy"]:
+                    best = {"accuracy": accuracy(pool, linear, *test), "lr": lr, "steps": step + 1, "val_accuracy": v}
+
+        fit([*pool.parameters(), *linear.parameters()], steps,
+            lambda _: F.cross_entropy(linear(pool(x)[:, 0]), y), lr, optimizer="adam", on_step=read)
+    return best

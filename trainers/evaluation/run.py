@@ -110,42 +110,49 @@ def _shards(run_dir: Path) -> list[Path]:
 def _fewshot(model, cfg, sets, ec: EvalConfig, shots, strict, results, run_dir: Path) -> None:
     """sets: the eval.fewshot entries, loaded one at a time (a set's images are dropped before the next)."""
     from .datasets import load_classification
-    from .fewshot import few_shot_split, probe
+    from .fewshot import few_shot_split, holdout_split, pool_sizes, probe
     from .lit import features_from_tokens, map_probe
 
     fs, maps = {}, {}
     for s in sets:
         images, labels = load_classification(s, run_dir)
         labels = np.array(labels)
-        values, counts = np.unique(labels, return_counts=True)
-        fitting = tuple(k for k in shots if k < counts.min())
+        values = np.unique(labels)
+        fewest = pool_sizes(labels, ec.holdout)      # per class, outside the held-out test split
+        fitting = tuple(k for k in shots if k <= fewest)
         if fitting != tuple(shots):
             if strict:
-                raise UserError(f"few-shot on {s.name}: class {values[counts.argmin()]!r} has {counts.min()} examples, "
-                                f"too few for {max(shots)}-shot (some must remain for testing); ask fewer --shots "
-                                "or a larger set")
+                raise UserError(f"few-shot on {s.name}: a class has only {fewest} examples outside the held-out "
+                                f"test split ({ec.holdout:.0%} of each class, eval.holdout), too few for "
+                                f"{max(shots)}-shot; ask fewer --shots or a larger set")
             results["skipped"].append(f"few-shot on {s.name}: {sorted(set(shots) - set(fitting))}-shot left out, "
-                                      f"a class has only {counts.min()} examples")
+                                      f"a class has only {fewest} examples outside the test split")
         x = _prep(images, cfg.image_size, crop=True)
         k = ec.map_probe.shots
-        map_probe_runs = bool(ec.map_probe.steps) and k < counts.min()
+        map_probe_runs = bool(ec.map_probe.steps) and k + 1 <= fewest   # at least one validation image per class
         tokens = _tokens(model, x) if map_probe_runs else None     # the encoder runs once for both probes
         if fitting:
             feats = (_batched(lambda t: features_from_tokens(model, t), tokens, device=_dev(model)).numpy()
                      if tokens is not None else _features(model, x))
-            fs[s.name] = probe(feats, labels, shots=fitting, seeds=tuple(range(ec.seeds)))
+            fs[s.name] = probe(feats, labels, shots=fitting, seeds=tuple(range(ec.seeds)), holdout=ec.holdout)
         if map_probe_runs:
             classes = {c: i for i, c in enumerate(values.tolist())}
             y = np.array([classes[c] for c in labels.tolist()])
-            accs = []
+            pool, test = holdout_split(y, ec.holdout)
+            mp = ec.map_probe
+            lrs = [mp.lr / 3, mp.lr, mp.lr * 3] if mp.sweep else [mp.lr]
+            runs = []
             for seed in range(ec.seeds):
-                tr, te = few_shot_split(y, k, seed)
-                accs.append(map_probe(tokens[tr], y[tr], tokens[te], y[te], cfg, ec.map_probe.steps,
-                                      ec.map_probe.lr, seed))
-            maps[s.name] = {str(k): {"mean": float(np.mean(accs)), "std": float(np.std(accs)), "runs": accs}}
+                tr, rest = few_shot_split(y, k, seed, pool, extra=1)
+                val = np.concatenate([rest[y[rest] == c][:k] for c in range(len(values))])
+                runs.append(map_probe((tokens[tr], y[tr]), (tokens[val], y[val]), (tokens[test], y[test]), cfg,
+                                      mp.steps, lrs, seed))
+            accs = [r["accuracy"] for r in runs]
+            maps[s.name] = {str(k): {"mean": float(np.mean(accs)), "std": float(np.std(accs)), "runs": accs,
+                                     "chosen": [{"lr": r["lr"], "steps": r["steps"]} for r in runs]}}
         elif ec.map_probe.steps:
-            results["skipped"].append(f"MAP-head probe on {s.name}: a class has only {counts.min()} examples "
-                                      f"for {k}-shot")
+            results["skipped"].append(f"MAP-head probe on {s.name}: a class has only {fewest} examples outside the "
+                                      f"test split for {k}-shot and validation")
     results["fewshot"], results["fewshot_map"] = fs, maps
 
 
