@@ -185,11 +185,12 @@ class ShardStream(torch.utils.data.IterableDataset):
         return out
 
     def _sp(self):
-        """The SentencePiece model, opened once in whichever process iterates."""
+        """The tokenizer (SentencePiece file or a Hugging Face LM's folder), opened once in whichever
+        process iterates."""
         if not hasattr(self, "_spm"):
-            import sentencepiece as spm
+            from .tokenizer import open_tokenizer
 
-            self._spm = spm.SentencePieceProcessor(model_file=self.tokenizer_path)
+            self._spm = open_tokenizer(self.tokenizer_path)
         return self._spm
 
 

@@ -24,7 +24,9 @@ import torch
 def _save(path: Path, model, opt, sched, step: int, loader_states: list, gen_states: list) -> None:
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    from .models.checkpoint import state_for_saving
+
+    save_file(state_for_saving(model), str(path / "model.safetensors"))
     torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(), "gens": gen_states}, path / "train_state.pt")
     (path / "meta.json").write_text(json.dumps({"step": step, "loader": loader_states}))
 
@@ -41,6 +43,7 @@ class WorkerJob:
     out: str                      # run-relative folder of this training's outputs
     image_encoder: str | None     # ClipCap's frozen encoder, run-relative
     lm_checkpoint: str | None
+    hf_lm: str | None             # ClipCap's Hugging Face LM folder, run-relative (its tokenizer is used)
     mlflow_uri: str
     run_id: str
 
@@ -48,11 +51,11 @@ class WorkerJob:
 def train_loop_per_worker(config: dict) -> None:
     import ray.train
     import ray.train.torch
-    import sentencepiece as spm
     import torch.distributed as dist
     from safetensors.torch import load_file
 
     from .data import LoaderState, ShardStream, make_loader, next_state
+    from .tokenizer import open_tokenizer
     from .models import ModelConfig
     from .optim import build_optimizer, build_schedule
     from .tasks import LossModule, make_task
@@ -76,6 +79,11 @@ def train_loop_per_worker(config: dict) -> None:
     gen = torch.Generator().manual_seed(c.seed * 1000 + rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
+    if c.hf_lm:     # the LM's own tokenizer replaces the run's SentencePiece model
+        import dataclasses
+
+        tokenizer = storage.local_dir(c.hf_lm)
+        mc = dataclasses.replace(mc, hf_lm=str(tokenizer))
     encoder = c.image_encoder   # ClipCap's frozen encoder, from the run folder's storage
     lm = c.lm_checkpoint
     task = make_task(mc, str(storage.local_dir(encoder)) if encoder else None,
@@ -102,7 +110,7 @@ def train_loop_per_worker(config: dict) -> None:
     stream = ShardStream(c.shards, str(tokenizer), tc.micro_batch or tc.per_worker_batch,
                          mc.image_size, mc.max_len, c.seed, rank, world, state)
     batches = iter(make_loader(stream, tc.loader_workers))
-    sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    sp = open_tokenizer(tokenizer)
     buffer = MetricBuffer(c.mlflow_uri, c.run_id, log=lambda m: print(m, flush=True)) if rank == 0 else None
     fixed = None
     last_finite, t_last = step, time.perf_counter()

@@ -94,6 +94,14 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
         raise UserError(f"no tokenizer model at {storage.uri(tokenizer_rel)}; run the tokenizer stage first")
     tokenizer = storage.read_bytes(tokenizer_rel)   # small: it travels in the job's config
     vocab = spm.SentencePieceProcessor(model_proto=tokenizer).get_piece_size()
+    hf_rel = None
+    if tc.lm_path:     # ClipCap on a pretrained Hugging Face LM: its tokenizer replaces the run's
+        from .models.hf_lm import HFTokenizer, check_folder
+
+        check_folder(tc.lm_path)
+        vocab = HFTokenizer(tc.lm_path).get_piece_size()
+        hf_rel = f"{out_rel}/hf_lm"     # the workers read their copy from the run folder
+        storage.put_dir(hf_rel, str(Path(tc.lm_path).expanduser()))
     mc = model_config(tc, vocab)
     if tc.image_encoder and not (Path(tc.image_encoder) / "model.json").is_file():
         raise UserError(f"train.image_encoder {tc.image_encoder}: not a capline model checkpoint")
@@ -109,7 +117,8 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
     if spec(tc.model).needs_encoder:   # refuse a frozen random LM here, not in every worker after Ray starts
         from .tasks import make_task
 
-        make_task(mc, tc.image_encoder, tc.lm_checkpoint).build()
+        make_task(dataclasses.replace(mc, hf_lm=str(Path(tc.lm_path).expanduser())) if tc.lm_path else mc,
+                  tc.image_encoder, tc.lm_checkpoint).build()
     uri = tracking_uri(run_dir)
     id_file = f"{out_rel}/mlflow_run_id"
     if storage.exists(id_file):
@@ -149,7 +158,7 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
         train_loop_per_worker,
         train_loop_config={"job": WorkerJob(train=tc, model=mc, seed=seed, shards=shards, tokenizer=tokenizer,
                                             storage=storage, out=out_rel, image_encoder=encoder_rel,
-                                            lm_checkpoint=lm_rel, mlflow_uri=uri, run_id=run_id)},
+                                            lm_checkpoint=lm_rel, hf_lm=hf_rel, mlflow_uri=uri, run_id=run_id)},
         scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu),
         run_config=RunConfig(name=f"train-{run_id[:12]}", storage_path=storage.path(f"{out_rel}/ray"),
                              storage_filesystem=storage.fs,

@@ -63,8 +63,10 @@ class PrefixCaptioningTask(Task):
     def build(self) -> nn.Module:
         from .models.checkpoint import load_model
 
+        from .models.clipcap import image_embedding_dim
+
         encoder, enc_cfg = load_model(self.image_encoder)
-        cfg = ModelConfig(**{**self.model_cfg.__dict__, "image_embed_dim": enc_cfg.dim})
+        cfg = ModelConfig(**{**self.model_cfg.__dict__, "image_embed_dim": image_embedding_dim(enc_cfg)})
         self.model_cfg = cfg
         model = build_model(cfg, image_encoder=encoder)
         if self.lm:

@@ -73,6 +73,7 @@ class TrainConfig:
     sample_every: int = 100        # captioning models: log a few generated captions every N steps
     image_encoder: str | None = None  # clipcap: a capline checkpoint whose encoder stays frozen
     lm_checkpoint: str | None = None  # clipcap: a trained ClipCap checkpoint whose LM (lm.*) to start from
+    lm_path: str | None = None     # clipcap: a local Hugging Face causal LM folder (GPT-2 family) as the LM
     recipe: Literal["clipcap", "paper"] | None = None  # a published recipe's optimiser and batch under your values
     experiment: str = "capline"
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -98,9 +99,15 @@ class TrainConfig:
         if self.model == "clipcap":
             require(bool(self.image_encoder), join(prefix, "image_encoder"),
                     "clipcap trains on a frozen image encoder: name a capline checkpoint directory")
-            require(self.model_args.get("mapper") != "transformer" or bool(self.lm_checkpoint), join(prefix, "lm_checkpoint"),
-                    "clipcap's transformer mapper keeps the LM frozen: name a trained ClipCap checkpoint to take it "
-                    "from (a frozen, freshly initialised LM only outputs zeros), or use mapper: mlp")
+            frozen = self.model_args.get("lm_frozen", self.model_args.get("mapper") == "transformer")
+            require(not frozen or bool(self.lm_checkpoint or self.lm_path), join(prefix, "lm_path"),
+                    "clipcap with a frozen LM (the transformer mapper's default): name a local Hugging Face GPT-2 "
+                    "folder (train.lm_path) or a trained ClipCap checkpoint (train.lm_checkpoint) to take it from (a "
+                    "frozen, freshly initialised LM only outputs zeros), or use mapper: mlp")
+            require(not (self.lm_path and self.lm_checkpoint), join(prefix, "lm_path"),
+                    "name one language model: train.lm_path (a Hugging Face folder) or train.lm_checkpoint, not both")
+        else:
+            require(not self.lm_path, join(prefix, "lm_path"), f"only clipcap has a language model to load, not {self.model}")
 
     @property
     def input_size(self) -> int:

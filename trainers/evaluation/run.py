@@ -177,7 +177,6 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
     """Every task of `tasks` on every dataset of the run's `eval:` section (or `eval_cfg`). A task
     with no dataset, or a model it does not apply to, is listed in results["skipped"] with the
     reason, never left out silently. strict: asked shots a dataset cannot serve are an error."""
-    import sentencepiece as spm
 
     from trainers.models.checkpoint import load_model
 
@@ -195,7 +194,9 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
     tok = run_dir / "tokenizer" / "spm.model"
     if not tok.is_file():
         raise UserError(f"{run_dir}: no tokenizer/spm.model to evaluate with")
-    sp = spm.SentencePieceProcessor(model_file=str(tok))
+    from trainers.tokenizer import open_tokenizer
+
+    sp = open_tokenizer(cfg.hf_lm or tok)     # ClipCap on a Hugging Face LM speaks that LM's tokens
     family = spec(cfg.family)
     writes, captioner = family.writes, family.captioner
     results: dict = {"model": cfg.family, "size": cfg.size, "checkpoint": str(model_dir), "skipped": []}

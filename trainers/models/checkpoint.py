@@ -5,7 +5,8 @@
                                "image_encoder": {...its ModelConfig...}}   (ClipCap only)
 
 A ClipCap checkpoint holds its frozen image model too (`image_encoder.*` weights and config), so
-it captions images with nothing else at hand.
+it captions images with nothing else at hand; with a Hugging Face LM, also that LM's config and
+tokenizer in <dir>/hf_lm (its weights are the checkpoint's `lm.*`).
 
 Loading needs neither the trainer nor pickle; anything read with torch.load elsewhere in capline
 uses weights_only=True.
@@ -27,11 +28,30 @@ from .config import ModelConfig
 FORMAT = "capline-model/1"
 
 
+def state_for_saving(model) -> dict:
+    """The state dict as safetensors takes it: tensors that share memory (a Hugging Face LM's tied input
+    and output embeddings) are written once each, as copies, and tied again by loading into both."""
+    seen, state = set(), {}
+    for k, v in model.state_dict().items():
+        v = v.detach()
+        ptr = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        state[k] = (v.clone() if ptr in seen else v).contiguous().cpu()
+        seen.add(ptr)
+    return state
+
+
 def save_model(model, cfg: ModelConfig, directory: str | Path) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = state_for_saving(model)
     save_file(state, str(directory / "model.safetensors"))
+    lm_folder = getattr(getattr(model, "lm", None), "folder", None)
+    if cfg.hf_lm and lm_folder is not None:
+        # a Hugging Face LM's config and tokenizer travel inside the checkpoint; its weights are lm.*
+        from .hf_lm import copy_folder_without_weights
+
+        copy_folder_without_weights(lm_folder, directory / "hf_lm")
+        cfg = dataclasses.replace(cfg, hf_lm="hf_lm")
     meta = {"format": FORMAT, "config": dataclasses.asdict(cfg)}
     inner = getattr(model, "image_encoder", None)
     if inner is not None:
@@ -47,7 +67,10 @@ def load_config(directory: str | Path) -> ModelConfig:
     meta = json.loads(path.read_text())
     if meta.get("format") != FORMAT:
         raise UserError(f"{path}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT})")
-    return build(ModelConfig, meta["config"], "model")
+    cfg = build(ModelConfig, meta["config"], "model")
+    if cfg.hf_lm and not Path(cfg.hf_lm).is_absolute():
+        cfg = dataclasses.replace(cfg, hf_lm=str(Path(directory).resolve() / cfg.hf_lm))
+    return cfg
 
 
 def load_model(directory: str | Path, image_encoder=None):

@@ -18,11 +18,12 @@ loss of ln V forever, and the transformer mapper refuses to start on one (`check
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
 from .decoding import sequence_logprob
-from .layers import Block, causal_mask
+from .layers import causal_mask
 from .losses import caption_loss
 from .text import TextDecoder
 
@@ -37,14 +38,40 @@ class MLPMapper(nn.Module):
         return self.net(z).view(z.shape[0], self.k, self.d)
 
 
+class MapperBlock(nn.Module):
+    """The reference mapper's layer: pre-LN; attention with no query/key/value biases (its output
+    projection has one); an MLP of 2x width with ReLU. PyTorch's default initialisation, as there."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q = nn.Linear(d, d, bias=False)
+        self.kv = nn.Linear(d, 2 * d, bias=False)
+        self.project = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.ReLU(), nn.Linear(2 * d, d))
+
+    def forward(self, x):  # (B, T, D) -> (B, T, D)
+        b, t, d = x.shape
+        h = self.norm1(x)
+        split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
+        k, v = self.kv(h).chunk(2, dim=-1)
+        y = F.scaled_dot_product_attention(split(self.q(h)), split(k), split(v))
+        x = x + self.project(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.norm2(x))
+
+
 class TransformerMapper(nn.Module):
+    """Linear(E, kD) gives k tokens, k learned constants (N(0, 1), as the reference) join them, the
+    blocks run over both, the constants' outputs are the prefix."""
+
     def __init__(self, e: int, k: int, d: int, depth: int = 8, heads: int = 8):
         super().__init__()
         self.k, self.d = k, d
         self.proj = nn.Linear(e, k * d)
-        self.const = nn.Parameter(torch.randn(1, k, d) * 0.02)
+        self.const = nn.Parameter(torch.randn(1, k, d))
         heads = heads if d % heads == 0 else 1
-        self.blocks = nn.ModuleList(Block(d, heads, 4 * d, bias=True) for _ in range(depth))
+        self.blocks = nn.ModuleList(MapperBlock(d, heads) for _ in range(depth))
 
     def forward(self, z):  # (B, E) -> (B, k, D)
         x = torch.cat([self.proj(z).view(z.shape[0], self.k, self.d), self.const.expand(z.shape[0], -1, -1)], 1)
@@ -53,21 +80,34 @@ class TransformerMapper(nn.Module):
         return x[:, self.k:]
 
 
+def image_embedding_dim(encoder_cfg) -> int:
+    """What the mapper reads: a contrastive encoder's projected embedding (CLIP's encode_image), else the
+    pooled features."""
+    from trainers.families import spec
+
+    return encoder_cfg.out_dim if spec(encoder_cfg.family).embeds_text else encoder_cfg.dim
+
+
 class ClipCap(nn.Module):
     def __init__(self, cfg: ModelConfig, image_encoder: nn.Module | None = None):
         super().__init__()
         self.cfg = cfg
-        k, d = cfg.prefix_len, cfg.dim
+        k = cfg.prefix_length
         e = cfg.image_embed_dim or cfg.dim
         self.image_encoder = image_encoder
         if image_encoder is not None:
             for p in image_encoder.parameters():
                 p.requires_grad_(False)
-        self.lm = TextDecoder(cfg, cfg.num_layers, cross=False, max_len=cfg.max_len + k)
-        if cfg.mapper == "mlp":
-            self.mapper = MLPMapper(e, k, d)
+        if cfg.hf_lm:
+            from .hf_lm import HFCausalLM
+
+            self.lm = HFCausalLM(cfg.hf_lm)
+            self.lm_loaded = True          # pretrained: it may stay frozen
         else:
-            self.mapper = TransformerMapper(e, k, d, depth=cfg.mapper_depth)
+            self.lm = TextDecoder(cfg, cfg.num_layers, cross=False, max_len=cfg.max_len + k)
+        d = self.lm.width if cfg.hf_lm else cfg.dim
+        self.mapper = MLPMapper(e, k, d) if cfg.mapper == "mlp" else TransformerMapper(e, k, d, depth=cfg.mapper_depth)
+        if cfg.frozen_lm:
             for p in self.lm.parameters():
                 p.requires_grad_(False)
 
@@ -98,9 +138,10 @@ class ClipCap(nn.Module):
 
         frozen = not any(p.requires_grad for p in self.lm.parameters())
         if frozen and not getattr(self, "lm_loaded", False):
-            raise UserError("clipcap with mapper: transformer keeps the LM frozen, and this LM is freshly initialised "
-                            "(its output head is zero: the loss would stay at ln V); set train.lm_checkpoint to a "
-                            "trained ClipCap checkpoint, or use mapper: mlp, which trains the LM")
+            raise UserError("clipcap with a frozen LM (mapper: transformer, or lm_frozen: true), and this LM is freshly "
+                            "initialised (its output head is zero: the loss would stay at ln V); set train.lm_path to a "
+                            "local Hugging Face GPT-2 folder, or train.lm_checkpoint to a trained ClipCap checkpoint, "
+                            "or let the LM train (mapper: mlp, or model_args.lm_frozen: false)")
 
     def image_features(self, images: torch.Tensor) -> torch.Tensor:
         """(B, 3, S, S) -> (B, E): the frozen image model's features (what the mapper sees), for probes."""
@@ -111,11 +152,14 @@ class ClipCap(nn.Module):
             raise ValueError("ClipCap was built without an image encoder: pass embeddings instead")
         self.image_encoder.eval()
         with torch.no_grad():
-            return self.image_encoder.image_features(images)
+            enc = self.image_encoder
+            if hasattr(enc, "image_proj"):      # CLIP's encode_image: the projected, unnormalised embedding
+                return enc.image_proj(enc.encoder.pooled(enc.encoder(images)))
+            return enc.image_features(images)
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """embeddings (B, E), labels (B, L) -> logits over the caption (B, L, V)."""
-        k = self.cfg.prefix_len
+        k = self.cfg.prefix_length
         prefix = self.mapper(embeddings)                                   # (B, k, D)
         x = torch.cat([prefix, self.lm.embed(labels[:, :-1])], dim=1)      # (B, k+L-1, D)
         h = self.lm.hidden(x, causal_mask(x.shape[1], x.device))
@@ -123,7 +167,7 @@ class ClipCap(nn.Module):
 
     def loss(self, images_or_embeddings, labels, generator=None):
         z = self._z(images_or_embeddings)
-        loss = caption_loss(self(z, labels), labels)
+        loss = caption_loss(self(z, labels), labels, per="token")     # as the reference: over all tokens
         return loss, {"caption_loss": loss.detach()}
 
     def _z(self, x):
@@ -134,10 +178,20 @@ class ClipCap(nn.Module):
         return self.mapper(self._z(images_or_embeddings))
 
     def new_cache(self):
-        return self.lm.new_cache()
+        # a Hugging Face LM reruns the whole sequence each step: the cache holds the tokens so far (a
+        # tensor, so beam search reorders it like any cache)
+        return {"seq": None} if self.cfg.hf_lm else self.lm.new_cache()
 
     def step(self, tokens, prefix, cache, start):
-        k = self.cfg.prefix_len
+        k = self.cfg.prefix_length
+        if self.cfg.hf_lm and cache is not None:
+            if start == 0:
+                cache["seq"] = tokens[:, :0]
+                x = prefix
+            else:
+                cache["seq"] = torch.cat([cache["seq"], tokens], dim=1)
+                x = torch.cat([prefix, self.lm.embed(cache["seq"])], dim=1)
+            return self.lm.head(self.lm.hidden(x))[:, -tokens.shape[1]:]
         if cache is None:  # rerun everything: prefix + tokens after BOS
             x = torch.cat([prefix, self.lm.embed(tokens[:, 1:])], dim=1)
             return self.lm.head(self.lm.hidden(x, causal_mask(x.shape[1], x.device)))

@@ -47,9 +47,11 @@ class ModelConfig:
     contrastive_weight: float = 1.0
     caption_weight: float = 2.0
     # ClipCap
-    prefix_len: int = 10
+    prefix_len: int | None = None        # null: the reference's 10 (mlp mapper) or 40 (transformer mapper)
     mapper: Literal["mlp", "transformer"] = "mlp"
     mapper_depth: int = 8
+    lm_frozen: bool | None = None        # null: the paper's pairing (transformer mapper: frozen, mlp: fine-tuned)
+    hf_lm: str | None = None             # a local Hugging Face causal LM folder (GPT-2 family) as the LM
     image_embed_dim: int | None = None   # the frozen encoder's embedding size (default: width)
 
     def validate(self, prefix: str = "") -> None:
@@ -61,7 +63,7 @@ class ModelConfig:
                 f"width {self.dim} is not divisible by {self.num_heads} heads")
         p = self.pa_prob
         require(0.0 <= p <= 1.0, join(prefix, "masked_pred_prob"), f"must be in [0, 1], got {p}")
-        require(self.prefix_len >= 1, join(prefix, "prefix_len"), "must be >= 1")
+        require(self.prefix_len is None or self.prefix_len >= 1, join(prefix, "prefix_len"), "must be >= 1 or null")
 
     # resolved values
     @property
@@ -99,6 +101,14 @@ class ModelConfig:
     @property
     def out_dim(self) -> int:
         return self.embed_dim or self.dim
+
+    @property
+    def frozen_lm(self) -> bool:
+        return self.mapper == "transformer" if self.lm_frozen is None else self.lm_frozen
+
+    @property
+    def prefix_length(self) -> int:
+        return self.prefix_len or (40 if self.mapper == "transformer" else 10)
 
     @property
     def mask_id(self) -> int:

@@ -11,13 +11,16 @@ import torch.nn.functional as F
 from .config import PAD_ID
 
 
-def caption_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Softmax CE over non-pad tokens (EOS counts), averaged per example, then over the batch.
+def caption_loss(logits: torch.Tensor, labels: torch.Tensor, per: str = "example") -> torch.Tensor:
+    """Softmax CE over non-pad tokens (EOS counts), averaged per example, then over the batch (big_vision's
+    captioners); per="token": over all the batch's tokens at once (ClipCap's reference).
 
     logits (B, L, V), labels (B, L) -> scalar.
     """
     ce = F.cross_entropy(logits.float().transpose(1, 2), labels, reduction="none")  # (B, L)
     valid = (labels != PAD_ID).float()
+    if per == "token":
+        return (ce * valid).sum() / valid.sum().clamp(min=1)
     per_example = (ce * valid).sum(1) / valid.sum(1).clamp(min=1)
     return per_example.mean()
 
