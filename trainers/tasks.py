@@ -63,8 +63,6 @@ class PrefixCaptioningTask(Task):
     def build(self) -> nn.Module:
         from .models.checkpoint import load_model
 
-        from .models.clipcap import image_embedding_dim
-
         encoder, enc_cfg = load_model(self.image_encoder)
         cfg = ModelConfig(**{**self.model_cfg.__dict__, "image_embed_dim": image_embedding_dim(enc_cfg)})
         self.model_cfg = cfg
@@ -73,6 +71,14 @@ class PrefixCaptioningTask(Task):
             model.load_lm(self.lm)
         model.check_trainable()
         return model
+
+
+def image_embedding_dim(encoder_cfg) -> int:
+    """What ClipCap's mapper reads: a contrastive encoder's projected embedding (CLIP's encode_image),
+    else the pooled features."""
+    from .families import spec
+
+    return encoder_cfg.out_dim if spec(encoder_cfg.family).embeds_text else encoder_cfg.dim
 
 
 def make_task(model_cfg: ModelConfig, image_encoder: str | None = None, lm: str | None = None) -> Task:

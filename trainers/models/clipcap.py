@@ -80,14 +80,6 @@ class TransformerMapper(nn.Module):
         return x[:, self.k:]
 
 
-def image_embedding_dim(encoder_cfg) -> int:
-    """What the mapper reads: a contrastive encoder's projected embedding (CLIP's encode_image), else the
-    pooled features."""
-    from trainers.families import spec
-
-    return encoder_cfg.out_dim if spec(encoder_cfg.family).embeds_text else encoder_cfg.dim
-
-
 class ClipCap(nn.Module):
     def __init__(self, cfg: ModelConfig, image_encoder: nn.Module | None = None):
         super().__init__()
