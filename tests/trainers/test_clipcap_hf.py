@@ -18,32 +18,13 @@ pytestmark = pytest.mark.slow    # trains a small LM first (~10 s) and imports t
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
     """A tiny GPT-2, pretrained on 2,000 demo captions for 150 steps, saved as a local folder."""
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+    from trainers.tiny_lm import pretrain_tiny_gpt2
 
     rng = np.random.default_rng(0)
     scenes = [synthetic.random_scene(rng) for _ in range(2000)]
     caps = [synthetic.caption_en(s) for s in scenes]
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(caps, vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>"])
-    tok = GPT2TokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
-                            unk_token="<|endoftext|>")
-    torch.manual_seed(0)
-    lm = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=128, n_embd=64, n_layer=2, n_head=2,
-                                    eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id))
-    opt = torch.optim.AdamW(lm.parameters(), lr=3e-3)
-    ids = [tok.encode(c) + [tok.eos_token_id] for c in caps]
-    width = max(map(len, ids))
-    batch = torch.tensor([x + [tok.eos_token_id] * (width - len(x)) for x in ids])
-    for step in range(150):
-        b = batch[torch.randint(0, len(batch), (32,))]
-        loss = lm(b, labels=b).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    folder = tmp_path_factory.mktemp("gpt2") / "tiny-gpt2"
-    lm.save_pretrained(folder)
-    tok.save_pretrained(folder)
+    folder = pretrain_tiny_gpt2(caps, tmp_path_factory.mktemp("gpt2") / "tiny-gpt2", steps=150, width=64, layers=2,
+                                heads=2, vocab=300, log=lambda m: None)
     return folder, scenes, caps
 
 
