@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     xp.add_argument("--recipe", default="paper", choices=["paper", "config"],
                     help="paper (default): each model trains with its paper's optimiser (CapPa's big_vision Adafactor, "
                          "lr 1e-3, weight decay 1e-4; ClipCap's AdamW 2e-5); config: with the run config's train.optim")
+    xp.add_argument("--clipcap-lm", default=None, metavar="FOLDER",
+                    help="ClipCap's language model: a local Hugging Face GPT-2 folder, kept frozen under the transformer "
+                         "mapper as in the paper (default: capline's own decoder, trained with the MLP mapper)")
     xp.add_argument("--models", default="cap,cappa,clip",
                     help="comma-separated families (default: cap,cappa,clip; also siglip, coca, and clipcap, "
                          "which trains on the experiment's frozen CLIP* encoder)")
@@ -464,12 +467,12 @@ def _main(argv: list[str] | None = None) -> int:
             cfg = _config(args)
             run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
             models = tuple(m.strip() for m in args.models.split(",") if m.strip())
-            check_experiment(run_dir, models, args.budget)   # before a cluster starts
+            check_experiment(run_dir, models, args.budget, args.clipcap_lm)   # before a cluster starts
             from .lock import run_lock
 
             with run_lock(run_dir, log=_say), ray_session(cfg.ray, args.address, log=_say):
                 path = run_experiment(run_dir, cfg.train, cfg.seed, models, args.budget, log=_say, eval_cfg=cfg.eval,
-                                      recipe=args.recipe)
+                                      recipe=args.recipe, clipcap_lm=args.clipcap_lm)
             print(path.read_text())
             return 0
         if args.command == "eval":

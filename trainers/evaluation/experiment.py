@@ -46,8 +46,14 @@ EVAL_BUDGETS = {
 NAMES = {"cap": "Cap", "cappa": "CapPa", "clip": "CLIP*", "siglip": "SigLIP", "coca": "CoCa", "clipcap": "ClipCap"}
 
 
-def check_experiment(run_dir: Path, models, budget: str) -> None:
+def check_experiment(run_dir: Path, models, budget: str, clipcap_lm: str | None = None) -> None:
     """Everything about the arguments and the run folder that can be wrong, before a cluster starts."""
+    if clipcap_lm:
+        from trainers.models.hf_lm import check_folder
+
+        check_folder(clipcap_lm, "--clipcap-lm")
+        if "clipcap" not in models:
+            raise UserError("--clipcap-lm is ClipCap's language model: add clipcap (and clip) to --models")
     if budget not in BUDGETS:
         raise UserError(f"--budget {budget}: choose one of {', '.join(BUDGETS)}")
     bad = [m for m in models if m not in NAMES]
@@ -79,7 +85,7 @@ def experiment_optim(model: str, steps: int, recipe: str, configured: dict) -> d
 
 
 def run_experiment(run_dir: Path, train_cfg, seed: int, models=("cap", "cappa", "clip"), budget="cpu-10min",
-                   log=print, eval_cfg=None, recipe: str = "paper") -> Path:
+                   log=print, eval_cfg=None, recipe: str = "paper", clipcap_lm: str | None = None) -> Path:
     from trainers.models.checkpoint import load_model
     from trainers.run import train
     from infra.storage import Storage
@@ -88,7 +94,7 @@ def run_experiment(run_dir: Path, train_cfg, seed: int, models=("cap", "cappa", 
     from .config import EvalConfig
     from .run import evaluate, run_eval_config
 
-    check_experiment(run_dir, models, budget)
+    check_experiment(run_dir, models, budget, clipcap_lm)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     digest = manifest["stages"]["shard"]["output_digest"]
     ec = dataclasses.asdict(eval_cfg or run_eval_config(run_dir))
@@ -101,9 +107,13 @@ def run_experiment(run_dir: Path, train_cfg, seed: int, models=("cap", "cappa", 
         base = {k: v for k, v in dataclasses.asdict(train_cfg).items() if k not in ("optim",)}
         base.update(BUDGETS[budget], model=m, sample_every=0, experiment="capline-paper")
         optim = experiment_optim(m, base["steps"], recipe, dataclasses.asdict(train_cfg.optim))
+        base["lm_path"] = None
         if m == "clipcap":   # on the frozen CLIP* encoder trained above
             base["image_encoder"] = str(run_dir / "experiment" / "clip" / "model")
             base["model_args"] = {k: v for k, v in base["model_args"].items() if k != "patch"}
+            if clipcap_lm:   # the paper's lightweight ClipCap: a frozen pretrained LM, the transformer mapper
+                base["lm_path"] = clipcap_lm
+                base["model_args"] = {**base["model_args"], "mapper": "transformer"}
         tc = build(TrainConfig, {**base, "optim": optim}, "train")
         out = run_dir / "experiment" / m
         done = out / "experiment.json"   # a rerun reuses the models it finished, with the same budget
