@@ -2,7 +2,8 @@
 
 - the demo audit (pipeline/audit.py): a synthetic run's filters against its planted ground truth;
 - the dataset card, `shard/README.md` (pipeline/dataset_card.py);
-- the MLflow data-build run (pipeline/data_tracking.py), once the shards exist.
+- the MLflow data-build run (pipeline/data_tracking.py): each stage's counts as it finishes, the
+  dataset once the shards exist.
 An observer never changes a stage's result; adding one is a class here and a line in OBSERVERS.
 """
 from __future__ import annotations
@@ -29,12 +30,15 @@ class DemoAudit:
 
 class DataBuildRun:
     def after_stage(self, stage: str, run_dir: Path, cfg, manifest, summary: dict, storage, log=print,
-                    **_) -> None:
-        if not _final(stage) or not cfg.track_data:
+                    ran: bool = False, **_) -> None:
+        if not cfg.track_data:
             return
-        from .data_tracking import log_data_build
+        from .data_tracking import log_data_build, log_stage
 
-        log_data_build(run_dir, manifest, summary, cfg, log, shards=storage.uri("shard/shards"))
+        if _final(stage):
+            log_data_build(run_dir, manifest, summary, cfg, log, shards=storage.uri("shard/shards"))
+        elif ran and not any(_final(s) for s in summary if s != stage):
+            log_stage(run_dir, manifest, stage, summary.get(stage), cfg, log)
 
 
 class DatasetCard:

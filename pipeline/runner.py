@@ -171,6 +171,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
         in_digest = hashlib.sha256((fingerprint + prev_digest).encode()).hexdigest()
         marker = controls.read(stage.name, "_SUCCESS")
         parts = parts_from_json(controls.read(stage.name, "parts.json")) if marker else None
+        ran = False
         if marker and marker.get("input_digest") == in_digest and parts is not None:
             log(f"{stage.name}: done before with the same input, skipped")
             if stage.name not in manifest.data["stages"]:
@@ -194,6 +195,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
                                fingerprint=fingerprint, executor=executor, notes=stage.note_names())
             marker, artifacts, parts, summary[stage.name] = _run_stage(stage, ctx, in_digest, controls, store,
                                                                             upstream_digest=prev_digest)
+            ran = True
             manifest.record_stage(stage.name, marker, artifacts)
             if artifacts.get("mlflow_run_id"):
                 manifest.data["mlflow_runs"][stage.name] = artifacts["mlflow_run_id"]
@@ -212,7 +214,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
             raise UserError(why)   # after its _SUCCESS: fixing the setting reruns just what it changes
         for obs in observers:   # run or skipped: they skip what they did before
             obs.after_stage(stage.name, run_dir=run_dir, cfg=cfg, manifest=manifest, summary=summary,
-                            log=log, storage=storage)
+                            log=log, storage=storage, ran=ran)
         if until == stage.name or only == stage.name:
             break
     else:

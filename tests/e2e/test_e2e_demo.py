@@ -114,6 +114,14 @@ def test_kill_mid_ingest_then_resume_gives_the_same_shards(reference_run, tmp_pa
     kill_driver(proc)
     assert not (run_dir / "ingest" / "_SUCCESS").exists()
     assert len(list(ingest.glob("parts/*/shards/*_stats.json"))) < 15, "killed too late to test anything"
+    # the data-build run opened when the source stage finished, and shows it while ingest runs
+    from mlflow import MlflowClient
+
+    mlflow = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    live = json.loads((run_dir / "manifest.json").read_text())["mlflow_runs"]["data_live"]
+    opened = mlflow.get_run(live)
+    assert opened.info.status == "RUNNING" and opened.data.metrics["source.in"] == 600
+    assert opened.data.tags["capline.kind"] == "data-build"
 
     # a second kill, at a random later point of the resumed run
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
@@ -127,6 +135,12 @@ def test_kill_mid_ingest_then_resume_gives_the_same_shards(reference_run, tmp_pa
     verdict = capline("verify", str(ref_dir), str(run_dir))
     assert verdict.returncode == 0, verdict.stdout
     assert "byte-identical" in verdict.stdout
+    # the same run, continued through the interruptions, now complete with the dataset's digest
+    runs = json.loads((run_dir / "manifest.json").read_text())["mlflow_runs"]
+    assert runs["data"] == live and "data_live" not in runs
+    done = mlflow.get_run(live)
+    assert done.info.status == "FINISHED" and done.data.tags["capline.dataset_digest"]
+    assert done.data.metrics["shard.kept"] > 0 and done.data.metrics["dedup.in"] > 0
 
 
 def test_final_shards_read_back_once_per_epoch(reference_run):
