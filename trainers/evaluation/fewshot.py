@@ -41,15 +41,17 @@ def holdout_split(labels: np.ndarray, share: float) -> tuple[np.ndarray, np.ndar
     test = []
     for c in np.unique(labels):
         idx = np.where(labels == c)[0]
-        test += list(rng.choice(idx, size=max(1, int(round(share * len(idx)))), replace=False))
-    test = np.array(sorted(test))
+        # at least one image on each side when the class has two (one alone can only be tested)
+        size = max(1, min(len(idx) - 1, int(round(share * len(idx))))) if len(idx) > 1 else 1
+        test += list(rng.choice(idx, size=size, replace=False))
+    test = np.array(sorted(test), dtype=np.int64)
     return np.setdiff1d(np.arange(len(labels)), test), test
 
 
 def pool_sizes(labels: np.ndarray, share: float) -> int:
     """The fewest pool images of any class: the most shots (plus validation) a set can serve."""
     pool, _ = holdout_split(labels, share)
-    return int(np.unique(labels[pool], return_counts=True)[1].min())
+    return min(int((labels[pool] == c).sum()) for c in np.unique(labels))     # a class all held out counts 0
 
 
 def few_shot_split(labels: np.ndarray, shots: int, seed: int, pool: np.ndarray | None = None,
