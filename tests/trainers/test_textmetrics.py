@@ -41,6 +41,7 @@ def test_tricky_captions_tokenize_as_ptb_does():
     assert ptb_tokenize("A car (red).") == "a car -lrb- red -rrb-"        # lower-cased: pycocoevalcap keeps them
 
 
+@pytest.mark.slow   # starts a JVM and reads 1,500 SVG files
 @pytest.mark.skipif(not (shutil.which("java") and JAR), reason="needs Java for pycocoevalcap's own tokenizer")
 def test_agreement_with_the_java_tokenizer(tmp_path):
     lines = list(TRICKY)
