@@ -164,7 +164,8 @@ def test_experiment_paper_writes_its_table(data_run):
     assert (run / "paper_curves.png").is_file()
     cap = next(ln for ln in table.splitlines() if ln.startswith("| Cap |")).split("|")
     clip = next(ln for ln in table.splitlines() if ln.startswith("| CLIP* |")).split("|")
-    head = [c.strip() for c in table.splitlines()[2].split("|")]
+    head = [c.strip() for c in next(ln for ln in table.splitlines() if ln.startswith("| model |")).split("|")]
+    assert "Trained with the CapPa paper's recipe (Adafactor, lr 1e-3, weight decay 1e-4" in table
     lit = head.index("CIDEr demo LiT")
     assert cap[lit].strip() != "-" and clip[lit].strip() != "-"      # every family gets a LiT-decoder CIDEr
     assert clip[head.index("CIDEr demo own")].strip() == "-"
