@@ -185,7 +185,10 @@ def train_loop_per_worker(config: dict) -> None:
         from .export import export_encoder
         from .models.checkpoint import save_model
 
-        storage.put_dir(f"{out}/model", save_model(model, task.model_cfg, scratch / "model"))
+        saved = save_model(model, task.model_cfg, scratch / "model")
+        storage.put_dir(f"{out}/model", saved)
+        if (saved / "hf_lm").is_dir():     # a Hugging Face LM's config and tokenizer (put_dir is flat)
+            storage.put_dir(f"{out}/model/hf_lm", saved / "hf_lm")
         storage.put_dir(f"{out}/export", export_encoder(model, task.model_cfg, scratch / "export"))
         unlogged = buffer.close(scratch / "unlogged_metrics.jsonl")
         if (scratch / "unlogged_metrics.jsonl").is_file():
