@@ -21,14 +21,15 @@ from pathlib import Path
 import torch
 
 
-def _save(path: Path, model, opt, sched, step: int, loader_states: list, gen_states: list) -> None:
+def _save(path: Path, model, opt, sched, step: int, loader_states: list, gen_states: list,
+          loss: float = float("nan")) -> None:
     from safetensors.torch import save_file
 
     from .models.checkpoint import state_for_saving
 
     save_file(state_for_saving(model), str(path / "model.safetensors"))
     torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(), "gens": gen_states}, path / "train_state.pt")
-    (path / "meta.json").write_text(json.dumps({"step": step, "loader": loader_states}))
+    (path / "meta.json").write_text(json.dumps({"step": step, "loader": loader_states, "loss": loss}))
 
 
 @dataclass
@@ -103,6 +104,7 @@ def train_loop_per_worker(config: dict) -> None:
             gen.set_state(ts["gens"][rank])
             meta = json.loads((d / "meta.json").read_text())
             step, state = meta["step"], LoaderState(**meta["loader"][rank])
+            resumed_loss = meta.get("loss", float("nan"))
         storage.write_bytes(f"{out}/_resumed_from_rank{rank}", f"resumed from step {step}\n".encode())
     device = ray.train.torch.get_device()
     wrapped = ray.train.torch.prepare_model(LossModule(model))
@@ -113,6 +115,8 @@ def train_loop_per_worker(config: dict) -> None:
     sp = open_tokenizer(tokenizer)
     buffer = MetricBuffer(c.mlflow_uri, c.run_id, log=lambda m: print(m, flush=True)) if rank == 0 else None
     fixed = None
+    # a job resumed from its last checkpoint (killed after it, before final.json) runs no step here
+    total = resumed_loss if ckpt else float("nan")
     last_finite, t_last = step, time.perf_counter()
     t_progress, p_step = t_last, step
     wait_total = busy_total = 0.0
@@ -177,7 +181,7 @@ def train_loop_per_worker(config: dict) -> None:
             with tempfile.TemporaryDirectory() as d:
                 checkpoint = None
                 if rank == 0:
-                    _save(Path(d), model, opt, sched, step, states, gens)
+                    _save(Path(d), model, opt, sched, step, states, gens, total)
                     checkpoint = ray.train.Checkpoint.from_directory(d)
                     buffer.flush()
                 ray.train.report({"step": step, "loss": total}, checkpoint=checkpoint)
