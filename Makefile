@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 	  dpkg -s $(DEBS) >/dev/null 2>&1 || apt-get install -y -q $(DEBS) >/dev/null 2>&1 || \
 	  (apt-get update -q >/dev/null && apt-get install -y -q $(DEBS) >/dev/null) || \
-	  echo "note: could not install $(DEBS); the fashion_mnist evaluation set, the openclipart source and the report test (chromium) will be unavailable"; \
+	  echo "note: could not install $(DEBS); the fashion_mnist evaluation set, the openclipart source, the report test (chromium) and ARO's noun/adjective perturbations (wordnet-base) will be unavailable"; \
 	else echo "note: install the Debian package(s) $(DEBS) for the fashion_mnist evaluation set, the openclipart source, the report test (chromium) and ARO's noun/adjective perturbations (wordnet-base)"; fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first, alone: it comes from this machine's local CPU build; then everything under the lock.
