@@ -59,12 +59,12 @@ def _stage_windows(client, prefix: str) -> dict[str, tuple[float, float, dict]]:
 def ray_nodes(n: int, cpus: int, env: dict, tree: Path):
     """n nodes started with `capline ray start` (one head), `cpus` logical CPUs among them; yields the
     address (None for n <= 1: `capline run` starts its own local cluster). Stopped by pid."""
-    from helpers import free_port, ray_pids, stop_pids
+    from helpers import cluster_tag, free_port, ray_pids, stop_pids
 
     if n <= 1:
         yield None
         return
-    before = ray_pids()
+    env, tag = cluster_tag(env)
     port, dash = free_port(), free_port()
     per = max(1, cpus // n)
     common = ["--node-ip-address", "127.0.0.1", "--num-cpus", str(per), "--object-store-memory", str(150 * 2**20)]
@@ -78,7 +78,7 @@ def ray_nodes(n: int, cpus: int, env: dict, tree: Path):
                 raise SystemExit(f"ray start failed: {out.stdout[-1500:]} {out.stderr[-1500:]}")
         yield f"127.0.0.1:{port}"
     finally:
-        stop_pids(ray_pids() - before)
+        stop_pids(ray_pids(tag))
         current = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
         if current.is_file() and current.read_text().strip().endswith(f":{port}"):
             current.unlink()

@@ -243,15 +243,32 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
 
-def ray_pids() -> set[int]:
-    """Pids of every Ray process on this machine (raylets, GCS, dashboards, workers)."""
+CLUSTER_TAG = "CAPLINE_TEST_CLUSTER"
+
+
+def cluster_tag(env: dict) -> tuple[dict, str]:
+    """`env` with a fresh tag that every process of a cluster started with it inherits (GCS, raylets,
+    dashboard, workers), so `ray_pids(tag)` finds that cluster's processes and no other's: tests run
+    side by side (pytest-xdist), and "every Ray process that is new" would take the other's too."""
+    import uuid
+
+    tag = uuid.uuid4().hex
+    return {**env, CLUSTER_TAG: tag}, tag
+
+
+def ray_pids(tag: str) -> set[int]:
+    """Pids of the Ray processes (raylets, GCS, dashboards, workers) started with `cluster_tag`'s tag."""
     import psutil
 
     out = set()
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
         if "ray" in cmd and ("raylet" in cmd or "gcs_server" in cmd or "ray/" in cmd or "ray::" in cmd):
-            out.add(p.pid)
+            try:
+                if p.environ().get(CLUSTER_TAG) == tag:
+                    out.add(p.pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
     return out
 
 

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import ROOT, bucket_keys, free_port, kill_driver, moto_s3, ray_pids, stop_pids
+from helpers import ROOT, CountingProxy, bucket_keys, capline, cluster_tag, free_port, kill_driver, moto_s3, ray_pids, stop_pids
 
 pytestmark = pytest.mark.slow
 RAY = str(Path(sys.executable).parent / "ray")
@@ -30,7 +30,6 @@ def two_node_cluster(hidden: Path, node_env: dict):
     (the folder holding the driver's files): that node's workers see the code and the system, not
     the driver's disk. Yields (address, pid of the second node's raylet); stops both by pid."""
     port, dash = free_port(), free_port()
-    before = ray_pids()
     common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--object-store-memory", str(200 * 2**20),
               "--disable-usage-stats"]
     # the nodes get the guard but none of capline's quiet switches, as a user's shell would:
@@ -38,30 +37,30 @@ def two_node_cluster(hidden: Path, node_env: dict):
     from infra.offline import QUIET_ENV
 
     # and the bucket's credentials, as a cluster's nodes have them (an instance role, or the environment)
-    env = {**{k: v for k, v in os.environ.items() if k not in QUIET_ENV}, **node_env}
+    env, tag = cluster_tag({**{k: v for k, v in os.environ.items() if k not in QUIET_ENV}, **node_env})
     started = set()
     try:
         head = subprocess.run([RAY, "start", "--head", "--port", str(port), "--dashboard-host", "127.0.0.1",
                                "--dashboard-port", str(dash), *common],
                               capture_output=True, text=True, timeout=120, env=env)
         assert head.returncode == 0, head.stdout + head.stderr
-        head_pids = ray_pids() - before
+        head_pids = ray_pids(tag)
         join = " ".join(shlex.quote(a) for a in [RAY, "start", "--address", f"127.0.0.1:{port}", *common])
         second = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
                                  f"mount -t tmpfs none {shlex.quote(str(hidden))} && exec {join}"],
                                 capture_output=True, text=True, timeout=120, env=env)
         assert second.returncode == 0, second.stdout + second.stderr
-        started = ray_pids() - before
+        started = ray_pids(tag)
         raylets = [p for p in started - head_pids if "raylet" in " ".join(psutil.Process(p).cmdline())]
         assert raylets, "the second node's raylet did not start"
         yield f"127.0.0.1:{port}", raylets[0]
     finally:
-        stop_pids(started or (ray_pids() - before))
+        stop_pids(started | ray_pids(tag))
         # `ray start --head` records itself for plain ray.init() calls to join; it is gone now
         current = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
         if current.is_file() and current.read_text().strip().endswith(f":{port}"):
             current.unlink()
-        assert not (ray_pids() - before) & started, "the cluster's processes outlived the stop"
+        assert not ray_pids(tag), "the cluster's processes outlived the stop"
 
 
 @contextmanager
@@ -79,7 +78,9 @@ def site_server(root: Path, delay: float, log: Path):
 def test_no_shared_filesystem_two_nodes_s3_and_a_kill_mid_ingest(tmp_path):
     """The run folder in S3, the second node blind to the driver's disk, a URL list served by its own
     process. A driver killed mid-ingest is resumed from an empty working copy: only the shards
-    not yet in the bucket download again; then the data path and a short training finish on both nodes."""
+    not yet in the bucket download again; then the data path and a short training finish on both
+    nodes, reading the shards from the bucket. The credentials are written nowhere; status and
+    explain on the bucket read summaries and rows, not tars."""
     from infra.mlflow.serve import start, stop
     from stages import synthetic
     from stages.source import DefectFractions
@@ -164,9 +165,45 @@ def test_no_shared_filesystem_two_nodes_s3_and_a_kill_mid_ingest(tmp_path):
             assert {"runs/cluster/train/model/model.safetensors", "runs/cluster/train/final.json"} <= keys
             # the working copy holds what the driver wrote, not what the workers did
             assert not list((driver / "wc-b").rglob("*.tar")) and not list((driver / "wc-b").rglob("ledger"))
+            assert "storage: fetched" in out.stdout                                   # B began from the bucket
+            assert f"train: workers read the 4 shards from {uri}/shard/shards" in out.stdout, out.stdout[-2000:]
+            assert {"runs/cluster/manifest.json", "runs/cluster/report.html"} <= keys
+            manifest = json.loads(client.get_object(Bucket=BUCKET, Key="runs/cluster/manifest.json")["Body"].read())
+            assert manifest["stages"]["train"]["output_digest"]
+            # the credentials were never written: not in logs, working copies or the bucket
+            secret, key_id = env["AWS_SECRET_ACCESS_KEY"].encode(), env["AWS_ACCESS_KEY_ID"].encode()
+            texts = [(tmp_path / "a.log").read_bytes(), out.stdout.encode(), out.stderr.encode()]
+            texts += [p.read_bytes() for p in driver.rglob("*") if p.is_file()]
+            texts += [client.get_object(Bucket=BUCKET, Key=k)["Body"].read() for k in keys]
+            assert not any(secret in t or key_id in t for t in texts)
+        _status_and_explain_read_summaries_in_place(env, client, uri, tmp_path)
     finally:
         stop(mlflow)
         s3_env.close()
+
+
+def _status_and_explain_read_summaries_in_place(env: dict, client, uri: str, tmp_path: Path) -> None:
+    """On the finished run in the bucket, from a third machine: `capline status` reads each stage's
+    control files in place, `explain` one sample's rows; neither downloads a tar (status, no ledger)."""
+    import io
+
+    proxy = CountingProxy(("127.0.0.1", int(env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])), 0).start()
+    try:
+        fresh = {**env, "AWS_ENDPOINT_URL": proxy.endpoint, "CAPLINE_CACHE": str(tmp_path / "machine-c")}
+        status = capline("status", uri, "--json", env=fresh)
+        assert status.returncode == 0, status.stderr
+        rows = {r["stage"]: r for r in json.loads(status.stdout)}
+        assert rows["shard"]["state"] == "done" and rows["shard"]["kept"] > 0
+        assert not proxy.gets(".tar") and not proxy.gets(".parquet"), proxy.gets()
+        assert len(proxy.gets()) <= 4 * len(rows), len(proxy.gets())      # a few small objects per stage
+        key = next(k for k in bucket_keys(client, BUCKET, "runs/cluster/shard/index/") if k.endswith(".parquet"))
+        sample = pq.read_table(io.BytesIO(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())).column("key")[0].as_py()
+        explain = capline("explain", uri, sample, env=fresh)
+        assert explain.returncode == 0 and "shard" in explain.stdout, explain.stderr
+        assert not proxy.gets(".tar"), proxy.gets(".tar")
+        assert not (tmp_path / "machine-c").exists() or not list((tmp_path / "machine-c").rglob("*.tar"))
+    finally:
+        proxy.shutdown()
 
 
 def _results(client) -> list[str]:
@@ -181,8 +218,8 @@ def test_capline_ray_start_gives_the_node_quiet_switches_and_token_auth(tmp_path
     env = {k: v for k, v in os.environ.items() if k not in QUIET_ENV and not k.startswith("RAY_AUTH")}
     env["CAPLINE_CACHE"] = str(tmp_path / "cache")
     env["HOME"] = str(tmp_path / "home")      # no ~/.ray/auth_token of the user's to prefer
+    env, tag = cluster_tag(env)
     port, dash = free_port(), free_port()
-    before = ray_pids()
     started = set()
     try:
         out = subprocess.run([sys.executable, "-m", "pipeline.cli", "ray", "start", "--head", "--port", str(port),
@@ -192,7 +229,7 @@ def test_capline_ray_start_gives_the_node_quiet_switches_and_token_auth(tmp_path
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         token = tmp_path / "cache" / "ray_auth_token"
         assert f"token auth: token, token {token}" in out.stdout
-        started = ray_pids() - before
+        started = ray_pids(tag)
         raylet = next(p for p in started if "raylet" in " ".join(psutil.Process(p).cmdline()))
         node_env = psutil.Process(raylet).environ()
         assert {k: node_env.get(k) for k in QUIET_ENV} == QUIET_ENV
@@ -203,7 +240,7 @@ def test_capline_ray_start_gives_the_node_quiet_switches_and_token_auth(tmp_path
                                 env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
         assert "JOINED" in joined.stdout, joined.stderr[-1500:]
     finally:
-        stop_pids(started or (ray_pids() - before))
+        stop_pids(started | ray_pids(tag))
         current = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
         if current.is_file() and current.read_text().strip().endswith(f":{port}"):
             current.unlink()
