@@ -27,8 +27,15 @@ install: $(STAMP)
 demo: install
 	CAPLINE_NETGUARD=1 $(BIN)/capline run configs/demo.yaml $(ARGS)
 
+# The suite runs on TEST_WORKERS pytest-xdist workers (a test file stays on one worker: its fixtures
+# are shared; the longest files first, tests/conftest.py), each in a network namespace of its own where `unshare --net` works (root): two
+# workers' demo sites, MLflow and moto servers keep their fixed loopback ports. Elsewhere, one worker.
+TEST_WORKERS ?= 2
+NETNS_OK := $(shell unshare --net true 2>/dev/null && echo yes)
+XDIST := $(if $(NETNS_OK),--tx '$(TEST_WORKERS)*popen//python=$(CURDIR)/tests/netns_python $(CURDIR)/$(BIN)/python' --dist loadfile --no-loadscope-reorder,)
+
 test: install
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(ARGS)
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow" $(ARGS)

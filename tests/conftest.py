@@ -62,3 +62,16 @@ def no_world_readable_ray_token():
     existed = token.exists()
     yield
     assert existed or not token.exists(), f"a Ray cluster started without capline's token settings wrote {token}"
+
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Under pytest-xdist (`make test`, whole files to a worker, `--no-loadscope-reorder`): the files
+    that took longest in a measured serial run first (tests/file_seconds.json; a file not listed
+    counts as short), so no long file starts last on one worker while the other idles. xdist's
+    own order, by number of tests, left the two-node test (two tests, three minutes) for last."""
+    import json
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        seconds = json.loads((Path(__file__).parent / "file_seconds.json").read_text())
+        items.sort(key=lambda it: -seconds.get(it.nodeid.split("::", 1)[0], 0))   # stable: a file's order kept
