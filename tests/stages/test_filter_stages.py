@@ -35,10 +35,13 @@ def _status_row(run_dir, stage):
 
 @pytest.fixture(scope="module")
 def demo_filtered(tmp_path_factory):
-    """The demo as `make demo` configures it (2,000 samples), with a short training (30 steps)."""
+    """The demo as `make demo` configures it (2,000 samples), with a short training (30 steps) and one
+    few-shot set of its five (the evaluation is tested in tests/trainers; here it is printed once)."""
     run_dir = tmp_path_factory.mktemp("demo") / "run"
+    one_set = "[{name: demo_shape, kind: parquet, path: source/eval/eval.parquet, image_col: path, label_col: shape}]"
     proc = capline("run", str(ROOT / "configs" / "demo.yaml"), "--run-dir", str(run_dir), "--set", "train.steps=30",
-                   "--set", "train.checkpoint_every=30", "--set", "train.sample_every=30", *CACHE, timeout=900)
+                   "--set", "train.checkpoint_every=30", "--set", "train.sample_every=30",
+                   "--set", f"eval.fewshot={one_set}", *CACHE, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_dir, proc.stdout
 
@@ -67,6 +70,7 @@ def test_clip_score_bootstrap_separates_mismatched_captions(demo_filtered):
     assert re.search(r"ROC AUC of the score, clean vs mismatched captions 0\.9\d\d", out)
     stats = json.loads((run_dir / "clip_score" / "stats.json").read_text())
     assert stats["scorer"]["kind"] == "bootstrap" and len(stats["scorer"]["sha256"]) == 64
+    assert stats["scorer"]["trained_on"] >= 800 and stats["warning"] is None and "clip_score: warning" not in out
     assert stats["scorer"]["final_loss"] < stats["scorer"]["chance_loss"]
     assert sum(stats["histogram"]["counts"]) == stats["in"]
     assert stats["kept"] == -(-stats["in"] * 92 // 100)   # ceil(0.92 * in): one global cut
@@ -157,7 +161,7 @@ def test_run_report_renders_in_chromium(demo_filtered):
     for reason in ("http_404=", "eval_duplicate=", "language=", "clip_score="):   # the funnel: reason=count
         assert reason in page
     assert "MLflow run" in page and "Training curves unavailable" not in page
-    assert re.search(r"<td>demo_colour</td>", page) and all(f"<th>{k}-shot</th>" in page for k in (1, 5, 10, 25))
+    assert re.search(r"<td>demo_shape</td>", page) and all(f"<th>{k}-shot</th>" in page for k in (1, 5, 10, 25))
     for stage in ("ingest", "dedup", "basic", "language", "clip_score"):   # every stage report, linked
         assert f"href='{stage}/report.html'" in page and (run_dir / stage / "report.html").is_file(), stage
     assert "<th>% kept</th>" in page and "<h2>Audit against the demo's planted defects</h2>" in page
