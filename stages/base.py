@@ -59,6 +59,10 @@ class StageContext:
         """One task's result (a model to train): the executor fits its request to the cluster."""
         return self.executor.call(fn, *args, what=what or self.name, **options)
 
+    def cluster_cpus(self) -> float:
+        """The CPUs the alive nodes declare now: how many tasks a stage's reduce side can keep busy."""
+        return self.executor.shape().cpus
+
     def samples(self, columns: list[str] | None = None):
         """The previous stage's kept samples as a Ray Dataset, read by the workers from storage."""
         import ray

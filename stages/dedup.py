@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import math
 from typing import ClassVar
 from dataclasses import dataclass, field
@@ -61,6 +62,10 @@ class DedupConfig:
     encoder_image_size: int = 224
     cpus_per_worker: float = 0.75      # < 1 leaves room for Ray Data's read tasks on small machines
     batch_size: int = 256
+    # signature rows one group task takes on average (each ~100 bytes in memory): the number of
+    # buckets grows with the data, never fewer than the cluster's CPUs can work on at once
+    bucket_rows: int = 1_000_000
+    verify_pairs: int = 200_000        # candidate pairs one verification task checks
     cache_dir: str = "~/.cache/capline/eval-index"
 
     def validate(self, prefix: str) -> None:
@@ -68,6 +73,8 @@ class DedupConfig:
             v = getattr(self, name)
             require(0 < v <= 1, join(prefix, name), f"a cosine threshold in (0, 1], got {v}")
         require(0 < self.cpus_per_worker <= 64, join(prefix, "cpus_per_worker"), "must be in (0, 64]")
+        require(self.bucket_rows >= 1000, join(prefix, "bucket_rows"), f"must be >= 1000, got {self.bucket_rows}")
+        require(self.verify_pairs >= 1, join(prefix, "verify_pairs"), f"must be >= 1, got {self.verify_pairs}")
         require(self.bits % 64 == 0 and self.bits > 0, join(prefix, "bits"), "must be a positive multiple of 64")
         names = [e.name for e in self.eval_sets]
         require(len(names) == len(set(names)), join(prefix, "eval_sets"), f"set names repeat: {names}")
@@ -154,6 +161,16 @@ class Match(NamedTuple):
 
 BANDS, BAND_BITS = 8, 16     # banded LSH over the first 128 bits of the SimHash code
 BLOCK = 1024                 # rows of a signature group compared at once (memory: BLOCK x group x bits/8)
+SIGS_PER_SAMPLE = 2 + BANDS  # its pixel hash, its URL+caption hash, a value per band
+
+
+def bucket_count(samples: int, bucket_rows: int, cluster_cpus: float) -> int:
+    """Signature buckets (group tasks) for `samples` described images: enough that a bucket holds
+    about `bucket_rows` signature rows, and at least one per CPU of the cluster (at most one per
+    1,000 rows, so a small run is not split into empty tasks). The pairs found do not depend on it."""
+    rows = samples * SIGS_PER_SAMPLE
+    by_size = math.ceil(rows / bucket_rows)
+    return max(1, by_size, min(int(cluster_cpus), rows // 1000))
 
 
 _LOADED: dict = {}
@@ -383,6 +400,8 @@ class Candidates:
     part_of: dict
     set_stats: dict
     largest_group: int = 0        # the most codes one LSH band value held (compared in full, never cut)
+    buckets: int = 0              # group tasks
+    verify_tasks: int = 0
 
 
 class DedupStage(Decide):
@@ -404,7 +423,10 @@ class DedupStage(Decide):
         from .eval_sets import stat_fingerprint
 
         cfg = self.section(config)
-        return super().fingerprint(config) + "".join(
+        base = json.loads(super().fingerprint(config))
+        for knob in ("bucket_rows", "verify_pairs"):   # how the work is cut up, not what it decides
+            base["section"].pop(knob)
+        return json.dumps(base, sort_keys=True) + "".join(
             sorted(f"{e.name}:{stat_fingerprint(e)}" for e in cfg.eval_sets))
 
     def measure(self, ctx: StageContext) -> Candidates:
@@ -436,7 +458,7 @@ class DedupStage(Decide):
             else:
                 ctx.storage.put_dir(encoder_rel, cfg.encoder_checkpoint)
         upstream = [u for u in ctx.upstream or []]
-        n_buckets = max(1, min(64, len(upstream)))
+        n_buckets = bucket_count(sum(u.kept for u in upstream), cfg.bucket_rows, ctx.cluster_cpus())
         # one copy in the object store, shared by every task on a node (a path here means nothing there)
         blobs = ray.put({"hash": {n: p.read_bytes() for n, p in index_paths.items()},
                          "encoder": {n: p.read_bytes() for n, p in enc_paths.items()}})
@@ -453,11 +475,12 @@ class DedupStage(Decide):
         exact = [(p.a, p.b) for p in pairs if p.kind == "exact_duplicate"]
         exact_set = set(exact)
         cand = sorted({p for p in pairs if p.kind == "near_duplicate" and (p.a, p.b) not in exact_set})
-        near = ctx.call(_verify_task, ctx.storage, cand, cfg.within_threshold, what="dedup verify",
-                        num_cpus=cfg.cpus_per_worker) if cand else []
+        chunks = [cand[i:i + cfg.verify_pairs] for i in range(0, len(cand), cfg.verify_pairs)]
+        near = [m for ms in ctx.run(_verify_task, [(ctx.storage, c, cfg.within_threshold) for c in chunks],
+                                     "dedup verify", num_cpus=cfg.cpus_per_worker, unit="chunks") for m in ms]
         part_of = {k: part for p in pairs for k, part in ((p.a, p.part_a), (p.b, p.part_b))}
         return Candidates(exact, near, len(cand), part_of, set_stats,
-                          max((f["largest_group"] for f in found), default=0))
+                          max((f["largest_group"] for f in found), default=0), n_buckets, len(chunks))
 
     def decide(self, ctx: StageContext, found: Candidates) -> dict[str, dict]:
         """Pairs joined into clusters; of each the smallest key is kept. -> partition -> key -> (reason, score, kept key)."""
@@ -491,6 +514,7 @@ class DedupStage(Decide):
                 evals[name] = evals.get(name, 0) + c
         return StageResult(parts, {"eval_sets": found.set_stats, "eval_matches": evals,
                                    "largest_lsh_group": found.largest_group,
+                                   "reduce_tasks": {"group": found.buckets, "verify": found.verify_tasks},
                                    "pairs": {"exact": len(found.exact), "near_candidates": found.n_candidates,
                                              "near": len(found.near)},
                                    "method": {"descriptor": "thumb16-v2", "eval_threshold": cfg.eval_threshold,

@@ -156,8 +156,15 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local):
         return {r["key"] for r in t if r["verdict"] == "kept"}, {r["key"]: r["detail"] for r in t}
 
     first = kept()
-    run_pipeline(load_config(None, base + ["stages.dedup.cpus_per_worker=2"]), tmp_path / "run", until="dedup", log=lambda m: None)
-    assert kept() == first                       # one task at a time on 2 CPUs: same verdicts, same duplicate_of
+    stats = json.loads((tmp_path / "run" / "dedup" / "stats.json").read_text())
+    assert stats["reduce_tasks"] == {"group": 2, "verify": 1}       # 2 CPUs; one chunk of candidates
+    # one task at a time on 2 CPUs, the signatures cut into buckets of ~1,000 rows, a verification
+    # task per candidate pair: same verdicts, same duplicate_of
+    cut = ["stages.dedup.cpus_per_worker=2", "stages.dedup.bucket_rows=1000", "stages.dedup.verify_pairs=1"]
+    run_pipeline(load_config(None, base + cut), tmp_path / "run", until="dedup", log=lambda m: None)
+    assert kept() == first
+    again = json.loads((tmp_path / "run" / "dedup" / "stats.json").read_text())
+    assert again["reduce_tasks"]["group"] > 10 and again["reduce_tasks"]["verify"] == again["pairs"]["near_candidates"] > 1
     (tmp_path / "run" / "dedup" / "_SUCCESS").unlink()
     run_pipeline(load_config(None, base + ["stages.dedup.cpus_per_worker=2"]), tmp_path / "run", until="dedup", log=lambda m: None)
     assert kept() == first                       # rerun: same again
@@ -168,6 +175,27 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local):
     assert evals and all(r["match_set"] == "demo" and r["match_key"].startswith("eval") for r in evals)
     dups = [r for r in rows if r["reason"] in ("exact_duplicate", "near_duplicate")]
     assert dups and all(r["detail"] == f"duplicate_of={r['match_key']}" and r["match_key"] < r["key"] for r in dups)
+
+
+def test_signature_buckets_grow_with_the_data_and_the_cluster():
+    from stages.dedup import SIGS_PER_SAMPLE, bucket_count
+
+    assert bucket_count(0, 10**6, 64) == 1
+    assert bucket_count(563, 10**6, 2) == 2                  # the demo on 2 CPUs
+    assert bucket_count(150, 10**6, 64) == 1                 # 1,500 rows: not cut into 64 near-empty tasks
+    assert bucket_count(10**5, 10**6, 1600) == 1000          # a big cluster: a task per 1,000 rows at most
+    assert bucket_count(10**8, 10**6, 200) == 10**8 * SIGS_PER_SAMPLE // 10**6    # by size: 10^6 rows a bucket
+    assert bucket_count(10**8, 10**6, 3200) == 3200          # by the cluster: every CPU busy
+    assert bucket_count(10**9, 10**6, 3200) == 10**4         # grows with N, not capped at 64
+
+
+def test_how_dedup_cuts_its_work_is_not_in_its_fingerprint():
+    from stages.dedup import DedupStage
+
+    before = DedupStage().fingerprint(load_config(None, []))
+    assert DedupStage().fingerprint(load_config(None, ["stages.dedup.bucket_rows=5000",
+                                                       "stages.dedup.verify_pairs=3"])) == before
+    assert DedupStage().fingerprint(load_config(None, ["stages.dedup.within_threshold=0.9"])) != before
 
 
 def test_changing_a_folder_eval_set_changes_the_dedup_fingerprint(tmp_path):
