@@ -34,7 +34,7 @@ from infra.errors import UserError
 from .base import DROPPED, KEPT, Decide, PartTask, StageContext, StageResult
 from .dataplane import read_images, read_kept
 from .examples import write_examples
-from .scorer import BootstrapConfig, Scorer, check_scorer, read_trusted_keys, train_bootstrap
+from .scorer import BootstrapConfig, Scorer, check_scorer, read_trusted_keys, small_bootstrap, train_bootstrap
 from infra.hashing import order_key
 
 
@@ -286,8 +286,11 @@ class ClipScoreStage(Decide):
                                cut=cut_value if cut_value != float("inf") else None)
         ctx.log(f"clip_score: {scorer['kind']} scorer {scorer['sha256'][:12]}, kept {kept} "
                 f"of {n} at {decision.how}; examples in {shown}")
+        warning = small_bootstrap(scorer)
+        if warning:
+            ctx.log(f"clip_score: warning: {warning}")
         return StageResult(parts, {
-            "enabled": True, "scorer": scorer, "threshold": cfg.threshold, "keep_fraction": cfg.keep_fraction,
+            "enabled": True, "scorer": scorer, "warning": warning, "threshold": cfg.threshold, "keep_fraction": cfg.keep_fraction,
             "cut": cut_value, "score_mean": mean,
             "histogram": {"counts": hist.astype(int).tolist(), "edges": [round(float(e), 6) for e in edges]}},
             artifacts={"scorer": SCORER_DIR if scorer["kind"] != "column" else None, "scorer_sha256": scorer["sha256"],

@@ -50,6 +50,12 @@ def reference_run(tmp_path_factory):
 def test_demo_run_reports_its_funnel(reference_run):
     run_dir, proc = reference_run
     assert "Traceback" not in proc.stderr
+    # 600 samples leave ~480 pairs for the bootstrap scorer: under the measured 800, it says so
+    scorer_stats = json.loads((run_dir / "clip_score" / "stats.json").read_text())
+    n = scorer_stats["scorer"]["trained_on"]
+    assert n < 800 and scorer_stats["warning"].startswith(f"the bootstrap scorer learnt from {n} pairs; below 800")
+    assert f"clip_score: warning: the bootstrap scorer learnt from {n} pairs" in proc.stdout
+    assert "stages.clip_score.scorer to hf, checkpoint or column" in proc.stdout
     stats = json.loads((run_dir / "ingest" / "stats.json").read_text())
     assert stats["in"] == stats["kept"] + sum(stats["dropped"].values()) == 600
     for reason in ("http_404", "http_500", "timeout", "undecodable_image", "truncated_image",

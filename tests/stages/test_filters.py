@@ -272,3 +272,17 @@ def test_scores_do_not_depend_on_batch_company(tmp_path):
     assert len(whole) == 100
     assert scorer.score(jpgs[7:8], caps[7:8])[0] == whole[7]
     assert (scorer.score(jpgs[5:10], caps[5:10]) == whole[5:10]).all()
+
+
+def test_a_bootstrap_scorer_on_too_few_pairs_is_warned_about_at_the_measured_size():
+    import json
+
+    from helpers import ROOT
+    from stages.scorer import MIN_BOOTSTRAP_PAIRS, small_bootstrap
+
+    measured = json.loads((ROOT / "benchmarks" / "results" / "bootstrap_size.json").read_text())
+    assert MIN_BOOTSTRAP_PAIRS == measured["trusted_from"]            # the code says what the benchmark found
+    below = small_bootstrap({"kind": "bootstrap", "trained_on": MIN_BOOTSTRAP_PAIRS - 1})
+    assert below and f"{MIN_BOOTSTRAP_PAIRS - 1} pairs" in below and "stages.clip_score.scorer" in below
+    assert small_bootstrap({"kind": "bootstrap", "trained_on": MIN_BOOTSTRAP_PAIRS}) is None
+    assert small_bootstrap({"kind": "hf", "trained_on": 10}) is None                # only a scorer trained here
