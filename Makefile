@@ -31,7 +31,7 @@ demo: install
 # are shared; the longest files first, tests/conftest.py), each in a network namespace of its own where `unshare --net` works (root): two
 # workers' demo sites, MLflow and moto servers keep their fixed loopback ports. Elsewhere, one worker.
 TEST_WORKERS ?= 2
-NETNS_OK := $(shell unshare --net true 2>/dev/null && echo yes)
+NETNS_OK := $(shell unshare --net sh -c 'ip link set lo up' 2>/dev/null && echo yes)
 XDIST := $(if $(NETNS_OK),--tx '$(TEST_WORKERS)*popen//python=$(CURDIR)/tests/netns_python $(CURDIR)/$(BIN)/python' --dist loadfile --no-loadscope-reorder,)
 
 test: install
