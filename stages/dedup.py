@@ -7,14 +7,18 @@
    descriptors to `_work/desc/<part>.parquet` and each sample's signatures into hash buckets
    (`_work/sig/<part>.parquet`, a row group per bucket): its pixel hash, its URL+caption hash, and the bands of its
    SimHash code (banded LSH).
-3. A task per bucket groups the signatures: equal pixels or URL+caption make `exact_duplicate`
-   pairs; codes that share a band, are within the Hamming radius the cosine threshold implies and
-   agree in colour make candidate pairs, which one task checks by exact cosine.
-4. The driver joins the (few) pairs into clusters: of each cluster the smallest key is kept, the
-   rest name it in their detail `duplicate_of=<key>`. A task per partition writes the verdicts,
-   with a match at cosine >= `eval_threshold` dropped as `eval_duplicate` (the set in `match_set`,
-   the evaluation item in `match_key`, the cosine as score; within-data duplicates name the key
-   kept in `match_key`). The same result with any number of workers.
+3. A task per signature bucket (as many as the data and the cluster call for) groups the
+   signatures: equal pixels or URL+caption make `exact_duplicate` pairs; codes that share a band,
+   are within the Hamming radius the cosine threshold implies and agree in colour make candidate
+   pairs. It writes them to one file bucketed by pair, and a task per pair bucket checks the
+   candidates by exact cosine and writes the edges (`_work/edges/`).
+4. One task joins the edges into clusters (its memory grows with the duplicates, not the data): of
+   each cluster the smallest key is kept, the rest name it in their detail `duplicate_of=<key>`.
+   It writes the drops in one file, a row group per partition. A task per partition writes the
+   verdicts, with a match at cosine >= `eval_threshold` dropped as `eval_duplicate` (the set in
+   `match_set`, the evaluation item in `match_key`, the cosine as score; within-data duplicates name
+   the key kept in `match_key`). The driver sees counts only. The same result with any number of
+   workers or buckets.
 
 With `encoder_checkpoint` (a capline model directory), encoder embeddings are compared as well, by
 cosine at `encoder_threshold`, through the same index class: either path can flag a match.
@@ -65,7 +69,6 @@ class DedupConfig:
     # signature rows one group task takes on average (each ~100 bytes in memory): the number of
     # buckets grows with the data, never fewer than the cluster's CPUs can work on at once
     bucket_rows: int = 1_000_000
-    verify_pairs: int = 200_000        # candidate pairs one verification task checks
     cache_dir: str = "~/.cache/capline/eval-index"
 
     def validate(self, prefix: str) -> None:
@@ -74,7 +77,6 @@ class DedupConfig:
             require(0 < v <= 1, join(prefix, name), f"a cosine threshold in (0, 1], got {v}")
         require(0 < self.cpus_per_worker <= 64, join(prefix, "cpus_per_worker"), "must be in (0, 64]")
         require(self.bucket_rows >= 1000, join(prefix, "bucket_rows"), f"must be >= 1000, got {self.bucket_rows}")
-        require(self.verify_pairs >= 1, join(prefix, "verify_pairs"), f"must be >= 1, got {self.verify_pairs}")
         require(self.bits % 64 == 0 and self.bits > 0, join(prefix, "bits"), "must be a positive multiple of 64")
         names = [e.name for e in self.eval_sets]
         require(len(names) == len(set(names)), join(prefix, "eval_sets"), f"set names repeat: {names}")
@@ -276,35 +278,51 @@ SIG_SCHEMA = pa.schema([("sig", pa.string()), ("kind", pa.string()), ("key", pa.
                         ("code", pa.binary()), ("mean", pa.list_(pa.float32(), 3)), ("bucket", pa.int32())])
 
 
-def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str]) -> list[tuple]:
-    """Ray task: one signature bucket -> pairs (key_a, part_a, key_b, part_b, kind) with key_a < key_b."""
+PAIR_DIR, EDGE_DIR, DECISIONS = "dedup/_work/pairs", "dedup/_work/edges", "dedup/_work/decisions.parquet"
+PAIR_SCHEMA = pa.schema([("a", pa.string()), ("part_a", pa.string()), ("b", pa.string()), ("part_b", pa.string()),
+                         ("kind", pa.string()), ("pair_bucket", pa.int32())])
+
+
+def _pair_buckets(a: list[str], b: list[str], n: int) -> np.ndarray:
+    """A pair's bucket for the verification step: by the pair, so every copy of a pair (found in
+    several signature buckets: several bands alike) meets the others in one task."""
+    return (key_hashes([f"{x}\0{y}" for x, y in zip(a, b)]) % np.uint64(n)).astype(np.int32)
+
+
+def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str], n_pair_buckets: int) -> dict:
+    """Ray task: one signature bucket -> its pairs (a < b, with their partitions and kind), written to
+    one file bucketed by pair (infra/shuffle.py); -> counts."""
     t = read_bucket(storage, files, "bucket", bucket, SIG_SCHEMA)
-    if not t.num_rows:
-        return {"pairs": [], "largest_group": 0}
-    t = t.sort_by([("sig", "ascending"), ("key", "ascending")])
-    sig, kind, keys, parts = (t.column(c).to_pylist() for c in ("sig", "kind", "key", "part"))
-    codes = t.column("code").to_pylist()
-    means = t.column("mean").to_pylist()
-    radius = hamming_radius(cfg.within_threshold, cfg.bits)
-    pairs, largest = [], 0
-    i = 0
-    while i < len(sig):
-        j = i
-        while j < len(sig) and sig[j] == sig[i]:
-            j += 1
-        if j - i > 1:
-            members = list(range(i, j))
-            if kind[i] == "exact":
-                first = members[0]
-                pairs += [Pair(keys[first], parts[first], keys[m], parts[m], "exact_duplicate") for m in members[1:]]
-            else:
-                largest = max(largest, len(members))
-                for a, b in close_pairs([codes[m] for m in members], [means[m] for m in members], radius,
-                                        cfg.colour_tol):
-                    pairs.append(Pair(keys[members[a]], parts[members[a]], keys[members[b]], parts[members[b]],
-                                      "near_duplicate"))
-        i = j
-    return {"pairs": sorted(set(pairs)), "largest_group": largest}
+    pairs, largest = set(), 0
+    if t.num_rows:
+        t = t.sort_by([("sig", "ascending"), ("key", "ascending")])
+        sig, kind, keys, parts = (t.column(c).to_pylist() for c in ("sig", "kind", "key", "part"))
+        codes = t.column("code").to_pylist()
+        means = t.column("mean").to_pylist()
+        radius = hamming_radius(cfg.within_threshold, cfg.bits)
+        i = 0
+        while i < len(sig):
+            j = i
+            while j < len(sig) and sig[j] == sig[i]:
+                j += 1
+            if j - i > 1:
+                members = list(range(i, j))
+                if kind[i] == "exact":
+                    first = members[0]
+                    pairs |= {Pair(keys[first], parts[first], keys[m], parts[m], "exact_duplicate") for m in members[1:]}
+                else:
+                    largest = max(largest, len(members))
+                    for a, b in close_pairs([codes[m] for m in members], [means[m] for m in members], radius,
+                                            cfg.colour_tol):
+                        pairs.add(Pair(keys[members[a]], parts[members[a]], keys[members[b]], parts[members[b]],
+                                       "near_duplicate"))
+            i = j
+    rows = sorted(pairs)
+    cols = {f: [getattr(p, f) for p in rows] for f in Pair._fields}
+    table = pa.table({**cols, "pair_bucket": pa.array(_pair_buckets(cols["a"], cols["b"], n_pair_buckets), pa.int32())},
+                     schema=PAIR_SCHEMA)
+    write_buckets(storage, f"{PAIR_DIR}/{bucket:06d}.parquet", table, "pair_bucket")
+    return {"pairs": len(rows), "largest_group": largest}
 
 
 def close_pairs(codes: list[bytes], means: list, radius: int, colour_tol: float, block: int = BLOCK):
@@ -322,8 +340,12 @@ def close_pairs(codes: list[bytes], means: list, radius: int, colour_tol: float,
                 yield int(lo + a), int(lo + b)
 
 
-def _verify_task(storage, pairs: list[Pair], threshold: float) -> list[Match]:
-    """Ray task: the candidate pairs' exact cosines; -> the matches at >= threshold."""
+EDGE_SCHEMA = pa.schema([("a", pa.string()), ("part_a", pa.string()), ("b", pa.string()), ("part_b", pa.string()),
+                         ("kind", pa.string()), ("cosine", pa.float64())])
+
+
+def _cosines(storage, pairs: list[Pair]) -> list[float]:
+    """The candidate pairs' exact cosines, from the descriptors of the partitions that hold them."""
     wanted: dict[str, set] = {}
     for p in pairs:
         wanted.setdefault(p.part_a, set()).add(p.a)
@@ -335,12 +357,23 @@ def _verify_task(storage, pairs: list[Pair], threshold: float) -> list[Match]:
         for k, v in zip(t.column("key").to_pylist(), t.column("vec").to_pylist()):
             x = np.frombuffer(v, np.float16).astype(np.float32)
             vec[k] = x / (np.linalg.norm(x) + 1e-6)
-    out = []
-    for p in pairs:
-        s = float(vec[p.a] @ vec[p.b])
-        if s >= threshold:
-            out.append(Match(p.a, p.b, s))
-    return out
+    return [float(vec[p.a] @ vec[p.b]) for p in pairs]
+
+
+def _verify_task(storage, bucket: int, files: list[str], threshold: float) -> dict:
+    """Ray task: one pair bucket from every group file -> its exact pairs and its candidate near
+    pairs at cosine >= threshold (a pair also found exact is exact), written as edges; -> counts."""
+    t = read_bucket(storage, files, "pair_bucket", bucket, PAIR_SCHEMA)
+    pairs = sorted({Pair(*r) for r in zip(*(t.column(f).to_pylist() for f in Pair._fields))})
+    exact = [p for p in pairs if p.kind == "exact_duplicate"]
+    exact_ab = {(p.a, p.b) for p in exact}
+    cand = [p for p in pairs if p.kind == "near_duplicate" and (p.a, p.b) not in exact_ab]
+    near = [(p, c) for p, c in zip(cand, _cosines(storage, cand) if cand else []) if c >= threshold]
+    edges = [(p, None) for p in exact] + near
+    storage.write_table(f"{EDGE_DIR}/{bucket:06d}.parquet", pa.table(
+        {**{f: [getattr(p, f) for p, _ in edges] for f in Pair._fields}, "cosine": [c for _, c in edges]},
+        schema=EDGE_SCHEMA))
+    return {"exact": len(exact), "candidates": len(cand), "near": len(near)}
 
 
 def clusters(edges: list[tuple[str, str]]) -> dict[str, str]:
@@ -361,10 +394,55 @@ def clusters(edges: list[tuple[str, str]]) -> dict[str, str]:
     return {k: find(k) for k in list(parent)}
 
 
-def _verdicts(table: pa.Table, part: str, decisions: dict, cfg: DedupConfig, storage=None) -> tuple[pa.Table, dict]:
-    """A partition's verdicts: undecodable, evaluation-set matches, then the driver's duplicate decisions."""
+DECISION_SCHEMA = pa.schema([("key", pa.string()), ("reason", pa.string()), ("score", pa.float64()),
+                             ("root", pa.string()), ("part", pa.int32())])
+
+
+def _components_task(storage, files: list[str], parts: list[str], shown_per_reason: int) -> dict:
+    """Ray task: every edge (exact pairs, verified near pairs) joined into clusters; of each the
+    smallest key is kept. Writes each dropped key's (reason, cosine, key kept) in one file, a row
+    group per partition (its index in `parts`), for the partitions' tasks to read; -> per-partition
+    counts and the first few drops of each reason (by key) for the report. Its memory grows with
+    the duplicates, never with the data; the driver gets counts."""
+    t = pa.concat_tables([storage.read_table(f) for f in files]) if files else EDGE_SCHEMA.empty_table()
+    a, b, kinds, cos = (t.column(c).to_pylist() for c in ("a", "b", "kind", "cosine"))
+    part_of = dict(zip(a, t.column("part_a").to_pylist())) | dict(zip(b, t.column("part_b").to_pylist()))
+    roots = clusters(list(zip(a, b)))
+    exact_nodes = {k for x, y, kind in zip(a, b, kinds) if kind == "exact_duplicate" for k in (x, y)}
+    best: dict[str, float] = {}
+    for x, y, kind, c in zip(a, b, kinds, cos):
+        if kind == "near_duplicate":
+            for k in (x, y):
+                best[k] = max(best.get(k, -1.0), c)
+    index = {p: i for i, p in enumerate(parts)}
+    rows = []
+    for k in sorted(roots):
+        r = roots[k]
+        if k != r:
+            reason = "exact_duplicate" if k in exact_nodes else "near_duplicate"
+            rows.append((k, reason, None if reason == "exact_duplicate" else best.get(k), r, index[part_of[k]]))
+    table = pa.table({f: [r[i] for r in rows] for i, f in enumerate(DECISION_SCHEMA.names)}, schema=DECISION_SCHEMA)
+    write_buckets(storage, DECISIONS, table, "part")
+    per_part: dict[str, int] = {}
+    shown: dict[str, list] = {}
+    for k, reason, score, root, i in rows:
+        per_part[parts[i]] = per_part.get(parts[i], 0) + 1
+        if len(shown.setdefault(reason, [])) < shown_per_reason:
+            shown[reason].append((k, score, root, part_of[k], part_of[root]))
+    return {"duplicates": len(rows), "per_part": per_part, "shown": shown}
+
+
+def _verdicts(table: pa.Table, part: str, index: int, has_decisions: bool, cfg: DedupConfig,
+              storage=None) -> tuple[pa.Table, dict]:
+    """A partition's verdicts: undecodable, evaluation-set matches, then its within-data duplicates
+    (its row group of the components task's file)."""
     desc = storage.read_table(f"dedup/_work/desc/{part}.parquet", ["key", "ok", "eval_set", "eval_id", "eval_sim"])
     info = {k: (o, s, i, sim) for k, o, s, i, sim in zip(*(desc.column(c).to_pylist() for c in desc.column_names))}
+    decisions = {}
+    if has_decisions:
+        d = read_bucket(storage, [DECISIONS], "part", index, DECISION_SCHEMA)
+        decisions = {k: (r, s, root) for k, r, s, root in zip(*(d.column(c).to_pylist()
+                                                                  for c in ("key", "reason", "score", "root")))}
     out = {c: [] for c in ("key", "verdict", "reason", "score", "detail", "match_set", "match_key")}
     evals: dict[str, int] = {}
 
@@ -392,16 +470,15 @@ def _verdicts(table: pa.Table, part: str, decisions: dict, cfg: DedupConfig, sto
 
 @dataclass
 class Candidates:
-    """What the workers found: exact pairs, verified near pairs (with cosine), each key's partition,
-    and the evaluation sets' statistics."""
-    exact: list
-    near: list
+    """What the workers found, as counts (the pairs stay in the run folder: dedup/_work/edges) and
+    the evaluation sets' statistics."""
+    exact: int
+    near: int
     n_candidates: int
-    part_of: dict
+    edge_files: list
     set_stats: dict
     largest_group: int = 0        # the most codes one LSH band value held (compared in full, never cut)
-    buckets: int = 0              # group tasks
-    verify_tasks: int = 0
+    buckets: int = 0              # group tasks, and verification tasks
 
 
 class DedupStage(Decide):
@@ -424,8 +501,7 @@ class DedupStage(Decide):
 
         cfg = self.section(config)
         base = json.loads(super().fingerprint(config))
-        for knob in ("bucket_rows", "verify_pairs"):   # how the work is cut up, not what it decides
-            base["section"].pop(knob)
+        base["section"].pop("bucket_rows")    # how the work is cut up, not what it decides
         return json.dumps(base, sort_keys=True) + "".join(
             sorted(f"{e.name}:{stat_fingerprint(e)}" for e in cfg.eval_sets))
 
@@ -469,54 +545,46 @@ class DedupStage(Decide):
                             describe=lambda c: f"partition {c[1]}")
         ctx.log(f"dedup: described {sum(d['described'] for d in described)} images")
         sig_files = [f"{SIG_DIR}/{u.part}.parquet" for u in upstream]
-        found = ctx.run(_group_task, [(ctx.storage, b, cfg, sig_files) for b in range(n_buckets)], "dedup group",
-                        num_cpus=cfg.cpus_per_worker, unit="buckets")
-        pairs = sorted({Pair(*p) for bucket in found for p in bucket["pairs"]})
-        exact = [(p.a, p.b) for p in pairs if p.kind == "exact_duplicate"]
-        exact_set = set(exact)
-        cand = sorted({p for p in pairs if p.kind == "near_duplicate" and (p.a, p.b) not in exact_set})
-        chunks = [cand[i:i + cfg.verify_pairs] for i in range(0, len(cand), cfg.verify_pairs)]
-        near = [m for ms in ctx.run(_verify_task, [(ctx.storage, c, cfg.within_threshold) for c in chunks],
-                                     "dedup verify", num_cpus=cfg.cpus_per_worker, unit="chunks") for m in ms]
-        part_of = {k: part for p in pairs for k, part in ((p.a, p.part_a), (p.b, p.part_b))}
-        return Candidates(exact, near, len(cand), part_of, set_stats,
-                          max((f["largest_group"] for f in found), default=0), n_buckets, len(chunks))
+        found = ctx.run(_group_task, [(ctx.storage, b, cfg, sig_files, n_buckets) for b in range(n_buckets)],
+                        "dedup group", num_cpus=cfg.cpus_per_worker, unit="buckets")
+        pair_files = [f"{PAIR_DIR}/{b:06d}.parquet" for b in range(n_buckets)]
+        checked = ctx.run(_verify_task, [(ctx.storage, b, pair_files, cfg.within_threshold) for b in range(n_buckets)],
+                          "dedup verify", num_cpus=cfg.cpus_per_worker, unit="buckets")
+        return Candidates(sum(c["exact"] for c in checked), sum(c["near"] for c in checked),
+                          sum(c["candidates"] for c in checked), [f"{EDGE_DIR}/{b:06d}.parquet" for b in range(n_buckets)],
+                          set_stats, max((f["largest_group"] for f in found), default=0), n_buckets)
 
-    def decide(self, ctx: StageContext, found: Candidates) -> dict[str, dict]:
-        """Pairs joined into clusters; of each the smallest key is kept. -> partition -> key -> (reason, score, kept key)."""
-        roots = clusters(found.exact + [(m.a, m.b) for m in found.near])
-        exact_nodes = {k for e in found.exact for k in e}
-        best: dict[str, float] = {}
-        for m in found.near:
-            for k in (m.a, m.b):
-                best[k] = max(best.get(k, -1.0), m.cosine)
-        decisions: dict[str, dict] = {}
-        for k, r in roots.items():
-            if k != r:
-                reason = "exact_duplicate" if k in exact_nodes else "near_duplicate"
-                decisions.setdefault(found.part_of[k], {})[k] = (reason, None if reason == "exact_duplicate" else best.get(k), r)
-        ctx.log(f"dedup: {len(found.exact)} exact pairs, {found.n_candidates} near candidates, {len(found.near)} "
-                f"near pairs, {sum(len(d) for d in decisions.values())} within-data duplicates")
-        return decisions
+    def decide(self, ctx: StageContext, found: Candidates) -> dict:
+        """Pairs joined into clusters, in a task; of each the smallest key is kept. -> counts per
+        partition and a few drops to show (the decisions themselves stay in the run folder)."""
+        from .dedup_report import PAIRS_PER_REASON
 
-    def apply(self, ctx: StageContext, found: Candidates, decisions: dict[str, dict]) -> StageResult:
+        parts = sorted(u.part for u in ctx.upstream or [])
+        out = ctx.call(_components_task, ctx.storage, found.edge_files, parts, PAIRS_PER_REASON, what="dedup components",
+                       num_cpus=ctx.cfg.cpus_per_worker)
+        ctx.log(f"dedup: {found.exact} exact pairs, {found.n_candidates} near candidates, {found.near} "
+                f"near pairs, {out['duplicates']} within-data duplicates")
+        return out
+
+    def apply(self, ctx: StageContext, found: Candidates, decisions: dict) -> StageResult:
         cfg: DedupConfig = ctx.cfg
+        index = {p: i for i, p in enumerate(sorted(u.part for u in ctx.upstream or []))}
         tasks = [PartTask(u.part, u.file, u.part,
-                          kwargs={"part": u.part, "decisions": decisions.get(u.part, {}), "cfg": cfg,
-                                  "storage": ctx.storage}) for u in ctx.upstream or []]
+                          kwargs={"part": u.part, "index": index[u.part], "has_decisions": u.part in decisions["per_part"],
+                                  "cfg": cfg, "storage": ctx.storage}) for u in ctx.upstream or []]
         parts = ctx.map_parts(_verdicts, tasks, num_cpus=0.5)
         from .dedup_report import write_report
 
-        ctx.log(f"dedup: pairs side by side in {write_report(ctx, decisions, parts, found.part_of)}")
+        ctx.log(f"dedup: pairs side by side in {write_report(ctx, decisions['shown'], parts)}")
         evals: dict[str, int] = {}
         for p in parts:
             for name, c in p.extra.get("eval_matches", {}).items():
                 evals[name] = evals.get(name, 0) + c
         return StageResult(parts, {"eval_sets": found.set_stats, "eval_matches": evals,
                                    "largest_lsh_group": found.largest_group,
-                                   "reduce_tasks": {"group": found.buckets, "verify": found.verify_tasks},
-                                   "pairs": {"exact": len(found.exact), "near_candidates": found.n_candidates,
-                                             "near": len(found.near)},
+                                   "reduce_tasks": {"group": found.buckets, "verify": found.buckets},
+                                   "pairs": {"exact": found.exact, "near_candidates": found.n_candidates,
+                                             "near": found.near},
                                    "method": {"descriptor": "thumb16-v2", "eval_threshold": cfg.eval_threshold,
                                               "within_threshold": cfg.within_threshold,
                                               "lsh": f"{BANDS} bands of {BAND_BITS} bits, Hamming radius "

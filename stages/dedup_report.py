@@ -2,7 +2,7 @@
 
 Within-data duplicates are shown as pairs (the dropped image, then the one kept of its cluster,
 with the cosine for near duplicates); evaluation-set matches as the dropped image with the set and
-item it matched. Pairs come from the driver's decisions (a few per reason); a Ray task per input
+item it matched. Pairs come from the components task (the first few per reason); a Ray task per input
 partition that holds one of the keys shown reads those rows and images (the driver reads no
 partition); evaluation matches come from the seeded pick of examples, which carries the sample index.
 """
@@ -60,13 +60,10 @@ def _figure(row: dict | None, label: str) -> str:
             f"</div></figcaption></figure>")
 
 
-def write_report(ctx, decisions: dict[str, dict], parts: list[dict], part_of: dict[str, str]) -> Path:
-    """decisions: partition -> {dropped key: (reason, score, kept key)}; part_of: key -> its input partition."""
-    flat = sorted((k, *v) for d in decisions.values() for k, v in d.items())   # (key, reason, score, root)
-    shown: dict[str, list] = {}
-    for key, reason, score, root in flat:
-        if len(shown.setdefault(reason, [])) < PAIRS_PER_REASON:
-            shown[reason].append((key, score, root))
+def write_report(ctx, shown: dict[str, list], parts: list[dict]) -> Path:
+    """shown: reason -> the first drops by key, each (key, cosine or None, key kept, their partitions)."""
+    part_of = {k: p for pairs in shown.values() for key, _, root, pk, pr in pairs for k, p in ((key, pk), (root, pr))}
+    shown = {reason: [(key, score, root) for key, score, root, _, _ in pairs] for reason, pairs in shown.items()}
     evals = {r: rows for r, rows in pick(ctx.storage, [p.file for p in parts], PAIRS_PER_REASON,
                                         ctx.seed, run=ctx.run).items() if r.startswith("eval_duplicate")}
     rows = _rows(ctx, part_of, {k for pairs in shown.values() for key, _, root in pairs for k in (key, root)})
