@@ -154,13 +154,6 @@ class Pair(NamedTuple):
     kind: str       # exact_duplicate | near_duplicate (a candidate until verified)
 
 
-class Match(NamedTuple):
-    """A verified near pair and its exact cosine."""
-    a: str
-    b: str
-    cosine: float
-
-
 BANDS, BAND_BITS = 8, 16     # banded LSH over the first 128 bits of the SimHash code
 BLOCK = 1024                 # rows of a signature group compared at once (memory: BLOCK x group x bits/8)
 SIGS_PER_SAMPLE = 2 + BANDS  # its pixel hash, its URL+caption hash, a value per band
