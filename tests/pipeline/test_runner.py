@@ -241,19 +241,25 @@ def test_a_dead_end_names_the_reason_and_the_setting():
 
 
 @pytest.mark.slow   # starts Ray, a moto server or capline processes: not in the fast set
-def test_workers_outlive_the_gap_between_two_stages(ray_local):
+def test_workers_outlive_the_gap_between_two_stages(ray_local, tmp_path):
     """More workers than CPUs (fractional tasks), then a pause as between two stages: the next tasks
     run in the same processes, not in new ones that import torch again (Ray's default kills them
-    after 1 s idle)."""
+    after 1 s idle). Each batch waits at a barrier until all four tasks run at once, so a busy
+    machine (one task done before the fourth process started) cannot make Ray reuse a process
+    within a batch."""
     import os
     import time
 
     @ray_local.remote(num_cpus=0.5)
-    def pid(_):
-        time.sleep(0.5)
+    def pid(barrier):
+        os.makedirs(barrier, exist_ok=True)
+        open(os.path.join(barrier, str(os.getpid())), "w").close()
+        deadline = time.monotonic() + 120
+        while len(os.listdir(barrier)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
         return os.getpid()
 
-    first = set(ray_local.get([pid.remote(i) for i in range(4)]))
+    first = set(ray_local.get([pid.remote(str(tmp_path / "first")) for _ in range(4)]))
     time.sleep(4)
-    second = set(ray_local.get([pid.remote(i) for i in range(4)]))
+    second = set(ray_local.get([pid.remote(str(tmp_path / "second")) for _ in range(4)]))
     assert len(first) == 4 and second == first, (first, second)
