@@ -6,7 +6,8 @@
    (stages/imagehash.py), searches the evaluation indexes (loaded once per worker), writes the
    descriptors to `_work/desc/<part>.parquet` and each sample's signatures into hash buckets
    (`_work/sig/<part>.parquet`, a row group per bucket): its pixel hash, its URL+caption hash, and the bands of its
-   SimHash code (banded LSH).
+   SimHash code (banded LSH, stages/lsh.py: bands wider and more of them as N grows, so a band value's
+   group stays small and a pair at the threshold is found with the same probability).
 3. A task per signature bucket (as many as the data and the cluster call for) groups the
    signatures: equal pixels or URL+caption make `exact_duplicate` pairs; codes that share a band,
    are within the Hamming radius the cosine threshold implies and agree in colour make candidate
@@ -47,6 +48,7 @@ from .base import Decide, StageContext, StageResult
 from .dataplane import DROPPED, KEPT, PartTask, key_hashes, read_images
 from .eval_sets import EvalSetConfig, build_reference, check_exists
 from .imagehash import describe, to_rgb_array
+from .lsh import BandPlan, band_plan, band_values, close_in_groups, mix64, runs
 from .neardup import NearDupIndex
 
 
@@ -154,16 +156,20 @@ class Pair(NamedTuple):
     kind: str       # exact_duplicate | near_duplicate (a candidate until verified)
 
 
-BANDS, BAND_BITS = 8, 16     # banded LSH over the first 128 bits of the SimHash code
-BLOCK = 1024                 # rows of a signature group compared at once (memory: BLOCK x group x bits/8)
-SIGS_PER_SAMPLE = 2 + BANDS  # its pixel hash, its URL+caption hash, a value per band
+BLOCK = 1024                 # rows of a large signature group compared at once (memory: BLOCK x group x bits/8)
+PIXELS, URL_CAPTION = 0, 1   # sig_kind of the exact signatures; band b is 2 + b
 
 
-def bucket_count(samples: int, bucket_rows: int, cluster_cpus: float) -> int:
-    """Signature buckets (group tasks) for `samples` described images: enough that a bucket holds
-    about `bucket_rows` signature rows, and at least one per CPU of the cluster (at most one per
-    1,000 rows, so a small run is not split into empty tasks). The pairs found do not depend on it."""
-    rows = samples * SIGS_PER_SAMPLE
+def sigs_per_sample(plan: BandPlan) -> int:
+    return 2 + plan.bands          # its pixel hash, its URL+caption hash, a value per band
+
+
+def bucket_count(samples: int, bucket_rows: int, cluster_cpus: float, per_sample: int) -> int:
+    """Signature buckets (group tasks) for `samples` described images of `per_sample` signatures:
+    enough that a bucket holds about `bucket_rows` signature rows, and at least one per CPU of the
+    cluster (at most one per 1,000 rows, so a small run is not split into empty tasks). The pairs
+    found do not depend on it."""
+    rows = samples * per_sample
     by_size = math.ceil(rows / bucket_rows)
     return max(1, by_size, min(int(cluster_cpus), rows // 1000))
 
@@ -189,7 +195,7 @@ def _indexes(storage, blobs: dict, names: tuple, encoder_checkpoint: str | None,
 
 
 def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
-                   encoder_checkpoint: str | None, cfg: DedupConfig, n_buckets: int) -> dict:
+                   encoder_checkpoint: str | None, cfg: DedupConfig, plan: BandPlan, n_buckets: int) -> dict:
     """Ray task: describe one partition's images, search the evaluation sets, write descriptors and
     bucketed signatures. -> small counts."""
     from .dataplane import read_kept
@@ -200,12 +206,12 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
     images = read_images(storage, rows)
     n = rows.num_rows
     vecs, means = np.zeros((n, 768), np.float32), np.zeros((n, 3), np.float32)
-    pix, ok = [""] * n, np.zeros(n, bool)
+    pix, ok = [bytes(16)] * n, np.zeros(n, bool)
     for i, img in enumerate(images):
         try:
             arr = to_rgb_array(img)   # decode once: for the descriptor and the pixel hash
             vecs[i], means[i] = describe(arr)
-            pix[i] = hashlib.sha256(arr.tobytes()).hexdigest()
+            pix[i] = hashlib.sha256(arr.tobytes()).digest()[:16]
             ok[i] = True
         except Exception:  # noqa: BLE001 - ingest verified decodability; count it if it happens
             pass
@@ -232,24 +238,12 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
     # signatures of the samples the within-data step considers: decodable, not an evaluation match
     live = [i for i in range(n) if ok[i] and not _eval_hit(best_set[i], best_sim[i], cfg)]
     codes = simhash(vecs[live], cfg.bits) if live else np.zeros((0, cfg.bits // 8), np.uint8)
-    uc = key_hashes([f"{u}\0{c}" for u, c in zip(rows.column("url").to_pylist(), rows.column("caption").to_pylist())])
-    sig, kind, sk, code, mean = [], [], [], [], []
-    for j, i in enumerate(live):
-        entries = [("px:" + pix[i], "exact"), (f"uc:{uc[i]:016x}", "exact")]
-        entries += [(f"b{b}:" + codes[j][b * 2:(b + 1) * 2].tobytes().hex(), "lsh") for b in range(BANDS)]
-        for s_, k_ in entries:
-            sig.append(s_)
-            kind.append(k_)
-            sk.append(keys[i])
-            code.append(codes[j].tobytes())
-            mean.append(means[i])
-    table = pa.table({"sig": sig, "kind": kind, "key": sk, "part": [part] * len(sig),
-                      "code": pa.array(code, pa.binary()),
-                      "mean": pa.array([m.tolist() for m in mean], pa.list_(pa.float32(), 3))})
-    bucket = np.array([int(h % n_buckets) for h in key_hashes(sig)], np.int32) if sig else np.zeros(0, np.int32)
+    url_caption = [hashlib.blake2b(f"{u}\0{c}".encode(), digest_size=16).digest() for u, c in
+                   zip(rows.column("url").to_pylist(), rows.column("caption").to_pylist())]
+    table = signature_table([keys[i] for i in live], part, codes, means[live], [pix[i] for i in live],
+                            [url_caption[i] for i in live], plan, n_buckets)
     # one file per partition, a row group per bucket (infra/shuffle.py): no file per (partition, bucket)
-    write_buckets(storage, f"{SIG_DIR}/{part}.parquet", table.append_column("bucket", pa.array(bucket, pa.int32())),
-                  "bucket")
+    write_buckets(storage, f"{SIG_DIR}/{part}.parquet", table, "bucket")
     return {"part": part, "described": n, "undecodable": int((~ok).sum())}
 
 
@@ -267,8 +261,45 @@ def hamming_radius(threshold: float, bits: int) -> int:
 
 
 SIG_DIR = "dedup/_work/sig"
-SIG_SCHEMA = pa.schema([("sig", pa.string()), ("kind", pa.string()), ("key", pa.string()), ("part", pa.string()),
-                        ("code", pa.binary()), ("mean", pa.list_(pa.float32(), 3)), ("bucket", pa.int32())])
+# a signature is (sig_kind, sig_hi, sig_lo): 16 bytes of a pixel or URL+caption hash, or a band's value
+SIG_SCHEMA = pa.schema([("sig_kind", pa.int16()), ("sig_hi", pa.uint64()), ("sig_lo", pa.uint64()),
+                        ("key", pa.string()), ("part", pa.string()), ("code", pa.binary()),
+                        ("mean", pa.list_(pa.float32(), 3)), ("bucket", pa.int32())])
+
+
+def signature_table(keys: list[str], part: str, codes: np.ndarray, means: np.ndarray, pixels: list[bytes],
+                    url_caption: list[bytes], plan: BandPlan, n_buckets: int) -> pa.Table:
+    """A row per (sample, signature), built column-wise: codes (n, bits/8) uint8, means (n, 3), the
+    16-byte pixel and URL+caption hashes. Each row carries the sample's code and mean colour, so a
+    group task needs nothing else; its bucket is a hash of the signature."""
+    n, per = len(keys), sigs_per_sample(plan)
+    kind = np.repeat(np.arange(per, dtype=np.int16), n)                   # (per * n,) signature-major
+    hi, lo = np.zeros(per * n, np.uint64), np.zeros(per * n, np.uint64)
+    for k, hashes in ((PIXELS, pixels), (URL_CAPTION, url_caption)):
+        h = np.frombuffer(b"".join(hashes), "<u8").reshape(n, 2) if n else np.zeros((0, 2), np.uint64)
+        hi[k * n:(k + 1) * n], lo[k * n:(k + 1) * n] = h[:, 0], h[:, 1]
+    if n:
+        hi[2 * n:] = band_values(codes, plan).ravel()
+    with np.errstate(over="ignore"):
+        bucket = (mix64(hi ^ mix64(lo ^ kind.astype(np.uint64))) % np.uint64(n_buckets)).astype(np.int32)
+    sample = np.tile(np.arange(n), per)
+    return pa.table({"sig_kind": kind, "sig_hi": hi, "sig_lo": lo,
+                     "key": pa.array(keys, pa.string()).take(sample),
+                     "part": pa.array([part], pa.string()).take(np.zeros(per * n, np.int64)),
+                     "code": pa.array([c.tobytes() for c in codes], pa.binary()).take(sample),
+                     "mean": pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(means, np.float32).ravel()),
+                                                               3).take(sample),
+                     "bucket": bucket}, schema=SIG_SCHEMA)
+
+
+def _packed(column, width: int) -> np.ndarray:
+    """A binary column whose values are all `width` bytes -> (n, width) uint8, without a copy per row."""
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if len(arr) == 0:
+        return np.zeros((0, width), np.uint8)
+    offsets = np.frombuffer(arr.buffers()[1], np.int32)[arr.offset:arr.offset + len(arr) + 1]
+    data = np.frombuffer(arr.buffers()[2], np.uint8)[offsets[0]:offsets[-1]]
+    return data.reshape(len(arr), width)
 
 
 PAIR_DIR, EDGE_DIR, DECISIONS = "dedup/_work/pairs", "dedup/_work/edges", "dedup/_work/decisions.parquet"
@@ -284,53 +315,56 @@ def _pair_buckets(a: list[str], b: list[str], n: int) -> np.ndarray:
 
 def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str], n_pair_buckets: int) -> dict:
     """Ray task: one signature bucket -> its pairs (a < b, with their partitions and kind), written to
-    one file bucketed by pair (infra/shuffle.py); -> counts."""
+    one file bucketed by pair (infra/shuffle.py); -> counts. Equal exact signatures pair every member
+    with the group's smallest key; equal band values pair the members whose codes are within the
+    Hamming radius and whose colours agree (stages/lsh.py), the whole group, never cut."""
     t = read_bucket(storage, files, "bucket", bucket, SIG_SCHEMA)
-    pairs, largest = set(), 0
-    if t.num_rows:
-        t = t.sort_by([("sig", "ascending"), ("key", "ascending")])
-        sig, kind, keys, parts = (t.column(c).to_pylist() for c in ("sig", "kind", "key", "part"))
-        codes = t.column("code").to_pylist()
-        means = t.column("mean").to_pylist()
-        radius = hamming_radius(cfg.within_threshold, cfg.bits)
-        i = 0
-        while i < len(sig):
-            j = i
-            while j < len(sig) and sig[j] == sig[i]:
-                j += 1
-            if j - i > 1:
-                members = list(range(i, j))
-                if kind[i] == "exact":
-                    first = members[0]
-                    pairs |= {Pair(keys[first], parts[first], keys[m], parts[m], "exact_duplicate") for m in members[1:]}
-                else:
-                    largest = max(largest, len(members))
-                    for a, b in close_pairs([codes[m] for m in members], [means[m] for m in members], radius,
-                                            cfg.colour_tol):
-                        pairs.add(Pair(keys[members[a]], parts[members[a]], keys[members[b]], parts[members[b]],
-                                       "near_duplicate"))
-            i = j
+    t = t.sort_by([("sig_kind", "ascending"), ("sig_hi", "ascending"), ("sig_lo", "ascending"), ("key", "ascending")])
+    kind, hi, lo = (t.column(c).to_numpy() for c in ("sig_kind", "sig_hi", "sig_lo"))
+    starts, lengths = runs(kind, hi, lo)
+    exact = (kind[starts] < 2) & (lengths > 1)
+    firsts = np.repeat(starts[exact], lengths[exact] - 1)
+    ex_i, ex_j = [firsts], [firsts + _ranks(lengths[exact] - 1)]
+    near = (kind[starts] >= 2) & (lengths > 1)
+    largest = int(lengths[near].max()) if near.any() else 0
+    nr_i, nr_j = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    if near.any():
+        codes = _packed(t.column("code"), cfg.bits // 8)
+        means = t.column("mean").combine_chunks().flatten().to_numpy().reshape(-1, 3)
+        for i, j in close_in_groups(codes, means, starts[near], lengths[near], hamming_radius(cfg.within_threshold, cfg.bits),
+                                    cfg.colour_tol, BLOCK):
+            nr_i.append(i)
+            nr_j.append(j)
+    pairs = set()
+    for i_list, j_list, what in ((ex_i, ex_j, "exact_duplicate"), (nr_i, nr_j, "near_duplicate")):
+        i, j = np.concatenate(i_list).astype(np.int64), np.concatenate(j_list).astype(np.int64)
+        # only the rows in a pair become Python strings
+        ka, pa_, kb, pb = (t.column(c).take(x).to_pylist() for x in (i, j) for c in ("key", "part"))
+        pairs |= {Pair(*p, what) for p in zip(ka, pa_, kb, pb)}
     rows = sorted(pairs)
     cols = {f: [getattr(p, f) for p in rows] for f in Pair._fields}
     table = pa.table({**cols, "pair_bucket": pa.array(_pair_buckets(cols["a"], cols["b"], n_pair_buckets), pa.int32())},
                      schema=PAIR_SCHEMA)
     write_buckets(storage, f"{PAIR_DIR}/{bucket:06d}.parquet", table, "pair_bucket")
-    return {"pairs": len(rows), "largest_group": largest}
+    return {"pairs": len(rows), "largest_group": largest, "rows": t.num_rows}
+
+
+def _ranks(counts: np.ndarray) -> np.ndarray:
+    """1..c for each c in counts, concatenated: a run member's place after the run's first."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    ends = np.cumsum(counts)
+    return np.arange(total) - np.repeat(ends - counts, counts) + 1
 
 
 def close_pairs(codes: list[bytes], means: list, radius: int, colour_tol: float, block: int = BLOCK):
-    """(a, b), a < b, of the codes within `radius` bits of each other whose mean colours agree: XOR and
-    popcount of the packed codes, a block of rows at a time, so a large group costs time, not memory,
-    and is never cut short (a cut group silently loses recall)."""
-    c = np.frombuffer(b"".join(codes), np.uint64).reshape(len(codes), -1)
-    mv = np.asarray(means, np.float32)
-    for lo in range(0, len(c), block):
-        hi = min(len(c), lo + block)
-        ham = np.bitwise_count(c[lo:hi, None, :] ^ c[None, lo:, :]).sum(-1)        # (rows, lo..n)
-        near = (ham <= radius) & (np.abs(mv[lo:hi, None] - mv[None, lo:]).max(-1) <= colour_tol)
-        for a, b in zip(*np.nonzero(near)):
-            if lo + a < lo + b:
-                yield int(lo + a), int(lo + b)
+    """(a, b), a < b, of one group's codes within `radius` bits of each other whose mean colours agree
+    (stages/lsh.py: XOR and popcount a block of rows at a time, never cut short)."""
+    from .lsh import close_pairs_block
+
+    words = np.frombuffer(b"".join(codes), np.uint64).reshape(len(codes), -1)
+    yield from close_pairs_block(words, means, radius, colour_tol, block)
 
 
 EDGE_SCHEMA = pa.schema([("a", pa.string()), ("part_a", pa.string()), ("b", pa.string()), ("part_b", pa.string()),
@@ -472,6 +506,7 @@ class Candidates:
     set_stats: dict
     largest_group: int = 0        # the most codes one LSH band value held (compared in full, never cut)
     buckets: int = 0              # group tasks, and verification tasks
+    lsh: str = ""                 # the band plan for this N, and its expected recall at the threshold
 
 
 class DedupStage(Decide):
@@ -527,13 +562,15 @@ class DedupStage(Decide):
             else:
                 ctx.storage.put_dir(encoder_rel, cfg.encoder_checkpoint)
         upstream = [u for u in ctx.upstream or []]
-        n_buckets = bucket_count(sum(u.kept for u in upstream), cfg.bucket_rows, ctx.cluster_cpus())
+        samples = sum(u.kept for u in upstream)
+        plan = band_plan(samples, cfg.within_threshold, cfg.bits)
+        n_buckets = bucket_count(samples, cfg.bucket_rows, ctx.cluster_cpus(), sigs_per_sample(plan))
         # one copy in the object store, shared by every task on a node (a path here means nothing there)
         blobs = ray.put({"hash": {n: p.read_bytes() for n, p in index_paths.items()},
                          "encoder": {n: p.read_bytes() for n, p in enc_paths.items()}})
         names = tuple(sorted(p.name for p in [*index_paths.values(), *enc_paths.values()]))
         args = (blobs, names, encoder_rel)
-        described = ctx.run(_describe_task, [(ctx.storage, u.part, u.file, *args, cfg, n_buckets)
+        described = ctx.run(_describe_task, [(ctx.storage, u.part, u.file, *args, cfg, plan, n_buckets)
                                              for u in upstream], "dedup describe", num_cpus=cfg.cpus_per_worker,
                             describe=lambda c: f"partition {c[1]}")
         ctx.log(f"dedup: described {sum(d['described'] for d in described)} images")
@@ -545,7 +582,8 @@ class DedupStage(Decide):
                           "dedup verify", num_cpus=cfg.cpus_per_worker, unit="buckets")
         return Candidates(sum(c["exact"] for c in checked), sum(c["near"] for c in checked),
                           sum(c["candidates"] for c in checked), [f"{EDGE_DIR}/{b:06d}.parquet" for b in range(n_buckets)],
-                          set_stats, max((f["largest_group"] for f in found), default=0), n_buckets)
+                          set_stats, max((f["largest_group"] for f in found), default=0), n_buckets,
+                          plan.describe(cfg.within_threshold))
 
     def decide(self, ctx: StageContext, found: Candidates) -> dict:
         """Pairs joined into clusters, in a task; of each the smallest key is kept. -> counts per
@@ -580,7 +618,7 @@ class DedupStage(Decide):
                                              "near": found.near},
                                    "method": {"descriptor": "thumb16-v2", "eval_threshold": cfg.eval_threshold,
                                               "within_threshold": cfg.within_threshold,
-                                              "lsh": f"{BANDS} bands of {BAND_BITS} bits, Hamming radius "
+                                              "lsh": f"{found.lsh}, Hamming radius "
                                                      f"{hamming_radius(cfg.within_threshold, cfg.bits)}",
                                               "encoder_checkpoint": cfg.encoder_checkpoint}},
                            artifacts={"report": "dedup/report.html"})

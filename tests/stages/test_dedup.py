@@ -179,15 +179,68 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local):
 
 
 def test_signature_buckets_grow_with_the_data_and_the_cluster():
-    from stages.dedup import SIGS_PER_SAMPLE, bucket_count
+    from stages.dedup import bucket_count
 
-    assert bucket_count(0, 10**6, 64) == 1
-    assert bucket_count(563, 10**6, 2) == 2                  # the demo on 2 CPUs
-    assert bucket_count(150, 10**6, 64) == 1                 # 1,500 rows: not cut into 64 near-empty tasks
-    assert bucket_count(10**5, 10**6, 1600) == 1000          # a big cluster: a task per 1,000 rows at most
-    assert bucket_count(10**8, 10**6, 200) == 10**8 * SIGS_PER_SAMPLE // 10**6    # by size: 10^6 rows a bucket
-    assert bucket_count(10**8, 10**6, 3200) == 3200          # by the cluster: every CPU busy
-    assert bucket_count(10**9, 10**6, 3200) == 10**4         # grows with N, not capped at 64
+    assert bucket_count(0, 10**6, 64, 17) == 1
+    assert bucket_count(563, 10**6, 2, 17) == 2                  # the demo on 2 CPUs
+    assert bucket_count(50, 10**6, 64, 17) == 1                  # 850 rows: not cut into 64 near-empty tasks
+    assert bucket_count(10**5, 10**6, 1600, 10) == 1000          # a big cluster: a task per 1,000 rows at most
+    assert bucket_count(10**8, 10**6, 200, 33) == 3300           # by size: 10^6 rows a bucket
+    assert bucket_count(10**8, 10**6, 5000, 33) == 5000          # by the cluster: every CPU busy
+    assert bucket_count(10**9, 10**6, 3200, 42) == 42000         # grows with N, not capped at 64
+
+
+def test_lsh_bands_widen_with_n_and_keep_recall_at_the_threshold():
+    """A band value's expected group (random codes) stays near lsh.GROUP as N grows, and a pair
+    exactly at the cosine threshold is found with probability >= lsh.RECALL; checked by drawing
+    pairs at the threshold and counting those a band catches."""
+    from stages.lsh import GROUP, RECALL, band_plan, band_values
+
+    plans = {n: band_plan(n, 0.97, 256) for n in (10**3, 10**6, 10**7, 10**8, 10**9)}
+    assert [p.width for p in plans.values()] == sorted(p.width for p in plans.values())
+    for n, p in plans.items():
+        assert n / 2 ** p.width <= GROUP or p.width == 16
+        assert p.recall_at(0.97) >= RECALL
+    plan = plans[10**7]
+    rng = np.random.default_rng(1)
+    codes = rng.integers(0, 256, (4000, 32), dtype=np.uint8)
+    flips = rng.binomial(256, np.arccos(0.97) / np.pi, len(codes))        # SimHash bits a pair at 0.97 differs by
+    twins = np.unpackbits(codes, axis=1)
+    for t, k in zip(twins, flips):
+        t[rng.choice(256, k, replace=False)] ^= 1
+    caught = (band_values(codes, plan) == band_values(np.packbits(twins, axis=1), plan)).any(0)
+    assert caught.mean() >= RECALL - 0.01 and abs(caught.mean() - plan.recall_at(0.97)) < 0.012, caught.mean()
+
+
+def test_a_group_task_pairs_exact_and_near_signatures(tmp_path):
+    """The signature rows of two partitions, through the real group task on a local run folder: a
+    shared pixel hash pairs its samples as exact, a near copy (3 bits off) as a near candidate, a
+    far code and a near code of another colour not at all."""
+    from infra.storage import Storage
+    from stages.dedup import PAIR_DIR, PAIR_SCHEMA, SIG_DIR, DedupConfig, _group_task, signature_table
+    from stages.lsh import band_plan
+
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 256, (6, 32), dtype=np.uint8)
+    codes[1] = codes[0]
+    codes[1, 5] ^= 0b10101                     # s1 is 3 bits from s0
+    codes[3] = codes[2]
+    codes[3, 0] ^= 1                           # s3 is 1 bit from s2 but of another colour
+    means = np.zeros((6, 3), np.float32)
+    means[3] = 80
+    pixels = [bytes([i]) * 16 for i in range(6)]
+    pixels[5] = pixels[4]                      # s4, s5: the same pixels
+    storage, plan = Storage.local(tmp_path), band_plan(6, 0.97, 256)
+    for part, rows in (("p0", [0, 2, 4]), ("p1", [1, 3, 5])):
+        t = signature_table([f"s{i}" for i in rows], part, codes[rows], means[rows], [pixels[i] for i in rows],
+                            [bytes([100 + i]) * 16 for i in rows], plan, 1)
+        from infra.shuffle import write_buckets
+        write_buckets(storage, f"{SIG_DIR}/{part}.parquet", t, "bucket")
+    out = _group_task(storage, 0, DedupConfig(), [f"{SIG_DIR}/p0.parquet", f"{SIG_DIR}/p1.parquet"], 1)
+    got = storage.read_table(f"{PAIR_DIR}/000000.parquet").select(list(PAIR_SCHEMA.names[:5])).to_pylist()
+    assert got == [{"a": "s0", "part_a": "p0", "b": "s1", "part_b": "p1", "kind": "near_duplicate"},
+                   {"a": "s4", "part_a": "p0", "b": "s5", "part_b": "p1", "kind": "exact_duplicate"}]
+    assert out["pairs"] == 2 and out["rows"] == 6 * (2 + plan.bands) and out["largest_group"] >= 2
 
 
 def test_how_dedup_cuts_its_work_is_not_in_its_fingerprint():
