@@ -11,8 +11,10 @@
 3. A task per signature bucket (as many as the data and the cluster call for) groups the
    signatures: equal pixels or URL+caption make `exact_duplicate` pairs; codes that share a band,
    are within the Hamming radius the cosine threshold implies and agree in colour make candidate
-   pairs. It writes them to one file bucketed by pair, and a task per pair bucket checks the
-   candidates by exact cosine and writes the edges (`_work/edges/`).
+   pairs. It writes them to one file bucketed by pair, and the candidates' sides to one file
+   bucketed by partition group; a task per partition group reads each of its partitions'
+   descriptors once and sends the wanted ones on, bucketed by pair (a join); a task per pair bucket
+   checks its candidates by exact cosine and writes the edges (`_work/edges/`).
 4. One task joins the edges into clusters (its memory grows with the duplicates, not the data): of
    each cluster the smallest key is kept, the rest name it in their detail `duplicate_of=<key>`.
    It writes the drops in one file, a row group per partition. A task per partition writes the
@@ -303,6 +305,11 @@ def _packed(column, width: int) -> np.ndarray:
 
 
 PAIR_DIR, EDGE_DIR, DECISIONS = "dedup/_work/pairs", "dedup/_work/edges", "dedup/_work/decisions.parquet"
+WANTED_DIR, VEC_DIR = "dedup/_work/wanted", "dedup/_work/vecs"
+# a near candidate's side: its descriptor is wanted by a pair bucket; fetched by the task of its partition's group
+WANTED_SCHEMA = pa.schema([("key", pa.string()), ("part", pa.string()), ("pair_bucket", pa.int32()),
+                           ("fetch_bucket", pa.int32())])
+VEC_SCHEMA = pa.schema([("key", pa.string()), ("vec", pa.binary()), ("pair_bucket", pa.int32())])
 PAIR_SCHEMA = pa.schema([("a", pa.string()), ("part_a", pa.string()), ("b", pa.string()), ("part_b", pa.string()),
                          ("kind", pa.string()), ("pair_bucket", pa.int32())])
 
@@ -343,10 +350,43 @@ def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str], n_pair
         pairs |= {Pair(*p, what) for p in zip(ka, pa_, kb, pb)}
     rows = sorted(pairs)
     cols = {f: [getattr(p, f) for p in rows] for f in Pair._fields}
-    table = pa.table({**cols, "pair_bucket": pa.array(_pair_buckets(cols["a"], cols["b"], n_pair_buckets), pa.int32())},
-                     schema=PAIR_SCHEMA)
+    pair_bucket = _pair_buckets(cols["a"], cols["b"], n_pair_buckets)
+    table = pa.table({**cols, "pair_bucket": pa.array(pair_bucket, pa.int32())}, schema=PAIR_SCHEMA)
     write_buckets(storage, f"{PAIR_DIR}/{bucket:06d}.parquet", table, "pair_bucket")
+    # each near candidate's two descriptors, asked of the partitions that hold them (a join, not a
+    # task reading every partition's descriptors)
+    wanted = sorted({(k, part, int(pb)) for p, pb in zip(rows, pair_bucket) if p.kind == "near_duplicate"
+                     for k, part in ((p.a, p.part_a), (p.b, p.part_b))})
+    write_buckets(storage, f"{WANTED_DIR}/{bucket:06d}.parquet", pa.table({
+        "key": [w[0] for w in wanted], "part": [w[1] for w in wanted], "pair_bucket": pa.array([w[2] for w in wanted], pa.int32()),
+        "fetch_bucket": pa.array(_fetch_buckets([w[1] for w in wanted], n_pair_buckets), pa.int32())},
+        schema=WANTED_SCHEMA), "fetch_bucket")
     return {"pairs": len(rows), "largest_group": largest, "rows": t.num_rows}
+
+
+def _fetch_buckets(parts: list[str], n: int) -> np.ndarray:
+    return (key_hashes(parts) % np.uint64(n)).astype(np.int32) if parts else np.zeros(0, np.int32)
+
+
+def _fetch_task(storage, bucket: int, files: list[str]) -> dict:
+    """Ray task: the descriptors wanted of one group of partitions (each partition's file read once)
+    -> one file bucketed by the pair bucket that wants each; -> counts."""
+    t = read_bucket(storage, files, "fetch_bucket", bucket, WANTED_SCHEMA)
+    by_part: dict[str, list] = {}
+    for k, part, pb in zip(*(t.column(c).to_pylist() for c in ("key", "part", "pair_bucket"))):
+        by_part.setdefault(part, []).append((k, pb))
+    out = {"key": [], "vec": [], "pair_bucket": []}
+    for part in sorted(by_part):
+        want = by_part[part]
+        d = storage.read_table(f"dedup/_work/desc/{part}.parquet", ["key", "vec"])
+        d = d.filter(pc.is_in(d.column("key"), pa.array(sorted({k for k, _ in want}))))
+        vec = dict(zip(d.column("key").to_pylist(), d.column("vec").to_pylist()))
+        for k, pb in want:
+            out["key"].append(k)
+            out["vec"].append(vec[k])
+            out["pair_bucket"].append(pb)
+    write_buckets(storage, f"{VEC_DIR}/{bucket:06d}.parquet", pa.table(out, schema=VEC_SCHEMA), "pair_bucket")
+    return {"partitions": len(by_part), "descriptors": len(out["key"])}
 
 
 def _ranks(counts: np.ndarray) -> np.ndarray:
@@ -371,31 +411,23 @@ EDGE_SCHEMA = pa.schema([("a", pa.string()), ("part_a", pa.string()), ("b", pa.s
                          ("kind", pa.string()), ("cosine", pa.float64())])
 
 
-def _cosines(storage, pairs: list[Pair]) -> list[float]:
-    """The candidate pairs' exact cosines, from the descriptors of the partitions that hold them."""
-    wanted: dict[str, set] = {}
-    for p in pairs:
-        wanted.setdefault(p.part_a, set()).add(p.a)
-        wanted.setdefault(p.part_b, set()).add(p.b)
-    vec = {}
-    for part, keys in wanted.items():
-        t = storage.read_table(f"dedup/_work/desc/{part}.parquet", ["key", "vec"])
-        t = t.filter(pc.is_in(t.column("key"), pa.array(sorted(keys))))
-        for k, v in zip(t.column("key").to_pylist(), t.column("vec").to_pylist()):
-            x = np.frombuffer(v, np.float16).astype(np.float32)
-            vec[k] = x / (np.linalg.norm(x) + 1e-6)
-    return [float(vec[p.a] @ vec[p.b]) for p in pairs]
+def _unit(v: bytes) -> np.ndarray:
+    x = np.frombuffer(v, np.float16).astype(np.float32)
+    return x / (np.linalg.norm(x) + 1e-6)
 
 
-def _verify_task(storage, bucket: int, files: list[str], threshold: float) -> dict:
-    """Ray task: one pair bucket from every group file -> its exact pairs and its candidate near
-    pairs at cosine >= threshold (a pair also found exact is exact), written as edges; -> counts."""
+def _verify_task(storage, bucket: int, files: list[str], vec_files: list[str], threshold: float) -> dict:
+    """Ray task: one pair bucket from every group file, and its candidates' descriptors from every
+    fetch file -> its exact pairs and its candidate near pairs at cosine >= threshold (a pair also
+    found exact is exact), written as edges; -> counts."""
     t = read_bucket(storage, files, "pair_bucket", bucket, PAIR_SCHEMA)
     pairs = sorted({Pair(*r) for r in zip(*(t.column(f).to_pylist() for f in Pair._fields))})
     exact = [p for p in pairs if p.kind == "exact_duplicate"]
     exact_ab = {(p.a, p.b) for p in exact}
     cand = [p for p in pairs if p.kind == "near_duplicate" and (p.a, p.b) not in exact_ab]
-    near = [(p, c) for p, c in zip(cand, _cosines(storage, cand) if cand else []) if c >= threshold]
+    v = read_bucket(storage, vec_files, "pair_bucket", bucket, VEC_SCHEMA) if cand else VEC_SCHEMA.empty_table()
+    vec = {k: _unit(x) for k, x in zip(v.column("key").to_pylist(), v.column("vec").to_pylist())}
+    near = [(p, c) for p in cand if (c := float(vec[p.a] @ vec[p.b])) >= threshold]
     edges = [(p, None) for p in exact] + near
     storage.write_table(f"{EDGE_DIR}/{bucket:06d}.parquet", pa.table(
         {**{f: [getattr(p, f) for p, _ in edges] for f in Pair._fields}, "cosine": [c for _, c in edges]},
@@ -578,7 +610,12 @@ class DedupStage(Decide):
         found = ctx.run(_group_task, [(ctx.storage, b, cfg, sig_files, n_buckets) for b in range(n_buckets)],
                         "dedup group", num_cpus=cfg.cpus_per_worker, unit="buckets")
         pair_files = [f"{PAIR_DIR}/{b:06d}.parquet" for b in range(n_buckets)]
-        checked = ctx.run(_verify_task, [(ctx.storage, b, pair_files, cfg.within_threshold) for b in range(n_buckets)],
+        wanted_files = [f"{WANTED_DIR}/{b:06d}.parquet" for b in range(n_buckets)]
+        ctx.run(_fetch_task, [(ctx.storage, b, wanted_files) for b in range(n_buckets)], "dedup fetch descriptors",
+                num_cpus=cfg.cpus_per_worker, unit="buckets")
+        vec_files = [f"{VEC_DIR}/{b:06d}.parquet" for b in range(n_buckets)]
+        checked = ctx.run(_verify_task, [(ctx.storage, b, pair_files, vec_files, cfg.within_threshold)
+                                         for b in range(n_buckets)],
                           "dedup verify", num_cpus=cfg.cpus_per_worker, unit="buckets")
         return Candidates(sum(c["exact"] for c in checked), sum(c["near"] for c in checked),
                           sum(c["candidates"] for c in checked), [f"{EDGE_DIR}/{b:06d}.parquet" for b in range(n_buckets)],
@@ -613,7 +650,7 @@ class DedupStage(Decide):
                 evals[name] = evals.get(name, 0) + c
         return StageResult(parts, {"eval_sets": found.set_stats, "eval_matches": evals,
                                    "largest_lsh_group": found.largest_group,
-                                   "reduce_tasks": {"group": found.buckets, "verify": found.buckets},
+                                   "reduce_tasks": {"group": found.buckets, "fetch": found.buckets, "verify": found.buckets},
                                    "pairs": {"exact": found.exact, "near_candidates": found.n_candidates,
                                              "near": found.near},
                                    "method": {"descriptor": "thumb16-v2", "eval_threshold": cfg.eval_threshold,

@@ -157,7 +157,7 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local):
 
     first = kept()
     stats = json.loads((tmp_path / "run" / "dedup" / "stats.json").read_text())
-    assert stats["reduce_tasks"] == {"group": 2, "verify": 2}       # a bucket per CPU
+    assert stats["reduce_tasks"] == {"group": 2, "fetch": 2, "verify": 2}       # a bucket per CPU
     # one task at a time on 2 CPUs, the signatures cut into buckets of ~1,000 rows (a pair found in
     # several buckets is verified once, in its pair bucket): same verdicts, same duplicate_of, same counts
     cut = ["stages.dedup.cpus_per_worker=2", "stages.dedup.bucket_rows=1000"]
@@ -217,7 +217,7 @@ def test_a_group_task_pairs_exact_and_near_signatures(tmp_path):
     shared pixel hash pairs its samples as exact, a near copy (3 bits off) as a near candidate, a
     far code and a near code of another colour not at all."""
     from infra.storage import Storage
-    from stages.dedup import PAIR_DIR, PAIR_SCHEMA, SIG_DIR, DedupConfig, _group_task, signature_table
+    from stages.dedup import PAIR_DIR, PAIR_SCHEMA, SIG_DIR, WANTED_DIR, DedupConfig, _group_task, signature_table
     from stages.lsh import band_plan
 
     rng = np.random.default_rng(0)
@@ -241,6 +241,9 @@ def test_a_group_task_pairs_exact_and_near_signatures(tmp_path):
     assert got == [{"a": "s0", "part_a": "p0", "b": "s1", "part_b": "p1", "kind": "near_duplicate"},
                    {"a": "s4", "part_a": "p0", "b": "s5", "part_b": "p1", "kind": "exact_duplicate"}]
     assert out["pairs"] == 2 and out["rows"] == 6 * (2 + plan.bands) and out["largest_group"] >= 2
+    # the near candidate's two sides are asked of their partitions (the exact pair needs no descriptor)
+    wanted = storage.read_table(f"{WANTED_DIR}/000000.parquet").select(["key", "part"]).to_pylist()
+    assert wanted == [{"key": "s0", "part": "p0"}, {"key": "s1", "part": "p1"}]
 
 
 def test_how_dedup_cuts_its_work_is_not_in_its_fingerprint():
