@@ -29,6 +29,40 @@ def write_buckets(storage, rel: str, table: pa.Table, column: str) -> str:
     return storage.write_bytes(rel, sink.getvalue().to_pybytes())   # whole or not at all: the map is done
 
 
+class BucketWriter:
+    """`write_buckets` a piece at a time: each `write(table)` adds its rows as row groups by bucket,
+    so a map task holds one piece, not its whole partition (a bucket may then have several row
+    groups in a file; `read_bucket` reads each). The file grows in a local temporary folder and is
+    put in the run folder whole on `close()`."""
+
+    def __init__(self, storage, rel: str, schema: pa.Schema, column: str):
+        import tempfile
+
+        self.storage, self.rel, self.column = storage, rel, column
+        self.tmp = tempfile.TemporaryDirectory(prefix="capline-shuffle-")
+        self.local = f"{self.tmp.name}/map.parquet"
+        self.writer = pq.ParquetWriter(self.local, schema, compression="zstd")
+        self.rows = 0
+
+    def write(self, table: pa.Table) -> None:
+        table = table.take(pc.sort_indices(table, [(self.column, "ascending")]))
+        values = table.column(self.column).to_numpy()
+        bounds = np.flatnonzero(np.diff(values)) + 1
+        for lo, hi in zip([0, *bounds], [*bounds, table.num_rows]):
+            if hi > lo:
+                self.writer.write_table(table.slice(lo, hi - lo), row_group_size=hi - lo)
+        self.rows += table.num_rows
+
+    def close(self) -> str:
+        try:
+            if self.rows == 0:
+                self.writer.write_table(self.writer.schema.empty_table())
+            self.writer.close()
+            return self.storage.write_file(self.rel, self.local)
+        finally:
+            self.tmp.cleanup()
+
+
 READ_THREADS = 16    # map files read at once by one reduce task: on an object store each read waits on latency
 
 

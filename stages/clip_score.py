@@ -32,7 +32,7 @@ from infra.configtools import join, require
 from infra.errors import UserError
 
 from .base import DROPPED, KEPT, Decide, PartTask, StageContext, StageResult
-from .dataplane import read_images, read_kept
+from .dataplane import by_location, image_batches, read_images, read_kept
 from .examples import write_examples
 from .scorer import BootstrapConfig, Scorer, check_scorer, read_trusted_keys, small_bootstrap, train_bootstrap
 from infra.hashing import order_key
@@ -141,10 +141,10 @@ def _scorer(storage, folder: str, sha: str, device: str, kind: str = "checkpoint
 
 def _score_task(storage, part: str, file: str, folder: str, sha: str, device: str, kind: str = "checkpoint") -> dict:
     """Ray task: score one partition, write its scores, return how many of each value."""
-    rows = read_kept(storage, file, ["key", "caption", "tar", "offset", "size"])
-    images = read_images(storage, rows)
-    scores = _scorer(storage, folder, sha, device, kind).score(images, rows.column("caption").to_pylist()) \
-        if rows.num_rows else np.zeros(0)
+    rows = by_location(read_kept(storage, file, ["key", "caption", "tar", "offset", "size"]))
+    scorer = _scorer(storage, folder, sha, device, kind) if rows.num_rows else None
+    scores = np.concatenate([np.zeros(0), *(np.asarray(scorer.score(images, batch.column("caption").to_pylist()), np.float64)
+                                            for batch, images in image_batches(storage, rows))])
     ints = np.round(np.asarray(scores, np.float64) * SCALE).astype(np.int64)
     storage.write_table(f"clip_score/_work/scores/{part}.parquet",
                         pa.table({"key": rows.column("key"), "score": pa.array(ints, pa.int64())}))

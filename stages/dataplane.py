@@ -304,3 +304,27 @@ def read_images(storage: Storage, table: pa.Table, counter: dict | None = None) 
     from infra.tars import read_members
 
     return read_members(storage, *(table.column(c).to_pylist() for c in ("tar", "offset", "size")), counter=counter)
+
+
+BATCH_ROWS, BATCH_BYTES = 2048, 256 << 20   # images a task holds at once, whatever its partition's size
+
+
+def by_location(table: pa.Table) -> pa.Table:
+    """Rows in the order their images lie: by tar, then offset (a batch then reads one tar, or a few,
+    in a few large requests, however the partition's rows are ordered)."""
+    return table.sort_by([("tar", "ascending"), ("offset", "ascending"), ("key", "ascending")])
+
+
+def image_batches(storage: Storage, table: pa.Table, batch_rows: int = BATCH_ROWS, batch_bytes: int = BATCH_BYTES,
+                  counter: dict | None = None):
+    """(rows, their image bytes) a batch at a time, in `table`'s order: at most `batch_rows` rows and
+    about `batch_bytes` of images each, so a task's memory does not grow with its partition (sort
+    with `by_location` first, so each batch reads few tars)."""
+    sizes = pc.fill_null(table.column("size"), 0).to_numpy() if table.num_rows else []
+    start, held = 0, 0
+    for i in range(table.num_rows):
+        held += int(sizes[i])
+        if i + 1 - start >= batch_rows or held >= batch_bytes or i + 1 == table.num_rows:
+            batch = table.slice(start, i + 1 - start)
+            yield batch, read_images(storage, batch, counter)
+            start, held = i + 1, 0

@@ -47,7 +47,7 @@ from infra.errors import UserError
 from infra.shuffle import read_bucket, write_buckets
 
 from .base import Decide, StageContext, StageResult
-from .dataplane import DROPPED, KEPT, PartTask, key_hashes, read_images
+from .dataplane import DROPPED, KEPT, PartTask, by_location, image_batches, key_hashes
 from .eval_sets import EvalSetConfig, build_reference, check_exists
 from .imagehash import describe, to_rgb_array
 from .lsh import BandPlan, band_plan, band_values, close_in_groups, mix64, runs
@@ -203,46 +203,52 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
     from .dataplane import read_kept
     from .imagehash import simhash
 
-    rows = read_kept(storage, file, ["key", "url", "caption", "tar", "offset", "size"])
+    rows = by_location(read_kept(storage, file, ["key", "url", "caption", "tar", "offset", "size"]))
     indexes, enc_indexes, encoder = _indexes(storage, blobs, names, encoder_checkpoint, cfg.encoder_image_size)
-    images = read_images(storage, rows)
     n = rows.num_rows
-    vecs, means = np.zeros((n, 768), np.float32), np.zeros((n, 3), np.float32)
+    vec16, means, codes = np.zeros((n, 768), np.float16), np.zeros((n, 3), np.float32), np.zeros((n, cfg.bits // 8), np.uint8)
     pix, ok = [bytes(16)] * n, np.zeros(n, bool)
-    for i, img in enumerate(images):
-        try:
-            arr = to_rgb_array(img)   # decode once: for the descriptor and the pixel hash
-            vecs[i], means[i] = describe(arr)
-            pix[i] = hashlib.sha256(arr.tobytes()).digest()[:16]
-            ok[i] = True
-        except Exception:  # noqa: BLE001 - ingest verified decodability; count it if it happens
-            pass
     best_set, best_id, best_sim = [""] * n, [""] * n, np.full(n, -1.0, np.float32)
-    for kind, idx_map in (("hash", indexes), ("encoder", enc_indexes)):
-        if not idx_map or n == 0:
-            continue
-        if kind == "encoder":
-            got = [encoder(img)[0] if good else None for img, good in zip(images, ok)]
-            dim = next((g.shape[0] for g in got if g is not None), 1)    # an encoder's own width
-            qv = np.stack([g if g is not None else np.zeros(dim, np.float32) for g in got])
-            qm = np.zeros((n, 3), np.float32)
-        else:
-            qv, qm = vecs, means
-        for name, index in idx_map.items():
-            idx, sim = index.search(qv, qm)
-            for q in range(n):
-                if idx[q] >= 0 and sim[q] > best_sim[q] and ok[q]:
-                    best_set[q], best_id[q], best_sim[q] = f"{name}|{kind}", index.ids[idx[q]], sim[q]
+    at = 0
+    for batch, images in image_batches(storage, rows):     # memory: a batch's images, whatever n is
+        m = batch.num_rows
+        vecs = np.zeros((m, 768), np.float32)
+        for j, img in enumerate(images):
+            i = at + j
+            try:
+                arr = to_rgb_array(img)   # decode once: for the descriptor and the pixel hash
+                vecs[j], means[i] = describe(arr)
+                pix[i] = hashlib.sha256(arr.tobytes()).digest()[:16]
+                ok[i] = True
+            except Exception:  # noqa: BLE001 - ingest verified decodability; count it if it happens
+                pass
+        vec16[at:at + m], codes[at:at + m] = vecs, simhash(vecs, cfg.bits)
+        for kind, idx_map in (("hash", indexes), ("encoder", enc_indexes)):
+            if not idx_map:
+                continue
+            if kind == "encoder":
+                got = [encoder(img)[0] if good else None for img, good in zip(images, ok[at:at + m])]
+                dim = next((g.shape[0] for g in got if g is not None), 1)    # an encoder's own width
+                qv = np.stack([g if g is not None else np.zeros(dim, np.float32) for g in got])
+                qm = np.zeros((m, 3), np.float32)
+            else:
+                qv, qm = vecs, means[at:at + m]
+            for name, index in idx_map.items():
+                idx, sim = index.search(qv, qm)
+                for q in range(m):
+                    i = at + q
+                    if idx[q] >= 0 and sim[q] > best_sim[i] and ok[i]:
+                        best_set[i], best_id[i], best_sim[i] = f"{name}|{kind}", index.ids[idx[q]], sim[q]
+        at += m
     keys = rows.column("key").to_pylist()
     storage.write_table(f"dedup/_work/desc/{part}.parquet", pa.table({
-        "key": keys, "vec": pa.array([v.astype(np.float16).tobytes() for v in vecs], pa.binary()),
+        "key": keys, "vec": pa.array([v.tobytes() for v in vec16], pa.binary()),
         "ok": ok, "eval_set": best_set, "eval_id": best_id, "eval_sim": best_sim}))
     # signatures of the samples the within-data step considers: decodable, not an evaluation match
     live = [i for i in range(n) if ok[i] and not _eval_hit(best_set[i], best_sim[i], cfg)]
-    codes = simhash(vecs[live], cfg.bits) if live else np.zeros((0, cfg.bits // 8), np.uint8)
     url_caption = [hashlib.blake2b(f"{u}\0{c}".encode(), digest_size=16).digest() for u, c in
                    zip(rows.column("url").to_pylist(), rows.column("caption").to_pylist())]
-    table = signature_table([keys[i] for i in live], part, codes, means[live], [pix[i] for i in live],
+    table = signature_table([keys[i] for i in live], part, codes[live], means[live], [pix[i] for i in live],
                             [url_caption[i] for i in live], plan, n_buckets)
     # one file per partition, a row group per bucket (infra/shuffle.py): no file per (partition, bucket)
     write_buckets(storage, f"{SIG_DIR}/{part}.parquet", table, "bucket")

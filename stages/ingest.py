@@ -20,6 +20,7 @@ reaches images by. The driver gets counts back. capline adds:
 """
 from __future__ import annotations
 
+import math
 import re
 
 import hashlib
@@ -56,6 +57,10 @@ class IngestConfig:
     retries: int = 1                 # extra attempts per URL
     thread_count: int = 32           # concurrent requests per shard task
     samples_per_shard: int = 1000
+    # the stages after ingest get partitions of consecutive shards of one source partition, about
+    # this many samples at most (and fewer while the cluster has more CPUs than partitions): fewer,
+    # larger objects per stage. How the work is cut, not what is decided: not in the fingerprint
+    compact_rows: int = 100_000
     min_image_size: int | None = None    # moved: the basic stage decides image_too_small (min_image_side)
     max_aspect_ratio: float | None = None  # moved: the basic stage decides aspect_ratio (max_aspect_ratio)
     max_bytes: int = 20_000_000      # a response longer than this is dropped (too_many_bytes)
@@ -80,6 +85,8 @@ class IngestConfig:
         require(self.retries >= 0, join(prefix, "retries"), f"must be >= 0, got {self.retries}")
         require(1 <= self.thread_count <= 1024, join(prefix, "thread_count"), f"must be 1..1024, got {self.thread_count}")
         require(self.samples_per_shard >= 1, join(prefix, "samples_per_shard"), "must be >= 1")
+        require(self.compact_rows >= self.samples_per_shard, join(prefix, "compact_rows"),
+                f"must be >= samples_per_shard ({self.samples_per_shard}): a partition holds whole shards")
         require(self.host_rate > 0, join(prefix, "host_rate"), f"must be > 0 requests per second, got {self.host_rate}")
         require(self.host_concurrency >= 1, join(prefix, "host_concurrency"), "must be >= 1")
         require(self.max_retry_after >= 0, join(prefix, "max_retry_after"), "must be >= 0 seconds")
@@ -330,6 +337,11 @@ class IngestStage(Source):
         "unsupported_format": "the images are in formats outside stages.ingest.formats",
     }
 
+    def fingerprint(self, config) -> str:
+        base = json.loads(super().fingerprint(config))
+        base["section"].pop("compact_rows")    # how the later stages' work is cut, not what ingest decides
+        return json.dumps(base, sort_keys=True)
+
     def run(self, ctx: StageContext) -> StageResult:
         from contextlib import nullcontext
 
@@ -376,14 +388,66 @@ class IngestStage(Source):
                                   num_cpus=1, max_retries=cfg.task_retries,
                                   describe=lambda c: f"shard {c[1].unit}/{c[1].shard:05d}", unit="shards")
                 elapsed = time.time() - start
-        parts = reused + results
-        report = write_report(ctx.stage_dir, parts, ctx.run_name)
+        shards = reused + results
+        report = write_report(ctx.stage_dir, shards, ctx.run_name)
         ctx.log(f"ingest: failures by host and reason in {report}")
+        parts = compact(ctx, shards, shards_per_partition(sum(p.n_in for p in shards), ctx.cluster_cpus(), cfg))
         ok = sum(p.extra["successes"] for p in results)
         nodes = sorted({p.extra["node"] for p in results if p.extra.get("node")})
-        return StageResult(parts, {"shards": len(parts), "partitions": len(units), "nodes": nodes,
+        return StageResult(parts, {"shards": len(shards), "partitions": len(units), "compacted_to": len(parts), "nodes": nodes,
                                    "images_per_second": (ok / elapsed) if results and elapsed > 0 else None},
                            artifacts={"ledger": "ingest/parts.json", "report": "ingest/report.html"})
+
+
+def shards_per_partition(samples: int, cluster_cpus: float, cfg: IngestConfig) -> int:
+    """Shards joined into one partition for the stages after ingest: up to `compact_rows` samples,
+    but no fewer partitions than the cluster's CPUs while the data allows; a power of two, so a run
+    that adds a little data keeps the same grouping (and its partitions are reused downstream)."""
+    target = min(cfg.compact_rows, math.ceil(samples / max(1.0, cluster_cpus)))
+    return 1 << max(0, int(math.floor(math.log2(max(1, target // cfg.samples_per_shard)))))
+
+
+def compact(ctx: StageContext, shards: list[PartResult], per: int) -> list[PartResult]:
+    """The shards' ledgers joined, `per` consecutive shards of one source partition at a time (their
+    tars stay where they are: rows point at them). A group joined before from the same shards is
+    reused; a lone shard is its own partition."""
+    units: dict[str, list[PartResult]] = {}
+    for p in shards:
+        units.setdefault(p.file.split("/")[2], []).append(p)   # ingest/parts/<unit>/ledger/<shard>.parquet
+    out, calls, keep = [], [], set()
+    for unit, members in sorted(units.items()):
+        members.sort(key=lambda p: p.file)
+        for i in range(0, len(members), per):
+            group = members[i:i + per]
+            if len(group) == 1:
+                out.append(group[0])
+                continue
+            first, last = (Path(g.file).stem for g in (group[0], group[-1]))
+            rel = f"ingest/parts/{unit}/compact/{first}-{last}"
+            keep.add(rel)
+            shas = [g.sha256 for g in group]
+            done = ctx.storage.read_json(f"{rel}.json")
+            if done and done.get("members") == shas:
+                out.append(PartResult.from_json(done["result"]))
+            else:
+                calls.append((ctx.storage, [g.file for g in group], shas, f"{unit}-{first}-{last}", rel, group[0].input))
+    for unit in units:
+        for f in ctx.storage.list(f"ingest/parts/{unit}/compact"):
+            if f.rsplit(".", 1)[0] not in keep:
+                ctx.storage.delete(f)       # a grouping of an earlier run
+    if calls:
+        out += ctx.run(_compact_task, calls, "ingest compact", num_cpus=0.5, unit="partitions")
+        ctx.log(f"ingest: {len(shards)} shards joined into {len(out)} partitions for the stages after it")
+    return sorted(out, key=lambda p: p.part)
+
+
+def _compact_task(storage, files: list[str], shas: list[str], name: str, rel: str, source_part: str) -> PartResult:
+    """Ray task: a group of shards' ledgers as one partition (rows only; the images stay in their tars)."""
+    table = pa.concat_tables([storage.read_table(f) for f in files])
+    result = write_part(storage, "ingest", name, source_part, table.column("key").to_pylist(), table,
+                        rel=f"{rel}.parquet", notes=IngestStage.notes)
+    storage.write_json(f"{rel}.json", {"members": shas, "result": result.to_json()})
+    return result
 
 
 def _downloader(cfg: IngestConfig, allow: tuple, at_once: int = 1, own: tuple = ()):

@@ -40,9 +40,9 @@ import pyarrow.compute  # noqa: F401 - pa.compute
 from infra.configtools import join, require
 
 from .base import KEPT, Sink, StageContext, StageResult
-from .dataplane import read_images, read_kept, write_part
+from .dataplane import by_location, image_batches, read_kept, write_part
 from infra.hashing import order_key
-from infra.shuffle import read_bucket, write_buckets
+from infra.shuffle import BucketWriter, read_bucket
 
 
 @dataclass
@@ -97,28 +97,30 @@ def _stored_size(data: bytes) -> tuple[int | None, int | None]:
 
 
 def _map_task(storage, part: str, file: str, seed: int, n_out: int) -> dict:
-    """Ray task: one input partition's samples, images read once, into their output shards' buckets."""
-    rows = read_kept(storage, file, ["key", "url", "caption", "notes", "tar", "member", "offset", "size",
-                                     "sha256", "width", "height"])
-    images = read_images(storage, rows)
-    keys = rows.column("key").to_pylist()
-    order = [order_key(seed, k) for k in keys]
-    out = np.array([int(o[:16], 16) % n_out for o in order], np.int64)
-    meta = []
-    cols = (rows.column(x).to_pylist() for x in ("url", "caption", "notes", "sha256", "width", "height"))
-    for k, img, (u, c, n, sha, ow, oh) in zip(keys, images, zip(*cols)):
-        w, h = _stored_size(img)
-        meta.append(json.dumps({"key": k, "url": u, "caption": c, "status": "success", "error_message": None,
-                                "width": w, "height": h, "original_width": ow, "original_height": oh,
-                                "sha256": sha, **(json.loads(n) if n else {})},
-                               sort_keys=True, ensure_ascii=False))
-    ext = [(m or "x.jpg").rsplit(".", 1)[-1] for m in rows.column("member").to_pylist()]
-    table = pa.table({"shard": pa.array(out, pa.int32()), "key": keys, "order": order,
-                      "image": pa.array(images, pa.binary()), "ext": ext, "caption": rows.column("caption"),
-                      "meta": meta})
+    """Ray task: one input partition's samples, images read once, into their output shards' buckets,
+    a batch of images at a time (memory: a batch, whatever the partition's size)."""
+    rows = by_location(read_kept(storage, file, ["key", "url", "caption", "notes", "tar", "member", "offset", "size",
+                                                 "sha256", "width", "height"]))
     # one object per map task (infra/shuffle.py), not one per (partition, shard): about one per sample at scale
-    write_buckets(storage, f"{MAP_DIR}/{part}.parquet", table, "shard")
-    return {"part": part, "samples": len(keys)}
+    out = BucketWriter(storage, f"{MAP_DIR}/{part}.parquet", MAP_SCHEMA, "shard")
+    for batch, images in image_batches(storage, rows):
+        keys = batch.column("key").to_pylist()
+        order = [order_key(seed, k) for k in keys]
+        shard = np.array([int(o[:16], 16) % n_out for o in order], np.int64)
+        meta = []
+        cols = (batch.column(x).to_pylist() for x in ("url", "caption", "notes", "sha256", "width", "height"))
+        for k, img, (u, c, n, sha, ow, oh) in zip(keys, images, zip(*cols)):
+            w, h = _stored_size(img)
+            meta.append(json.dumps({"key": k, "url": u, "caption": c, "status": "success", "error_message": None,
+                                    "width": w, "height": h, "original_width": ow, "original_height": oh,
+                                    "sha256": sha, **(json.loads(n) if n else {})},
+                                   sort_keys=True, ensure_ascii=False))
+        ext = [(m or "x.jpg").rsplit(".", 1)[-1] for m in batch.column("member").to_pylist()]
+        out.write(pa.table({"shard": pa.array(shard, pa.int32()), "key": keys, "order": order,
+                            "image": pa.array(images, pa.binary()), "ext": ext, "caption": batch.column("caption"),
+                            "meta": meta}, schema=MAP_SCHEMA))
+    out.close()
+    return {"part": part, "samples": rows.num_rows}
 
 
 MAP_DIR = "shard/_work/map"

@@ -116,7 +116,15 @@ def _content(run_dir):
 
 def test_rerun_resumes_only_missing_shards(tmp_path, ray_local):
     cfg = load_config(None, SMALL)
-    run_pipeline(cfg, tmp_path, until="ingest", log=lambda m: None)
+    logs = []
+    run_pipeline(cfg, tmp_path, until="ingest", log=logs.append)
+    # 5 shards of 60 on 2 CPUs: 2 shards a partition for the stages after (150 samples each, at most)
+    assert any("ingest: 5 shards joined into 3 partitions" in m for m in logs), logs
+    parts = json.loads((tmp_path / "ingest" / "parts.json").read_text())
+    assert [p["in"] for p in parts] == [120, 120, 60]
+    shard_keys = {r["key"] for f in sorted(tmp_path.glob("ingest/parts/*/ledger/*.parquet"))
+                  for r in pq.read_table(f, columns=["key"]).to_pylist()}
+    assert {r["key"] for p in parts for r in pq.read_table(tmp_path / p["file"], columns=["key"]).to_pylist()} == shard_keys
     before = _content(tmp_path)
     (part,) = (tmp_path / "ingest" / "parts").iterdir()
     shards = part / "shards"
@@ -128,6 +136,7 @@ def test_rerun_resumes_only_missing_shards(tmp_path, ray_local):
     logs = []
     run_pipeline(cfg, tmp_path, until="ingest", log=logs.append)
     assert any("4 shards downloaded before, reused; 1 to download" in m for m in logs), logs
+    assert json.loads((tmp_path / "ingest" / "parts.json").read_text())[0] == parts[0]   # its group: reused
     assert (shards / "00001.tar").stat().st_mtime_ns == untouched
     assert _content(tmp_path) == before
 

@@ -1,0 +1,68 @@
+"""Unit level: how ingest's shards become the later stages' partitions, and how a task holds a
+bounded number of images however large its partition is."""
+import io
+import tarfile
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from infra.shuffle import BucketWriter, read_bucket
+from infra.storage import Storage
+from stages.dataplane import by_location, image_batches
+from stages.ingest import IngestConfig, shards_per_partition
+
+
+def test_partitions_hold_up_to_compact_rows_and_outnumber_the_cpus():
+    cfg = IngestConfig(samples_per_shard=1000, compact_rows=100_000)
+    assert shards_per_partition(2_000, 2, IngestConfig(samples_per_shard=250)) == 4      # the demo: 2 partitions
+    assert shards_per_partition(10**8, 3200, cfg) == 16          # 31,250 a CPU -> 16 shards: 6,250 partitions
+    assert shards_per_partition(10**9, 3200, cfg) == 64          # capped by compact_rows (64,000 <= 100,000)
+    assert shards_per_partition(500, 64, cfg) == 1               # never splits a shard
+    # a run that adds 1 % keeps its grouping, so its partitions are reused downstream
+    assert shards_per_partition(int(1.01 * 10**8), 3200, cfg) == shards_per_partition(10**8, 3200, cfg)
+
+
+def _tar(path, sizes):
+    offsets = []
+    with open(path, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for i, n in enumerate(sizes):
+            info = tarfile.TarInfo(f"{i:04d}.jpg")
+            info.size = n
+            tar.addfile(info, io.BytesIO(bytes([i % 256]) * n))
+            offsets.append(f.tell() - ((n + 511) // 512) * 512)
+    return offsets
+
+
+def test_image_batches_bound_what_a_task_holds_and_read_each_tar_in_order(tmp_path):
+    storage = Storage.local(tmp_path)
+    rows = []
+    for t in ("b.tar", "a.tar"):
+        offs = _tar(tmp_path / t, [1000] * 50)
+        rows += [{"key": f"{t}{i:03d}", "tar": t, "offset": o, "size": 1000} for i, o in enumerate(offs)]
+    table = by_location(pa.Table.from_pylist(rows[::-1]))
+    assert table.column("tar").to_pylist() == ["a.tar"] * 50 + ["b.tar"] * 50
+    counter = {}
+    got = list(image_batches(storage, table, batch_rows=30, batch_bytes=10**9, counter=counter))
+    assert [b.num_rows for b, _ in got] == [30, 30, 30, 10]
+    assert all(img == bytes([int(k[-3:]) % 256]) * 1000 for b, imgs in got for k, img in zip(b.column("key").to_pylist(), imgs))
+    assert counter["requests"] == 5        # a batch reads each of its tars once: 1 + 2 + 1 + 1
+    by_bytes = list(image_batches(storage, table, batch_rows=10**6, batch_bytes=25_000))
+    assert [b.num_rows for b, _ in by_bytes] == [25, 25, 25, 25]
+
+
+def test_a_bucket_writer_writes_pieces_that_read_bucket_joins(tmp_path):
+    storage = Storage.local(tmp_path)
+    schema = pa.schema([("shard", pa.int32()), ("v", pa.int64())])
+    w = BucketWriter(storage, "map/0.parquet", schema, "shard")
+    rng = np.random.default_rng(0)
+    pieces = [rng.integers(0, 4, 50).astype(np.int32) for _ in range(3)]
+    for i, p in enumerate(pieces):
+        w.write(pa.table({"shard": p, "v": np.arange(50) + 100 * i}, schema=schema))
+    w.close()
+    assert pq.ParquetFile(tmp_path / "map/0.parquet").metadata.num_row_groups == 12    # 4 buckets x 3 pieces
+    for b in range(4):
+        got = read_bucket(storage, ["map/0.parquet"], "shard", b, schema).column("v").to_pylist()
+        assert got == [100 * i + j for i, p in enumerate(pieces) for j in np.flatnonzero(p == b)]
+    empty = BucketWriter(storage, "map/1.parquet", schema, "shard")
+    assert empty.close() and read_bucket(storage, ["map/1.parquet"], "shard", 0, schema).num_rows == 0
