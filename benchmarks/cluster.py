@@ -176,8 +176,10 @@ def main():
     result = run(args)
     print(table(result))
     path = RESULTS / "cluster.json"
-    old = json.loads(path.read_text()).get("runs", {}) if path.is_file() else {}
-    write_results("cluster", {"runs": {**old, args.label: result}})
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data.pop("machine", None)
+    data["runs"] = {**data.get("runs", {}), args.label: result}     # other keys (dedup_alone) stay
+    write_results("cluster", data)
 
 
 if __name__ == "__main__":
