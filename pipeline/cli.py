@@ -389,10 +389,13 @@ def _cmd_rebuild(args) -> int:
             shutil.copytree(old_dir / "source", new_dir / "source")  # the pinned URL list (and demo site)
         with ray_session(cfg.ray, args.address, log=_say):
             run_pipeline(cfg, new_dir, log=_say)
-        report = drift(old_dir, new_dir)
+            from .executor import Executor
+
+            report = drift(old_dir, new_dir, Executor(log=_say))
         (new_dir / "drift.json").write_text(json.dumps(report, indent=1))
-    print(f"drift: {len(report['died'])} URLs died, {len(report['changed'])} changed content, "
-          f"{len(report['revived'])} came back (details in {new_dir / 'drift.json'})")
+    n = report["counts"]
+    print(f"drift: {n['died']} URLs died, {n['changed']} changed content, {n['revived']} came back "
+          f"(the first {report['listed']} of each in {new_dir / 'drift.json'}, all in {report['all']})")
     for kind in ("died", "changed", "revived"):
         for key in report[kind][:50]:
             print(f"  {kind:<8} {key}")

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import tarfile
 from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
 
 
 from infra.hashing import hash_file as sha256_file
@@ -137,19 +141,75 @@ def compare_runs(a: Path, b: Path) -> list[str]:
     return lines
 
 
-def drift(old_run: Path, new_run: Path) -> dict:
-    """URLs that died and URLs whose content changed between two runs' downloads."""
-    def load(run):
-        from stages.base import has_ledger, read_ledger
+DRIFT_LISTED = 1000            # keys of each kind drift.json lists (all of them: the Parquet files in drift/)
+DRIFT_ROWS_PER_BUCKET = 2_000_000
+DRIFT_SCHEMA = pa.schema([("key", pa.string()), ("verdict", pa.string()), ("sha256", pa.string()),
+                          ("bucket", pa.int32())])
 
-        if not has_ledger(run, "ingest"):
-            raise UserError(f"{run}: no ingest ledger to compare downloads with")
-        t = read_ledger(run, "ingest", ["key", "verdict", "sha256"]).to_pydict()
-        return {k: ("success" if v == "kept" else "failed", h) for k, v, h in zip(t["key"], t["verdict"], t["sha256"])}
 
-    old, new = load(old_run), load(new_run)
-    died = sorted(k for k, (s, _) in old.items() if s == "success" and new.get(k, ("missing", None))[0] != "success")
-    changed = sorted(k for k, (s, h) in old.items()
-                     if s == "success" and new.get(k, ("", None))[0] == "success" and new[k][1] != h)
-    revived = sorted(k for k, (s, _) in old.items() if s != "success" and new.get(k, ("", None))[0] == "success")
-    return {"died": died, "changed": changed, "revived": revived}
+def _ingest_files(storage) -> list[str]:
+    parts = storage.read_json("ingest/parts.json")
+    if parts is None:
+        raise UserError(f"{storage.uri()}: no ingest ledger to compare downloads with")
+    return [p["file"] for p in parts]
+
+
+def _drift_map(src, file: str, dst, rel: str, buckets: int) -> int:
+    """Ray task: one ingest partition's (key, verdict, sha256), bucketed by key, into one file."""
+    from infra.shuffle import write_buckets
+    from stages.dataplane import key_hashes
+
+    t = src.read_table(file, ["key", "verdict", "sha256"])
+    b = (key_hashes(t.column("key").to_pylist()) % np.uint64(buckets)).astype(np.int32) if t.num_rows else []
+    write_buckets(dst, rel, t.append_column("bucket", pa.array(b, pa.int32())), "bucket")
+    return t.num_rows
+
+
+def _drift_reduce(storage, bucket: int, old_files: list[str], new_files: list[str]) -> dict:
+    """Ray task: one key bucket of both runs -> its died / changed / revived keys, written to
+    drift/<bucket>.parquet; -> counts and the first DRIFT_LISTED keys of each kind."""
+    from infra.shuffle import read_bucket
+
+    def load(files):
+        t = read_bucket(storage, files, "bucket", bucket, DRIFT_SCHEMA)
+        return {k: ("success" if v == "kept" else "failed", h)
+                for k, v, h in zip(*(t.column(c).to_pylist() for c in ("key", "verdict", "sha256")))}
+
+    old, new = load(old_files), load(new_files)
+    found = {
+        "died": sorted(k for k, (s, _) in old.items() if s == "success" and new.get(k, ("missing", None))[0] != "success"),
+        "changed": sorted(k for k, (s, h) in old.items()
+                          if s == "success" and new.get(k, ("", None))[0] == "success" and new[k][1] != h),
+        "revived": sorted(k for k, (s, _) in old.items() if s != "success" and new.get(k, ("", None))[0] == "success")}
+    rows = sorted((k, kind) for kind, keys in found.items() for k in keys)
+    storage.write_table(f"drift/{bucket:06d}.parquet", pa.table({"key": [r[0] for r in rows], "drift": [r[1] for r in rows]},
+                                                              schema=pa.schema([("key", pa.string()), ("drift", pa.string())])))
+    return {kind: {"count": len(keys), "first": keys[:DRIFT_LISTED]} for kind, keys in found.items()}
+
+
+def drift(old_run, new_run, executor) -> dict:
+    """URLs that died, URLs whose content changed and URLs that came back between two runs'
+    downloads: both ingest ledgers bucketed by key in Ray tasks, a task per bucket compares them and
+    writes its keys to the new run's drift/ (Parquet); the driver gets counts and the first
+    DRIFT_LISTED keys of each kind, never every key."""
+    import heapq
+
+    from infra.storage import Storage
+
+    old_s, new_s = Storage.of(old_run), Storage.of(new_run)
+    old_files, new_files = _ingest_files(old_s), _ingest_files(new_s)
+    rows = sum(p.get("in", 0) for p in old_s.read_json("ingest/parts.json") + new_s.read_json("ingest/parts.json"))
+    buckets = max(1, math.ceil(rows / DRIFT_ROWS_PER_BUCKET), min(int(executor.shape().cpus), rows // 1000))
+    new_s.delete("drift")
+    maps = [(src, f, new_s, f"drift/_work/{side}/{i:06d}.parquet", buckets)
+            for side, src, files in (("old", old_s, old_files), ("new", new_s, new_files)) for i, f in enumerate(files)]
+    executor.run(_drift_map, maps, "drift: ledgers by key", num_cpus=0.5, quiet=True)
+    got = executor.run(_drift_reduce, [(new_s, b, [m[3] for m in maps if "/old/" in m[3]],
+                                        [m[3] for m in maps if "/new/" in m[3]]) for b in range(buckets)],
+                       "drift: compare", num_cpus=0.5, unit="buckets")
+    new_s.delete("drift/_work")
+    out = {"counts": {k: sum(g[k]["count"] for g in got) for k in ("died", "changed", "revived")},
+           "listed": DRIFT_LISTED, "all": new_s.uri("drift")}
+    for kind in ("died", "changed", "revived"):
+        out[kind] = list(heapq.merge(*(g[kind]["first"] for g in got)))[:DRIFT_LISTED]
+    return out

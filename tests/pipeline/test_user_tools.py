@@ -148,3 +148,45 @@ def test_explain_json_escapes_controls_and_bidi_overrides(tmp_path, monkeypatch,
     out = capsys.readouterr().out
     assert out.isascii() and "\\u202e" in out and "\\u009b" in out
     assert json.loads(out)[0]["caption"] == hostile
+
+
+@pytest.mark.slow   # Ray tasks
+def test_drift_compares_two_runs_ledgers_in_tasks_bucketed_by_key(tmp_path, ray_local, monkeypatch):
+    """Two runs' ingest ledgers (several partitions each, keys in other partitions in the other
+    run): died, changed and revived keys, found by tasks per key bucket; drift.json's lists are
+    capped, every key is in drift/ as Parquet."""
+    from infra.storage import Storage
+    from pipeline import verify
+    from pipeline.executor import Executor
+
+    def run(folder, rows, per_part):
+        storage = Storage.local(tmp_path / folder)
+        parts = []
+        for i in range(0, len(rows), per_part):
+            rel = f"ingest/ledger/p{i}.parquet"
+            chunk = rows[i:i + per_part]
+            storage.write_table(rel, pa.table({c: [r[j] for r in chunk] for j, c in enumerate(("key", "verdict", "sha256"))}))
+            parts.append({"file": rel, "in": len(chunk)})
+        storage.write_json("ingest/parts.json", parts)
+        return tmp_path / folder
+
+    old = [(f"k{i:04d}", "kept" if i < 1500 else "dropped", f"h{i}") for i in range(2000)]
+    new = {k: (k, v, h) for k, v, h in old}
+    died = [f"k{i:04d}" for i in range(0, 1500, 7)]
+    changed = [f"k{i:04d}" for i in range(3, 1500, 11) if f"k{i:04d}" not in died]
+    revived = [f"k{i:04d}" for i in range(1500, 2000, 50)]
+    for k in died[::2]:
+        del new[k]                                   # gone from the list: died too
+    for k in died[1::2]:
+        new[k] = (k, "dropped", None)
+    for k in changed:
+        new[k] = (k, "kept", "other")
+    for k in revived:
+        new[k] = (k, "kept", "h")
+    monkeypatch.setattr(verify, "DRIFT_LISTED", 50)
+    report = verify.drift(run("old", old, 300), run("new", sorted(new.values(), reverse=True), 700), Executor(log=lambda m: None))
+    assert report["counts"] == {"died": len(died), "changed": len(changed), "revived": len(revived)}
+    assert report["died"] == died[:50] and report["changed"] == changed[:50] and report["revived"] == revived
+    everything = pq.read_table(tmp_path / "new" / "drift").to_pylist()
+    assert sorted(r["key"] for r in everything if r["drift"] == "died") == died
+    assert not (tmp_path / "new" / "drift" / "_work").exists()
