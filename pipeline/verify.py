@@ -41,12 +41,13 @@ def verify_run(run_dir: Path) -> tuple[list[str], int]:
     problems = []
     sizes_path = folder / "sizes.json"
     sizes = json.loads(sizes_path.read_text()) if sizes_path.is_file() else {}
+    digests = _hash_all([folder / s["name"] for s in shards])
     for s in shards:
         path = folder / s["name"]
         if not path.is_file():
             problems.append(f"shard {s['name']}: missing")
             continue
-        if path.stat().st_size != s["bytes"] or sha256_file(path) != s["sha256"]:
+        if path.stat().st_size != s["bytes"] or digests[path] != s["sha256"]:
             problems.append(f"shard {s['name']}: checksum differs from manifest.json "
                             f"({path.stat().st_size} bytes, expected {s['bytes']}): modified or truncated")
             continue
@@ -58,6 +59,15 @@ def verify_run(run_dir: Path) -> tuple[list[str], int]:
         if not model.is_file() or sha256_file(model) != tok["sha256"]:
             problems.append(f"tokenizer {tok['model']}: missing or checksum differs from manifest.json")
     return problems, len(shards)
+
+
+def _hash_all(paths: list[Path]) -> dict[Path, str | None]:
+    """sha256 of each file that exists, several at once (hashlib lets go of the GIL on large reads)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1))) as pool:
+        return dict(zip(paths, pool.map(lambda p: sha256_file(p) if p.is_file() else None, paths)))
 
 
 def sample_digests(run_dir: Path) -> dict[str, dict[str, str]]:
@@ -97,7 +107,7 @@ def sample_jsons(run_dir: Path, keys: set) -> dict[str, dict]:
 def file_digests(run_dir: Path) -> dict[str, str]:
     """shard name -> sha256 of the file on disk now (not what a manifest says it was)."""
     _shard_list(run_dir, _manifest(run_dir))   # a run whose shard stage finished
-    return {p.name: sha256_file(p) for p in sorted((run_dir / "shard" / "shards").glob("*.tar"))}
+    return {p.name: h for p, h in _hash_all(sorted((run_dir / "shard" / "shards").glob("*.tar"))).items()}
 
 
 def compare_runs(a: Path, b: Path) -> list[str]:
