@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 from benchmarks._common import RESULTS, machine, write_results  # noqa: E402
 
 BITS, THRESHOLD = 256, 0.97
+SIG_DIR = "sig"
 
 
 def _codes(n_total: int, part: int, per_part: int) -> np.ndarray:
@@ -49,9 +50,9 @@ def _planted(n_total: int, part: int, per_part: int, every: int):
 
 
 def write_part(args) -> dict:
-    from infra.shuffle import write_buckets
+    from infra.shuffle import write_ranges
     from infra.storage import Storage
-    from stages.dedup import SIG_DIR, signature_table
+    from stages.dedup import signature_table
     from stages.lsh import band_plan
 
     root, n_total, part, per_part, every, n_buckets = args
@@ -67,8 +68,8 @@ def write_part(args) -> dict:
     uniq = rng.integers(0, 256, (2, per_part, 16), dtype=np.uint8)     # no exact duplicates planted
     table = signature_table(keys, f"p{part:05d}", codes, np.zeros((per_part, 3), np.float32),
                             [u.tobytes() for u in uniq[0]], [u.tobytes() for u in uniq[1]],
-                            band_plan(n_total, THRESHOLD, BITS), n_buckets)
-    write_buckets(Storage.local(root), f"{SIG_DIR}/p{part:05d}.parquet", table, "bucket")
+                            band_plan(n_total, THRESHOLD, BITS))
+    write_ranges(Storage.local(root), f"{SIG_DIR}/p{part:05d}.parquet", table, "h32", n_buckets)
     return {"pairs": [(f"s{s:010d}", keys[r], float(c)) for r, s, c in zip(rows, sources, cosines)]}
 
 
@@ -77,10 +78,10 @@ def group_one(args) -> dict:
     from infra.storage import Storage
     from stages.dedup import DedupConfig, _group_task
 
-    root, bucket, files = args
+    root, bucket, files, n_buckets = args
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
-    out = _group_task(Storage.local(root), bucket, DedupConfig(within_threshold=THRESHOLD, bits=BITS), files, 1)
+    out = _group_task(Storage.local(root), bucket, DedupConfig(within_threshold=THRESHOLD, bits=BITS), files, n_buckets)
     return {**out, "seconds": time.perf_counter() - t0, "base_mb": base,
             "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -88,7 +89,7 @@ def group_one(args) -> dict:
 def run_size(n: int, per_part: int, planted: float, workers: int, bucket_rows: int, work: Path) -> dict:
     import pyarrow.parquet as pq
 
-    from stages.dedup import PAIR_DIR, SIG_DIR, bucket_count, sigs_per_sample
+    from stages.dedup import PAIR_DIR, bucket_count, sigs_per_sample
     from stages.lsh import band_plan
 
     plan = band_plan(n, THRESHOLD, BITS)
@@ -108,11 +109,11 @@ def run_size(n: int, per_part: int, planted: float, workers: int, bucket_rows: i
     print(f"  signatures written in {write_s:.0f}s ({sig_bytes / 2**30:.2f} GiB); grouping...", flush=True)
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(workers, maxtasksperchild=1) as pool:
-        tasks = pool.map(group_one, [(str(root), b, files) for b in range(n_buckets)], chunksize=1)
+        tasks = pool.map(group_one, [(str(root), b, files, n_buckets) for b in range(n_buckets)], chunksize=1)
     group_s = time.perf_counter() - t0
     found = set()
     for b in range(n_buckets):
-        t = pq.read_table(root / PAIR_DIR / f"{b:06d}.parquet", columns=["a", "b", "kind"])
+        t = pq.read_table(root / PAIR_DIR / f"{b:06d}.parquet", columns=["a", "b", "kind"])   # a file per group task
         found |= {(a, b_) for a, b_, k in zip(*(t.column(c).to_pylist() for c in ("a", "b", "kind")))
                   if k == "near_duplicate"}
     hit = np.array([pair in found for pair in truth])

@@ -92,3 +92,59 @@ def read_bucket(storage, files: list[str], column: str, value: int, schema: pa.S
     pieces = [t for t, _ in got if t is not None]
     t = pa.concat_tables(pieces) if pieces else schema.empty_table()
     return t.filter(pc.equal(t.column(column), value))
+
+
+# -- range buckets: a map file that outlives the number of reducers ------------------------------
+# A row's bucket is a range of a uint32 hash column: bucket b of n holds hashes in
+# [ceil(b 2^32 / n), ceil((b + 1) 2^32 / n)). A map file is sorted by the hash, a row group per
+# bucket of the n it was written for; read with another n, a reducer reads the one to three row
+# groups its range overlaps. So a map file made by an earlier run stays usable when the data (and
+# with it the number of buckets) grew.
+def range_of(bucket: int, n: int) -> tuple[int, int]:
+    return -(-bucket * 2**32 // n), -(-(bucket + 1) * 2**32 // n)
+
+
+def range_buckets(hashes: np.ndarray, n: int) -> np.ndarray:
+    return ((hashes.astype(np.uint64) * np.uint64(n)) >> np.uint64(32)).astype(np.int64)
+
+
+def write_ranges(storage, rel: str, table: pa.Table, column: str, n: int) -> str:
+    """`table` sorted by its uint32 `column`, one row group per range bucket of `n`, as one file."""
+    table = table.sort_by(column)
+    bucket = range_buckets(table.column(column).to_numpy(), n)
+    sink = pa.BufferOutputStream()
+    with pq.ParquetWriter(sink, table.schema, compression="zstd") as writer:
+        bounds = np.flatnonzero(np.diff(bucket)) + 1
+        for lo, hi in zip([0, *bounds], [*bounds, table.num_rows]):
+            if hi > lo:
+                writer.write_table(table.slice(lo, hi - lo), row_group_size=hi - lo)
+        if table.num_rows == 0:
+            writer.write_table(table)
+    return storage.write_bytes(rel, sink.getvalue().to_pybytes())
+
+
+def read_range(storage, files: list[str], column: str, bucket: int, n: int, schema: pa.Schema,
+               counter: dict | None = None) -> pa.Table:
+    """The rows of range bucket `bucket` of `n` from every map file (the row groups that overlap it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    lo, hi = range_of(bucket, n)
+
+    def one(rel):
+        with storage.fs.open_input_file(storage.path(rel)) as f:
+            pf = pq.ParquetFile(f)
+            col = pf.schema_arrow.get_field_index(column)
+            groups = [i for i in range(pf.metadata.num_row_groups)
+                      if (st := pf.metadata.row_group(i).column(col).statistics) is not None
+                      and st.has_min_max and st.min < hi and st.max >= lo]
+            return (pf.read_row_groups(groups) if groups else None), len(groups)
+
+    with ThreadPoolExecutor(max(1, min(READ_THREADS, len(files)))) as pool:
+        got = list(pool.map(one, files))
+    if counter is not None:
+        counter["files"] = counter.get("files", 0) + len(files)
+        counter["groups"] = counter.get("groups", 0) + sum(k for _, k in got)
+    pieces = [t for t, _ in got if t is not None]
+    t = pa.concat_tables(pieces) if pieces else schema.empty_table()
+    h = t.column(column)
+    return t.filter(pc.and_(pc.greater_equal(h, pa.scalar(lo, pa.uint64())), pc.less(h, pa.scalar(hi, pa.uint64()))))

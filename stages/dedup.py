@@ -44,7 +44,7 @@ import pyarrow.compute as pc
 from infra.configtools import join, require
 from infra.errors import UserError
 
-from infra.shuffle import read_bucket, write_buckets
+from infra.shuffle import read_bucket, read_range, write_buckets, write_ranges
 
 from .base import Decide, StageContext, StageResult
 from .dataplane import DROPPED, KEPT, PartTask, by_location, image_batches, key_hashes
@@ -197,9 +197,11 @@ def _indexes(storage, blobs: dict, names: tuple, encoder_checkpoint: str | None,
 
 
 def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
-                   encoder_checkpoint: str | None, cfg: DedupConfig, plan: BandPlan, n_buckets: int) -> dict:
+                   encoder_checkpoint: str | None, cfg: DedupConfig, plan: BandPlan, n_buckets: int,
+                   out: str) -> dict:
     """Ray task: describe one partition's images, search the evaluation sets, write descriptors and
-    bucketed signatures. -> small counts."""
+    signatures (sorted by their hash, a row group per range bucket of `n_buckets`) under `out`, then
+    the record that makes them reusable by a later run with the same partition. -> small counts."""
     from .dataplane import read_kept
     from .imagehash import simhash
 
@@ -241,7 +243,7 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
                         best_set[i], best_id[i], best_sim[i] = f"{name}|{kind}", index.ids[idx[q]], sim[q]
         at += m
     keys = rows.column("key").to_pylist()
-    storage.write_table(f"dedup/_work/desc/{part}.parquet", pa.table({
+    storage.write_table(f"{out}.desc.parquet", pa.table({
         "key": keys, "vec": pa.array([v.tobytes() for v in vec16], pa.binary()),
         "ok": ok, "eval_set": best_set, "eval_id": best_id, "eval_sim": best_sim}))
     # signatures of the samples the within-data step considers: decodable, not an evaluation match
@@ -249,10 +251,19 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
     url_caption = [hashlib.blake2b(f"{u}\0{c}".encode(), digest_size=16).digest() for u, c in
                    zip(rows.column("url").to_pylist(), rows.column("caption").to_pylist())]
     table = signature_table([keys[i] for i in live], part, codes[live], means[live], [pix[i] for i in live],
-                            [url_caption[i] for i in live], plan, n_buckets)
+                            [url_caption[i] for i in live], plan)
     # one file per partition, a row group per bucket (infra/shuffle.py): no file per (partition, bucket)
-    write_buckets(storage, f"{SIG_DIR}/{part}.parquet", table, "bucket")
-    return {"part": part, "described": n, "undecodable": int((~ok).sum())}
+    write_ranges(storage, f"{out}.sig.parquet", table, "h32", n_buckets)
+    result = {"part": part, "described": n, "undecodable": int((~ok).sum())}
+    storage.write_json(f"{out}.json", result)     # last: the files above are whole
+    return result
+
+
+def _described_key(fingerprint: str, u, plan: BandPlan) -> str:
+    """What decides a partition's descriptors and signatures: the stage's fingerprint (config,
+    evaluation sets), the partition's content, the band plan (it grows with N, in steps)."""
+    text = json.dumps([fingerprint, u.part, u.sha256, plan.width, plan.bands, plan.bits])
+    return f"{u.part}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
 def _eval_hit(set_kind: str, sim: float, cfg: DedupConfig) -> bool:
@@ -268,18 +279,20 @@ def hamming_radius(threshold: float, bits: int) -> int:
     return int(2.5 * expected) + 8
 
 
-SIG_DIR = "dedup/_work/sig"
+DESCRIBED = "dedup/described"    # per partition, by what decided it: kept across runs (Stage.preserve)
 # a signature is (sig_kind, sig_hi, sig_lo): 16 bytes of a pixel or URL+caption hash, or a band's value
 SIG_SCHEMA = pa.schema([("sig_kind", pa.int16()), ("sig_hi", pa.uint64()), ("sig_lo", pa.uint64()),
                         ("key", pa.string()), ("part", pa.string()), ("code", pa.binary()),
-                        ("mean", pa.list_(pa.float32(), 3)), ("bucket", pa.int32())])
+                        ("mean", pa.list_(pa.float32(), 3)), ("h32", pa.uint32())])
 
 
 def signature_table(keys: list[str], part: str, codes: np.ndarray, means: np.ndarray, pixels: list[bytes],
-                    url_caption: list[bytes], plan: BandPlan, n_buckets: int) -> pa.Table:
+                    url_caption: list[bytes], plan: BandPlan) -> pa.Table:
     """A row per (sample, signature), built column-wise: codes (n, bits/8) uint8, means (n, 3), the
     16-byte pixel and URL+caption hashes. Each row carries the sample's code and mean colour, so a
-    group task needs nothing else; its bucket is a hash of the signature."""
+    group task needs nothing else; its bucket is a range of `h32`, a hash of the signature
+    (infra/shuffle.py: range buckets, so the file serves whatever number of buckets a later, larger
+    run needs)."""
     n, per = len(keys), sigs_per_sample(plan)
     kind = np.repeat(np.arange(per, dtype=np.int16), n)                   # (per * n,) signature-major
     hi, lo = np.zeros(per * n, np.uint64), np.zeros(per * n, np.uint64)
@@ -289,7 +302,7 @@ def signature_table(keys: list[str], part: str, codes: np.ndarray, means: np.nda
     if n:
         hi[2 * n:] = band_values(codes, plan).ravel()
     with np.errstate(over="ignore"):
-        bucket = (mix64(hi ^ mix64(lo ^ kind.astype(np.uint64))) % np.uint64(n_buckets)).astype(np.int32)
+        h32 = (mix64(hi ^ mix64(lo ^ kind.astype(np.uint64))) >> np.uint64(32)).astype(np.uint32)
     sample = np.tile(np.arange(n), per)
     return pa.table({"sig_kind": kind, "sig_hi": hi, "sig_lo": lo,
                      "key": pa.array(keys, pa.string()).take(sample),
@@ -297,7 +310,7 @@ def signature_table(keys: list[str], part: str, codes: np.ndarray, means: np.nda
                      "code": pa.array([c.tobytes() for c in codes], pa.binary()).take(sample),
                      "mean": pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(means, np.float32).ravel()),
                                                                3).take(sample),
-                     "bucket": bucket}, schema=SIG_SCHEMA)
+                     "h32": h32}, schema=SIG_SCHEMA)
 
 
 def _packed(column, width: int) -> np.ndarray:
@@ -326,12 +339,13 @@ def _pair_buckets(a: list[str], b: list[str], n: int) -> np.ndarray:
     return (key_hashes([f"{x}\0{y}" for x, y in zip(a, b)]) % np.uint64(n)).astype(np.int32)
 
 
-def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str], n_pair_buckets: int) -> dict:
+def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str], n_buckets: int) -> dict:
     """Ray task: one signature bucket -> its pairs (a < b, with their partitions and kind), written to
     one file bucketed by pair (infra/shuffle.py); -> counts. Equal exact signatures pair every member
     with the group's smallest key; equal band values pair the members whose codes are within the
     Hamming radius and whose colours agree (stages/lsh.py), the whole group, never cut."""
-    t = read_bucket(storage, files, "bucket", bucket, SIG_SCHEMA)
+    t = read_range(storage, files, "h32", bucket, n_buckets, SIG_SCHEMA)
+    n_pair_buckets = n_buckets
     t = t.sort_by([("sig_kind", "ascending"), ("sig_hi", "ascending"), ("sig_lo", "ascending"), ("key", "ascending")])
     kind, hi, lo = (t.column(c).to_numpy() for c in ("sig_kind", "sig_hi", "sig_lo"))
     starts, lengths = runs(kind, hi, lo)
@@ -374,7 +388,7 @@ def _fetch_buckets(parts: list[str], n: int) -> np.ndarray:
     return (key_hashes(parts) % np.uint64(n)).astype(np.int32) if parts else np.zeros(0, np.int32)
 
 
-def _fetch_task(storage, bucket: int, files: list[str]) -> dict:
+def _fetch_task(storage, bucket: int, files: list[str], desc: dict[str, str]) -> dict:
     """Ray task: the descriptors wanted of one group of partitions (each partition's file read once)
     -> one file bucketed by the pair bucket that wants each; -> counts."""
     t = read_bucket(storage, files, "fetch_bucket", bucket, WANTED_SCHEMA)
@@ -384,7 +398,7 @@ def _fetch_task(storage, bucket: int, files: list[str]) -> dict:
     out = {"key": [], "vec": [], "pair_bucket": []}
     for part in sorted(by_part):
         want = by_part[part]
-        d = storage.read_table(f"dedup/_work/desc/{part}.parquet", ["key", "vec"])
+        d = storage.read_table(desc[part], ["key", "vec"])
         d = d.filter(pc.is_in(d.column("key"), pa.array(sorted({k for k, _ in want}))))
         vec = dict(zip(d.column("key").to_pylist(), d.column("vec").to_pylist()))
         for k, pb in want:
@@ -498,10 +512,10 @@ def _components_task(storage, files: list[str], parts: list[str], shown_per_reas
 
 
 def _verdicts(table: pa.Table, part: str, index: int, has_decisions: bool, cfg: DedupConfig,
-              storage=None) -> tuple[pa.Table, dict]:
+              storage=None, desc: str = "") -> tuple[pa.Table, dict]:
     """A partition's verdicts: undecodable, evaluation-set matches, then its within-data duplicates
     (its row group of the components task's file)."""
-    desc = storage.read_table(f"dedup/_work/desc/{part}.parquet", ["key", "ok", "eval_set", "eval_id", "eval_sim"])
+    desc = storage.read_table(desc, ["key", "ok", "eval_set", "eval_id", "eval_sim"])
     info = {k: (o, s, i, sim) for k, o, s, i, sim in zip(*(desc.column(c).to_pylist() for c in desc.column_names))}
     decisions = {}
     if has_decisions:
@@ -545,6 +559,7 @@ class Candidates:
     largest_group: int = 0        # the most codes one LSH band value held (compared in full, never cut)
     buckets: int = 0              # group tasks, and verification tasks
     lsh: str = ""                 # the band plan for this N, and its expected recall at the threshold
+    desc: dict = field(default_factory=dict)   # partition -> its descriptors' file
 
 
 class DedupStage(Decide):
@@ -552,6 +567,7 @@ class DedupStage(Decide):
     config_key, config_class = "dedup", DedupConfig
     reasons = ("exact_duplicate", "near_duplicate", "eval_duplicate", "undecodable_image")
     report = "dedup/report.html"
+    preserve = ("described",)      # partitions described before, by what decided them (a scheduled run's reuse)
     audits = (("eval_near_copy", "eval_duplicate"), ("repeat_row", "exact_duplicate"), ("train_near_copy", ""))
 
     def preflight(self, config) -> None:
@@ -608,16 +624,29 @@ class DedupStage(Decide):
                          "encoder": {n: p.read_bytes() for n, p in enc_paths.items()}})
         names = tuple(sorted(p.name for p in [*index_paths.values(), *enc_paths.values()]))
         args = (blobs, names, encoder_rel)
-        described = ctx.run(_describe_task, [(ctx.storage, u.part, u.file, *args, cfg, plan, n_buckets)
-                                             for u in upstream], "dedup describe", num_cpus=cfg.cpus_per_worker,
-                            describe=lambda c: f"partition {c[1]}")
+        # a partition described by an earlier run with the same input, config and band plan is
+        # reused (a scheduled run that added 1 % describes the 1 %); its files serve any bucket count
+        outs = {u.part: f"{DESCRIBED}/{_described_key(ctx.fingerprint, u, plan)}" for u in upstream}
+        have = set(ctx.storage.list(DESCRIBED, ".json"))
+        todo = [u for u in upstream if f"{outs[u.part]}.json" not in have]
+        if len(todo) < len(upstream):
+            ctx.log(f"dedup: {len(upstream) - len(todo)} partitions described before with the same input, reused; "
+                    f"{len(todo)} to describe")
+        described = [ctx.storage.read_json(f"{outs[u.part]}.json") for u in upstream if u not in todo]
+        described += ctx.run(_describe_task, [(ctx.storage, u.part, u.file, *args, cfg, plan, n_buckets, outs[u.part])
+                                              for u in todo], "dedup describe", num_cpus=cfg.cpus_per_worker,
+                             describe=lambda c: f"partition {c[1]}")
+        keep = {f"{o}{x}" for o in outs.values() for x in (".json", ".desc.parquet", ".sig.parquet")}
+        for stale in set(ctx.storage.list(DESCRIBED)) - keep:
+            ctx.storage.delete(stale)          # partitions the source no longer has, or another config's
         ctx.log(f"dedup: described {sum(d['described'] for d in described)} images")
-        sig_files = [f"{SIG_DIR}/{u.part}.parquet" for u in upstream]
+        sig_files = [f"{outs[u.part]}.sig.parquet" for u in upstream]
         found = ctx.run(_group_task, [(ctx.storage, b, cfg, sig_files, n_buckets) for b in range(n_buckets)],
                         "dedup group", num_cpus=cfg.cpus_per_worker, unit="buckets")
         pair_files = [f"{PAIR_DIR}/{b:06d}.parquet" for b in range(n_buckets)]
         wanted_files = [f"{WANTED_DIR}/{b:06d}.parquet" for b in range(n_buckets)]
-        ctx.run(_fetch_task, [(ctx.storage, b, wanted_files) for b in range(n_buckets)], "dedup fetch descriptors",
+        desc = {p: f"{o}.desc.parquet" for p, o in outs.items()}
+        ctx.run(_fetch_task, [(ctx.storage, b, wanted_files, desc) for b in range(n_buckets)], "dedup fetch descriptors",
                 num_cpus=cfg.cpus_per_worker, unit="buckets")
         vec_files = [f"{VEC_DIR}/{b:06d}.parquet" for b in range(n_buckets)]
         checked = ctx.run(_verify_task, [(ctx.storage, b, pair_files, vec_files, cfg.within_threshold)
@@ -626,7 +655,7 @@ class DedupStage(Decide):
         return Candidates(sum(c["exact"] for c in checked), sum(c["near"] for c in checked),
                           sum(c["candidates"] for c in checked), [f"{EDGE_DIR}/{b:06d}.parquet" for b in range(n_buckets)],
                           set_stats, max((f["largest_group"] for f in found), default=0), n_buckets,
-                          plan.describe(cfg.within_threshold))
+                          plan.describe(cfg.within_threshold), desc)
 
     def decide(self, ctx: StageContext, found: Candidates) -> dict:
         """Pairs joined into clusters, in a task; of each the smallest key is kept. -> counts per
@@ -645,7 +674,8 @@ class DedupStage(Decide):
         index = {p: i for i, p in enumerate(sorted(u.part for u in ctx.upstream or []))}
         tasks = [PartTask(u.part, u.file, u.part,
                           kwargs={"part": u.part, "index": index[u.part], "has_decisions": u.part in decisions["per_part"],
-                                  "cfg": cfg, "storage": ctx.storage}) for u in ctx.upstream or []]
+                                  "cfg": cfg, "storage": ctx.storage, "desc": found.desc[u.part]})
+                 for u in ctx.upstream or []]
         parts = ctx.map_parts(_verdicts, tasks, num_cpus=0.5)
         from .dedup_report import write_report
 

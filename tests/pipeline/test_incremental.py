@@ -30,7 +30,7 @@ def test_appending_a_partition(tmp_path, ray_local):
         def cfg(folder):
             return load_config(None, [
                 "source.kind=urls", f"source.path={folder}", f"stages.ingest.allow_hosts=['{server.netloc}']",
-                "stages.ingest.samples_per_shard=50", "stages.tokenizer.vocab_size=400",
+                "stages.ingest.samples_per_shard=50", "stages.ingest.compact_rows=50", "stages.tokenizer.vocab_size=400",
                 f"stages.dedup.cache_dir={tmp_path / 'cache'}", "stages.shard.samples_per_shard=60",
                 "stages.dedup.eval_sets=[{name: digits, kind: builtin, path: digits}]", "train.steps=0",
                 "stages.clip_score.bootstrap.steps=20"])
@@ -46,6 +46,9 @@ def test_appending_a_partition(tmp_path, ray_local):
         logs = []
         run_pipeline(cfg(inc), tmp_path / "inc", log=logs.append)
         assert any("ingest: 3 shards downloaded before, reused; 2 to download" in m for m in logs), logs
+        # dedup describes only the new partitions; pairs across old and new are still found (below)
+        assert any("dedup: 3 partitions described before with the same input, reused; 2 to describe" in m
+                   for m in logs), logs
         assert sorted(p.stat().st_mtime_ns for p in (part_a / "shards").glob("*.tar")) == stamp
         _write_partition(one / "a.csv", rows[:150], server.base_url)
         _write_partition(one / "b.csv", rows[150:], server.base_url)

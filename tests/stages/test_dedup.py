@@ -217,7 +217,7 @@ def test_a_group_task_pairs_exact_and_near_signatures(tmp_path):
     shared pixel hash pairs its samples as exact, a near copy (3 bits off) as a near candidate, a
     far code and a near code of another colour not at all."""
     from infra.storage import Storage
-    from stages.dedup import PAIR_DIR, PAIR_SCHEMA, SIG_DIR, WANTED_DIR, DedupConfig, _group_task, signature_table
+    from stages.dedup import PAIR_DIR, PAIR_SCHEMA, WANTED_DIR, DedupConfig, _group_task, signature_table
     from stages.lsh import band_plan
 
     rng = np.random.default_rng(0)
@@ -233,10 +233,10 @@ def test_a_group_task_pairs_exact_and_near_signatures(tmp_path):
     storage, plan = Storage.local(tmp_path), band_plan(6, 0.97, 256)
     for part, rows in (("p0", [0, 2, 4]), ("p1", [1, 3, 5])):
         t = signature_table([f"s{i}" for i in rows], part, codes[rows], means[rows], [pixels[i] for i in rows],
-                            [bytes([100 + i]) * 16 for i in rows], plan, 1)
-        from infra.shuffle import write_buckets
-        write_buckets(storage, f"{SIG_DIR}/{part}.parquet", t, "bucket")
-    out = _group_task(storage, 0, DedupConfig(), [f"{SIG_DIR}/p0.parquet", f"{SIG_DIR}/p1.parquet"], 1)
+                            [bytes([100 + i]) * 16 for i in rows], plan)
+        from infra.shuffle import write_ranges
+        write_ranges(storage, f"sig/{part}.parquet", t, "h32", 3)
+    out = _group_task(storage, 0, DedupConfig(), ["sig/p0.parquet", "sig/p1.parquet"], 1)   # one bucket: all rows
     got = storage.read_table(f"{PAIR_DIR}/000000.parquet").select(list(PAIR_SCHEMA.names[:5])).to_pylist()
     assert got == [{"a": "s0", "part_a": "p0", "b": "s1", "part_b": "p1", "kind": "near_duplicate"},
                    {"a": "s4", "part_a": "p0", "b": "s5", "part_b": "p1", "kind": "exact_duplicate"}]
