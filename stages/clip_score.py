@@ -17,6 +17,8 @@ the cut and a histogram of scores.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections import Counter
 from typing import ClassVar
@@ -122,6 +124,13 @@ def keeps(score: int, key: str, cut: int | None, last_tied: str | None) -> bool:
 
 
 SCORER_DIR = "clip_score/scorer"   # in the run folder's storage
+SCORED = "clip_score/scored"       # each partition's scores, by scorer and content: kept across runs
+LINE = "clip_score/line"           # the bootstrap scorer kept for later runs (bootstrap.reuse)
+
+
+def _scored_key(scorer: dict, device: str, u) -> str:
+    text = json.dumps([scorer["kind"], scorer["sha256"], device, u.part, u.sha256])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 _SCORERS: dict = {}
 
 
@@ -139,20 +148,27 @@ def _scorer(storage, folder: str, sha: str, device: str, kind: str = "checkpoint
     return _SCORERS[key]
 
 
-def _score_task(storage, part: str, file: str, folder: str, sha: str, device: str, kind: str = "checkpoint") -> dict:
-    """Ray task: score one partition, write its scores, return how many of each value."""
+def _score_task(storage, part: str, file: str, out: str, folder: str, sha: str, device: str,
+                kind: str = "checkpoint") -> dict:
+    """Ray task: score one partition, write its scores (`out`.parquet, then the counts in
+    `out`.json, which make them reusable), return how many of each value."""
     rows = by_location(read_kept(storage, file, ["key", "caption", "tar", "offset", "size"]))
     scorer = _scorer(storage, folder, sha, device, kind) if rows.num_rows else None
     scores = np.concatenate([np.zeros(0), *(np.asarray(scorer.score(images, batch.column("caption").to_pylist()), np.float64)
                                             for batch, images in image_batches(storage, rows))])
     ints = np.round(np.asarray(scores, np.float64) * SCALE).astype(np.int64)
-    storage.write_table(f"clip_score/_work/scores/{part}.parquet",
-                        pa.table({"key": rows.column("key"), "score": pa.array(ints, pa.int64())}))
+    return _write_scores(storage, out, part, rows.column("key"), ints)
+
+
+def _write_scores(storage, out: str, part: str, keys, ints: np.ndarray) -> dict:
+    storage.write_table(f"{out}.parquet", pa.table({"key": keys, "score": pa.array(ints, pa.int64())}))
     values, counts = np.unique(ints, return_counts=True)
-    return {"part": part, "values": values.tolist(), "counts": counts.tolist()}
+    result = {"part": part, "values": values.tolist(), "counts": counts.tolist()}
+    storage.write_json(f"{out}.json", result)
+    return result
 
 
-def _column_task(storage, part: str, file: str, column: str) -> dict:
+def _column_task(storage, part: str, file: str, out: str, column: str) -> dict:
     """Ray task: a partition's scores from the URL list's own column (in each sample's notes)."""
     import json
 
@@ -162,20 +178,17 @@ def _column_task(storage, part: str, file: str, column: str) -> dict:
         v = json.loads(n).get(column) if n else None
         scores.append(float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else -1.0)
     ints = np.round(np.clip(np.asarray(scores, np.float64), -1.0, 1.0) * SCALE).astype(np.int64)
-    storage.write_table(f"clip_score/_work/scores/{part}.parquet",
-                        pa.table({"key": rows.column("key"), "score": pa.array(ints, pa.int64())}))
-    values, counts = np.unique(ints, return_counts=True)
-    return {"part": part, "values": values.tolist(), "counts": counts.tolist()}
+    return _write_scores(storage, out, part, rows.column("key"), ints)
 
 
-def _tied_task(storage, part: str, cut: int) -> list[str]:
-    t = storage.read_table(f"clip_score/_work/scores/{part}.parquet")
+def _tied_task(storage, scores: str, cut: int) -> list[str]:
+    t = storage.read_table(f"{scores}.parquet")
     return t.filter(pc.equal(t.column("score"), cut)).column("key").to_pylist()
 
 
-def _decide(table: pa.Table, storage, part: str, threshold: float | None, cut: int | None, last_tied: str | None,
+def _decide(table: pa.Table, storage, scores: str, threshold: float | None, cut: int | None, last_tied: str | None,
             how: str) -> tuple[pa.Table, dict]:
-    t = storage.read_table(f"clip_score/_work/scores/{part}.parquet")
+    t = storage.read_table(f"{scores}.parquet")
     score = dict(zip(t.column("key").to_pylist(), t.column("score").to_pylist()))
     out = {c: [] for c in ("key", "verdict", "reason", "score", "detail")}
     for k in table.column("key").to_pylist():
@@ -200,6 +213,7 @@ class Scores:
     """What the workers measured: the scorer and how many samples got each integer score."""
     scorer: dict
     counts: Counter
+    files: dict = field(default_factory=dict)     # partition -> its scores (run-relative, no suffix)
 
 
 @dataclass
@@ -218,6 +232,7 @@ class ClipScoreStage(Decide):
     report = "clip_score/report.html"
     notes = ("clip_score", "clip_score_detail")
     audits = (("mismatched_caption", "clip_score"),)
+    preserve = ("scored", "line")
 
     def preflight(self, config) -> None:
         preflight(config.stages.clip_score)
@@ -236,21 +251,32 @@ class ClipScoreStage(Decide):
             import hashlib
 
             scorer = {"kind": "column", "column": cfg.column, "sha256": hashlib.sha256(cfg.column.encode()).hexdigest()}
-            found = ctx.run(_column_task, [(ctx.storage, u.part, u.file, cfg.column) for u in ctx.upstream or []],
-                            "clip_score", num_cpus=0.5, describe=lambda c: f"partition {c[1]}")
-            counts: Counter = Counter()
-            for f in found:
-                counts.update(dict(zip(f["values"], f["counts"])))
-            return Scores(scorer, counts)
-        scorer = self._scorer(ctx, cfg)
-        found = ctx.run(_score_task, [(ctx.storage, u.part, u.file, SCORER_DIR, scorer["sha256"], cfg.device, scorer["kind"])
-                                      for u in ctx.upstream or []], "clip_score", num_cpus=cfg.cpus_per_worker,
-                        num_gpus=cfg.gpus_per_worker, setting="stages.clip_score.gpus_per_worker",
-                        describe=lambda c: f"partition {c[1]}")
+            fn, args = _column_task, (cfg.column,)
+            options = {"num_cpus": 0.5}
+        else:
+            scorer = self._scorer(ctx, cfg)
+            fn, args = _score_task, (SCORER_DIR, scorer["sha256"], cfg.device, scorer["kind"])
+            options = {"num_cpus": cfg.cpus_per_worker, "num_gpus": cfg.gpus_per_worker,
+                       "setting": "stages.clip_score.gpus_per_worker"}
+        # a partition scored before by the same scorer is not scored again (a scheduled run scores
+        # what it added, unless its scorer changed)
+        upstream = ctx.upstream or []
+        outs = {u.part: f"{SCORED}/{u.part}-{_scored_key(scorer, cfg.device, u)}" for u in upstream}
+        have = set(ctx.storage.list(SCORED, ".json"))
+        todo = [u for u in upstream if f"{outs[u.part]}.json" not in have]
+        if len(todo) < len(upstream):
+            ctx.log(f"clip_score: {len(upstream) - len(todo)} partitions scored before by scorer "
+                    f"{scorer['sha256'][:12]}, reused; {len(todo)} to score")
+        found = [ctx.storage.read_json(f"{outs[u.part]}.json") for u in upstream if u not in todo]
+        found += ctx.run(fn, [(ctx.storage, u.part, u.file, outs[u.part], *args) for u in todo], "clip_score",
+                         describe=lambda c: f"partition {c[1]}", **options)
+        keep = {f"{o}{x}" for o in outs.values() for x in (".json", ".parquet")}
+        for stale in set(ctx.storage.list(SCORED)) - keep:
+            ctx.storage.delete(stale)      # partitions gone from the input, or another scorer's
         counts: Counter = Counter()
         for f in found:
             counts.update(dict(zip(f["values"], f["counts"])))
-        return Scores(scorer, counts)
+        return Scores(scorer, counts, outs)
 
     def decide(self, ctx: StageContext, measured: Scores) -> Cut:
         """The cut: a threshold, or the exact quantile from the counts (tied keys fetched only if ties decide)."""
@@ -260,7 +286,8 @@ class ClipScoreStage(Decide):
         cut, m = cut_from_counts(measured.counts, ctx.n_in, cfg.keep_fraction)
         last = None
         if cut is not None and m < measured.counts[cut]:
-            keys = sorted(k for ks in ctx.run(_tied_task, [(ctx.storage, u.part, cut) for u in ctx.upstream or []],
+            keys = sorted(k for ks in ctx.run(_tied_task, [(ctx.storage, measured.files[u.part], cut)
+                                                           for u in ctx.upstream or []],
                                               "clip_score ties", num_cpus=0.25, quiet=True) for k in ks)
             last = keys[m - 1]
         elif cut is not None:
@@ -272,7 +299,7 @@ class ClipScoreStage(Decide):
         cfg: ClipScoreConfig = ctx.cfg
         counts, scorer, n = measured.counts, measured.scorer, ctx.n_in
         tasks = [PartTask(u.part, u.file, u.part,
-                          kwargs={"storage": ctx.storage, "part": u.part, "threshold": cfg.threshold,
+                          kwargs={"storage": ctx.storage, "scores": measured.files[u.part], "threshold": cfg.threshold,
                                   "cut": decision.cut, "last_tied": decision.last_tied, "how": decision.how})
                  for u in ctx.upstream or []]
         parts = ctx.map_parts(_decide, tasks, num_cpus=0.5)
@@ -314,6 +341,12 @@ class ClipScoreStage(Decide):
             ctx.log("clip_score: reusing the bootstrap scorer trained before the interruption")
             return ctx.storage.read_json(done)
         b = cfg.bootstrap
+        if b.reuse and ctx.storage.exists(f"{LINE}/scorer.json"):
+            _copy_folder(ctx.storage, LINE, SCORER_DIR)
+            info = ctx.storage.read_json(done)
+            ctx.log(f"clip_score: the bootstrap scorer of this dataset line ({info['sha256'][:12]}), not trained "
+                    "again (stages.clip_score.bootstrap.reuse; set it false to retrain on the data as it is now)")
+            return info
         trusted = frozenset(read_trusted_keys(b.trusted_keys)) if b.trusted_keys else None
         pool = len(trusted) if trusted is not None else ctx.n_in
         # the first max_samples keys in seeded order, without sorting them all: take those whose order
@@ -338,7 +371,15 @@ class ClipScoreStage(Decide):
                         cfg=b, seed=ctx.seed)
         info["trusted_keys"] = b.trusted_keys
         ctx.storage.write_json(done, info)
+        if b.reuse:     # this dataset line's scorer from now on
+            _copy_folder(ctx.storage, SCORER_DIR, LINE)
         return info
+
+
+def _copy_folder(storage, src: str, dst: str) -> None:
+    storage.delete(dst)
+    for f in storage.list(src, recursive=True):
+        storage.write_bytes(f"{dst}/{f[len(src) + 1:]}", storage.read_bytes(f))
 
 
 def _train_task(storage, rows: list[dict], **kwargs) -> dict:

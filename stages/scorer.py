@@ -38,6 +38,9 @@ class BootstrapConfig:
     model_args: dict[str, int] = field(default_factory=lambda: {"width": 64, "depth": 2, "heads": 2, "mlp": 256, "patch": 8})
     lr: float = 0.001
     cpus: float = 2.0
+    # keep the scorer the first run of this run folder trained, for every later (scheduled) run:
+    # the scores of unchanged partitions are then reused; false trains anew on the data as it is
+    reuse: bool = False
 
     def validate(self, prefix: str) -> None:
         require(self.steps >= 1, join(prefix, "steps"), "must be >= 1")

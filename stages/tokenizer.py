@@ -29,6 +29,10 @@ class TokenizerConfig:
     normalization: Literal["nmt_nfkc", "nfkc", "identity"] = "nmt_nfkc"
     max_sentences: int = 2_000_000
     character_coverage: float = 0.9995
+    # keep the model the first run of this run folder trained for every later (scheduled) run: a
+    # dataset line's fixed vocabulary, so models trained on its earlier shards stay compatible;
+    # false trains anew on the captions as they are now
+    reuse: bool = False
 
     def validate(self, prefix: str) -> None:
         require(self.vocab_size >= 300, join(prefix, "vocab_size"),
@@ -93,17 +97,43 @@ def _train_task(storage, files: list[str], n: int, seed: int, cfg: TokenizerConf
             "consumed": (sum(g["n"] for g in found), add_sums(*(g["sum"] for g in found)))}
 
 
+def _keep_task(storage, files: list[str]) -> dict:
+    """Ray task: the dataset line's model as this run's, and what the stage consumed (counted by
+    tasks that read the keys only; nothing is trained)."""
+    import ray
+
+    from .dataplane import add_sums
+
+    count = ray.remote(num_cpus=0.25)(_sample_task)
+    found = ray.get([count.remote(storage, f, 0, "") for f in files])      # no order key is below ""
+    info = storage.read_json(f"{LINE}/info.json")
+    storage.write_bytes("tokenizer/spm.model", storage.read_bytes(f"{LINE}/spm.model"))
+    return {**info, "consumed": (sum(g["n"] for g in found), add_sums(*(g["sum"] for g in found)))}
+
+
+LINE = "tokenizer/line"      # the model kept for later runs (reuse)
+
+
 class TokenizerStage(Sink):
     name = "tokenizer"
     config_key, config_class = "tokenizer", TokenizerConfig
+    preserve = ("line",)
 
     def run(self, ctx: StageContext) -> StageResult:
         cfg: TokenizerConfig = ctx.cfg
         files = [u.file for u in ctx.upstream or [] if u.kept]
-        info = ctx.call(_train_task, ctx.storage, files, ctx.n_in, ctx.seed, cfg, what="tokenizer", num_cpus=1)
+        if cfg.reuse and ctx.storage.exists(f"{LINE}/info.json"):
+            info = ctx.call(_keep_task, ctx.storage, files, what="tokenizer", num_cpus=0.25)
+            ctx.log(f"tokenizer: the model of this dataset line ({info['sha256'][:12]}, {info['vocab_size']} pieces), "
+                    "not trained again (stages.tokenizer.reuse; set it false to retrain)")
+        else:
+            info = ctx.call(_train_task, ctx.storage, files, ctx.n_in, ctx.seed, cfg, what="tokenizer", num_cpus=1)
+            ctx.log(f"tokenizer: trained a {cfg.model_type} model of {info['vocab_size']} pieces on "
+                    f"{info['trained_on']} captions")
+            if cfg.reuse:
+                ctx.storage.write_bytes(f"{LINE}/spm.model", ctx.storage.read_bytes("tokenizer/spm.model"))
+                ctx.storage.write_json(f"{LINE}/info.json", {k: v for k, v in info.items() if k != "consumed"})
         consumed = info.pop("consumed")
-        ctx.log(f"tokenizer: trained a {cfg.model_type} model of {info['vocab_size']} pieces on "
-                f"{info['trained_on']} captions")
         return StageResult([], {**info, "requested_vocab_size": cfg.vocab_size},
                            artifacts={"model": "tokenizer/spm.model", "sha256": info["sha256"],
                                       "vocab_size": info["vocab_size"]},

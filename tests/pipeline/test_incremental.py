@@ -58,3 +58,37 @@ def test_appending_a_partition(tmp_path, ray_local):
     assert a == b
     dedup = read_ledger(tmp_path / "inc", "dedup").to_pylist()
     assert any(r["reason"] == "near_duplicate" for r in dedup)   # duplicates across partitions found
+
+
+def test_a_dataset_line_keeps_its_scorer_and_scores_what_it_added(tmp_path, ray_local):
+    """bootstrap.reuse and tokenizer.reuse: the second (scheduled) run trains neither the scorer nor
+    the tokenizer again, and does not score the partitions it scored before; the old samples keep
+    their scores."""
+    fr = {k: 0 for k in vars(DefectFractions())}
+    fr.update(mismatched_caption=0.2)
+    synthetic.generate(tmp_path / "site", 160, 10, 48, 5, fr, 100, 100)
+    rows = pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()
+    urls = tmp_path / "urls"
+    urls.mkdir()
+    with DemoServer(tmp_path / "site" / "www") as server:
+        cfg = load_config(None, [
+            "source.kind=urls", f"source.path={urls}", f"stages.ingest.allow_hosts=['{server.netloc}']",
+            "stages.ingest.samples_per_shard=40", "stages.ingest.compact_rows=40", "stages.dedup.eval_sets=[]",
+            "stages.clip_score.bootstrap.steps=10", "stages.clip_score.bootstrap.reuse=true",
+            "stages.tokenizer.vocab_size=400", "stages.tokenizer.reuse=true"])
+        _write_partition(urls / "a.csv", rows[:120], server.base_url)
+        run_pipeline(cfg, tmp_path / "run", until="tokenizer", log=lambda m: None)
+        model = (tmp_path / "run" / "tokenizer" / "spm.model").read_bytes()
+        before = {r["key"]: (r["verdict"], r["score"]) for r in read_ledger(tmp_path / "run", "clip_score").to_pylist()}
+        _write_partition(urls / "b.csv", rows[120:], server.base_url)
+        logs = []
+        run_pipeline(cfg, tmp_path / "run", until="tokenizer", log=logs.append)
+    assert any("the bootstrap scorer of this dataset line" in m for m in logs), logs
+    assert not any("training the bootstrap scorer" in m for m in logs), logs
+    assert any(m.startswith("clip_score: 3 partitions scored before by scorer") and m.endswith("reused; 1 to score")
+               for m in logs), logs
+    after = {r["key"]: r["score"] for r in read_ledger(tmp_path / "run", "clip_score").to_pylist()}
+    assert len(after) > len(before) and all(after[k] == s for k, (_, s) in before.items())
+    # the tokenizer: the line's model, byte for byte, and the stage still counted every sample it read
+    assert any(m.startswith("tokenizer: the model of this dataset line") for m in logs), logs
+    assert (tmp_path / "run" / "tokenizer" / "spm.model").read_bytes() == model
