@@ -32,7 +32,10 @@ def _stage_work(run_dir: Path) -> dict:
     out = {}
     for stage in STAGES:
         stats = json.loads((run_dir / stage / "stats.json").read_text())
-        out[stage] = {"tasks": sum(t["tasks"] for t in stats.get("tasks", [])), "seconds": stats["wall_seconds"]}
+        groups: dict[str, int] = {}
+        for t in stats.get("tasks", []):
+            groups[t["what"]] = groups.get(t["what"], 0) + t["tasks"]
+        out[stage] = {"tasks": sum(groups.values()), "seconds": stats["wall_seconds"], "groups": groups}
     return out
 
 
@@ -91,6 +94,10 @@ def main() -> None:
                         "seconds_share": round(a["seconds"] / max(1e-9, f["seconds"]), 3)}
         print(f"{stage:<11}{f['tasks']:>12}{a['tasks']:>13}{table[stage]['task_share']:>7.2f}"
               f"{f['seconds']:>9.1f}{a['seconds']:>9.1f}{table[stage]['seconds_share']:>7.2f}")
+    print("task groups (fresh -> append):")
+    for stage in STAGES:
+        g = fresh[stage]["groups"]
+        print(f"  {stage:<11}" + ", ".join(f"{w} {g[w]} -> {append[stage]['groups'].get(w, 0)}" for w in g))
     write_results("append", {"fresh_urls": fresh_n, "added_urls": added, "files": args.files, "stages": table,
                              "goal": "each stage after source <= 5 % of a fresh run"})
 
