@@ -45,6 +45,10 @@ def main() -> None:
     ap.add_argument("--per-file", type=int, default=100, help="URLs per file")
     args = ap.parse_args()
 
+    from infra import offline
+
+    offline.apply()   # as the CLI does, before Ray is imported: token auth, nothing sent out
+
     import pyarrow.parquet as pq
 
     from infra.ray_runtime import RayConfig, ray_session
