@@ -1,6 +1,8 @@
 """`capline status` and `capline explain`: read a run folder, print what happened."""
 from __future__ import annotations
 
+import pyarrow.parquet as pq
+
 from infra.errors import UserError
 from infra.storage import Storage
 
@@ -85,10 +87,17 @@ def explain(where, key: str) -> list[dict]:
     out = []
     from stages.base import has_ledger, read_ledger
 
+    from .key_index import lookup
+
     for name in stage_names():
         if not has_ledger(run_dir, name):
             continue
-        rows = read_ledger(run_dir, name, filters=[("key", "==", key)]).to_pylist()
+        file = lookup(run_dir, name, key)   # one small read; None: a run made before the indexes
+        if file is None:
+            rows = read_ledger(run_dir, name, filters=[("key", "==", key)]).to_pylist()
+        else:
+            rows = pq.read_table(run_dir.path(file), filesystem=run_dir.fs,
+                                 filters=[("key", "==", key)]).to_pylist() if file else []
         if name == "source" and rows:
             out.append({"stage": "(input)", "verdict": "", "reason": "", "score": None,
                         "detail": f"url={rows[0]['url']} caption={rows[0]['caption']!r}",

@@ -248,8 +248,12 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     for stale in ctx.storage.list(f"{stage.name}/ledger", ".parquet"):
         if stale not in written:
             ctx.storage.delete(stale)    # partitions of an earlier, larger input
-    wall = time.time() - t0
     parts = sorted(result.parts, key=lambda p: p.part)
+    if parts:   # before _SUCCESS: a finished stage can always say where a key's row is
+        from .key_index import build
+
+        build(ctx.storage, ctx.executor, stage.name, [p.file for p in parts], sum(p.n_in for p in parts))
+    wall = time.time() - t0
     controls.write(stage.name, "parts.json", [p.to_json() for p in parts])
     stats = {"stage": stage.name, **counts, "partitions": len(parts), "wall_seconds": round(wall, 3),
              **result.extra_stats, "tasks": ctx.executor.records[first_record:]}

@@ -198,9 +198,16 @@ def _status_and_explain_read_summaries_in_place(env: dict, client, uri: str, tmp
         assert len(proxy.gets()) <= 4 * len(rows), len(proxy.gets())      # a few small objects per stage
         key = next(k for k in bucket_keys(client, BUCKET, "runs/cluster/shard/index/") if k.endswith(".parquet"))
         sample = pq.read_table(io.BytesIO(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())).column("key")[0].as_py()
+        before = len(proxy.gets())
         explain = capline("explain", uri, sample, env=fresh)
         assert explain.returncode == 0 and "shard" in explain.stdout, explain.stderr
         assert not proxy.gets(".tar"), proxy.gets(".tar")
+        # through each stage's key index: its one index file, then the one ledger file holding the key
+        read = {p.split("?")[0] for p in proxy.gets()[before:] if p.split("?")[0].endswith(".parquet")}
+        stages = {p.split("/runs/cluster/")[1].split("/")[0] for p in read}
+        assert all(sum(1 for p in read if f"/runs/cluster/{st}/keys/" in p) == 1 for st in stages), sorted(read)
+        assert all(sum(1 for p in read if f"/runs/cluster/{st}/" in p and "/keys/" not in p) <= 1 for st in stages), \
+            sorted(read)
         assert not (tmp_path / "machine-c").exists() or not list((tmp_path / "machine-c").rglob("*.tar"))
     finally:
         proxy.shutdown()

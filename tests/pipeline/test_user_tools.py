@@ -190,3 +190,28 @@ def test_drift_compares_two_runs_ledgers_in_tasks_bucketed_by_key(tmp_path, ray_
     everything = pq.read_table(tmp_path / "new" / "drift").to_pylist()
     assert sorted(r["key"] for r in everything if r["drift"] == "died") == died
     assert not (tmp_path / "new" / "drift" / "_work").exists()
+
+
+@pytest.mark.slow   # Ray tasks
+def test_a_stage_key_index_names_the_one_ledger_file_of_a_key(tmp_path, ray_local, monkeypatch):
+    """Several ledger files, keys spread over several index buckets: every key's file is found,
+    a key no file holds is "", and a stage without an index is None (explain then scans)."""
+    from infra.storage import Storage
+    from pipeline import key_index
+    from pipeline.executor import Executor
+
+    storage = Storage.local(tmp_path)
+    files = []
+    for i in range(5):
+        rel = f"dedup/ledger/p{i}.parquet"
+        storage.write_table(rel, pa.table({"key": [f"s{j:05d}" for j in range(i, 5000, 5)]}))
+        files.append(rel)
+    monkeypatch.setattr(key_index, "ROWS_PER_BUCKET", 1500)
+    monkeypatch.setattr(key_index, "ROW_GROUP", 100)
+    meta = key_index.build(storage, Executor(log=lambda m: None), "dedup", files, 5000)
+    assert meta["buckets"] == 4 and not (tmp_path / "dedup" / "keys" / "_map").exists()
+    assert all(key_index.lookup(storage, "dedup", f"s{j:05d}") == f"dedup/ledger/p{j % 5}.parquet"
+               for j in range(0, 5000, 37))
+    assert key_index.lookup(storage, "dedup", "s99999") == "" and key_index.lookup(storage, "basic", "s00001") is None
+    index = pq.ParquetFile(tmp_path / "dedup" / "keys" / "000000.parquet")
+    assert index.metadata.num_row_groups > 1       # a lookup reads one row group of it

@@ -1,0 +1,83 @@
+"""Each stage's key index: key -> the ledger file that holds it, so `capline explain` reads one small
+file per stage (and then that ledger file) instead of every ledger of every stage.
+
+Built by the runner when a stage finishes, before its `_SUCCESS`: a task per ledger file writes its
+(key, file) rows bucketed by the key's hash (infra/shuffle.py), a task per bucket writes
+`<stage>/keys/<bucket>.parquet` sorted by key, in row groups small enough that a lookup reads one.
+`<stage>/keys/meta.json` says how many buckets. The driver sees counts only.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+KEYS = "keys"
+ROWS_PER_BUCKET = 2_000_000
+ROW_GROUP = 8192
+MAP_SCHEMA = pa.schema([("key", pa.string()), ("file", pa.string()), ("bucket", pa.int32())])
+
+
+def _bucket_of(keys, buckets: int) -> np.ndarray:
+    from stages.dataplane import key_hashes
+
+    return (key_hashes(keys) % np.uint64(buckets)).astype(np.int32) if len(keys) else np.zeros(0, np.int32)
+
+
+def _map_task(storage, file: str, out: str, buckets: int) -> int:
+    from infra.shuffle import write_buckets
+
+    keys = storage.read_table(file, ["key"]).column("key").to_pylist()
+    write_buckets(storage, out, pa.table({"key": keys, "file": [file] * len(keys),
+                                          "bucket": pa.array(_bucket_of(keys, buckets), pa.int32())},
+                                         schema=MAP_SCHEMA), "bucket")
+    return len(keys)
+
+
+def _reduce_task(storage, bucket: int, maps: list[str], out: str, row_group: int) -> int:
+    from infra.shuffle import read_bucket
+
+    t = read_bucket(storage, maps, "bucket", bucket, MAP_SCHEMA).select(["key", "file"]).sort_by("key")
+    sink = pa.BufferOutputStream()
+    pq.write_table(t, sink, row_group_size=row_group, compression="zstd")
+    storage.write_bytes(out, sink.getvalue().to_pybytes())
+    return t.num_rows
+
+
+def build(storage, executor, stage: str, files: list[str], rows: int) -> dict:
+    """The index of `stage`'s ledger `files` (`rows` keys in all), in Ray tasks; -> its meta."""
+    folder = f"{stage}/{KEYS}"
+    storage.delete(folder)
+    buckets = max(1, math.ceil(rows / ROWS_PER_BUCKET))
+    maps = [f"{folder}/_map/{i:06d}.parquet" for i in range(len(files))]
+    executor.run(_map_task, [(storage, f, m, buckets) for f, m in zip(files, maps)], f"{stage} key index",
+                 num_cpus=0.25, quiet=True)
+    executor.run(_reduce_task, [(storage, b, maps, f"{folder}/{b:06d}.parquet", ROW_GROUP) for b in range(buckets)],
+                 f"{stage} key index", num_cpus=0.25, quiet=True)
+    storage.delete(f"{folder}/_map")
+    meta = {"buckets": buckets, "rows": rows}
+    storage.write_json(f"{folder}/meta.json", meta)
+    return meta
+
+
+def lookup(storage, stage: str, key: str) -> str | None:
+    """The ledger file of `stage` that holds `key`: "" if none does, None if the stage has no index
+    (a run made before there were indexes: the caller scans)."""
+    meta = storage.read_json(f"{stage}/{KEYS}/meta.json")
+    if meta is None:
+        return None
+    b = int(_bucket_of([key], meta["buckets"])[0])
+    with storage.fs.open_input_file(storage.path(f"{stage}/{KEYS}/{b:06d}.parquet")) as f:
+        pf = pq.ParquetFile(f)
+        col = pf.schema_arrow.get_field_index("key")
+        groups = [i for i in range(pf.metadata.num_row_groups)
+                  if (st := pf.metadata.row_group(i).column(col).statistics) is not None
+                  and st.has_min_max and st.min <= key <= st.max]
+        if not groups:
+            return ""
+        t = pf.read_row_groups(groups)
+    hit = t.filter(pc.equal(t.column("key"), key))
+    return hit.column("file")[0].as_py() if hit.num_rows else ""
