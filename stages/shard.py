@@ -51,11 +51,17 @@ class ShardConfig:
     samples_per_shard: int = 10_000
     max_shard_bytes: int = 1_000_000_000
     min_shards: int = 4              # small data still makes this many shards: one per training worker (up to 4)
+    # the reducers read a footer and a range of every map file: more map files than keep them under
+    # this many requests per sample are first merged, a group at a time, into fewer files
+    shuffle_requests_per_sample: float = 0.05
+    merge_bytes: int = 4_000_000_000     # the map files one merge task holds on its local disk
 
     def validate(self, prefix: str) -> None:
         require(self.samples_per_shard >= 1, join(prefix, "samples_per_shard"), "must be >= 1")
         require(self.max_shard_bytes >= 10_000, join(prefix, "max_shard_bytes"), "must be >= 10000")
         require(self.min_shards >= 1, join(prefix, "min_shards"), "must be >= 1")
+        require(self.shuffle_requests_per_sample > 0, join(prefix, "shuffle_requests_per_sample"), "must be > 0")
+        require(self.merge_bytes >= 10_000_000, join(prefix, "merge_bytes"), "must be >= 10000000")
 
 
 def _member(name: str, data: bytes) -> tuple[tarfile.TarInfo, io.BytesIO]:
@@ -128,6 +134,54 @@ MAP_SCHEMA = pa.schema([("shard", pa.int32()), ("key", pa.string()), ("order", p
                         ("ext", pa.string()), ("caption", pa.string()), ("meta", pa.string())])
 
 
+MERGE_DIR = "shard/_work/merged"
+
+
+def merge_group(maps: int, shards: int, samples: int, cfg: ShardConfig, map_bytes: float) -> int:
+    """How many map files one merged file joins: enough that the reducers' requests (a footer and
+    a range of each file, for every output shard) stay under `shuffle_requests_per_sample`, within
+    what one merge task may hold (`merge_bytes`). 1: no merge (small data)."""
+    need = math.ceil(2 * maps * shards / max(1.0, samples * cfg.shuffle_requests_per_sample))
+    fits = max(1, int(cfg.merge_bytes // max(1.0, map_bytes)))
+    return max(1, min(need, fits, maps))
+
+
+def _merge_task(storage, files: list[str], out: str) -> dict:
+    """Ray task: map files read whole (one stream each, not a range per shard) into a local folder,
+    written back as one file with a row group per output shard: the reducers open one file where
+    there were len(files). Rows keep the files' order within a shard (the reducer sorts anyway)."""
+    import shutil
+    import tempfile
+
+    import pyarrow.parquet as pq
+
+    with tempfile.TemporaryDirectory(prefix="capline-merge-") as tmp:
+        local = []
+        for i, rel in enumerate(files):
+            path = Path(tmp) / f"{i:05d}.parquet"
+            with storage.fs.open_input_stream(storage.path(rel)) as src, open(path, "wb") as dst:
+                shutil.copyfileobj(src, dst, 64 << 20)
+            local.append(pq.ParquetFile(path))
+        groups: dict[int, list[tuple[int, int]]] = {}
+        for i, pf in enumerate(local):          # each row group holds one shard (infra/shuffle.py)
+            col = pf.schema_arrow.get_field_index("shard")
+            for g in range(pf.metadata.num_row_groups):
+                st = pf.metadata.row_group(g).column(col).statistics
+                if st is not None and st.has_min_max:
+                    groups.setdefault(st.min, []).append((i, g))
+        merged = Path(tmp) / "merged.parquet"
+        rows = 0
+        with pq.ParquetWriter(merged, MAP_SCHEMA, compression="zstd") as writer:
+            for shard in sorted(groups):
+                t = pa.concat_tables([local[i].read_row_group(g) for i, g in groups[shard]])
+                writer.write_table(t, row_group_size=max(1, t.num_rows))
+                rows += t.num_rows
+            if not groups:
+                writer.write_table(MAP_SCHEMA.empty_table())
+        storage.write_file(out, merged)
+    return {"files": len(files), "rows": rows}
+
+
 def _reduce_task(storage, shard: int, maps: list[str]) -> dict:
     """Ray task: one output shard from the map files' row groups: the tar, its index, its ledger partition."""
     t = read_bucket(storage, maps, "shard", shard, MAP_SCHEMA).sort_by("order")
@@ -177,6 +231,15 @@ class ShardStage(Sink):
         ctx.run(_map_task, [(ctx.storage, u.part, u.file, ctx.seed, n_out) for u in todo], "shard map",
                 num_cpus=1, describe=lambda c: f"partition {c[1]}")
         map_files = sorted(maps.values())
+        per = merge_group(len(map_files), n_out, n, cfg, sum(sizes) / max(1, len(map_files)))
+        if per > 1:     # many map files: fewer, larger files for the reducers to open
+            groups = [map_files[i:i + per] for i in range(0, len(map_files), per)]
+            merged = [f"{MERGE_DIR}/{i:06d}.parquet" for i in range(len(groups))]
+            have = set(ctx.storage.list(MERGE_DIR, ".parquet"))
+            ctx.run(_merge_task, [(ctx.storage, g, m) for g, m in zip(groups, merged) if m not in have],
+                    "shard merge", num_cpus=1, unit="merges")
+            ctx.log(f"shard: {len(map_files)} map files merged into {len(merged)} for {n_out} reducers")
+            map_files = merged
         parts = ctx.run(_reduce_task, [(ctx.storage, i, map_files) for i in range(n_out)], "shard write",
                         num_cpus=1, describe=lambda c: f"shard {c[1]:06d}", unit="shards")
         names = {p.extra["name"] for p in parts}

@@ -1,5 +1,7 @@
 """Incremental runs: partition A, then A+B, holds the same samples as one run on A+B, and the
 second run does not download A again."""
+import json
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -27,8 +29,8 @@ def test_appending_a_partition(tmp_path, ray_local):
     synthetic.generate(tmp_path / "site", 240, 10, 48, 5, fr, 100, 100)
     rows = pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()
     with DemoServer(tmp_path / "site" / "www") as server:
-        def cfg(folder):
-            return load_config(None, [
+        def cfg(folder, *extra):
+            return load_config(None, [*extra, 
                 "source.kind=urls", f"source.path={folder}", f"stages.ingest.allow_hosts=['{server.netloc}']",
                 "stages.ingest.samples_per_shard=50", "stages.ingest.compact_rows=50", "stages.tokenizer.vocab_size=400",
                 f"stages.dedup.cache_dir={tmp_path / 'cache'}", "stages.shard.samples_per_shard=60",
@@ -52,10 +54,16 @@ def test_appending_a_partition(tmp_path, ray_local):
         assert sorted(p.stat().st_mtime_ns for p in (part_a / "shards").glob("*.tar")) == stamp
         _write_partition(one / "a.csv", rows[:150], server.base_url)
         _write_partition(one / "b.csv", rows[150:], server.base_url)
-        run_pipeline(cfg(one), tmp_path / "one", log=lambda m: None)
+        # the single run merges its shard map files before the reducers read them (as a run with many
+        # partitions would): the same shards, byte for byte
+        merged = []
+        run_pipeline(cfg(one, "stages.shard.shuffle_requests_per_sample=0.0001"), tmp_path / "one", log=merged.append)
+    assert any("map files merged into 1 for" in m for m in merged), merged
     a, b = sample_digests(tmp_path / "inc"), sample_digests(tmp_path / "one")
     assert len(a) > 150
     assert a == b
+    shards = lambda run: json.loads((run / "shard" / "shards.json").read_text())   # noqa: E731
+    assert shards(tmp_path / "inc") == shards(tmp_path / "one")
     dedup = read_ledger(tmp_path / "inc", "dedup").to_pylist()
     assert any(r["reason"] == "near_duplicate" for r in dedup)   # duplicates across partitions found
 

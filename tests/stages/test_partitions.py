@@ -84,3 +84,15 @@ def test_range_buckets_written_for_one_count_serve_another(tmp_path):
         assert sorted(v for t in got for v in t.column("v").to_pylist()) == list(range(10_000))
         assert all((range_buckets(t.column("h").to_numpy(), n) == b).all() for b, t in enumerate(got))
         assert counter["groups"] == most_groups
+
+
+def test_map_files_are_merged_only_when_the_reducers_would_make_too_many_requests():
+    from stages.shard import ShardConfig, merge_group
+
+    cfg = ShardConfig()
+    assert merge_group(2, 4, 1473, cfg, 3e6) == 1                       # the demo: no merge
+    # 10^8 URLs on 100 nodes: 6,250 map files of ~250 MB, 5,000 shards of 10^4 of 5*10^7 samples
+    per = merge_group(6250, 5000, 5 * 10**7, cfg, 2.5e8)
+    assert per == 16                                                     # as many as fit in merge_bytes
+    assert 2 * -(-6250 // per) * 5000 / 5e7 < 0.1                        # reducers: < 0.1 requests per sample
+    assert merge_group(6250, 5000, 5 * 10**7, ShardConfig(merge_bytes=10**11), 2.5e8) == 25   # the budget itself
