@@ -372,16 +372,18 @@ def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str], n_buck
     cols = {f: [getattr(p, f) for p in rows] for f in Pair._fields}
     pair_bucket = _pair_buckets(cols["a"], cols["b"], n_pair_buckets)
     table = pa.table({**cols, "pair_bucket": pa.array(pair_bucket, pa.int32())}, schema=PAIR_SCHEMA)
-    write_buckets(storage, f"{PAIR_DIR}/{bucket:06d}.parquet", table, "pair_bucket")
+    if rows:            # no empty files: the driver passes on the names of those written
+        write_buckets(storage, f"{PAIR_DIR}/{bucket:06d}.parquet", table, "pair_bucket")
     # each near candidate's two descriptors, asked of the partitions that hold them (a join, not a
     # task reading every partition's descriptors)
     wanted = sorted({(k, part, int(pb)) for p, pb in zip(rows, pair_bucket) if p.kind == "near_duplicate"
                      for k, part in ((p.a, p.part_a), (p.b, p.part_b))})
-    write_buckets(storage, f"{WANTED_DIR}/{bucket:06d}.parquet", pa.table({
-        "key": [w[0] for w in wanted], "part": [w[1] for w in wanted], "pair_bucket": pa.array([w[2] for w in wanted], pa.int32()),
-        "fetch_bucket": pa.array(_fetch_buckets([w[1] for w in wanted], n_pair_buckets), pa.int32())},
-        schema=WANTED_SCHEMA), "fetch_bucket")
-    return {"pairs": len(rows), "largest_group": largest, "rows": t.num_rows}
+    if wanted:
+        write_buckets(storage, f"{WANTED_DIR}/{bucket:06d}.parquet", pa.table({
+            "key": [w[0] for w in wanted], "part": [w[1] for w in wanted], "pair_bucket": pa.array([w[2] for w in wanted], pa.int32()),
+            "fetch_bucket": pa.array(_fetch_buckets([w[1] for w in wanted], n_pair_buckets), pa.int32())},
+            schema=WANTED_SCHEMA), "fetch_bucket")
+    return {"pairs": len(rows), "wanted": len(wanted), "largest_group": largest, "rows": t.num_rows}
 
 
 def _fetch_buckets(parts: list[str], n: int) -> np.ndarray:
@@ -405,7 +407,8 @@ def _fetch_task(storage, bucket: int, files: list[str], desc: dict[str, str]) ->
             out["key"].append(k)
             out["vec"].append(vec[k])
             out["pair_bucket"].append(pb)
-    write_buckets(storage, f"{VEC_DIR}/{bucket:06d}.parquet", pa.table(out, schema=VEC_SCHEMA), "pair_bucket")
+    if out["key"]:
+        write_buckets(storage, f"{VEC_DIR}/{bucket:06d}.parquet", pa.table(out, schema=VEC_SCHEMA), "pair_bucket")
     return {"partitions": len(by_part), "descriptors": len(out["key"])}
 
 
@@ -449,10 +452,11 @@ def _verify_task(storage, bucket: int, files: list[str], vec_files: list[str], t
     vec = {k: _unit(x) for k, x in zip(v.column("key").to_pylist(), v.column("vec").to_pylist())}
     near = [(p, c) for p in cand if (c := float(vec[p.a] @ vec[p.b])) >= threshold]
     edges = [(p, None) for p in exact] + near
-    storage.write_table(f"{EDGE_DIR}/{bucket:06d}.parquet", pa.table(
-        {**{f: [getattr(p, f) for p, _ in edges] for f in Pair._fields}, "cosine": [c for _, c in edges]},
-        schema=EDGE_SCHEMA))
-    return {"exact": len(exact), "candidates": len(cand), "near": len(near)}
+    if edges:
+        storage.write_table(f"{EDGE_DIR}/{bucket:06d}.parquet", pa.table(
+            {**{f: [getattr(p, f) for p, _ in edges] for f in Pair._fields}, "cosine": [c for _, c in edges]},
+            schema=EDGE_SCHEMA))
+    return {"exact": len(exact), "candidates": len(cand), "near": len(near), "edges": len(edges)}
 
 
 def clusters(edges: list[tuple[str, str]]) -> dict[str, str]:
@@ -501,7 +505,8 @@ def _components_task(storage, files: list[str], parts: list[str], shown_per_reas
             reason = "exact_duplicate" if k in exact_nodes else "near_duplicate"
             rows.append((k, reason, None if reason == "exact_duplicate" else best.get(k), r, index[part_of[k]]))
     table = pa.table({f: [r[i] for r in rows] for i, f in enumerate(DECISION_SCHEMA.names)}, schema=DECISION_SCHEMA)
-    write_buckets(storage, DECISIONS, table, "part")
+    if rows:
+        write_buckets(storage, DECISIONS, table, "part")
     per_part: dict[str, int] = {}
     shown: dict[str, list] = {}
     for k, reason, score, root, i in rows:
@@ -560,6 +565,7 @@ class Candidates:
     buckets: int = 0              # group tasks, and verification tasks
     lsh: str = ""                 # the band plan for this N, and its expected recall at the threshold
     desc: dict = field(default_factory=dict)   # partition -> its descriptors' file
+    reduce_tasks: dict = field(default_factory=dict)
 
 
 class DedupStage(Decide):
@@ -643,19 +649,22 @@ class DedupStage(Decide):
         sig_files = [f"{outs[u.part]}.sig.parquet" for u in upstream]
         found = ctx.run(_group_task, [(ctx.storage, b, cfg, sig_files, n_buckets) for b in range(n_buckets)],
                         "dedup group", num_cpus=cfg.cpus_per_worker, unit="buckets")
-        pair_files = [f"{PAIR_DIR}/{b:06d}.parquet" for b in range(n_buckets)]
-        wanted_files = [f"{WANTED_DIR}/{b:06d}.parquet" for b in range(n_buckets)]
+        # only the files written (no empty ones): a reducer opens just those
+        pair_files = [f"{PAIR_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f["pairs"]]
+        wanted_files = [f"{WANTED_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f["wanted"]]
         desc = {p: f"{o}.desc.parquet" for p, o in outs.items()}
-        ctx.run(_fetch_task, [(ctx.storage, b, wanted_files, desc) for b in range(n_buckets)], "dedup fetch descriptors",
-                num_cpus=cfg.cpus_per_worker, unit="buckets")
-        vec_files = [f"{VEC_DIR}/{b:06d}.parquet" for b in range(n_buckets)]
+        fetched = ctx.run(_fetch_task, [(ctx.storage, b, wanted_files, desc) for b in range(n_buckets)] if wanted_files
+                          else [], "dedup fetch descriptors", num_cpus=cfg.cpus_per_worker, unit="buckets")
+        vec_files = [f"{VEC_DIR}/{b:06d}.parquet" for b, f in enumerate(fetched) if f["descriptors"]]
         checked = ctx.run(_verify_task, [(ctx.storage, b, pair_files, vec_files, cfg.within_threshold)
-                                         for b in range(n_buckets)],
+                                         for b in range(n_buckets)] if pair_files else [],
                           "dedup verify", num_cpus=cfg.cpus_per_worker, unit="buckets")
+        edge_files = [f"{EDGE_DIR}/{b:06d}.parquet" for b, c in enumerate(checked) if c["edges"]]
         return Candidates(sum(c["exact"] for c in checked), sum(c["near"] for c in checked),
-                          sum(c["candidates"] for c in checked), [f"{EDGE_DIR}/{b:06d}.parquet" for b in range(n_buckets)],
+                          sum(c["candidates"] for c in checked), edge_files,
                           set_stats, max((f["largest_group"] for f in found), default=0), n_buckets,
-                          plan.describe(cfg.within_threshold), desc)
+                          plan.describe(cfg.within_threshold), desc,
+                          {"group": n_buckets, "fetch": len(fetched), "verify": len(checked)})
 
     def decide(self, ctx: StageContext, found: Candidates) -> dict:
         """Pairs joined into clusters, in a task; of each the smallest key is kept. -> counts per
@@ -686,7 +695,7 @@ class DedupStage(Decide):
                 evals[name] = evals.get(name, 0) + c
         return StageResult(parts, {"eval_sets": found.set_stats, "eval_matches": evals,
                                    "largest_lsh_group": found.largest_group,
-                                   "reduce_tasks": {"group": found.buckets, "fetch": found.buckets, "verify": found.buckets},
+                                   "reduce_tasks": found.reduce_tasks,
                                    "pairs": {"exact": found.exact, "near_candidates": found.n_candidates,
                                              "near": found.near},
                                    "method": {"descriptor": "thumb16-v2", "eval_threshold": cfg.eval_threshold,
