@@ -169,11 +169,14 @@ def sigs_per_sample(plan: BandPlan) -> int:
 def bucket_count(samples: int, bucket_rows: int, cluster_cpus: float, per_sample: int) -> int:
     """Signature buckets (group tasks) for `samples` described images of `per_sample` signatures:
     enough that a bucket holds about `bucket_rows` signature rows, and at least one per CPU of the
-    cluster (at most one per 1,000 rows, so a small run is not split into empty tasks). The pairs
-    found do not depend on it."""
+    cluster while each still gets MIN_BUCKET_ROWS: every bucket costs each of its reducers a request
+    per map file, which small data would pay for nothing. The pairs found do not depend on it."""
     rows = samples * per_sample
     by_size = math.ceil(rows / bucket_rows)
-    return max(1, by_size, min(int(cluster_cpus), rows // 1000))
+    return max(1, by_size, min(int(cluster_cpus), rows // MIN_BUCKET_ROWS))
+
+
+MIN_BUCKET_ROWS = 100_000
 
 
 _LOADED: dict = {}

@@ -157,7 +157,7 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local):
 
     first = kept()
     stats = json.loads((tmp_path / "run" / "dedup" / "stats.json").read_text())
-    assert stats["reduce_tasks"] == {"group": 2, "fetch": 2, "verify": 2}       # a bucket per CPU
+    assert stats["reduce_tasks"] == {"group": 1, "fetch": 1, "verify": 1}       # small data: one bucket
     # one task at a time on 2 CPUs, the signatures cut into buckets of ~1,000 rows (a pair found in
     # several buckets is verified once, in its pair bucket): same verdicts, same duplicate_of, same counts
     cut = ["stages.dedup.cpus_per_worker=2", "stages.dedup.bucket_rows=1000"]
@@ -182,9 +182,9 @@ def test_signature_buckets_grow_with_the_data_and_the_cluster():
     from stages.dedup import bucket_count
 
     assert bucket_count(0, 10**6, 64, 17) == 1
-    assert bucket_count(563, 10**6, 2, 17) == 2                  # the demo on 2 CPUs
-    assert bucket_count(50, 10**6, 64, 17) == 1                  # 850 rows: not cut into 64 near-empty tasks
-    assert bucket_count(10**5, 10**6, 1600, 10) == 1000          # a big cluster: a task per 1,000 rows at most
+    assert bucket_count(563, 10**6, 2, 17) == 1                  # the demo on 2 CPUs: one bucket of 9,571 rows
+    assert bucket_count(2000, 10**6, 64, 17) == 1                # small data is not cut into 64 tiny tasks
+    assert bucket_count(10**5, 10**6, 1600, 17) == 17            # a big cluster: >= 100,000 rows a task
     assert bucket_count(10**8, 10**6, 200, 33) == 3300           # by size: 10^6 rows a bucket
     assert bucket_count(10**8, 10**6, 5000, 33) == 5000          # by the cluster: every CPU busy
     assert bucket_count(10**9, 10**6, 3200, 42) == 42000         # grows with N, not capped at 64
