@@ -81,7 +81,7 @@ def group_one(args) -> dict:
     root, bucket, files, n_buckets = args
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
-    out = _group_task(Storage.local(root), bucket, DedupConfig(within_threshold=THRESHOLD, bits=BITS), files, n_buckets)
+    out = _group_task(Storage.local(root), bucket, DedupConfig(within_threshold=THRESHOLD, bits=BITS), files, n_buckets, 1)
     return {**out, "seconds": time.perf_counter() - t0, "base_mb": base,
             "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 

@@ -177,6 +177,7 @@ def bucket_count(samples: int, bucket_rows: int, cluster_cpus: float, per_sample
 
 
 MIN_BUCKET_ROWS = 100_000
+PAIR_FAN_IN = 64      # signature buckets per pair bucket
 
 
 _LOADED: dict = {}
@@ -342,13 +343,12 @@ def _pair_buckets(a: list[str], b: list[str], n: int) -> np.ndarray:
     return (key_hashes([f"{x}\0{y}" for x, y in zip(a, b)]) % np.uint64(n)).astype(np.int32)
 
 
-def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str], n_buckets: int) -> dict:
+def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str], n_buckets: int, n_pair_buckets: int) -> dict:
     """Ray task: one signature bucket -> its pairs (a < b, with their partitions and kind), written to
     one file bucketed by pair (infra/shuffle.py); -> counts. Equal exact signatures pair every member
     with the group's smallest key; equal band values pair the members whose codes are within the
     Hamming radius and whose colours agree (stages/lsh.py), the whole group, never cut."""
     t = read_range(storage, files, "h32", bucket, n_buckets, SIG_SCHEMA)
-    n_pair_buckets = n_buckets
     t = t.sort_by([("sig_kind", "ascending"), ("sig_hi", "ascending"), ("sig_lo", "ascending"), ("key", "ascending")])
     kind, hi, lo = (t.column(c).to_numpy() for c in ("sig_kind", "sig_hi", "sig_lo"))
     starts, lengths = runs(kind, hi, lo)
@@ -650,17 +650,20 @@ class DedupStage(Decide):
             ctx.storage.delete(stale)          # partitions the source no longer has, or another config's
         ctx.log(f"dedup: described {sum(d['described'] for d in described)} images")
         sig_files = [f"{outs[u.part]}.sig.parquet" for u in upstream]
-        found = ctx.run(_group_task, [(ctx.storage, b, cfg, sig_files, n_buckets) for b in range(n_buckets)],
+        # pairs are few next to signatures: fewer pair buckets, so the fetch and verify tasks each
+        # open the group tasks' files n_buckets / PAIR_FAN_IN times fewer
+        n_pairs = max(1, math.ceil(n_buckets / PAIR_FAN_IN))
+        found = ctx.run(_group_task, [(ctx.storage, b, cfg, sig_files, n_buckets, n_pairs) for b in range(n_buckets)],
                         "dedup group", num_cpus=cfg.cpus_per_worker, unit="buckets")
         # only the files written (no empty ones): a reducer opens just those
         pair_files = [f"{PAIR_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f["pairs"]]
         wanted_files = [f"{WANTED_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f["wanted"]]
         desc = {p: f"{o}.desc.parquet" for p, o in outs.items()}
-        fetched = ctx.run(_fetch_task, [(ctx.storage, b, wanted_files, desc) for b in range(n_buckets)] if wanted_files
+        fetched = ctx.run(_fetch_task, [(ctx.storage, b, wanted_files, desc) for b in range(n_pairs)] if wanted_files
                           else [], "dedup fetch descriptors", num_cpus=cfg.cpus_per_worker, unit="buckets")
         vec_files = [f"{VEC_DIR}/{b:06d}.parquet" for b, f in enumerate(fetched) if f["descriptors"]]
         checked = ctx.run(_verify_task, [(ctx.storage, b, pair_files, vec_files, cfg.within_threshold)
-                                         for b in range(n_buckets)] if pair_files else [],
+                                         for b in range(n_pairs)] if pair_files else [],
                           "dedup verify", num_cpus=cfg.cpus_per_worker, unit="buckets")
         edge_files = [f"{EDGE_DIR}/{b:06d}.parquet" for b, c in enumerate(checked) if c["edges"]]
         return Candidates(sum(c["exact"] for c in checked), sum(c["near"] for c in checked),

@@ -164,7 +164,7 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local):
     run_pipeline(load_config(None, base + cut), tmp_path / "run", until="dedup", log=lambda m: None)
     assert kept() == first
     again = json.loads((tmp_path / "run" / "dedup" / "stats.json").read_text())
-    assert again["reduce_tasks"]["group"] == again["reduce_tasks"]["verify"] > 10
+    assert again["reduce_tasks"]["group"] >= 9 and again["reduce_tasks"]["verify"] == -(-again["reduce_tasks"]["group"] // 64)
     assert again["pairs"] == stats["pairs"] and stats["pairs"]["near"] > 0 and stats["pairs"]["exact"] > 0
     (tmp_path / "run" / "dedup" / "_SUCCESS").unlink()
     run_pipeline(load_config(None, base + ["stages.dedup.cpus_per_worker=2"]), tmp_path / "run", until="dedup", log=lambda m: None)
@@ -236,7 +236,7 @@ def test_a_group_task_pairs_exact_and_near_signatures(tmp_path):
                             [bytes([100 + i]) * 16 for i in rows], plan)
         from infra.shuffle import write_ranges
         write_ranges(storage, f"sig/{part}.parquet", t, "h32", 3)
-    out = _group_task(storage, 0, DedupConfig(), ["sig/p0.parquet", "sig/p1.parquet"], 1)   # one bucket: all rows
+    out = _group_task(storage, 0, DedupConfig(), ["sig/p0.parquet", "sig/p1.parquet"], 1, 1)   # one bucket: all rows
     got = storage.read_table(f"{PAIR_DIR}/000000.parquet").select(list(PAIR_SCHEMA.names[:5])).to_pylist()
     assert got == [{"a": "s0", "part_a": "p0", "b": "s1", "part_b": "p1", "kind": "near_duplicate"},
                    {"a": "s4", "part_a": "p0", "b": "s5", "part_b": "p1", "kind": "exact_duplicate"}]
