@@ -40,7 +40,21 @@ def _map_task(storage, file: str, out: str, buckets: int) -> int:
 def _reduce_task(storage, bucket: int, maps: list[str], out: str, row_group: int) -> int:
     from infra.shuffle import read_bucket
 
-    t = read_bucket(storage, maps, "bucket", bucket, MAP_SCHEMA).select(["key", "file"]).sort_by("key")
+    return _write_index(storage, read_bucket(storage, maps, "bucket", bucket, MAP_SCHEMA).select(["key", "file"]),
+                        out, row_group)
+
+
+def _single_task(storage, files: list[str], out: str, row_group: int) -> int:
+    keys, where = [], []
+    for f in files:
+        k = storage.read_table(f, ["key"]).column("key").to_pylist()
+        keys += k
+        where += [f] * len(k)
+    return _write_index(storage, pa.table({"key": keys, "file": where}), out, row_group)
+
+
+def _write_index(storage, t: pa.Table, out: str, row_group: int) -> int:
+    t = t.sort_by("key")
     sink = pa.BufferOutputStream()
     pq.write_table(t, sink, row_group_size=row_group, compression="zstd")
     storage.write_bytes(out, sink.getvalue().to_pybytes())
@@ -52,12 +66,16 @@ def build(storage, executor, stage: str, files: list[str], rows: int) -> dict:
     folder = f"{stage}/{KEYS}"
     storage.delete(folder)
     buckets = max(1, math.ceil(rows / ROWS_PER_BUCKET))
-    maps = [f"{folder}/_map/{i:06d}.parquet" for i in range(len(files))]
-    executor.run(_map_task, [(storage, f, m, buckets) for f, m in zip(files, maps)], f"{stage} key index",
-                 num_cpus=0.25, quiet=True)
-    executor.run(_reduce_task, [(storage, b, maps, f"{folder}/{b:06d}.parquet", ROW_GROUP) for b in range(buckets)],
-                 f"{stage} key index", num_cpus=0.25, quiet=True)
-    storage.delete(f"{folder}/_map")
+    if buckets == 1:    # one index file: one task reads the keys of every ledger, no map files
+        executor.run(_single_task, [(storage, files, f"{folder}/000000.parquet", ROW_GROUP)], f"{stage} key index",
+                     num_cpus=0.25, quiet=True)
+    else:
+        maps = [f"{folder}/_map/{i:06d}.parquet" for i in range(len(files))]
+        executor.run(_map_task, [(storage, f, m, buckets) for f, m in zip(files, maps)], f"{stage} key index",
+                     num_cpus=0.25, quiet=True)
+        executor.run(_reduce_task, [(storage, b, maps, f"{folder}/{b:06d}.parquet", ROW_GROUP)
+                                    for b in range(buckets)], f"{stage} key index", num_cpus=0.25, quiet=True)
+        storage.delete(f"{folder}/_map")
     meta = {"buckets": buckets, "rows": rows}
     storage.write_json(f"{folder}/meta.json", meta)
     return meta

@@ -213,5 +213,9 @@ def test_a_stage_key_index_names_the_one_ledger_file_of_a_key(tmp_path, ray_loca
     assert all(key_index.lookup(storage, "dedup", f"s{j:05d}") == f"dedup/ledger/p{j % 5}.parquet"
                for j in range(0, 5000, 37))
     assert key_index.lookup(storage, "dedup", "s99999") == "" and key_index.lookup(storage, "basic", "s00001") is None
+    monkeypatch.setattr(key_index, "ROWS_PER_BUCKET", 10**6)            # one bucket: one task, no map files
+    assert key_index.build(storage, Executor(log=lambda m: None), "language", files, 5000)["buckets"] == 1
+    assert all(key_index.lookup(storage, "language", f"s{j:05d}") == f"dedup/ledger/p{j % 5}.parquet"
+               for j in range(0, 5000, 37))
     index = pq.ParquetFile(tmp_path / "dedup" / "keys" / "000000.parquet")
     assert index.metadata.num_row_groups > 1       # a lookup reads one row group of it
