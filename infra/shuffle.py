@@ -17,13 +17,21 @@ def write_buckets(storage, rel: str, table: pa.Table, column: str) -> str:
     """Write `table` to `rel` as one file, a row group per value of the integer `column` (sorted by
     it first; a stable sort, so rows keep their order within a bucket). -> sha256 of the file."""
     table = table.take(pc.sort_indices(table, [(column, "ascending")]))
+    return _write_grouped(storage, rel, table, table.column(column).to_numpy())
+
+
+def _row_groups(writer, table: pa.Table, groups: np.ndarray) -> None:
+    """`table` (sorted by `groups`) as a row group per run of equal values in `groups`."""
+    bounds = np.flatnonzero(np.diff(groups)) + 1
+    for lo, hi in zip([0, *bounds], [*bounds, table.num_rows]):
+        if hi > lo:
+            writer.write_table(table.slice(lo, hi - lo), row_group_size=hi - lo)
+
+
+def _write_grouped(storage, rel: str, table: pa.Table, groups: np.ndarray) -> str:
     sink = pa.BufferOutputStream()
     with pq.ParquetWriter(sink, table.schema, compression="zstd") as writer:
-        values = table.column(column).to_numpy()
-        bounds = np.flatnonzero(np.diff(values)) + 1
-        for lo, hi in zip([0, *bounds], [*bounds, table.num_rows]):
-            if hi > lo:
-                writer.write_table(table.slice(lo, hi - lo), row_group_size=hi - lo)
+        _row_groups(writer, table, groups)
         if table.num_rows == 0:
             writer.write_table(table)
     return storage.write_bytes(rel, sink.getvalue().to_pybytes())   # whole or not at all: the map is done
@@ -46,11 +54,7 @@ class BucketWriter:
 
     def write(self, table: pa.Table) -> None:
         table = table.take(pc.sort_indices(table, [(self.column, "ascending")]))
-        values = table.column(self.column).to_numpy()
-        bounds = np.flatnonzero(np.diff(values)) + 1
-        for lo, hi in zip([0, *bounds], [*bounds, table.num_rows]):
-            if hi > lo:
-                self.writer.write_table(table.slice(lo, hi - lo), row_group_size=hi - lo)
+        _row_groups(self.writer, table, table.column(self.column).to_numpy())
         self.rows += table.num_rows
 
     def close(self) -> str:
@@ -70,6 +74,13 @@ def read_bucket(storage, files: list[str], column: str, value: int, schema: pa.S
                 counter: dict | None = None) -> pa.Table:
     """The rows of bucket `value` from every map file (each row group that holds it, by its
     statistics), READ_THREADS files at a time; pieces keep the files' order."""
+    return _read_span(storage, files, column, value, value + 1, schema, counter)
+
+
+def _read_span(storage, files: list[str], column: str, lo: int, hi: int, schema: pa.Schema,
+               counter: dict | None) -> pa.Table:
+    """The rows whose `column` is in [lo, hi), from the row groups of each file whose statistics
+    overlap it."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(rel):
@@ -78,7 +89,7 @@ def read_bucket(storage, files: list[str], column: str, value: int, schema: pa.S
             col = pf.schema_arrow.get_field_index(column)
             groups = [i for i in range(pf.metadata.num_row_groups)
                       if (st := pf.metadata.row_group(i).column(col).statistics) is not None
-                      and st.has_min_max and st.min <= value <= st.max]
+                      and st.has_min_max and st.min < hi and st.max >= lo]
             return (pf.read_row_groups(groups) if groups else None), len(groups)
 
     if len(files) > 1:
@@ -91,7 +102,8 @@ def read_bucket(storage, files: list[str], column: str, value: int, schema: pa.S
         counter["groups"] = counter.get("groups", 0) + sum(n for _, n in got)
     pieces = [t for t, _ in got if t is not None]
     t = pa.concat_tables(pieces) if pieces else schema.empty_table()
-    return t.filter(pc.equal(t.column(column), value))
+    v = t.column(column)
+    return t.filter(pc.and_(pc.greater_equal(v, pa.scalar(lo)), pc.less(v, pa.scalar(hi))))
 
 
 # -- range buckets: a map file that outlives the number of reducers ------------------------------
@@ -111,40 +123,10 @@ def range_buckets(hashes: np.ndarray, n: int) -> np.ndarray:
 def write_ranges(storage, rel: str, table: pa.Table, column: str, n: int) -> str:
     """`table` sorted by its uint32 `column`, one row group per range bucket of `n`, as one file."""
     table = table.sort_by(column)
-    bucket = range_buckets(table.column(column).to_numpy(), n)
-    sink = pa.BufferOutputStream()
-    with pq.ParquetWriter(sink, table.schema, compression="zstd") as writer:
-        bounds = np.flatnonzero(np.diff(bucket)) + 1
-        for lo, hi in zip([0, *bounds], [*bounds, table.num_rows]):
-            if hi > lo:
-                writer.write_table(table.slice(lo, hi - lo), row_group_size=hi - lo)
-        if table.num_rows == 0:
-            writer.write_table(table)
-    return storage.write_bytes(rel, sink.getvalue().to_pybytes())
+    return _write_grouped(storage, rel, table, range_buckets(table.column(column).to_numpy(), n))
 
 
 def read_range(storage, files: list[str], column: str, bucket: int, n: int, schema: pa.Schema,
                counter: dict | None = None) -> pa.Table:
     """The rows of range bucket `bucket` of `n` from every map file (the row groups that overlap it)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    lo, hi = range_of(bucket, n)
-
-    def one(rel):
-        with storage.fs.open_input_file(storage.path(rel)) as f:
-            pf = pq.ParquetFile(f)
-            col = pf.schema_arrow.get_field_index(column)
-            groups = [i for i in range(pf.metadata.num_row_groups)
-                      if (st := pf.metadata.row_group(i).column(col).statistics) is not None
-                      and st.has_min_max and st.min < hi and st.max >= lo]
-            return (pf.read_row_groups(groups) if groups else None), len(groups)
-
-    with ThreadPoolExecutor(max(1, min(READ_THREADS, len(files)))) as pool:
-        got = list(pool.map(one, files))
-    if counter is not None:
-        counter["files"] = counter.get("files", 0) + len(files)
-        counter["groups"] = counter.get("groups", 0) + sum(k for _, k in got)
-    pieces = [t for t, _ in got if t is not None]
-    t = pa.concat_tables(pieces) if pieces else schema.empty_table()
-    h = t.column(column)
-    return t.filter(pc.and_(pc.greater_equal(h, pa.scalar(lo, pa.uint64())), pc.less(h, pa.scalar(hi, pa.uint64()))))
+    return _read_span(storage, files, column, *range_of(bucket, n), schema, counter)

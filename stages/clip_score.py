@@ -34,7 +34,7 @@ from infra.configtools import join, require
 from infra.errors import UserError
 
 from .base import DROPPED, KEPT, Decide, PartTask, StageContext, StageResult
-from .dataplane import by_location, image_batches, read_images, read_kept
+from .dataplane import by_location, image_batches, read_images, read_kept, reused_or_run
 from .examples import write_examples
 from .scorer import BootstrapConfig, Scorer, check_scorer, read_trusted_keys, small_bootstrap, train_bootstrap
 from infra.hashing import order_key
@@ -260,19 +260,10 @@ class ClipScoreStage(Decide):
                        "setting": "stages.clip_score.gpus_per_worker"}
         # a partition scored before by the same scorer is not scored again (a scheduled run scores
         # what it added, unless its scorer changed)
-        upstream = ctx.upstream or []
-        outs = {u.part: f"{SCORED}/{u.part}-{_scored_key(scorer, cfg.device, u)}" for u in upstream}
-        have = set(ctx.storage.list(SCORED, ".json"))
-        todo = [u for u in upstream if f"{outs[u.part]}.json" not in have]
-        if len(todo) < len(upstream):
-            ctx.log(f"clip_score: {len(upstream) - len(todo)} partitions scored before by scorer "
-                    f"{scorer['sha256'][:12]}, reused; {len(todo)} to score")
-        found = [ctx.storage.read_json(f"{outs[u.part]}.json") for u in upstream if u not in todo]
-        found += ctx.run(fn, [(ctx.storage, u.part, u.file, outs[u.part], *args) for u in todo], "clip_score",
-                         describe=lambda c: f"partition {c[1]}", **options)
-        keep = {f"{o}{x}" for o in outs.values() for x in (".json", ".parquet")}
-        for stale in set(ctx.storage.list(SCORED)) - keep:
-            ctx.storage.delete(stale)      # partitions gone from the input, or another scorer's
+        found, outs = reused_or_run(
+            ctx, fn, SCORED, lambda u: f"{u.part}-{_scored_key(scorer, cfg.device, u)}",
+            lambda u, out: (ctx.storage, u.part, u.file, out, *args), "clip_score",
+            f"scored before by scorer {scorer['sha256'][:12]}", "score", **options)
         counts: Counter = Counter()
         for f in found:
             counts.update(dict(zip(f["values"], f["counts"])))

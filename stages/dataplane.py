@@ -328,3 +328,26 @@ def image_batches(storage: Storage, table: pa.Table, batch_rows: int = BATCH_ROW
             batch = table.slice(start, i + 1 - start)
             yield batch, read_images(storage, batch, counter)
             start, held = i + 1, 0
+
+
+def reused_or_run(ctx, fn: Callable, folder: str, key_of: Callable, call_of: Callable, what: str, done_before: str,
+                  verb: str, **options) -> tuple[list, dict[str, str]]:
+    """`fn` over the upstream partitions, except those an earlier run already did with the same
+    inputs: each partition's outputs are `<folder>/<key_of(u)>.*`, the task writing `.json` (its
+    result) last, so a record found means whole outputs. `call_of(u, out)` makes a task's
+    arguments. Records no partition maps to now are deleted. -> (results in upstream order,
+    partition -> its output prefix)."""
+    upstream = ctx.upstream or []
+    outs = {u.part: f"{folder}/{key_of(u)}" for u in upstream}
+    have = set(ctx.storage.list(folder, ".json"))
+    todo = [u for u in upstream if f"{outs[u.part]}.json" not in have]
+    if len(todo) < len(upstream):
+        ctx.log(f"{ctx.name}: {len(upstream) - len(todo)} partitions {done_before}, reused; {len(todo)} to {verb}")
+    results = {u.part: ctx.storage.read_json(f"{outs[u.part]}.json") for u in upstream if u not in todo}
+    ran = ctx.run(fn, [call_of(u, outs[u.part]) for u in todo], what, describe=lambda c: f"partition {c[1]}", **options)
+    results.update({u.part: r for u, r in zip(todo, ran)})
+    keep = set(outs.values())           # partition names hold no "." (ingest names them)
+    for stale in ctx.storage.list(folder):
+        if f"{folder}/{stale.rsplit('/', 1)[-1].split('.', 1)[0]}" not in keep:
+            ctx.storage.delete(stale)      # partitions gone from the input, or made under another config
+    return [results[u.part] for u in upstream], outs

@@ -47,7 +47,7 @@ from infra.errors import UserError
 from infra.shuffle import read_bucket, read_range, write_buckets, write_ranges
 
 from .base import Decide, StageContext, StageResult
-from .dataplane import DROPPED, KEPT, PartTask, by_location, image_batches, key_hashes
+from .dataplane import DROPPED, KEPT, PartTask, by_location, image_batches, key_hashes, reused_or_run
 from .eval_sets import EvalSetConfig, build_reference, check_exists
 from .imagehash import describe, to_rgb_array
 from .lsh import BandPlan, band_plan, band_values, close_in_groups, mix64, runs
@@ -635,19 +635,10 @@ class DedupStage(Decide):
         args = (blobs, names, encoder_rel)
         # a partition described by an earlier run with the same input, config and band plan is
         # reused (a scheduled run that added 1 % describes the 1 %); its files serve any bucket count
-        outs = {u.part: f"{DESCRIBED}/{_described_key(ctx.fingerprint, u, plan)}" for u in upstream}
-        have = set(ctx.storage.list(DESCRIBED, ".json"))
-        todo = [u for u in upstream if f"{outs[u.part]}.json" not in have]
-        if len(todo) < len(upstream):
-            ctx.log(f"dedup: {len(upstream) - len(todo)} partitions described before with the same input, reused; "
-                    f"{len(todo)} to describe")
-        described = [ctx.storage.read_json(f"{outs[u.part]}.json") for u in upstream if u not in todo]
-        described += ctx.run(_describe_task, [(ctx.storage, u.part, u.file, *args, cfg, plan, n_buckets, outs[u.part])
-                                              for u in todo], "dedup describe", num_cpus=cfg.cpus_per_worker,
-                             describe=lambda c: f"partition {c[1]}")
-        keep = {f"{o}{x}" for o in outs.values() for x in (".json", ".desc.parquet", ".sig.parquet")}
-        for stale in set(ctx.storage.list(DESCRIBED)) - keep:
-            ctx.storage.delete(stale)          # partitions the source no longer has, or another config's
+        described, outs = reused_or_run(
+            ctx, _describe_task, DESCRIBED, lambda u: _described_key(ctx.fingerprint, u, plan),
+            lambda u, out: (ctx.storage, u.part, u.file, *args, cfg, plan, n_buckets, out), "dedup describe",
+            "described before with the same input", "describe", num_cpus=cfg.cpus_per_worker)
         ctx.log(f"dedup: described {sum(d['described'] for d in described)} images")
         sig_files = [f"{outs[u.part]}.sig.parquet" for u in upstream]
         # pairs are few next to signatures: fewer pair buckets, so the fetch and verify tasks each
