@@ -63,6 +63,12 @@ def _write_index(storage, t: pa.Table, out: str, row_group: int) -> int:
 
 def build(storage, executor, stage: str, files: list[str], rows: int) -> dict:
     """The index of `stage`'s ledger `files` (`rows` keys in all), in Ray tasks; -> its meta."""
+    import ray
+
+    if not ray.is_initialized():    # a stage run without Ray (tests of the runner): no cluster is started for this
+        from types import SimpleNamespace
+
+        executor = SimpleNamespace(run=lambda fn, calls, *a, **k: [fn(*c) for c in calls])
     folder = f"{stage}/{KEYS}"
     storage.delete(folder)
     buckets = max(1, math.ceil(rows / ROWS_PER_BUCKET))
