@@ -61,11 +61,11 @@ def _write_index(storage, t: pa.Table, out: str, row_group: int) -> int:
     return t.num_rows
 
 
-def build(storage, executor, stage: str, files: list[str], rows: int) -> dict:
-    """The index of `stage`'s ledger `files` (`rows` keys in all), in Ray tasks; -> its meta."""
-    import ray
-
-    if not ray.is_initialized():    # a stage run without Ray (tests of the runner): no cluster is started for this
+def build(storage, executor, stage: str, files: list[str], rows: int, in_driver: bool = False) -> dict:
+    """The index of `stage`'s ledger `files` (`rows` keys in all), in Ray tasks; -> its meta.
+    `in_driver`: the stage wrote its partitions from the driver (no task), so the index is built
+    there too (a cluster's workers may not reach what the driver wrote)."""
+    if in_driver:
         from types import SimpleNamespace
 
         executor = SimpleNamespace(run=lambda fn, calls, *a, **k: [fn(*c) for c in calls])
