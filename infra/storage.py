@@ -76,46 +76,34 @@ class Storage:
 
     def write_bytes(self, rel: str, data: bytes) -> str:
         """Write whole or not at all (temp + move where moves exist); -> sha256 of the bytes."""
+        return self._write_whole(rel, [data])
+
+    def write_file(self, rel: str, local_path, chunk: int = 64 << 20) -> str:
+        """A local file's bytes to `rel`, streamed a piece at a time (never whole in memory), whole
+        or not at all as `write_bytes`; -> sha256 of the bytes."""
+        def pieces():
+            with open(local_path, "rb") as src:
+                while piece := src.read(chunk):
+                    yield piece
+
+        return self._write_whole(rel, pieces())
+
+    def _write_whole(self, rel: str, pieces) -> str:
         if _blocked:   # this process lost its run folder's lock: nothing more is written
             raise UserError(_blocked)
         self._ensure_parent(rel)
         target = self.path(rel)
-        if self.fs.type_name == "local":
-            tmp = f"{target}.tmp{time.monotonic_ns()}"
-            try:
-                with self.fs.open_output_stream(tmp) as out:
-                    out.write(data)
-                self.fs.move(tmp, target)
-            except OSError:      # a full disk, most often: no half-written file left behind
-                try:
-                    self.fs.delete_file(tmp)
-                except OSError:
-                    pass
-                raise
-        else:   # an object store's PUT is atomic already
-            with self.fs.open_output_stream(target) as out:
-                out.write(data)
-        return hashlib.sha256(data).hexdigest()
-
-    def write_file(self, rel: str, local_path, chunk: int = 64 << 20) -> str:
-        """A local file's bytes to `rel`, streamed (a piece at a time, never whole in memory), whole
-        or not at all as `write_bytes`; -> sha256 of the bytes."""
-        import hashlib
-
-        if _blocked:
-            raise UserError(_blocked)
-        self._ensure_parent(rel)
-        target = self.path(rel)
+        # an object store's PUT is atomic already; a local file is written aside, then moved
         tmp = f"{target}.tmp{time.monotonic_ns()}" if self.fs.type_name == "local" else target
         h = hashlib.sha256()
         try:
-            with open(local_path, "rb") as src, self.fs.open_output_stream(tmp) as out:
-                while piece := src.read(chunk):
+            with self.fs.open_output_stream(tmp) as out:
+                for piece in pieces:
                     h.update(piece)
                     out.write(piece)
             if tmp != target:
                 self.fs.move(tmp, target)
-        except OSError:
+        except OSError:      # a full disk, most often: no half-written file left behind
             if tmp != target:
                 try:
                     self.fs.delete_file(tmp)
@@ -174,6 +162,15 @@ class Storage:
 
     def write_json(self, rel: str, obj) -> str:
         return self.write_bytes(rel, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+    def read_jsons(self, rels: list[str], default=None) -> list:
+        """`read_json` of each, 16 at a time (on an object store each read waits on latency)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if len(rels) < 2:
+            return [self.read_json(r, default) for r in rels]
+        with ThreadPoolExecutor(min(16, len(rels))) as pool:
+            return list(pool.map(lambda r: self.read_json(r, default), rels))
 
     def read_json(self, rel: str, default=None):
         """The JSON at rel; `default` if there is none or it is not whole JSON (a torn write)."""

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 KEYS = "keys"
@@ -21,18 +19,13 @@ ROW_GROUP = 8192
 MAP_SCHEMA = pa.schema([("key", pa.string()), ("file", pa.string()), ("bucket", pa.int32())])
 
 
-def _bucket_of(keys, buckets: int) -> np.ndarray:
-    from stages.dataplane import key_hashes
-
-    return (key_hashes(keys) % np.uint64(buckets)).astype(np.int32) if len(keys) else np.zeros(0, np.int32)
-
-
 def _map_task(storage, file: str, out: str, buckets: int) -> int:
     from infra.shuffle import write_buckets
+    from stages.dataplane import hash_buckets
 
     keys = storage.read_table(file, ["key"]).column("key").to_pylist()
     write_buckets(storage, out, pa.table({"key": keys, "file": [file] * len(keys),
-                                          "bucket": pa.array(_bucket_of(keys, buckets), pa.int32())},
+                                          "bucket": pa.array(hash_buckets(keys, buckets), pa.int32())},
                                          schema=MAP_SCHEMA), "bucket")
     return len(keys)
 
@@ -93,15 +86,10 @@ def lookup(storage, stage: str, key: str) -> str | None:
     meta = storage.read_json(f"{stage}/{KEYS}/meta.json")
     if meta is None:
         return None
-    b = int(_bucket_of([key], meta["buckets"])[0])
-    with storage.fs.open_input_file(storage.path(f"{stage}/{KEYS}/{b:06d}.parquet")) as f:
-        pf = pq.ParquetFile(f)
-        col = pf.schema_arrow.get_field_index("key")
-        groups = [i for i in range(pf.metadata.num_row_groups)
-                  if (st := pf.metadata.row_group(i).column(col).statistics) is not None
-                  and st.has_min_max and st.min <= key <= st.max]
-        if not groups:
-            return ""
-        t = pf.read_row_groups(groups)
-    hit = t.filter(pc.equal(t.column("key"), key))
+    from stages.dataplane import hash_buckets
+
+    b = int(hash_buckets([key], meta["buckets"])[0])
+    # sorted by key in small row groups: the filter reads the footer and the one group that can hold it
+    hit = pq.read_table(storage.path(f"{stage}/{KEYS}/{b:06d}.parquet"), filesystem=storage.fs, columns=["file"],
+                        filters=[("key", "==", key)])
     return hit.column("file")[0].as_py() if hit.num_rows else ""

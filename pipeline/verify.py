@@ -11,7 +11,6 @@ import math
 import tarfile
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 
 
@@ -167,11 +166,11 @@ def _ingest_files(storage) -> list[str]:
 def _drift_map(src, file: str, dst, rel: str, buckets: int) -> int:
     """Ray task: one ingest partition's (key, verdict, sha256), bucketed by key, into one file."""
     from infra.shuffle import write_buckets
-    from stages.dataplane import key_hashes
+    from stages.dataplane import hash_buckets
 
     t = src.read_table(file, ["key", "verdict", "sha256"])
-    b = (key_hashes(t.column("key").to_pylist()) % np.uint64(buckets)).astype(np.int32) if t.num_rows else []
-    write_buckets(dst, rel, t.append_column("bucket", pa.array(b, pa.int32())), "bucket")
+    write_buckets(dst, rel, t.append_column("bucket", pa.array(hash_buckets(t.column("key").to_pylist(), buckets))),
+                  "bucket")
     return t.num_rows
 
 

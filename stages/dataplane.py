@@ -65,6 +65,12 @@ def key_hashes(keys) -> np.ndarray:
     return np.frombuffer(raw, dtype="<u8")
 
 
+def hash_buckets(values, n: int) -> np.ndarray:
+    """Each value's bucket of `n` by its 64-bit hash (int32): the one way keys, pairs and partition
+    names are spread over a shuffle's buckets."""
+    return (key_hashes(values) % np.uint64(n)).astype(np.int32) if len(values) else np.zeros(0, np.int32)
+
+
 def keyset_sum(keys) -> int:
     """Order-independent checksum of a set of keys: the sum mod 2^64 of their hashes."""
     h = key_hashes(keys)
@@ -340,10 +346,11 @@ def reused_or_run(ctx, fn: Callable, folder: str, key_of: Callable, call_of: Cal
     upstream = ctx.upstream or []
     outs = {u.part: f"{folder}/{key_of(u)}" for u in upstream}
     have = set(ctx.storage.list(folder, ".json"))
+    done = [u.part for u in upstream if f"{outs[u.part]}.json" in have]
     todo = [u for u in upstream if f"{outs[u.part]}.json" not in have]
-    if len(todo) < len(upstream):
-        ctx.log(f"{ctx.name}: {len(upstream) - len(todo)} partitions {done_before}, reused; {len(todo)} to {verb}")
-    results = {u.part: ctx.storage.read_json(f"{outs[u.part]}.json") for u in upstream if u not in todo}
+    if done:
+        ctx.log(f"{ctx.name}: {len(done)} partitions {done_before}, reused; {len(todo)} to {verb}")
+    results = dict(zip(done, ctx.storage.read_jsons([f"{outs[p]}.json" for p in done])))
     ran = ctx.run(fn, [call_of(u, outs[u.part]) for u in todo], what, describe=lambda c: f"partition {c[1]}", **options)
     results.update({u.part: r for u, r in zip(todo, ran)})
     keep = set(outs.values())           # partition names hold no "." (ingest names them)

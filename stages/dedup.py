@@ -47,7 +47,7 @@ from infra.errors import UserError
 from infra.shuffle import read_bucket, read_range, write_buckets, write_ranges
 
 from .base import Decide, StageContext, StageResult
-from .dataplane import DROPPED, KEPT, PartTask, by_location, image_batches, key_hashes, reused_or_run
+from .dataplane import DROPPED, KEPT, PartTask, by_location, hash_buckets, image_batches, reused_or_run
 from .eval_sets import EvalSetConfig, build_reference, check_exists
 from .imagehash import describe, to_rgb_array
 from .lsh import BandPlan, band_plan, band_values, close_in_groups, mix64, runs
@@ -340,7 +340,7 @@ PAIR_SCHEMA = pa.schema([("a", pa.string()), ("part_a", pa.string()), ("b", pa.s
 def _pair_buckets(a: list[str], b: list[str], n: int) -> np.ndarray:
     """A pair's bucket for the verification step: by the pair, so every copy of a pair (found in
     several signature buckets: several bands alike) meets the others in one task."""
-    return (key_hashes([f"{x}\0{y}" for x, y in zip(a, b)]) % np.uint64(n)).astype(np.int32)
+    return hash_buckets([f"{x}\0{y}" for x, y in zip(a, b)], n)
 
 
 def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str], n_buckets: int, n_pair_buckets: int) -> dict:
@@ -384,13 +384,9 @@ def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str], n_buck
     if wanted:
         write_buckets(storage, f"{WANTED_DIR}/{bucket:06d}.parquet", pa.table({
             "key": [w[0] for w in wanted], "part": [w[1] for w in wanted], "pair_bucket": pa.array([w[2] for w in wanted], pa.int32()),
-            "fetch_bucket": pa.array(_fetch_buckets([w[1] for w in wanted], n_pair_buckets), pa.int32())},
+            "fetch_bucket": pa.array(hash_buckets([w[1] for w in wanted], n_pair_buckets))},
             schema=WANTED_SCHEMA), "fetch_bucket")
     return {"pairs": len(rows), "wanted": len(wanted), "largest_group": largest, "rows": t.num_rows}
-
-
-def _fetch_buckets(parts: list[str], n: int) -> np.ndarray:
-    return (key_hashes(parts) % np.uint64(n)).astype(np.int32) if parts else np.zeros(0, np.int32)
 
 
 def _fetch_task(storage, bucket: int, files: list[str], desc: dict[str, str]) -> dict:
@@ -422,15 +418,6 @@ def _ranks(counts: np.ndarray) -> np.ndarray:
         return np.zeros(0, np.int64)
     ends = np.cumsum(counts)
     return np.arange(total) - np.repeat(ends - counts, counts) + 1
-
-
-def close_pairs(codes: list[bytes], means: list, radius: int, colour_tol: float, block: int = BLOCK):
-    """(a, b), a < b, of one group's codes within `radius` bits of each other whose mean colours agree
-    (stages/lsh.py: XOR and popcount a block of rows at a time, never cut short)."""
-    from .lsh import close_pairs_block
-
-    words = np.frombuffer(b"".join(codes), np.uint64).reshape(len(codes), -1)
-    yield from close_pairs_block(words, means, radius, colour_tol, block)
 
 
 EDGE_SCHEMA = pa.schema([("a", pa.string()), ("part_a", pa.string()), ("b", pa.string()), ("part_b", pa.string()),

@@ -414,7 +414,7 @@ def compact(ctx: StageContext, shards: list[PartResult], per: int) -> list[PartR
     units: dict[str, list[PartResult]] = {}
     for p in shards:
         units.setdefault(p.file.split("/")[2], []).append(p)   # ingest/parts/<unit>/ledger/<shard>.parquet
-    out, calls, keep = [], [], set()
+    out, joined = [], []
     for unit, members in sorted(units.items()):
         members.sort(key=lambda p: p.file)
         for i in range(0, len(members), per):
@@ -423,14 +423,15 @@ def compact(ctx: StageContext, shards: list[PartResult], per: int) -> list[PartR
                 out.append(group[0])
                 continue
             first, last = (Path(g.file).stem for g in (group[0], group[-1]))
-            rel = f"ingest/parts/{unit}/compact/{first}-{last}"
-            keep.add(rel)
-            shas = [g.sha256 for g in group]
-            done = ctx.storage.read_json(f"{rel}.json")
-            if done and done.get("members") == shas:
-                out.append(PartResult.from_json(done["result"]))
-            else:
-                calls.append((ctx.storage, [g.file for g in group], shas, f"{unit}-{first}-{last}", rel, group[0].input))
+            joined.append((unit, first, last, group))
+    rels = [f"ingest/parts/{unit}/compact/{first}-{last}" for unit, first, last, _ in joined]
+    keep, calls = set(rels), []
+    for rel, done, (unit, first, last, group) in zip(rels, ctx.storage.read_jsons([f"{r}.json" for r in rels]), joined):
+        shas = [g.sha256 for g in group]
+        if done and done.get("members") == shas:
+            out.append(PartResult.from_json(done["result"]))
+        else:
+            calls.append((ctx.storage, [g.file for g in group], shas, f"{unit}-{first}-{last}", rel, group[0].input))
     for unit in units:
         for f in ctx.storage.list(f"ingest/parts/{unit}/compact"):
             if f.rsplit(".", 1)[0] not in keep:

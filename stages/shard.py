@@ -146,7 +146,7 @@ def merge_group(maps: int, shards: int, samples: int, cfg: ShardConfig, map_byte
     return max(1, min(need, fits, maps))
 
 
-def _merge_task(storage, files: list[str], out: str) -> dict:
+def _merge_task(storage, files: list[str], rel_out: str) -> dict:
     """Ray task: map files read whole (one stream each, not a range per shard) into a local folder,
     written back as one file with a row group per output shard: the reducers open one file where
     there were len(files). Rows keep the files' order within a shard (the reducer sorts anyway)."""
@@ -169,16 +169,12 @@ def _merge_task(storage, files: list[str], out: str) -> dict:
                 st = pf.metadata.row_group(g).column(col).statistics
                 if st is not None and st.has_min_max:
                     groups.setdefault(st.min, []).append((i, g))
-        merged = Path(tmp) / "merged.parquet"
-        rows = 0
-        with pq.ParquetWriter(merged, MAP_SCHEMA, compression="zstd") as writer:
-            for shard in sorted(groups):
-                t = pa.concat_tables([local[i].read_row_group(g) for i, g in groups[shard]])
-                writer.write_table(t, row_group_size=max(1, t.num_rows))
-                rows += t.num_rows
-            if not groups:
-                writer.write_table(MAP_SCHEMA.empty_table())
-        storage.write_file(out, merged)
+        out, rows = BucketWriter(storage, rel_out, MAP_SCHEMA, "shard"), 0
+        for shard in sorted(groups):
+            t = pa.concat_tables([local[i].read_row_group(g) for i, g in groups[shard]])
+            out.write(t)                 # one shard: one row group
+            rows += t.num_rows
+        out.close()
     return {"files": len(files), "rows": rows}
 
 

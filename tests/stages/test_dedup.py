@@ -350,7 +350,7 @@ def test_the_evaluation_index_built_in_ray_tasks_equals_the_one_built_here(tmp_p
 def test_a_large_lsh_group_is_compared_in_full_not_cut():
     """More codes share one band value than one block holds: every close pair is still found (the
     old code compared only a group's first 2,000 members, silently)."""
-    from stages.dedup import close_pairs
+    from stages.lsh import close_pairs_block
 
     rng = np.random.default_rng(0)
     n = 2600
@@ -359,12 +359,13 @@ def test_a_large_lsh_group_is_compared_in_full_not_cut():
     twin[0] ^= 0b101                                   # 2 bits from code 2500
     codes[2599] = twin
     means = np.zeros((n, 3), np.float32)
-    found = set(close_pairs([c.tobytes() for c in codes], means, radius=4, colour_tol=1.0, block=256))
+    words = codes.view(np.uint64)                      # (n, 4): the packed 256-bit codes
+    found = set(close_pairs_block(words, means, radius=4, colour_tol=1.0, block=256))
     assert (2500, 2599) in found
     ham = lambda a, b: int(np.unpackbits(codes[a] ^ codes[b]).sum())   # noqa: E731
     assert all(a < b and ham(a, b) <= 4 for a, b in found)
     means[2599] = 50
-    assert (2500, 2599) not in set(close_pairs([c.tobytes() for c in codes], means, 4, 1.0, block=256))
+    assert (2500, 2599) not in set(close_pairs_block(words, means, 4, 1.0, block=256))
 
 
 @pytest.mark.slow   # a few seconds of training or many images: not in the fast set
