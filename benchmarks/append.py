@@ -2,8 +2,9 @@
 
 A URL folder of `--files` files (the demo's synthetic source, served over loopback, downloaded by
 img2dataset) is run until the shard stage; then one more file with 1 % as many URLs is added and the
-same command runs again, as a scheduled run would, as a dataset line that keeps its scorer and
-tokenizer (`stages.clip_score.bootstrap.reuse`, `stages.tokenizer.reuse`). Per stage: the tasks it
+same command runs again, as a scheduled run would, as a dataset line that keeps its scorer, its
+cut, its tokenizer and its shards (`stages.clip_score.bootstrap.reuse`, `stages.clip_score.reuse_cut`,
+`stages.tokenizer.reuse`, `stages.shard.append`). Per stage: the tasks it
 ran (stats.json `tasks`: every group of Ray tasks the executor ran for it) and its wall seconds, in
 the appending run as a fraction of the fresh run.
 
@@ -81,7 +82,8 @@ def main() -> None:
                 f"stages.ingest.samples_per_shard={args.per_file}", f"stages.ingest.compact_rows={args.per_file}",
                 f"stages.dedup.cache_dir={tmp / 'cache'}", "stages.dedup.eval_sets=[]",
                 "stages.clip_score.bootstrap.steps=30", "stages.clip_score.bootstrap.reuse=true",
-                "stages.tokenizer.vocab_size=500", "stages.tokenizer.reuse=true", "track_data=false"])
+                "stages.tokenizer.vocab_size=500", "stages.tokenizer.reuse=true", "stages.clip_score.reuse_cut=true",
+                "stages.shard.append=true", "track_data=false"])
             run_dir = tmp / "run"
             print(f"fresh run: {fresh_n} URLs in {args.files} files", flush=True)
             run_pipeline(cfg, run_dir, until="shard", log=lambda m: None)

@@ -169,7 +169,7 @@ class Filter(Stage):
     same input), writing the ledger and counting. `finish` turns the parts into stats and a report."""
     kind = "filter"
     thresholds = True
-    preserve = ("reuse",)      # partitions judged before, by content
+    preserve = ("reuse", "examples")      # partitions judged, and their examples picked, before: by content
 
     @staticmethod
     def judge(table, cfg):

@@ -54,6 +54,10 @@ class ClipScoreConfig:
     tokenizer: str | None = None      # default: <checkpoint>/spm.model
     threshold: float | None = None    # keep score >= threshold ...
     keep_fraction: float | None = 0.3  # ... or the top fraction (DataComp's best: 30 %); set one of them
+    # a dataset line's cut: keep_fraction's cut as its first run computed it (the score and the
+    # last key kept at it), so a later run keeps what that one kept and judges new samples alike;
+    # false recomputes the quantile over every sample each run (earlier verdicts may change)
+    reuse_cut: bool = False
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
     cpus_per_worker: float = 0.75    # < 1 leaves room for the tasks that read partitions
     gpus_per_worker: float = 0.0
@@ -126,6 +130,7 @@ def keeps(score: int, key: str, cut: int | None, last_tied: str | None) -> bool:
 SCORER_DIR = "clip_score/scorer"   # in the run folder's storage
 SCORED = "clip_score/scored"       # each partition's scores, by scorer and content: kept across runs
 LINE = "clip_score/line"           # the bootstrap scorer kept for later runs (bootstrap.reuse)
+CUT = "clip_score/cut/line.json"   # keep_fraction's cut kept for later runs (reuse_cut)
 
 
 def _scored_key(scorer: dict, device: str, u) -> str:
@@ -232,7 +237,7 @@ class ClipScoreStage(Decide):
     report = "clip_score/report.html"
     notes = ("clip_score", "clip_score_detail")
     audits = (("mismatched_caption", "clip_score"),)
-    preserve = ("scored", "line")
+    preserve = ("scored", "line", "cut", "examples")
 
     def preflight(self, config) -> None:
         preflight(config.stages.clip_score)
@@ -274,6 +279,18 @@ class ClipScoreStage(Decide):
         cfg: ClipScoreConfig = ctx.cfg
         if cfg.threshold is not None:
             return Cut(f"threshold {cfg.threshold}", float(cfg.threshold))
+        kept_cut = ctx.storage.read_json(CUT) if cfg.reuse_cut else None
+        if kept_cut and (kept_cut["scorer"], kept_cut["keep_fraction"]) == (measured.scorer["sha256"], cfg.keep_fraction):
+            c = kept_cut["cut"]
+            value = c / SCALE if c is not None else float("inf")
+            ctx.log(f"clip_score: the dataset line's cut {value:.6f} (top {cfg.keep_fraction:.0%} of {kept_cut['n']} "
+                    "samples when first computed), not recomputed (stages.clip_score.reuse_cut; set it false to "
+                    "recompute the quantile over every sample)")
+            return Cut(f"the line's cut {value:.6f} (top {cfg.keep_fraction:.0%} of its first {kept_cut['n']})",
+                       value, c, kept_cut["last_tied"])
+        if kept_cut:
+            ctx.log(f"clip_score: the dataset line's cut was computed with scorer {kept_cut['scorer'][:12]} and "
+                    f"keep_fraction {kept_cut['keep_fraction']}; recomputing it for this run's")
         cut, m = cut_from_counts(measured.counts, ctx.n_in, cfg.keep_fraction)
         last = None
         if cut is not None and m < measured.counts[cut]:
@@ -284,6 +301,9 @@ class ClipScoreStage(Decide):
         elif cut is not None:
             last = "\uffff"   # every sample at the cut value is kept
         value = cut / SCALE if cut is not None else float("inf")
+        if cfg.reuse_cut:       # this dataset line's cut from now on
+            ctx.storage.write_json(CUT, {"scorer": measured.scorer["sha256"], "keep_fraction": cfg.keep_fraction,
+                                         "cut": cut, "last_tied": last, "n": ctx.n_in})
         return Cut(f"top {cfg.keep_fraction:.0%} cut {value:.6f}", value, cut, last)
 
     def apply(self, ctx: StageContext, measured: Scores, decision: Cut) -> StageResult:

@@ -264,6 +264,7 @@ class PartTask:
     stop: int | None = None
     kwargs: dict = field(default_factory=dict)
     input_sha: str | None = None      # of `file`: with the stage's fingerprint, what decides the result
+    depends: str = ""                 # a digest of anything else that decides it (for reuse)
 
 
 def run_part(storage: Storage, stage: str, fn: Callable, task: PartTask, rel: str | None = None,
@@ -293,7 +294,7 @@ def reuse_key(fingerprint: str, task: PartTask) -> str | None:
     if task.input_sha is None:
         return None
     text = json.dumps([fingerprint, task.part, task.input, task.input_sha, task.start, task.stop,
-                       sorted(task.kwargs)], sort_keys=True, default=str)
+                       sorted(task.kwargs)] + ([task.depends] if task.depends else []), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 

@@ -449,9 +449,11 @@ def _verify_task(storage, bucket: int, files: list[str], vec_files: list[str], t
     return {"exact": len(exact), "candidates": len(cand), "near": len(near), "edges": len(edges)}
 
 
-def clusters(edges: list[tuple[str, str]]) -> dict[str, str]:
-    """Union-find over the keys in edges only; -> each such key's root (the smallest key of its cluster)."""
+def clusters(edges: list[tuple[str, str]], first: set[str] = frozenset()) -> dict[str, str]:
+    """Union-find over the keys in edges only; -> each such key's root: the smallest key of its
+    cluster, a key of `first` (samples a dataset line published) before any other."""
     parent: dict[str, str] = {}
+    rank = lambda k: (k not in first, k)   # noqa: E731
 
     def find(a):
         parent.setdefault(a, a)
@@ -463,7 +465,8 @@ def clusters(edges: list[tuple[str, str]]) -> dict[str, str]:
     for a, b in edges:
         ra, rb = find(a), find(b)
         if ra != rb:
-            parent[max(ra, rb)] = min(ra, rb)
+            lo, hi = sorted((ra, rb), key=rank)
+            parent[hi] = lo
     return {k: find(k) for k in list(parent)}
 
 
@@ -471,16 +474,22 @@ DECISION_SCHEMA = pa.schema([("key", pa.string()), ("reason", pa.string()), ("sc
                              ("root", pa.string()), ("part", pa.int32())])
 
 
-def _components_task(storage, files: list[str], parts: list[str], shown_per_reason: int) -> dict:
+def _components_task(storage, files: list[str], parts: list[str], shown_per_reason: int,
+                     line_shards: frozenset = frozenset(), published_parts: frozenset = frozenset()) -> dict:
     """Ray task: every edge (exact pairs, verified near pairs) joined into clusters; of each the
-    smallest key is kept. Writes each dropped key's (reason, cosine, key kept) in one file, a row
-    group per partition (its index in `parts`), for the partitions' tasks to read; -> per-partition
-    counts and the first few drops of each reason (by key) for the report. Its memory grows with
-    the duplicates, never with the data; the driver gets counts."""
+    smallest key is kept, or, in a dataset line (stages/line.py), the samples it published (they
+    are in shards already and stay kept; a new copy of one is the duplicate). Writes each dropped
+    key's (reason, cosine, key kept) in one file, a row group per partition (its index in `parts`),
+    for the partitions' tasks to read; -> per-partition counts and the first few drops of each
+    reason (by key) for the report. Its memory grows with the duplicates, never with the data; the
+    driver gets counts."""
+    from .line import published_among
+
     t = pa.concat_tables([storage.read_table(f) for f in files]) if files else EDGE_SCHEMA.empty_table()
     a, b, kinds, cos = (t.column(c).to_pylist() for c in ("a", "b", "kind", "cosine"))
     part_of = dict(zip(a, t.column("part_a").to_pylist())) | dict(zip(b, t.column("part_b").to_pylist()))
-    roots = clusters(list(zip(a, b)))
+    published = published_among(storage, sorted(set(part_of.values()) & published_parts), set(part_of), line_shards)
+    roots = clusters(list(zip(a, b)), published)
     exact_nodes = {k for x, y, kind in zip(a, b, kinds) if kind == "exact_duplicate" for k in (x, y)}
     best: dict[str, float] = {}
     for x, y, kind, c in zip(a, b, kinds, cos):
@@ -491,7 +500,7 @@ def _components_task(storage, files: list[str], parts: list[str], shown_per_reas
     rows = []
     for k in sorted(roots):
         r = roots[k]
-        if k != r:
+        if k != r and k not in published:
             reason = "exact_duplicate" if k in exact_nodes else "near_duplicate"
             rows.append((k, reason, None if reason == "exact_duplicate" else best.get(k), r, index[part_of[k]]))
     table = pa.table({f: [r[i] for r in rows] for i, f in enumerate(DECISION_SCHEMA.names)}, schema=DECISION_SCHEMA)
@@ -499,11 +508,17 @@ def _components_task(storage, files: list[str], parts: list[str], shown_per_reas
         write_buckets(storage, DECISIONS, table, "part")
     per_part: dict[str, int] = {}
     shown: dict[str, list] = {}
+    digests: dict[str, "hashlib._Hash"] = {}
     for k, reason, score, root, i in rows:
         per_part[parts[i]] = per_part.get(parts[i], 0) + 1
+        digests.setdefault(parts[i], hashlib.sha256()).update(json.dumps([k, reason, score, root]).encode())
         if len(shown.setdefault(reason, [])) < shown_per_reason:
             shown[reason].append((k, score, root, part_of[k], part_of[root]))
-    return {"duplicates": len(rows), "per_part": per_part, "shown": shown}
+    # what decides each partition's verdicts besides its own descriptors: a partition whose input,
+    # descriptors and decisions are those of an earlier run is not judged again
+    return {"duplicates": len(rows), "per_part": per_part, "shown": shown,
+            "digests": {p: d.hexdigest()[:24] for p, d in digests.items()},
+            "published_kept": len({k for k in published if roots[k] != k})}
 
 
 def _verdicts(table: pa.Table, part: str, index: int, has_decisions: bool, cfg: DedupConfig,
@@ -563,7 +578,8 @@ class DedupStage(Decide):
     config_key, config_class = "dedup", DedupConfig
     reasons = ("exact_duplicate", "near_duplicate", "eval_duplicate", "undecodable_image")
     report = "dedup/report.html"
-    preserve = ("described",)      # partitions described before, by what decided them (a scheduled run's reuse)
+    # partitions described, and examples picked, before: by what decided them (a scheduled run's reuse)
+    preserve = ("described", "examples", "reuse")
     audits = (("eval_near_copy", "eval_duplicate"), ("repeat_row", "exact_duplicate"), ("train_near_copy", ""))
 
     def preflight(self, config) -> None:
@@ -655,11 +671,18 @@ class DedupStage(Decide):
         partition and a few drops to show (the decisions themselves stay in the run folder)."""
         from .dedup_report import PAIRS_PER_REASON
 
+        from .line import published_parts, read_line
+
         parts = sorted(u.part for u in ctx.upstream or [])
-        out = ctx.call(_components_task, ctx.storage, found.edge_files, parts, PAIRS_PER_REASON, what="dedup components",
-                       num_cpus=ctx.cfg.cpus_per_worker)
+        line = read_line(ctx.storage)      # an append-only dataset line: what it published stays kept
+        shards = frozenset(s["name"] for s in line["shards"]) if line else frozenset()
+        pub = frozenset(published_parts(ctx.storage) & set(parts)) if line else frozenset()
+        out = ctx.call(_components_task, ctx.storage, found.edge_files, parts, PAIRS_PER_REASON, shards, pub,
+                       what="dedup components", num_cpus=ctx.cfg.cpus_per_worker)
         ctx.log(f"dedup: {found.exact} exact pairs, {found.n_candidates} near candidates, {found.near} "
-                f"near pairs, {out['duplicates']} within-data duplicates")
+                f"near pairs, {out['duplicates']} within-data duplicates"
+                + (f"; {out['published_kept']} published sample(s) of this dataset line kept beside the one "
+                   "their cluster keeps" if out["published_kept"] else ""))
         return out
 
     def apply(self, ctx: StageContext, found: Candidates, decisions: dict) -> StageResult:
@@ -667,9 +690,10 @@ class DedupStage(Decide):
         index = {p: i for i, p in enumerate(sorted(u.part for u in ctx.upstream or []))}
         tasks = [PartTask(u.part, u.file, u.part,
                           kwargs={"part": u.part, "index": index[u.part], "has_decisions": u.part in decisions["per_part"],
-                                  "cfg": cfg, "storage": ctx.storage, "desc": found.desc[u.part]})
+                                  "cfg": cfg, "storage": ctx.storage, "desc": found.desc[u.part]},
+                          input_sha=u.sha256, depends=f"{found.desc[u.part]}:{decisions['digests'].get(u.part, '')}")
                  for u in ctx.upstream or []]
-        parts = ctx.map_parts(_verdicts, tasks, num_cpus=0.5)
+        parts = ctx.map_parts(_verdicts, tasks, num_cpus=0.5, reuse=True)
         from .dedup_report import write_report
 
         ctx.log(f"dedup: pairs side by side in {write_report(ctx, decisions['shown'], parts)}")
@@ -680,6 +704,7 @@ class DedupStage(Decide):
         return StageResult(parts, {"eval_sets": found.set_stats, "eval_matches": evals,
                                    "largest_lsh_group": found.largest_group,
                                    "reduce_tasks": found.reduce_tasks,
+                                   "published_kept": decisions.get("published_kept", 0),
                                    "pairs": {"exact": found.exact, "near_candidates": found.n_candidates,
                                              "near": found.near},
                                    "method": {"descriptor": "thumb16-v2", "eval_threshold": cfg.eval_threshold,

@@ -21,6 +21,9 @@ _STYLE = """body{font:14px sans-serif;margin:1.5em;color:#222}h2{margin-top:1.6e
 .meta{color:#666;font-size:12px}"""
 
 
+EXAMPLES = "examples"    # each partition's picks, by its file's content: kept across runs (Stage.preserve)
+
+
 def _order(seed: int, cut: float | None):
     """Sort key: distance to the cut (samples without a score last), then the seeded order."""
     def key(r):
@@ -38,14 +41,38 @@ def _pick_task(storage, file: str, per_reason: int, seed: int, cut: float | None
     return {reason: sorted(rows, key=_order(seed, cut))[:per_reason] for reason, rows in groups.items()}
 
 
+def _kept_pick(storage, file: str, per_reason: int, seed: int, cut: float | None, record: str) -> dict:
+    """Ray task: a partition's picks, kept as `record` for a later run that finds it unchanged."""
+    found = _pick_task(storage, file, per_reason, seed, cut)
+    storage.write_json(record, found)
+    return found
+
+
 def pick(ctx_storage, files: list[str], per_reason: int, seed: int, cut: float | None = None,
-         run=None) -> dict[str, list[dict]]:
+         run=None, shas: list[str] | None = None, cache: str | None = None) -> dict[str, list[dict]]:
     """reason ("kept" for kept samples) -> up to per_reason rows over all partitions, nearest the
     cut if there is one, else in a seeded order: each partition picks its own, the driver merges
     the few it gets back. `run`: a stage's executor (StageContext.run); without one (`capline
-    report` on a finished run, no cluster) one partition at a time here."""
+    report` on a finished run, no cluster) one partition at a time here. `cache` (a folder the
+    stage keeps across runs) with the files' `shas`: a partition picked before from the same file
+    with the same choice is not read again (a scheduled run picks from what it added)."""
     calls = [(ctx_storage, f, per_reason, seed, cut) for f in files]
-    if run is not None:
+    if run is not None and cache and shas is not None:
+        import hashlib
+        import json
+
+        records = [f"{cache}/{hashlib.sha256(json.dumps([sha, per_reason, seed, cut]).encode()).hexdigest()[:24]}.json"
+                   for sha in shas]
+        have = set(ctx_storage.list(cache, ".json"))
+        done = [r for r in records if r in have]
+        kept = dict(zip(done, ctx_storage.read_jsons(done)))
+        todo = [(c, r) for c, r in zip(calls, records) if kept.get(r) is None]
+        kept.update(zip((r for _, r in todo), run(_kept_pick, [(*c, r) for c, r in todo], "examples", num_cpus=0.25,
+                                                  quiet=True)))
+        for stale in have - set(records):
+            ctx_storage.delete(stale)        # partitions gone, or picked under another cut
+        results = (kept[r] for r in records)
+    elif run is not None:
         results = run(_pick_task, calls, "examples", num_cpus=0.25, quiet=True)
     else:
         results = (_pick_task(*c) for c in calls)
@@ -85,8 +112,8 @@ def write_examples(ctx, parts: list[dict], per_reason: int, title: str, cut: flo
     threshold on its score, if it has one."""
     from .dataplane import read_images
 
-    groups = pick(ctx.storage, [p.file for p in parts], per_reason, ctx.seed, cut,
-                  run=ctx.run) if per_reason else {}
+    groups = pick(ctx.storage, [p.file for p in parts], per_reason, ctx.seed, cut, run=ctx.run,
+                  shas=[p.sha256 for p in parts], cache=f"{ctx.name}/{EXAMPLES}") if per_reason else {}
     totals: dict[str, int] = defaultdict(int)
     for p in parts:
         totals["kept"] += p.kept

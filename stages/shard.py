@@ -29,18 +29,22 @@ import json
 import math
 import os
 import tarfile
+import time
 from typing import ClassVar
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute  # noqa: F401 - pa.compute
+import pyarrow.compute as pc
 
 from infra.configtools import join, require
+from infra.errors import UserError
 
 from .base import KEPT, Sink, StageContext, StageResult
-from .dataplane import by_location, image_batches, read_kept, write_part
+from .dataplane import PartResult, by_location, image_batches, read_kept, write_part
+from .line import (LINE, PUBLISHED_SCHEMA, RECORD, published_file, published_parts, published_rows, published_state,
+                   read_line)
 from infra.hashing import order_key
 from infra.shuffle import BucketWriter, read_bucket
 
@@ -55,6 +59,11 @@ class ShardConfig:
     # this many requests per sample are first merged, a group at a time, into fewer files
     shuffle_requests_per_sample: float = 0.05
     merge_bytes: int = 4_000_000_000     # the map files one merge task holds on its local disk
+    # a dataset line that only grows (scheduled runs over an appended URL list): the shards earlier
+    # runs published stay as they are, byte for byte, and only samples not in them go to new shards,
+    # numbered after them; the manifest names the shards each run added (stages/line.py).
+    # false: every run writes every shard anew (the same shards as one run over all the data)
+    append: bool = False
 
     def validate(self, prefix: str) -> None:
         require(self.samples_per_shard >= 1, join(prefix, "samples_per_shard"), "must be >= 1")
@@ -86,9 +95,22 @@ def write_shard(path: Path, samples: list[dict]) -> dict:
     return {"offsets": offsets}
 
 
-def _bytes_task(storage, file: str) -> int:
-    t = read_kept(storage, file, ["size", "caption"])
-    return int(pa.compute.sum(t.column("size")).as_py() or 0) + 1600 * t.num_rows
+def _new_rows(storage, t: pa.Table, part: str, line_shards: frozenset | None) -> tuple[pa.Table, pa.Table]:
+    """-> (the rows of t not yet in a shard of the line, the partition's published (key, shard) rows)."""
+    if line_shards is None:
+        return t, PUBLISHED_SCHEMA.empty_table()
+    published = published_rows(storage, part, line_shards)
+    return t.filter(pc.invert(pc.is_in(t.column("key"), published.column("key")))), published
+
+
+def _plan_task(storage, part: str, file: str, line_shards: frozenset | None) -> dict:
+    """Ray task: what a partition brings to new shards (samples, bytes) and, in a dataset line,
+    how many samples it published before that are no longer kept (the first by key, to name)."""
+    t = read_kept(storage, file, ["key", "size", "caption"])
+    new, published = _new_rows(storage, t, part, line_shards)
+    gone = published.filter(pc.invert(pc.is_in(published.column("key"), t.column("key")))).column("key")
+    return {"samples": new.num_rows, "bytes": int(pc.sum(new.column("size")).as_py() or 0) + 1600 * new.num_rows,
+            "withdrawn": len(gone), "first_withdrawn": min(gone.to_pylist()) if len(gone) else None}
 
 
 def _stored_size(data: bytes) -> tuple[int | None, int | None]:
@@ -102,17 +124,27 @@ def _stored_size(data: bytes) -> tuple[int | None, int | None]:
         return None, None
 
 
-def _map_task(storage, part: str, file: str, seed: int, n_out: int) -> dict:
-    """Ray task: one input partition's samples, images read once, into their output shards' buckets,
-    a batch of images at a time (memory: a batch, whatever the partition's size)."""
-    rows = by_location(read_kept(storage, file, ["key", "url", "caption", "notes", "tar", "member", "offset", "size",
-                                                 "sha256", "width", "height"]))
+def _map_task(storage, part: str, file: str, seed: int, n_out: int, first: int = 0,
+              line_shards: frozenset | None = None) -> dict:
+    """Ray task: one input partition's samples, images read once, into their output shards' buckets
+    (shards first .. first + n_out - 1), a batch of images at a time (memory: a batch, whatever the
+    partition's size). In a dataset line, only the samples not yet published, and the partition's
+    published keys after this run go to shard/_work/published (the line takes them once the shards
+    are written)."""
+    rows = read_kept(storage, file, ["key", "url", "caption", "notes", "tar", "member", "offset", "size",
+                                     "sha256", "width", "height"])
+    rows, published = _new_rows(storage, rows, part, line_shards)
+    rows = by_location(rows)
+    if line_shards is not None and rows.num_rows:
+        names = [f"{first + int(order_key(seed, k)[:16], 16) % n_out:06d}.tar" for k in rows.column("key").to_pylist()]
+        storage.write_table(f"{PUBLISHING}/{part}.parquet", pa.concat_tables(
+            [published, pa.table({"key": rows.column("key"), "shard": names}, schema=PUBLISHED_SCHEMA)]))
     # one object per map task (infra/shuffle.py), not one per (partition, shard): about one per sample at scale
     out = BucketWriter(storage, f"{MAP_DIR}/{part}.parquet", MAP_SCHEMA, "shard")
     for batch, images in image_batches(storage, rows):
         keys = batch.column("key").to_pylist()
         order = [order_key(seed, k) for k in keys]
-        shard = np.array([int(o[:16], 16) % n_out for o in order], np.int64)
+        shard = np.array([first + int(o[:16], 16) % n_out for o in order], np.int64)
         meta = []
         cols = (batch.column(x).to_pylist() for x in ("url", "caption", "notes", "sha256", "width", "height"))
         for k, img, (u, c, n, sha, ow, oh) in zip(keys, images, zip(*cols)):
@@ -130,6 +162,7 @@ def _map_task(storage, part: str, file: str, seed: int, n_out: int) -> dict:
 
 
 MAP_DIR = "shard/_work/map"
+PUBLISHING = "shard/_work/published"   # a partition's published keys once this run's shards are written
 MAP_SCHEMA = pa.schema([("shard", pa.int32()), ("key", pa.string()), ("order", pa.string()), ("image", pa.binary()),
                         ("ext", pa.string()), ("caption", pa.string()), ("meta", pa.string())])
 
@@ -207,27 +240,112 @@ class ShardStage(Sink):
     name = "shard"
     config_key, config_class = "shard", ShardConfig
     final_data = True
+    # a dataset line's shards, their indexes and ledger partitions outlive a change of input (stale
+    # ones are deleted by name below); the line's record with them
+    preserve = ("shards", "index", "ledger", "line")
+
+    def preflight(self, config) -> None:
+        if config.stages.shard.append:
+            check_line_settings(config)
 
     def run(self, ctx: StageContext) -> StageResult:
         cfg: ShardConfig = ctx.cfg
-        upstream = [u for u in ctx.upstream or [] if u.kept]
         n = ctx.n_in
         if not n:
             raise RuntimeError("shard: no samples left to write; every sample was dropped upstream")
-        sizes = ctx.run(_bytes_task, [(ctx.storage, u.file) for u in upstream], "shard plan", num_cpus=0.25,
-                        quiet=True)
-        n_out = max(1, math.ceil(n / cfg.samples_per_shard), math.ceil(sum(sizes) / (0.9 * cfg.max_shard_bytes)))
-        if n_out < cfg.min_shards:   # small data: each training worker still gets a shard of its own
+        line = self._line(ctx)
+        old = line["shards"] if line else []
+        line_shards = frozenset(s["name"] for s in old) if cfg.append else None
+        published = published_parts(ctx.storage) if line else set()
+        gone = sorted(published - {u.part for u in ctx.upstream or []})
+        if gone:
+            raise UserError(f"stages.shard.append: {len(gone)} input partition(s) that earlier runs of this dataset "
+                            f"line published from are not in this run (first: {gone[0]}); a dataset line only grows: "
+                            "keep its URL files as they were and add new ones, or set stages.shard.append=false "
+                            "to write every shard anew")
+        upstream = [u for u in ctx.upstream or [] if u.kept or u.part in published]
+        # a partition that kept the same samples when the line last published from it has nothing new
+        runs = {r["run"] for r in line["runs"]} if line else set()
+        seen = dict(zip(published, ctx.storage.read_jsons([published_state(p) for p in published])))
+        same = {u.part for u in upstream if (seen.get(u.part) or {}).get("run") in runs
+                and (seen[u.part]["kept"], seen[u.part]["kept_sum"]) == (u.kept, u.kept_sum)}
+        if same:
+            ctx.log(f"shard: {len(same)} partitions keep what this dataset line published from them; "
+                    f"{len(upstream) - len(same)} to place")
+        upstream = [u for u in upstream if u.part not in same]
+        plans = ctx.run(_plan_task, [(ctx.storage, u.part, u.file, line_shards) for u in upstream], "shard plan",
+                        num_cpus=0.25, quiet=True)
+        withdrawn = [p for p in plans if p["withdrawn"]]
+        if withdrawn:
+            first = min(p["first_withdrawn"] for p in withdrawn)
+            raise UserError(f"stages.shard.append: {sum(p['withdrawn'] for p in withdrawn)} sample(s) published by "
+                            f"earlier runs of this dataset line are no longer kept (first: {first}; `capline explain "
+                            f"{first}` says why), and published shards do not change: restore what kept them (the "
+                            "filters' settings, stages.clip_score.reuse_cut, the evaluation sets) or set "
+                            "stages.shard.append=false to write every shard anew")
+        todo = [(u, p) for u, p in zip(upstream, plans) if p["samples"]]
+        n_new = sum(p["samples"] for _, p in todo)
+        first = len(old)
+        parts = [PartResult.from_json(s["result"]) for s in old]
+        if n_new:
+            parts += self._write(ctx, cfg, [u for u, _ in todo], n_new, sum(p["bytes"] for _, p in todo), first,
+                                 line_shards)
+        elif old:
+            ctx.log(f"shard: every kept sample is in this dataset line's {len(old)} shards already; no shard added")
+        added = parts[len(old):]
+        shards = old + [{**{k: p.extra[k] for k in ("name", "samples", "bytes", "sha256", "md5")},
+                         "result": p.to_json()} for p in added]
+        self._delete_stale(ctx, {s["name"] for s in shards})
+        if cfg.append:      # the new shards are published once the line lists them: last
+            self._publish(ctx, line, [u for u, _ in todo], shards, [s["name"] for s in shards[len(old):]], n_new)
+        ctx.storage.delete("shard/_work")
+        listed = [{k: s[k] for k in ("name", "samples", "bytes", "sha256")} for s in shards]
+        files = {f"shard/shards/{s['name']}": s["sha256"] for s in listed}
+        index = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": ctx.run_name,
+                 "shardlist": [{"url": s["name"], "nsamples": s["samples"], "filesize": s["bytes"],
+                                "md5sum": s["md5"]} for s in shards]}
+        for rel, obj in (("shard/shards/sizes.json", {s["name"]: s["samples"] for s in listed}),
+                         ("shard/shards/shardindex.json", index), ("shard/shards.json", listed)):
+            files[rel] = ctx.storage.write_bytes(rel, json.dumps(obj, indent=1).encode())
+        ctx.log(f"shard: {n} samples in {len(listed)} shards"
+                + (f"; this run added {len(added)} ({n_new} samples)" if cfg.append else ""))
+        added_names = [s["name"] for s in shards[len(old):]]
+        return StageResult(parts, {"shards": len(listed), "bytes": sum(s["bytes"] for s in listed),
+                                   **({"added": len(added_names), "added_samples": n_new} if cfg.append else {})},
+                           artifacts={"folder": "shard/shards", "shards": listed,
+                                      "train_data": train_data_pattern(ctx.storage, listed),
+                                      **({"added": added_names} if cfg.append else {})},
+                           files=files)
+
+    def _line(self, ctx: StageContext) -> dict | None:
+        """The dataset line's record (append), or none: without append, a line kept before is dropped."""
+        line = read_line(ctx.storage)
+        if ctx.cfg.append:
+            if line is None and ctx.storage.list("shard/shards", ".tar"):
+                ctx.log("shard: starting a dataset line (stages.shard.append); the shards of an earlier run "
+                        "are written anew, and from now on only added to")
+            return line
+        if line is not None:
+            ctx.log(f"shard: stages.shard.append is off: the dataset line of {len(line['shards'])} shards ends; "
+                    "every shard is written anew")
+            ctx.storage.delete(LINE)
+        return None
+
+    def _write(self, ctx: StageContext, cfg: ShardConfig, upstream: list, n: int, nbytes: int, first: int,
+               line_shards: frozenset | None) -> list[PartResult]:
+        """Map, merge, reduce: n samples (nbytes) of these partitions into new shards numbered from first."""
+        n_out = max(1, math.ceil(n / cfg.samples_per_shard), math.ceil(nbytes / (0.9 * cfg.max_shard_bytes)))
+        if n_out < cfg.min_shards and not first:   # small data: each training worker still gets a shard of its own
             ctx.log(f"shard: {n} samples make {n_out} shard(s) of {cfg.samples_per_shard}; writing "
                     f"{min(cfg.min_shards, n)} (stages.shard.min_shards), one per training worker")
             n_out = max(n_out, min(cfg.min_shards, n))
         maps = {u.part: f"{MAP_DIR}/{u.part}.parquet" for u in upstream}
         done = set(ctx.storage.list(MAP_DIR, ".parquet"))     # written whole: a map file is a finished map
         todo = [u for u in upstream if maps[u.part] not in done]
-        ctx.run(_map_task, [(ctx.storage, u.part, u.file, ctx.seed, n_out) for u in todo], "shard map",
-                num_cpus=1, describe=lambda c: f"partition {c[1]}")
+        ctx.run(_map_task, [(ctx.storage, u.part, u.file, ctx.seed, n_out, first, line_shards) for u in todo],
+                "shard map", num_cpus=1, describe=lambda c: f"partition {c[1]}")
         map_files = sorted(maps.values())
-        per = merge_group(len(map_files), n_out, n, cfg, sum(sizes) / max(1, len(map_files)))
+        per = merge_group(len(map_files), n_out, n, cfg, nbytes / max(1, len(map_files)))
         if per > 1:     # many map files: fewer, larger files for the reducers to open
             groups = [map_files[i:i + per] for i in range(0, len(map_files), per)]
             merged = [f"{MERGE_DIR}/{i:06d}.parquet" for i in range(len(groups))]
@@ -236,29 +354,47 @@ class ShardStage(Sink):
                     "shard merge", num_cpus=1, unit="merges")
             ctx.log(f"shard: {len(map_files)} map files merged into {len(merged)} for {n_out} reducers")
             map_files = merged
-        parts = ctx.run(_reduce_task, [(ctx.storage, i, map_files) for i in range(n_out)], "shard write",
-                        num_cpus=1, describe=lambda c: f"shard {c[1]:06d}", unit="shards")
-        names = {p.extra["name"] for p in parts}
-        for stale in ctx.storage.list("shard/shards", ".tar"):
-            if stale.rsplit("/", 1)[-1] not in names:
-                ctx.storage.delete(stale)   # shards of an earlier, larger plan
-        for stale in ctx.storage.list("shard/index", ".parquet"):
-            if stale.rsplit("/", 1)[-1][:-8] + ".tar" not in names:
-                ctx.storage.delete(stale)
-        ctx.storage.delete("shard/_work")
-        shards = [{k: p.extra[k] for k in ("name", "samples", "bytes", "sha256")} for p in parts]
-        files = {f"shard/shards/{s['name']}": s["sha256"] for s in shards}
-        index = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": ctx.run_name,
-                 "shardlist": [{"url": s["name"], "nsamples": s["samples"], "filesize": s["bytes"],
-                                "md5sum": p.extra["md5"]} for s, p in zip(shards, parts)]}
-        for rel, obj in (("shard/shards/sizes.json", {s["name"]: s["samples"] for s in shards}),
-                         ("shard/shards/shardindex.json", index), ("shard/shards.json", shards)):
-            files[rel] = ctx.storage.write_bytes(rel, json.dumps(obj, indent=1).encode())
-        ctx.log(f"shard: {n} samples in {len(shards)} shards")
-        return StageResult(parts, {"shards": len(shards), "bytes": sum(s["bytes"] for s in shards)},
-                           artifacts={"folder": "shard/shards", "shards": shards,
-                                      "train_data": train_data_pattern(ctx.storage, shards)},
-                           files=files)
+        return ctx.run(_reduce_task, [(ctx.storage, i, map_files) for i in range(first, first + n_out)],
+                       "shard write", num_cpus=1, describe=lambda c: f"shard {c[1]:06d}", unit="shards")
+
+    def _delete_stale(self, ctx: StageContext, names: set[str]) -> None:
+        """Shards and indexes of an earlier, larger plan (not this run's or the line's)."""
+        for folder, suffix in (("shard/shards", ".tar"), ("shard/index", ".parquet")):   # the runner: ledger/
+            for stale in ctx.storage.list(folder, suffix):
+                if stale.rsplit("/", 1)[-1][:-len(suffix)] + ".tar" not in names:
+                    ctx.storage.delete(stale)
+
+    def _publish(self, ctx: StageContext, line: dict | None, mapped: list, shards: list[dict], added: list[str],
+                 n_new: int) -> None:
+        """The partitions' published keys, then the line's record (its last write: what it lists is published)."""
+        run = len((line or {}).get("runs", [])) + 1
+        ctx.run(_publish_task, [(ctx.storage, u.part, {"kept": u.kept, "kept_sum": u.kept_sum, "run": run})
+                                for u in mapped], "shard publish", num_cpus=0.25, quiet=True)
+        runs = (line or {}).get("runs", []) + [{"run": run, "added": added,
+                                                 "samples": n_new,
+                                                 "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]
+        ctx.storage.write_json(RECORD, {"shards": shards, "runs": runs})
+
+
+def _publish_task(storage, part: str, state: dict) -> None:
+    """Ray task: a partition's published keys after this run, where the line keeps them, then what
+    the partition kept then (`state`: a later run with the same kept samples skips it)."""
+    storage.write_bytes(published_file(part), storage.read_bytes(f"{PUBLISHING}/{part}.parquet"))
+    storage.write_json(published_state(part), state)
+
+
+def check_line_settings(config) -> None:
+    """An append-only dataset line keeps what it published: the filters that decide must decide the
+    same for a sample in every run. Refuse, before anything runs, the settings that would not."""
+    cs = config.stages.clip_score
+    if cs.enabled and cs.threshold is None and not cs.reuse_cut:
+        raise UserError("stages.shard.append: stages.clip_score.keep_fraction recomputes its cut every run, which "
+                        "can drop samples the line published; set stages.clip_score.reuse_cut=true (keep the "
+                        "line's cut) or a fixed stages.clip_score.threshold")
+    if cs.enabled and cs.scorer == "bootstrap" and not cs.bootstrap.reuse:
+        raise UserError("stages.shard.append: the bootstrap scorer is trained anew every run, so every score can "
+                        "move; set stages.clip_score.bootstrap.reuse=true (the line's scorer) or a fixed "
+                        "scorer (stages.clip_score.scorer: checkpoint, hf or column)")
 
 
 def train_data_pattern(storage, shards: list[dict]) -> str:

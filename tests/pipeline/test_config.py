@@ -85,3 +85,21 @@ def test_a_parallelism_cap_of_an_older_capline_is_ignored_with_a_note(capsys):
     assert "stages.shard.num_workers" in err
     with pytest.raises(ConfigError, match="stages.basic.num_workers"):
         load_config(None, ["stages.basic.num_workers=2"])      # basic never had it: still an unknown key
+
+
+def test_an_append_only_line_refuses_filters_that_would_move_published_samples():
+    """stages.shard.append needs a cut and a scorer that judge a sample the same every run."""
+    from pipeline.runner import preflight
+    from stages.shard import check_line_settings
+
+    line = ["stages.shard.append=true"]
+    with pytest.raises(UserError, match=r"stages.shard.append: .*set stages.clip_score.reuse_cut=true"):
+        check_line_settings(load_config(None, line))
+    with pytest.raises(UserError, match=r"set stages.clip_score.bootstrap.reuse=true"):
+        check_line_settings(load_config(None, [*line, "stages.clip_score.reuse_cut=true"]))
+    with pytest.raises(UserError, match=r"set stages.clip_score.bootstrap.reuse=true"):
+        preflight(load_config(None, [*line, "stages.clip_score.threshold=0.2", "stages.clip_score.keep_fraction=null"]))
+    check_line_settings(load_config(None, [*line, "stages.clip_score.reuse_cut=true",
+                                           "stages.clip_score.bootstrap.reuse=true"]))
+    check_line_settings(load_config(None, [*line, "stages.clip_score.enabled=false"]))
+    preflight(load_config(None, []))     # without append: nothing to keep

@@ -100,3 +100,76 @@ def test_a_dataset_line_keeps_its_scorer_and_scores_what_it_added(tmp_path, ray_
     # the tokenizer: the line's model, byte for byte, and the stage still counted every sample it read
     assert any(m.startswith("tokenizer: the model of this dataset line") for m in logs), logs
     assert (tmp_path / "run" / "tokenizer" / "spm.model").read_bytes() == model
+
+
+def test_an_append_only_line_adds_shards_and_never_changes_published_ones(tmp_path, ray_local):
+    """stages.shard.append: the second run writes only new shards, numbered after the first run's,
+    which stay byte for byte; the manifest names what it added; a new copy of a published sample is
+    the duplicate even when its key is the smaller; a change that would drop a published sample is
+    refused with the setting to change."""
+    import hashlib
+
+    from infra.errors import UserError
+    from stages.source import sample_key
+
+    fr = {k: 0 for k in vars(DefectFractions())}
+    fr.update(http_404=0.05, train_near_copy=0.05)
+    synthetic.generate(tmp_path / "site", 200, 10, 48, 5, fr, 100, 100)
+    rows = pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()
+    urls = tmp_path / "urls"
+    urls.mkdir()
+    run = tmp_path / "run"
+    with DemoServer(tmp_path / "site" / "www") as server:
+        def cfg(*extra):
+            return load_config(None, [
+                "source.kind=urls", f"source.path={urls}", f"stages.ingest.allow_hosts=['{server.netloc}']",
+                "stages.ingest.samples_per_shard=50", "stages.ingest.compact_rows=50", "stages.tokenizer.vocab_size=400",
+                "stages.dedup.eval_sets=[]", "stages.shard.samples_per_shard=40", "stages.shard.append=true",
+                "stages.clip_score.reuse_cut=true", "stages.clip_score.bootstrap.reuse=true",
+                "stages.clip_score.bootstrap.steps=10", "stages.clip_score.keep_fraction=0.9", "train.steps=0", *extra])
+
+        _write_partition(urls / "a.csv", rows[:120], server.base_url)
+        run_pipeline(cfg(), run, until="shard", log=lambda m: None)
+        first = json.loads((run / "shard" / "shards.json").read_text())
+        tars = {s["name"]: hashlib.sha256((run / "shard" / "shards" / s["name"]).read_bytes()).hexdigest()
+                for s in first}
+        published = {r["key"]: r["tar"] for r in read_ledger(run, "shard").to_pylist()}
+        # new rows: the rest, and copies of a published sample (same image, other captions): a copy whose
+        # key sorts before the published one would be kept by the smallest-key rule alone
+        key_of = lambda r: sample_key(r["url"].replace(SERVER_PLACEHOLDER, server.base_url), r["caption"])  # noqa: E731
+        target = max((r for r in rows[:120] if key_of(r) in published), key=key_of)   # keys vary with the port
+        copies = [{**target, "caption": f"{target['caption']} copy {i}"} for i in range(8)]
+        _write_partition(urls / "b.csv", rows[120:] + copies, server.base_url)
+        logs = []
+        run_pipeline(cfg(), run, until="shard", log=logs.append)
+        second = json.loads((run / "shard" / "shards.json").read_text())
+        target_key = key_of(target)
+        assert any(key_of(c) < target_key for c in copies)
+        assert any("the dataset line's cut" in m for m in logs), logs
+        # what the first run did for partition a is not redone: its verdicts, examples and placement
+        assert any(m.startswith("shard: 3 partitions keep what this dataset line published") for m in logs), logs
+        assert any(m.startswith("dedup: 3 partitions unchanged since an earlier run, reused") for m in logs), logs
+        stats = json.loads((run / "basic" / "stats.json").read_text())
+        assert sum(t["tasks"] for t in stats["tasks"] if t["what"] == "examples") == stats["partitions"] - 3
+        assert second[:len(first)] == first
+        assert {s["name"]: hashlib.sha256((run / "shard" / "shards" / s["name"]).read_bytes()).hexdigest()
+                for s in first} == tars
+        added = [s["name"] for s in second[len(first):]]
+        assert added and added[0] == f"{len(first):06d}.tar"
+        manifest = json.loads((run / "manifest.json").read_text())
+        assert manifest["artifacts"]["shard"]["added"] == added
+        line = json.loads((run / "shard" / "line" / "line.json").read_text())
+        assert [r["added"] for r in line["runs"]] == [[s["name"] for s in first], added]
+        # every kept sample in exactly one shard; the published ones where they were
+        ledger = {r["key"]: r["tar"] for r in read_ledger(run, "shard").to_pylist()}
+        kept = {r["key"] for r in read_ledger(run, "clip_score").to_pylist() if r["verdict"] == "kept"}
+        assert set(ledger) == kept
+        assert all(ledger[k] == t for k, t in published.items())
+        dedup = {r["key"]: r for r in read_ledger(run, "dedup").to_pylist()}
+        for c in copies:
+            row = dedup[key_of(c)]
+            assert (row["verdict"], row["match_key"]) == ("dropped", target_key), row
+        # a change that would drop published samples is refused, naming the settings; nothing published moves
+        with pytest.raises(UserError, match=r"stages.shard.append: \d+ sample\(s\) published by earlier runs"):
+            run_pipeline(cfg("stages.basic.min_words=6"), run, until="shard", log=lambda m: None)
+    assert json.loads((run / "shard" / "line" / "line.json").read_text()) == line

@@ -246,6 +246,40 @@ def test_a_group_task_pairs_exact_and_near_signatures(tmp_path):
     assert wanted == [{"key": "s0", "part": "p0"}, {"key": "s1", "part": "p1"}]
 
 
+def test_a_dataset_lines_published_samples_stay_kept_in_their_clusters(tmp_path):
+    """The components task on a local run folder: without a line, each cluster keeps its smallest
+    key; with a line that published b and d (d in a shard the line no longer lists), b is kept and a
+    is the duplicate, and a published sample bridged to another published one by a new sample stays."""
+    import pyarrow as pa
+
+    from infra.shuffle import read_bucket
+    from infra.storage import Storage
+    from stages.dedup import DECISION_SCHEMA, DECISIONS, EDGE_SCHEMA, _components_task, clusters
+    from stages.line import PUBLISHED_SCHEMA, published_file
+
+    assert clusters([("a", "b"), ("b", "c")]) == {"a": "a", "b": "a", "c": "a"}
+    assert clusters([("a", "b"), ("b", "c")], {"c"}) == {"a": "c", "b": "c", "c": "c"}
+    storage = Storage.local(tmp_path)
+    edges = [("a", "p0", "b", "p1"), ("c", "p0", "d", "p1"), ("e", "p0", "f", "p1"), ("f", "p1", "g", "p1")]
+    storage.write_table("edges/0.parquet", pa.table({
+        "a": [e[0] for e in edges], "part_a": [e[1] for e in edges], "b": [e[2] for e in edges],
+        "part_b": [e[3] for e in edges], "kind": ["exact_duplicate"] * 4, "cosine": [None] * 4}, schema=EDGE_SCHEMA))
+    storage.write_table(published_file("p1"), pa.table({"key": ["b", "d", "f", "g"], "shard": ["000000.tar",
+                                                        "000009.tar", "000000.tar", "000001.tar"]},
+                                                       schema=PUBLISHED_SCHEMA))
+
+    def dropped(*line):
+        out = _components_task(storage, ["edges/0.parquet"], ["p0", "p1"], 5, *line)
+        t = pa.concat_tables([read_bucket(storage, [DECISIONS], "part", i, DECISION_SCHEMA) for i in (0, 1)])
+        return {k: r for k, r in zip(t.column("key").to_pylist(), t.column("root").to_pylist())}, out
+
+    plain, _ = dropped()
+    assert plain == {"b": "a", "d": "c", "f": "e", "g": "e"}
+    ruled, out = dropped(frozenset({"000000.tar", "000001.tar"}), frozenset({"p1"}))
+    assert ruled == {"a": "b", "d": "c", "e": "f"}        # f and g both published: both stay
+    assert out["published_kept"] == 1
+
+
 def test_how_dedup_cuts_its_work_is_not_in_its_fingerprint():
     from stages.dedup import DedupStage
 
