@@ -7,6 +7,8 @@ signature bucket).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -65,6 +67,16 @@ class BucketWriter:
             return self.storage.write_file(self.rel, self.local)
         finally:
             self.tmp.cleanup()
+
+
+def merge_group(files: int, reducers: int, samples: int, requests_per_sample: float, file_bytes: float,
+                hold_bytes: float) -> int:
+    """How many map files one merged file joins: enough that the reducers' requests (a footer and a
+    range of each file, for every reducer) stay under `requests_per_sample`, within what one merge
+    task may hold (`hold_bytes`). 1: no merge (small data)."""
+    need = math.ceil(2 * files * reducers / max(1.0, samples * requests_per_sample))
+    fits = max(1, int(hold_bytes // max(1.0, file_bytes)))
+    return max(1, min(need, fits, files))
 
 
 READ_THREADS = 16    # map files read at once by one reduce task: on an object store each read waits on latency
@@ -130,3 +142,11 @@ def read_range(storage, files: list[str], column: str, bucket: int, n: int, sche
                counter: dict | None = None) -> pa.Table:
     """The rows of range bucket `bucket` of `n` from every map file (the row groups that overlap it)."""
     return _read_span(storage, files, column, *range_of(bucket, n), schema, counter)
+
+
+def merge_ranges(storage, files: list[str], rel: str, column: str, n: int) -> dict:
+    """Range-bucketed map files read whole (a few large requests each) and written back as one file
+    of `n` range buckets: the reducers open one file where there were len(files)."""
+    t = pa.concat_tables([storage.read_table(f) for f in files])
+    write_ranges(storage, rel, t, column, n)
+    return {"files": len(files), "rows": t.num_rows}

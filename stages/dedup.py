@@ -44,7 +44,7 @@ import pyarrow.compute as pc
 from infra.configtools import join, require
 from infra.errors import UserError
 
-from infra.shuffle import read_bucket, read_range, write_buckets, write_ranges
+from infra.shuffle import merge_group, merge_ranges, read_bucket, read_range, write_buckets, write_ranges
 
 from .base import Decide, StageContext, StageResult
 from .dataplane import DROPPED, KEPT, PartTask, by_location, hash_buckets, image_batches, reused_or_run
@@ -73,6 +73,10 @@ class DedupConfig:
     # signature rows one group task takes on average (each ~100 bytes in memory): the number of
     # buckets grows with the data, never fewer than the cluster's CPUs can work on at once
     bucket_rows: int = 1_000_000
+    # the group tasks read a footer and a range of every signature file: more files than keep them
+    # under this many requests per sample are first merged, a group at a time, into fewer files
+    shuffle_requests_per_sample: float = 0.05
+    merge_bytes: int = 1_000_000_000   # the signature rows one merge task holds in memory
     cache_dir: str = "~/.cache/capline/eval-index"
 
     def validate(self, prefix: str) -> None:
@@ -82,6 +86,8 @@ class DedupConfig:
         require(0 < self.cpus_per_worker <= 64, join(prefix, "cpus_per_worker"), "must be in (0, 64]")
         require(self.bucket_rows >= 1000, join(prefix, "bucket_rows"), f"must be >= 1000, got {self.bucket_rows}")
         require(self.bits % 64 == 0 and self.bits > 0, join(prefix, "bits"), "must be a positive multiple of 64")
+        require(self.shuffle_requests_per_sample > 0, join(prefix, "shuffle_requests_per_sample"), "must be > 0")
+        require(self.merge_bytes >= 10_000_000, join(prefix, "merge_bytes"), "must be >= 10000000")
         names = [e.name for e in self.eval_sets]
         require(len(names) == len(set(names)), join(prefix, "eval_sets"), f"set names repeat: {names}")
         if self.encoder_checkpoint:
@@ -329,6 +335,8 @@ def _packed(column, width: int) -> np.ndarray:
 
 PAIR_DIR, EDGE_DIR, DECISIONS = "dedup/_work/pairs", "dedup/_work/edges", "dedup/_work/decisions.parquet"
 WANTED_DIR, VEC_DIR = "dedup/_work/wanted", "dedup/_work/vecs"
+SIG_MERGED = "dedup/_work/signatures"    # signature files merged for the group tasks (this run's work)
+SIG_ROW_BYTES = 128                      # a signature row in memory (code, colour, hashes, key, partition)
 # a near candidate's side: its descriptor is wanted by a pair bucket; fetched by the task of its partition's group
 WANTED_SCHEMA = pa.schema([("key", pa.string()), ("part", pa.string()), ("pair_bucket", pa.int32()),
                            ("fetch_bucket", pa.int32())])
@@ -595,7 +603,8 @@ class DedupStage(Decide):
 
         cfg = self.section(config)
         base = json.loads(super().fingerprint(config))
-        base["section"].pop("bucket_rows")    # how the work is cut up, not what it decides
+        for how in ("bucket_rows", "shuffle_requests_per_sample", "merge_bytes"):
+            base["section"].pop(how)          # how the work is cut up, not what it decides
         return json.dumps(base, sort_keys=True) + "".join(
             sorted(f"{e.name}:{stat_fingerprint(e)}" for e in cfg.eval_sets))
 
@@ -643,7 +652,7 @@ class DedupStage(Decide):
             lambda u, out: (ctx.storage, u.part, u.file, *args, cfg, plan, n_buckets, out), "dedup describe",
             "described before with the same input", "describe", num_cpus=cfg.cpus_per_worker)
         ctx.log(f"dedup: described {sum(d['described'] for d in described)} images")
-        sig_files = [f"{outs[u.part]}.sig.parquet" for u in upstream]
+        sig_files = self._merged([f"{outs[u.part]}.sig.parquet" for u in upstream], ctx, cfg, samples, plan, n_buckets)
         # pairs are few next to signatures: fewer pair buckets, so the fetch and verify tasks each
         # open the group tasks' files n_buckets / PAIR_FAN_IN times fewer
         n_pairs = max(1, math.ceil(n_buckets / PAIR_FAN_IN))
@@ -665,6 +674,22 @@ class DedupStage(Decide):
                           set_stats, max((f["largest_group"] for f in found), default=0), n_buckets,
                           plan.describe(cfg.within_threshold), desc,
                           {"group": n_buckets, "fetch": len(fetched), "verify": len(checked)})
+
+    def _merged(self, files: list[str], ctx: StageContext, cfg: DedupConfig, samples: int, plan: BandPlan,
+                n_buckets: int) -> list[str]:
+        """The partitions' signature files, merged a group at a time into fewer files when the group
+        tasks would otherwise make more than `shuffle_requests_per_sample` opening them all."""
+        rows = sigs_per_sample(plan) * samples
+        per = merge_group(len(files), n_buckets, samples, cfg.shuffle_requests_per_sample,
+                          SIG_ROW_BYTES * rows / max(1, len(files)), cfg.merge_bytes)
+        if per == 1:
+            return files
+        groups = [files[i:i + per] for i in range(0, len(files), per)]
+        merged = [f"{SIG_MERGED}/{i:06d}.parquet" for i in range(len(groups))]
+        ctx.run(merge_ranges, [(ctx.storage, g, m, "h32", n_buckets) for g, m in zip(groups, merged)],
+                "dedup merge signatures", num_cpus=cfg.cpus_per_worker, unit="merges")
+        ctx.log(f"dedup: {len(files)} signature files merged into {len(merged)} for {n_buckets} group tasks")
+        return merged
 
     def decide(self, ctx: StageContext, found: Candidates) -> dict:
         """Pairs joined into clusters, in a task; of each the smallest key is kept. -> counts per

@@ -46,7 +46,7 @@ from .dataplane import PartResult, by_location, image_batches, read_kept, write_
 from .line import (LINE, PUBLISHED_SCHEMA, RECORD, published_file, published_parts, published_rows, published_state,
                    read_line)
 from infra.hashing import order_key
-from infra.shuffle import BucketWriter, read_bucket
+from infra.shuffle import BucketWriter, merge_group, read_bucket
 
 
 @dataclass
@@ -168,15 +168,6 @@ MAP_SCHEMA = pa.schema([("shard", pa.int32()), ("key", pa.string()), ("order", p
 
 
 MERGE_DIR = "shard/_work/merged"
-
-
-def merge_group(maps: int, shards: int, samples: int, cfg: ShardConfig, map_bytes: float) -> int:
-    """How many map files one merged file joins: enough that the reducers' requests (a footer and
-    a range of each file, for every output shard) stay under `shuffle_requests_per_sample`, within
-    what one merge task may hold (`merge_bytes`). 1: no merge (small data)."""
-    need = math.ceil(2 * maps * shards / max(1.0, samples * cfg.shuffle_requests_per_sample))
-    fits = max(1, int(cfg.merge_bytes // max(1.0, map_bytes)))
-    return max(1, min(need, fits, maps))
 
 
 def _merge_task(storage, files: list[str], rel_out: str) -> dict:
@@ -345,7 +336,8 @@ class ShardStage(Sink):
         ctx.run(_map_task, [(ctx.storage, u.part, u.file, ctx.seed, n_out, first, line_shards) for u in todo],
                 "shard map", num_cpus=1, describe=lambda c: f"partition {c[1]}")
         map_files = sorted(maps.values())
-        per = merge_group(len(map_files), n_out, n, cfg, nbytes / max(1, len(map_files)))
+        per = merge_group(len(map_files), n_out, n, cfg.shuffle_requests_per_sample, nbytes / max(1, len(map_files)),
+                          cfg.merge_bytes)
         if per > 1:     # many map files: fewer, larger files for the reducers to open
             groups = [map_files[i:i + per] for i in range(0, len(map_files), per)]
             merged = [f"{MERGE_DIR}/{i:06d}.parquet" for i in range(len(groups))]

@@ -87,12 +87,15 @@ def test_range_buckets_written_for_one_count_serve_another(tmp_path):
 
 
 def test_map_files_are_merged_only_when_the_reducers_would_make_too_many_requests():
-    from stages.shard import ShardConfig, merge_group
+    from infra.shuffle import merge_group
+    from stages.shard import ShardConfig
 
     cfg = ShardConfig()
-    assert merge_group(2, 4, 1473, cfg, 3e6) == 1                       # the demo: no merge
+    group = lambda files, shards, samples, size, c=cfg: merge_group(   # noqa: E731
+        files, shards, samples, c.shuffle_requests_per_sample, size, c.merge_bytes)
+    assert group(2, 4, 1473, 3e6) == 1                                 # the demo: no merge
     # 10^8 URLs on 100 nodes: 6,250 map files of ~250 MB, 5,000 shards of 10^4 of 5*10^7 samples
-    per = merge_group(6250, 5000, 5 * 10**7, cfg, 2.5e8)
+    per = group(6250, 5000, 5 * 10**7, 2.5e8)
     assert per == 16                                                     # as many as fit in merge_bytes
     assert 2 * -(-6250 // per) * 5000 / 5e7 < 0.1                        # reducers: < 0.1 requests per sample
-    assert merge_group(6250, 5000, 5 * 10**7, ShardConfig(merge_bytes=10**11), 2.5e8) == 25   # the budget itself
+    assert group(6250, 5000, 5 * 10**7, 2.5e8, ShardConfig(merge_bytes=10**11)) == 25   # the budget itself
