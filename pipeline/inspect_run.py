@@ -6,6 +6,8 @@ import pyarrow.parquet as pq
 from infra.errors import UserError
 from infra.storage import Storage
 
+from stages.registry import STAGES
+
 from .runner import stage_names
 
 # Every tool here reads the run folder where it is (a local folder or a bucket, through Storage):
@@ -24,12 +26,13 @@ def status_rows(where) -> list[dict]:
     storage = Storage.of(where)
     _require_run(storage)
     rows = []
-    prev = {"output_digest": ""}
-    for name in stage_names():
+    prev = judge = {"output_digest": ""}
+    for name, kind in ((s.name, s.kind) for s in STAGES):
         marker = storage.read_json(f"{name}/_SUCCESS")
         if marker:
-            made_from = marker.get("upstream_digest")
-            upstream_ok = prev is not None and (made_from is None or made_from == prev.get("output_digest"))
+            made_from, judged = marker.get("upstream_digest"), marker.get("judged_digest")
+            upstream_ok = prev is not None and (made_from is None or made_from == prev.get("output_digest")) \
+                and (judged is None or (judge is not None and judged == judge.get("output_digest")))
             state = "done" if upstream_ok else "stale"
         elif storage.exists(f"{name}/_STARTED"):
             state = "incomplete"
@@ -39,6 +42,8 @@ def status_rows(where) -> list[dict]:
         rows.append({"stage": name, "state": state, "in": stats.get("in"), "kept": stats.get("kept"),
                      "dropped": stats.get("dropped", {}), "wall_seconds": stats.get("wall_seconds")})
         prev = marker if state == "done" else None
+        if kind != "sink":
+            judge = prev
     return rows
 
 

@@ -162,13 +162,16 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
     storage = Storage.from_uri(store.uri) if store is not None and store.uri else Storage.local(run_dir)
     controls = Controls(storage, run_dir)
     executor = Executor(log=log)
-    prev_digest = ""
+    prev_digest = judged_digest = ""
     upstream: list[dict] | None = None
     summary = {}
     for stage in stages:
         sdir = run_dir / stage.name
         fingerprint = stage.fingerprint(cfg)   # once: it may hash files (the source, evaluation sets)
-        in_digest = hashlib.sha256((fingerprint + prev_digest).encode()).hexdigest()
+        # a stage after a sink reads the last judge's partitions too (the shard stage after the
+        # tokenizer): their digest is part of its input, or a reused tokenizer would hide new samples
+        judged = "" if judged_digest == prev_digest else f"\0{judged_digest}"
+        in_digest = hashlib.sha256((fingerprint + prev_digest + judged).encode()).hexdigest()
         marker = controls.read(stage.name, "_SUCCESS")
         parts = parts_from_json(controls.read(stage.name, "parts.json")) if marker else None
         ran = False
@@ -194,7 +197,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
                                artifacts=dict(manifest.data.get("artifacts", {})), log=log,
                                fingerprint=fingerprint, executor=executor, notes=stage.note_names())
             marker, artifacts, parts, summary[stage.name] = _run_stage(stage, ctx, in_digest, controls, store,
-                                                                            upstream_digest=prev_digest)
+                                                                            upstream_digest=prev_digest,
+                                                                            judged_digest=judged_digest)
             ran = True
             manifest.record_stage(stage.name, marker, artifacts)
             if artifacts.get("mlflow_run_id"):
@@ -207,6 +211,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
             manifest.data["artifacts"].setdefault(stage.name, {}).update(declared)
         if stage.kind != "sink":   # a sink judges nothing: the next stage reads what the last judge kept
             upstream = parts
+            judged_digest = marker["output_digest"]
         prev_digest = marker["output_digest"]
         if stage.name not in summary:   # skipped: its stats from the earlier run
             summary[stage.name] = controls.read(stage.name, "stats.json")
@@ -226,7 +231,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
 
 
 def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Controls,
-               store, upstream_digest: str = "") -> tuple[dict, dict, list[dict], dict]:
+               store, upstream_digest: str = "", judged_digest: str = "") -> tuple[dict, dict, list[dict], dict]:
     """upstream_digest: the previous stage's output digest, kept in `_SUCCESS` so `capline status`
     can tell a stage made from an earlier stage's older output (stale) without the config."""
     sdir = ctx.stage_dir
@@ -272,6 +277,8 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     chain = in_digest if stage.kind == "sink" and not parts and not result.files else None
     marker = {"input_digest": in_digest, "output_digest": output_digest(parts, result.files, chain),
               "upstream_digest": upstream_digest, **({"chain": chain} if chain else {}),
+              # after a sink: the last judge's output it read too (`capline status` checks both)
+              **({"judged_digest": judged_digest} if judged_digest != upstream_digest else {}),
               "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "outputs": dict(sorted(result.files.items())), "files": dict(sorted(files.items())),
               "artifacts": result.artifacts,

@@ -457,25 +457,21 @@ def _verify_task(storage, bucket: int, files: list[str], vec_files: list[str], t
     return {"exact": len(exact), "candidates": len(cand), "near": len(near), "edges": len(edges)}
 
 
-def clusters(edges: list[tuple[str, str]], first: set[str] = frozenset()) -> dict[str, str]:
-    """Union-find over the keys in edges only; -> each such key's root: the smallest key of its
-    cluster, a key of `first` (samples a dataset line published) before any other."""
-    parent: dict[str, str] = {}
-    rank = lambda k: (k not in first, k)   # noqa: E731
+def component_roots(ia: np.ndarray, ib: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """Connected components of the graph whose edges are (ia[i], ib[i]) over nodes 0..len(rank)-1;
+    -> each node's root: the node of lowest `rank` in its component (column-wise: int arrays and
+    scipy's components, no Python object per node)."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
 
-    def find(a):
-        parent.setdefault(a, a)
-        while parent[a] != a:
-            parent[a] = parent[parent[a]]
-            a = parent[a]
-        return a
-
-    for a, b in edges:
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            lo, hi = sorted((ra, rb), key=rank)
-            parent[hi] = lo
-    return {k: find(k) for k in list(parent)}
+    n = len(rank)
+    graph = coo_matrix((np.ones(len(ia), np.int8), (ia, ib)), shape=(n, n)).tocsr()
+    _, labels = connected_components(graph, directed=False)
+    lowest = np.full(labels.max() + 1 if n else 0, n, np.int64)
+    np.minimum.at(lowest, labels, rank)
+    by_rank = np.empty(n, np.int64)
+    by_rank[rank] = np.arange(n)
+    return by_rank[lowest[labels]]
 
 
 DECISION_SCHEMA = pa.schema([("key", pa.string()), ("reason", pa.string()), ("score", pa.float64()),
@@ -489,44 +485,65 @@ def _components_task(storage, files: list[str], parts: list[str], shown_per_reas
     are in shards already and stay kept; a new copy of one is the duplicate). Writes each dropped
     key's (reason, cosine, key kept) in one file, a row group per partition (its index in `parts`),
     for the partitions' tasks to read; -> per-partition counts and the first few drops of each
-    reason (by key) for the report. Its memory grows with the duplicates, never with the data; the
-    driver gets counts."""
-    from .line import published_among
+    reason (by key) for the report. Column-wise: its memory is a few arrays per key in an edge
+    (~60 bytes each), growing with the duplicates, never with the data; the driver gets counts."""
+    from .line import published_mask
 
     t = pa.concat_tables([storage.read_table(f) for f in files]) if files else EDGE_SCHEMA.empty_table()
-    a, b, kinds, cos = (t.column(c).to_pylist() for c in ("a", "b", "kind", "cosine"))
-    part_of = dict(zip(a, t.column("part_a").to_pylist())) | dict(zip(b, t.column("part_b").to_pylist()))
-    published = published_among(storage, sorted(set(part_of.values()) & published_parts), set(part_of), line_shards)
-    roots = clusters(list(zip(a, b)), published)
-    exact_nodes = {k for x, y, kind in zip(a, b, kinds) if kind == "exact_duplicate" for k in (x, y)}
-    best: dict[str, float] = {}
-    for x, y, kind, c in zip(a, b, kinds, cos):
-        if kind == "near_duplicate":
-            for k in (x, y):
-                best[k] = max(best.get(k, -1.0), c)
-    index = {p: i for i, p in enumerate(parts)}
-    rows = []
-    for k in sorted(roots):
-        r = roots[k]
-        if k != r and k not in published:
-            reason = "exact_duplicate" if k in exact_nodes else "near_duplicate"
-            rows.append((k, reason, None if reason == "exact_duplicate" else best.get(k), r, index[part_of[k]]))
-    table = pa.table({f: [r[i] for r in rows] for i, f in enumerate(DECISION_SCHEMA.names)}, schema=DECISION_SCHEMA)
-    if rows:
+    n_e = t.num_rows
+    enc = pc.dictionary_encode(pa.concat_arrays([t.column("a").combine_chunks(), t.column("b").combine_chunks()]))
+    ends, keys = enc.indices.to_numpy().astype(np.int32), enc.dictionary
+    del enc
+    ia, ib = ends[:n_e], ends[n_e:]
+    n = len(keys)
+    part = np.zeros(n, np.int32)           # a key lies in one partition
+    part_index = pa.array(parts, pa.string())
+    for col, idx in (("part_a", ia), ("part_b", ib)):
+        part[idx] = pc.index_in(t.column(col), part_index).to_numpy(zero_copy_only=False)
+    is_exact = pc.equal(t.column("kind"), "exact_duplicate").to_numpy(zero_copy_only=False)
+    cos = pc.fill_null(t.column("cosine"), -1.0).to_numpy(zero_copy_only=False)
+    del t                                  # from here on: integer and float arrays, and the keys once
+    pub_parts = sorted({parts[i] for i in np.unique(part)} & published_parts)
+    published = published_mask(storage, pub_parts, keys, line_shards) if pub_parts else np.zeros(n, bool)
+    by_key = np.empty(n, np.int64)
+    by_key[pc.sort_indices(keys).to_numpy()] = np.arange(n)
+    rank = np.empty(n, np.int64)           # published samples first, then by key
+    rank[np.lexsort((by_key, ~published))] = np.arange(n)
+    roots = component_roots(ia, ib, rank)
+    exact = np.zeros(n, bool)
+    for idx in (ia, ib):
+        exact[idx[is_exact]] = True
+    best = np.full(n, -1.0)
+    near = ~is_exact
+    for idx in (ia, ib):
+        np.maximum.at(best, idx[near], cos[near])
+    drop = np.flatnonzero((roots != np.arange(n)) & ~published)
+    drop = drop[np.argsort(by_key[drop])]          # by key
+    table = pa.table({"key": keys.take(pa.array(drop, pa.int64())),
+                      "reason": pc.if_else(pa.array(exact[drop]), "exact_duplicate", "near_duplicate"),
+                      "score": pa.array(np.where(exact[drop], np.nan, best[drop]), pa.float64(), from_pandas=True),
+                      "root": keys.take(pa.array(roots[drop], pa.int64())),
+                      "part": pa.array(part[drop], pa.int32())}, schema=DECISION_SCHEMA)
+    if len(drop):
         write_buckets(storage, DECISIONS, table, "part")
-    per_part: dict[str, int] = {}
+    per_part = {parts[i]: int(c) for i, c in enumerate(np.bincount(part[drop], minlength=len(parts))) if c}
     shown: dict[str, list] = {}
-    digests: dict[str, "hashlib._Hash"] = {}
-    for k, reason, score, root, i in rows:
-        per_part[parts[i]] = per_part.get(parts[i], 0) + 1
-        digests.setdefault(parts[i], hashlib.sha256()).update(json.dumps([k, reason, score, root]).encode())
-        if len(shown.setdefault(reason, [])) < shown_per_reason:
-            shown[reason].append((k, score, root, part_of[k], part_of[root]))
+    for why, mask in (("exact_duplicate", exact[drop]), ("near_duplicate", ~exact[drop])):
+        for k in drop[mask][:shown_per_reason]:
+            shown.setdefault(why, []).append((keys[k].as_py(), None if exact[k] else float(best[k]),
+                                              keys[roots[k]].as_py(), parts[part[k]], parts[part[roots[k]]]))
     # what decides each partition's verdicts besides its own descriptors: a partition whose input,
-    # descriptors and decisions are those of an earlier run is not judged again
-    return {"duplicates": len(rows), "per_part": per_part, "shown": shown,
-            "digests": {p: d.hexdigest()[:24] for p, d in digests.items()},
-            "published_kept": len({k for k in published if roots[k] != k})}
+    # descriptors and decisions are those of an earlier run is not judged again (a part at a time)
+    by_part = table.sort_by([("part", "ascending"), ("key", "ascending")])
+    digests, bounds = {}, np.flatnonzero(np.diff(by_part.column("part").to_numpy())) + 1
+    for lo, hi in zip([0, *bounds], [*bounds, by_part.num_rows]):
+        if hi > lo:
+            piece = by_part.slice(lo, hi - lo)
+            rows = zip(*(piece.column(c).to_pylist() for c in ("key", "reason", "score", "root")))
+            digests[parts[piece.column("part")[0].as_py()]] = hashlib.sha256(
+                json.dumps(list(rows)).encode()).hexdigest()[:24]
+    return {"duplicates": len(drop), "per_part": per_part, "shown": shown, "digests": digests,
+            "published_kept": int((published & (roots != np.arange(n))).sum())}
 
 
 def _verdicts(table: pa.Table, part: str, index: int, has_decisions: bool, cfg: DedupConfig,

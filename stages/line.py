@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -53,16 +54,16 @@ def published_rows(storage, part: str, shards: frozenset[str]) -> pa.Table:
     return t.filter(pc.is_in(t.column("shard"), pa.array(sorted(shards), pa.string())))
 
 
-def published_among(storage, parts: list[str], keys: set[str], shards: frozenset[str]) -> set[str]:
+def published_mask(storage, parts: list[str], keys: pa.Array, shards: frozenset[str]) -> np.ndarray:
     """Which of `keys` (from the partitions `parts`) are published: each partition's file read once,
-    16 at a time, and only its matching keys held (memory: the keys asked about)."""
-    if not parts or not shards:
-        return set()
-    want = pa.array(sorted(keys), pa.string())
+    16 at a time, only its keys among `keys` held (memory: the keys asked about)."""
+    if not parts or not shards or not len(keys):
+        return np.zeros(len(keys), bool)
 
-    def hits(part: str) -> list[str]:
+    def hits(part: str) -> pa.Array:
         t = published_rows(storage, part, shards)
-        return t.filter(pc.is_in(t.column("key"), want)).column("key").to_pylist()
+        return t.column("key").filter(pc.is_in(t.column("key"), keys)).combine_chunks()
 
     with ThreadPoolExecutor(min(16, len(parts))) as pool:
-        return {k for ks in pool.map(hits, parts) for k in ks}
+        found = pa.concat_arrays([pa.array([], pa.string()), *pool.map(hits, parts)])
+    return pc.is_in(keys, found).to_numpy(zero_copy_only=False)

@@ -103,7 +103,8 @@ def test_a_dataset_line_keeps_its_scorer_and_scores_what_it_added(tmp_path, ray_
 
 
 def test_an_append_only_line_adds_shards_and_never_changes_published_ones(tmp_path, ray_local):
-    """stages.shard.append: the second run writes only new shards, numbered after the first run's,
+    """stages.shard.append: the second run writes only new shards, numbered after the first run's
+    (though the tokenizer before it, the line's, wrote the same bytes),
     which stay byte for byte; the manifest names what it added; a new copy of a published sample is
     the duplicate even when its key is the smaller; a change that would drop a published sample is
     refused with the setting to change."""
@@ -125,7 +126,7 @@ def test_an_append_only_line_adds_shards_and_never_changes_published_ones(tmp_pa
                 "source.kind=urls", f"source.path={urls}", f"stages.ingest.allow_hosts=['{server.netloc}']",
                 "stages.ingest.samples_per_shard=50", "stages.ingest.compact_rows=50", "stages.tokenizer.vocab_size=400",
                 "stages.dedup.eval_sets=[]", "stages.shard.samples_per_shard=40", "stages.shard.append=true",
-                "stages.clip_score.reuse_cut=true", "stages.clip_score.bootstrap.reuse=true",
+                "stages.clip_score.reuse_cut=true", "stages.clip_score.bootstrap.reuse=true", "stages.tokenizer.reuse=true",
                 "stages.clip_score.bootstrap.steps=10", "stages.clip_score.keep_fraction=0.9", "train.steps=0", *extra])
 
         _write_partition(urls / "a.csv", rows[:120], server.base_url)

@@ -258,11 +258,13 @@ def test_a_dataset_lines_published_samples_stay_kept_in_their_clusters(tmp_path)
 
     from infra.shuffle import read_bucket
     from infra.storage import Storage
-    from stages.dedup import DECISION_SCHEMA, DECISIONS, EDGE_SCHEMA, _components_task, clusters
+    from stages.dedup import DECISION_SCHEMA, DECISIONS, EDGE_SCHEMA, _components_task, component_roots
     from stages.line import PUBLISHED_SCHEMA, published_file
 
-    assert clusters([("a", "b"), ("b", "c")]) == {"a": "a", "b": "a", "c": "a"}
-    assert clusters([("a", "b"), ("b", "c")], {"c"}) == {"a": "c", "b": "c", "c": "c"}
+    # nodes 0-1-2 and 3-4, 5 alone: each node's root is its component's lowest-ranked node
+    ia, ib = np.array([0, 1, 3]), np.array([1, 2, 4])
+    assert component_roots(ia, ib, np.arange(6)).tolist() == [0, 0, 0, 3, 3, 5]
+    assert component_roots(ia, ib, np.array([5, 4, 0, 1, 2, 3])).tolist() == [2, 2, 2, 3, 3, 5]
     storage = Storage.local(tmp_path)
     edges = [("a", "p0", "b", "p1"), ("c", "p0", "d", "p1"), ("e", "p0", "f", "p1"), ("f", "p1", "g", "p1")]
     storage.write_table("edges/0.parquet", pa.table({
