@@ -237,7 +237,7 @@ class ClipScoreStage(Decide):
     report = "clip_score/report.html"
     notes = ("clip_score", "clip_score_detail")
     audits = (("mismatched_caption", "clip_score"),)
-    preserve = ("scored", "line", "cut", "examples")
+    preserve = ("scored", "line", "cut", "examples", "reuse")
 
     def preflight(self, config) -> None:
         preflight(config.stages.clip_score)
@@ -286,8 +286,8 @@ class ClipScoreStage(Decide):
             ctx.log(f"clip_score: the dataset line's cut {value:.6f} (top {cfg.keep_fraction:.0%} of {kept_cut['n']} "
                     "samples when first computed), not recomputed (stages.clip_score.reuse_cut; set it false to "
                     "recompute the quantile over every sample)")
-            return Cut(f"the line's cut {value:.6f} (top {cfg.keep_fraction:.0%} of its first {kept_cut['n']})",
-                       value, c, kept_cut["last_tied"])
+            how = kept_cut.get("how") or f"top {cfg.keep_fraction:.0%} cut {value:.6f}"
+            return Cut(how, value, c, kept_cut["last_tied"])   # verdicts read as the first run's
         if kept_cut:
             ctx.log(f"clip_score: the dataset line's cut was computed with scorer {kept_cut['scorer'][:12]} and "
                     f"keep_fraction {kept_cut['keep_fraction']}; recomputing it for this run's")
@@ -301,19 +301,23 @@ class ClipScoreStage(Decide):
         elif cut is not None:
             last = "\uffff"   # every sample at the cut value is kept
         value = cut / SCALE if cut is not None else float("inf")
+        how = f"top {cfg.keep_fraction:.0%} cut {value:.6f}"
         if cfg.reuse_cut:       # this dataset line's cut from now on
             ctx.storage.write_json(CUT, {"scorer": measured.scorer["sha256"], "keep_fraction": cfg.keep_fraction,
-                                         "cut": cut, "last_tied": last, "n": ctx.n_in})
-        return Cut(f"top {cfg.keep_fraction:.0%} cut {value:.6f}", value, cut, last)
+                                         "cut": cut, "last_tied": last, "n": ctx.n_in, "how": how})
+        return Cut(how, value, cut, last)
 
     def apply(self, ctx: StageContext, measured: Scores, decision: Cut) -> StageResult:
         cfg: ClipScoreConfig = ctx.cfg
         counts, scorer, n = measured.counts, measured.scorer, ctx.n_in
+        # a partition with the same scores under the same cut (a dataset line's) is not judged again
         tasks = [PartTask(u.part, u.file, u.part,
                           kwargs={"storage": ctx.storage, "scores": measured.files[u.part], "threshold": cfg.threshold,
-                                  "cut": decision.cut, "last_tied": decision.last_tied, "how": decision.how})
+                                  "cut": decision.cut, "last_tied": decision.last_tied, "how": decision.how},
+                          input_sha=u.sha256, depends=json.dumps([measured.files[u.part], cfg.threshold, decision.cut,
+                                                                  decision.last_tied, decision.how]))
                  for u in ctx.upstream or []]
-        parts = ctx.map_parts(_decide, tasks, num_cpus=0.5)
+        parts = ctx.map_parts(_decide, tasks, num_cpus=0.5, reuse=True)
         kept = sum(p.kept for p in parts)
         values = np.array(sorted(counts), np.float64) / SCALE
         weights = np.array([counts[v] for v in sorted(counts)], np.float64)

@@ -24,14 +24,22 @@ _STYLE = """body{font:14px sans-serif;margin:1.5em;color:#222}.pairs{display:fle
 .pair figure{margin:0;width:130px}.pair img{width:128px;image-rendering:pixelated}.meta{color:#666}"""
 
 
-def _rows_task(storage, file: str, keys: list[str]) -> list[dict]:
-    """Ray task: the rows (caption, sample index) and images of `keys` in one input partition."""
-    t = pq.read_table(storage.path(file), columns=["key", "caption", "tar", "offset", "size"],
-                      filesystem=storage.fs, filters=[("key", "in", keys)])
-    rows = t.to_pylist()
-    for r, img in zip(rows, read_images(storage, t) if rows else []):
-        r["image"] = img
-    return rows
+def _rows_task(storage, wanted: list[tuple[str, list[str]]]) -> list[dict]:
+    """Ray task: the rows (caption, sample index) and images of a few keys in each of a few input
+    partitions (the pairs a report shows: at most 2 x PAIRS_PER_REASON per reason), 16 files at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(item):
+        file, keys = item
+        t = pq.read_table(storage.path(file), columns=["key", "caption", "tar", "offset", "size"],
+                          filesystem=storage.fs, filters=[("key", "in", keys)])
+        rows = t.to_pylist()
+        for r, img in zip(rows, read_images(storage, t) if rows else []):
+            r["image"] = img
+        return rows
+
+    with ThreadPoolExecutor(max(1, min(16, len(wanted)))) as pool:
+        return [r for rows in pool.map(one, wanted) for r in rows]
 
 
 def _with_images(storage, rows: list[dict]) -> dict[str, dict]:
@@ -46,9 +54,9 @@ def _rows(ctx, part_of: dict[str, str], keys: set[str]) -> dict[str, dict]:
     wanted: dict[str, list[str]] = {}
     for k in sorted(keys):
         wanted.setdefault(part_of[k], []).append(k)
-    calls = [(ctx.storage, files[p], ks) for p, ks in sorted(wanted.items())]
-    found = ctx.run(_rows_task, calls, "dedup report", num_cpus=0.25, quiet=True) if calls else []
-    return {r["key"]: r for rows in found for r in rows}
+    items = [(files[p], ks) for p, ks in sorted(wanted.items())]
+    found = ctx.call(_rows_task, ctx.storage, items, what="dedup report", num_cpus=0.25) if items else []
+    return {r["key"]: r for r in found}
 
 
 def _figure(row: dict | None, label: str) -> str:

@@ -150,6 +150,7 @@ def test_an_append_only_line_adds_shards_and_never_changes_published_ones(tmp_pa
         # what the first run did for partition a is not redone: its verdicts, examples and placement
         assert any(m.startswith("shard: 3 partitions keep what this dataset line published") for m in logs), logs
         assert any(m.startswith("dedup: 3 partitions unchanged since an earlier run, reused") for m in logs), logs
+        assert any(m.startswith("clip_score: 3 partitions unchanged since an earlier run, reused") for m in logs), logs
         stats = json.loads((run / "basic" / "stats.json").read_text())
         assert sum(t["tasks"] for t in stats["tasks"] if t["what"] == "examples") == stats["partitions"] - 3
         assert second[:len(first)] == first
