@@ -133,11 +133,11 @@ def select(until: str | None, only: str | None, stages: list[Stage] | None = Non
 def check_before(cfg: RunConfig, storage: Storage, only: str, stages: list[Stage] | None = None) -> None:
     """For `--only STAGE` (and `capline train`): every stage before it finished with this config, read
     from the markers alone, so a wrong config or an unfinished run is said before a lock or a cluster."""
-    prev = ""
+    prev = judged = ""
     for stage in stages or STAGES:
         if stage.name == only:
             return
-        in_digest = hashlib.sha256((stage.fingerprint(cfg) + prev).encode()).hexdigest()
+        in_digest = input_digest(stage.fingerprint(cfg), prev, judged)
         marker = storage.read_json(f"{stage.name}/_SUCCESS")
         if marker is None:
             raise UserError(f"--only {only}: stage {stage.name} before it has not finished; "
@@ -147,6 +147,16 @@ def check_before(cfg: RunConfig, storage: Storage, only: str, stages: list[Stage
                             f"one; rerun the earlier stages (`capline run --until {stage.name}`), or use the run's "
                             "own config (leave out CONFIG and give --run-dir)")
         prev = marker["output_digest"]
+        if stage.kind != "sink":
+            judged = prev
+
+
+def input_digest(fingerprint: str, prev_digest: str, judged_digest: str) -> str:
+    """A stage's input: its fingerprint, the previous stage's output and, for a stage after a sink
+    (the shard stage after the tokenizer), the last judge's output it reads too, or a reused
+    tokenizer that wrote the same bytes would hide new samples from it."""
+    judged = "" if judged_digest == prev_digest else f"\0{judged_digest}"
+    return hashlib.sha256((fingerprint + prev_digest + judged).encode()).hexdigest()
 
 
 def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: str | None = None,
@@ -168,10 +178,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
     for stage in stages:
         sdir = run_dir / stage.name
         fingerprint = stage.fingerprint(cfg)   # once: it may hash files (the source, evaluation sets)
-        # a stage after a sink reads the last judge's partitions too (the shard stage after the
-        # tokenizer): their digest is part of its input, or a reused tokenizer would hide new samples
-        judged = "" if judged_digest == prev_digest else f"\0{judged_digest}"
-        in_digest = hashlib.sha256((fingerprint + prev_digest + judged).encode()).hexdigest()
+        in_digest = input_digest(fingerprint, prev_digest, judged_digest)
         marker = controls.read(stage.name, "_SUCCESS")
         parts = parts_from_json(controls.read(stage.name, "parts.json")) if marker else None
         ran = False
