@@ -292,3 +292,17 @@ def stop_pids(pids: set[int]) -> None:
     for p in alive:
         p.kill()
     psutil.wait_procs(alive, timeout=10)
+
+
+def synthetic_rows(folder: Path, n: int, seed: int, **defects: float) -> list[dict]:
+    """The demo's generator: n captioned scenes under folder/www (served by stages.demo_server),
+    none defective except the `defects` fractions given; -> the URL list's rows (url with the
+    server placeholder, caption)."""
+    import pyarrow.parquet as pq
+
+    from stages import synthetic
+    from stages.source import DefectFractions
+
+    fractions = {k: 0 for k in vars(DefectFractions())} | defects
+    synthetic.generate(folder, n, 10, 48, seed, fractions, 100, 100)
+    return pq.read_table(folder / "urls.parquet").to_pylist()

@@ -2,7 +2,6 @@
 second run does not download A again."""
 import json
 
-import pyarrow.parquet as pq
 import pytest
 
 from stages.base import read_ledger
@@ -10,10 +9,9 @@ from stages.base import read_ledger
 from pipeline.config import load_config
 from pipeline.runner import run_pipeline
 from pipeline.verify import sample_digests
-from stages import synthetic
 from stages.demo_server import DemoServer
-from stages.source import DefectFractions
 from stages.synthetic import SERVER_PLACEHOLDER
+from helpers import synthetic_rows
 
 pytestmark = pytest.mark.slow
 
@@ -24,10 +22,8 @@ def _write_partition(path, rows, base):
 
 
 def test_appending_a_partition(tmp_path, ray_local):
-    fr = {k: 0 for k in vars(DefectFractions())}
-    fr.update(http_404=0.05, train_near_copy=0.05)   # some drops and duplicates across partitions
-    synthetic.generate(tmp_path / "site", 240, 10, 48, 5, fr, 100, 100)
-    rows = pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()
+    # some drops and duplicates across partitions
+    rows = synthetic_rows(tmp_path / "site", 240, 5, http_404=0.05, train_near_copy=0.05)
     with DemoServer(tmp_path / "site" / "www") as server:
         def cfg(folder, *extra):
             return load_config(None, [*extra, 
@@ -72,10 +68,7 @@ def test_a_dataset_line_keeps_its_scorer_and_scores_what_it_added(tmp_path, ray_
     """bootstrap.reuse and tokenizer.reuse: the second (scheduled) run trains neither the scorer nor
     the tokenizer again, and does not score the partitions it scored before; the old samples keep
     their scores."""
-    fr = {k: 0 for k in vars(DefectFractions())}
-    fr.update(mismatched_caption=0.2)
-    synthetic.generate(tmp_path / "site", 160, 10, 48, 5, fr, 100, 100)
-    rows = pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()
+    rows = synthetic_rows(tmp_path / "site", 160, 5, mismatched_caption=0.2)
     urls = tmp_path / "urls"
     urls.mkdir()
     with DemoServer(tmp_path / "site" / "www") as server:
@@ -113,10 +106,7 @@ def test_an_append_only_line_adds_shards_and_never_changes_published_ones(tmp_pa
     from infra.errors import UserError
     from stages.source import sample_key
 
-    fr = {k: 0 for k in vars(DefectFractions())}
-    fr.update(http_404=0.05, train_near_copy=0.05)
-    synthetic.generate(tmp_path / "site", 200, 10, 48, 5, fr, 100, 100)
-    rows = pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()
+    rows = synthetic_rows(tmp_path / "site", 200, 5, http_404=0.05, train_near_copy=0.05)
     urls = tmp_path / "urls"
     urls.mkdir()
     run = tmp_path / "run"

@@ -5,7 +5,6 @@ import subprocess
 import sys
 import time
 
-import pyarrow.parquet as pq
 import pytest
 
 from helpers import ROOT, capline, kill_driver
@@ -36,14 +35,11 @@ def test_plan_names_what_is_new(tmp_path):
 
 @pytest.mark.slow
 def test_scheduled_incremental_runs_and_a_concurrent_one(tmp_path):
-    from stages import synthetic
     from stages.demo_server import DemoServer
-    from stages.source import DefectFractions
     from stages.synthetic import SERVER_PLACEHOLDER
+    from helpers import synthetic_rows
 
-    fr = {k: 0 for k in vars(DefectFractions())}
-    synthetic.generate(tmp_path / "site", 300, 10, 48, 3, fr, 100, 100)
-    rows = pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()
+    rows = synthetic_rows(tmp_path / "site", 300, 3)
     urls = tmp_path / "urls"
     urls.mkdir()
     run_dir = tmp_path / "run"
