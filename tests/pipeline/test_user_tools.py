@@ -219,3 +219,25 @@ def test_a_stage_key_index_names_the_one_ledger_file_of_a_key(tmp_path, ray_loca
                for j in range(0, 5000, 37))
     index = pq.ParquetFile(tmp_path / "dedup" / "keys" / "000000.parquet")
     assert index.metadata.num_row_groups > 1       # a lookup reads one row group of it
+
+
+def test_status_calls_the_shards_stale_when_clip_score_changed_under_an_unchanged_tokenizer(tmp_path):
+    """The shard stage reads clip_score's partitions as well as the tokenizer's output: a reused
+    tokenizer that wrote the same bytes does not make shards written from older partitions current."""
+    from infra.storage import Storage
+    from pipeline.inspect_run import status_rows
+
+    storage = Storage.local(tmp_path)
+    storage.write_json("manifest.json", {})
+    prev = ""
+    for name in ("source", "ingest", "dedup", "basic", "language", "clip_score", "tokenizer", "shard"):
+        marker = {"output_digest": f"{name}-out", "upstream_digest": prev}
+        if name == "shard":
+            marker["judged_digest"] = "clip_score-out"
+        storage.write_json(f"{name}/_SUCCESS", marker)
+        prev = f"{name}-out"
+    state = lambda: {r["stage"]: r["state"] for r in status_rows(tmp_path)}   # noqa: E731
+    assert state()["shard"] == "done"
+    storage.write_json("clip_score/_SUCCESS", {"output_digest": "clip_score-new", "upstream_digest": "language-out"})
+    storage.write_json("tokenizer/_SUCCESS", {"output_digest": "tokenizer-out", "upstream_digest": "clip_score-new"})
+    assert state()["tokenizer"] == "done" and state()["shard"] == "stale"
