@@ -164,4 +164,8 @@ def test_an_append_only_line_adds_shards_and_never_changes_published_ones(tmp_pa
         # a change that would drop published samples is refused, naming the settings; nothing published moves
         with pytest.raises(UserError, match=r"stages.shard.append: \d+ sample\(s\) published by earlier runs"):
             run_pipeline(cfg("stages.basic.min_words=6"), run, until="shard", log=lambda m: None)
+        # so is one that lost a URL file the line published from
+        (urls / "a.csv").unlink()
+        with pytest.raises(UserError, match=r"stages.shard.append: 3 input partition\(s\) that earlier runs"):
+            run_pipeline(cfg(), run, until="shard", log=lambda m: None)
     assert json.loads((run / "shard" / "line" / "line.json").read_text()) == line
