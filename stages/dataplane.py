@@ -338,13 +338,13 @@ def image_batches(storage: Storage, table: pa.Table, batch_rows: int = BATCH_ROW
 
 
 def reused_or_run(ctx, fn: Callable, folder: str, key_of: Callable, call_of: Callable, what: str, done_before: str,
-                  verb: str, **options) -> tuple[list, dict[str, str]]:
-    """`fn` over the upstream partitions, except those an earlier run already did with the same
-    inputs: each partition's outputs are `<folder>/<key_of(u)>.*`, the task writing `.json` (its
-    result) last, so a record found means whole outputs. `call_of(u, out)` makes a task's
-    arguments. Records no partition maps to now are deleted. -> (results in upstream order,
-    partition -> its output prefix)."""
-    upstream = ctx.upstream or []
+                  verb: str, items: list | None = None, **options) -> tuple[list, dict[str, str]]:
+    """`fn` over the upstream partitions (or `items`, other PartResults), except those an earlier
+    run already did with the same inputs: each partition's outputs are `<folder>/<key_of(u)>.*`,
+    the task writing `.json` (its result) last, so a record found means whole outputs.
+    `call_of(u, out)` makes a task's arguments. Records no partition maps to now are deleted.
+    -> (results in upstream order, partition -> its output prefix)."""
+    upstream = items if items is not None else ctx.upstream or []
     outs = {u.part: f"{folder}/{key_of(u)}" for u in upstream}
     have = set(ctx.storage.list(folder, ".json"))
     done = [u.part for u in upstream if f"{outs[u.part]}.json" in have]

@@ -41,46 +41,45 @@ def _pick_task(storage, file: str, per_reason: int, seed: int, cut: float | None
     return {reason: sorted(rows, key=_order(seed, cut))[:per_reason] for reason, rows in groups.items()}
 
 
-def _kept_pick(storage, file: str, per_reason: int, seed: int, cut: float | None, record: str) -> dict:
-    """Ray task: a partition's picks, kept as `record` for a later run that finds it unchanged."""
+def _kept_pick(storage, file: str, per_reason: int, seed: int, cut: float | None, out: str) -> dict:
+    """Ray task: a partition's picks, kept as `<out>.json` for a later run that finds it unchanged."""
     found = _pick_task(storage, file, per_reason, seed, cut)
-    storage.write_json(record, found)
+    storage.write_json(f"{out}.json", found)
     return found
 
 
-def pick(ctx_storage, files: list[str], per_reason: int, seed: int, cut: float | None = None,
-         run=None, shas: list[str] | None = None, cache: str | None = None) -> dict[str, list[dict]]:
-    """reason ("kept" for kept samples) -> up to per_reason rows over all partitions, nearest the
-    cut if there is one, else in a seeded order: each partition picks its own, the driver merges
-    the few it gets back. `run`: a stage's executor (StageContext.run); without one (`capline
-    report` on a finished run, no cluster) one partition at a time here. `cache` (a folder the
-    stage keeps across runs) with the files' `shas`: a partition picked before from the same file
-    with the same choice is not read again (a scheduled run picks from what it added)."""
-    calls = [(ctx_storage, f, per_reason, seed, cut) for f in files]
-    if run is not None and cache and shas is not None:
-        import hashlib
-        import json
-
-        records = [f"{cache}/{hashlib.sha256(json.dumps([sha, per_reason, seed, cut]).encode()).hexdigest()[:24]}.json"
-                   for sha in shas]
-        have = set(ctx_storage.list(cache, ".json"))
-        done = [r for r in records if r in have]
-        kept = dict(zip(done, ctx_storage.read_jsons(done)))
-        todo = [(c, r) for c, r in zip(calls, records) if kept.get(r) is None]
-        kept.update(zip((r for _, r in todo), run(_kept_pick, [(*c, r) for c, r in todo], "examples", num_cpus=0.25,
-                                                  quiet=True)))
-        for stale in have - set(records):
-            ctx_storage.delete(stale)        # partitions gone, or picked under another cut
-        results = (kept[r] for r in records)
-    elif run is not None:
-        results = run(_pick_task, calls, "examples", num_cpus=0.25, quiet=True)
-    else:
-        results = (_pick_task(*c) for c in calls)
+def _merged(results, per_reason: int, seed: int, cut: float | None) -> dict[str, list[dict]]:
+    """The partitions' picks -> up to per_reason rows per reason over all of them."""
     merged: dict[str, list[dict]] = defaultdict(list)
     for found in results:
         for reason, rows in found.items():
             merged[reason] = sorted(merged[reason] + rows, key=_order(seed, cut))[:per_reason]
     return dict(sorted(merged.items()))
+
+
+def pick(storage, files: list[str], per_reason: int, seed: int, cut: float | None = None) -> dict[str, list[dict]]:
+    """reason ("kept" for kept samples) -> up to per_reason rows over all partitions, nearest the
+    cut if there is one, else in a seeded order, one partition at a time here (`capline report` on
+    a finished run, no cluster; a stage picks in tasks: `stage_picks`)."""
+    return _merged((_pick_task(storage, f, per_reason, seed, cut) for f in files), per_reason, seed, cut)
+
+
+def stage_picks(ctx, parts: list, per_reason: int, cut: float | None = None) -> dict[str, list[dict]]:
+    """`pick` over a stage's own partitions (its PartResults), each partition in a task that keeps
+    its picks (`<stage>/examples/`, by the ledger file's content and the choice): a partition
+    picked before is not read again (a scheduled run picks from what it added)."""
+    import hashlib
+    import json
+
+    from .dataplane import reused_or_run
+
+    def key(p) -> str:
+        return hashlib.sha256(json.dumps([p.sha256, per_reason, ctx.seed, cut]).encode()).hexdigest()[:24]
+
+    found, _ = reused_or_run(ctx, _kept_pick, f"{ctx.name}/{EXAMPLES}", key,
+                             lambda p, out: (ctx.storage, p.file, per_reason, ctx.seed, cut, out), "examples",
+                             "picked before from the same ledger", "pick", items=parts, num_cpus=0.25, quiet=True)
+    return _merged(found, per_reason, ctx.seed, cut)
 
 
 def render_html(title: str, groups: dict[str, list[dict]], totals: dict[str, int],
@@ -112,8 +111,7 @@ def write_examples(ctx, parts: list[dict], per_reason: int, title: str, cut: flo
     threshold on its score, if it has one."""
     from .dataplane import read_images
 
-    groups = pick(ctx.storage, [p.file for p in parts], per_reason, ctx.seed, cut, run=ctx.run,
-                  shas=[p.sha256 for p in parts], cache=f"{ctx.name}/{EXAMPLES}") if per_reason else {}
+    groups = stage_picks(ctx, parts, per_reason, cut) if per_reason else {}
     totals: dict[str, int] = defaultdict(int)
     for p in parts:
         totals["kept"] += p.kept

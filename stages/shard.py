@@ -110,7 +110,7 @@ def _plan_task(storage, part: str, file: str, line_shards: frozenset | None) -> 
     new, published = _new_rows(storage, t, part, line_shards)
     gone = published.filter(pc.invert(pc.is_in(published.column("key"), t.column("key")))).column("key")
     return {"samples": new.num_rows, "bytes": int(pc.sum(new.column("size")).as_py() or 0) + 1600 * new.num_rows,
-            "withdrawn": len(gone), "first_withdrawn": min(gone.to_pylist()) if len(gone) else None}
+            "withdrawn": len(gone), "first_withdrawn": pc.min(gone).as_py()}
 
 
 def _stored_size(data: bytes) -> tuple[int | None, int | None]:
@@ -135,16 +135,14 @@ def _map_task(storage, part: str, file: str, seed: int, n_out: int, first: int =
                                      "sha256", "width", "height"])
     rows, published = _new_rows(storage, rows, part, line_shards)
     rows = by_location(rows)
-    if line_shards is not None and rows.num_rows:
-        names = [f"{first + int(order_key(seed, k)[:16], 16) % n_out:06d}.tar" for k in rows.column("key").to_pylist()]
-        storage.write_table(f"{PUBLISHING}/{part}.parquet", pa.concat_tables(
-            [published, pa.table({"key": rows.column("key"), "shard": names}, schema=PUBLISHED_SCHEMA)]))
+    placed = [published]        # a dataset line's (key, shard) rows of this partition after this run
     # one object per map task (infra/shuffle.py), not one per (partition, shard): about one per sample at scale
     out = BucketWriter(storage, f"{MAP_DIR}/{part}.parquet", MAP_SCHEMA, "shard")
     for batch, images in image_batches(storage, rows):
         keys = batch.column("key").to_pylist()
         order = [order_key(seed, k) for k in keys]
         shard = np.array([first + int(o[:16], 16) % n_out for o in order], np.int64)
+        placed.append(pa.table({"key": keys, "shard": [f"{s:06d}.tar" for s in shard]}, schema=PUBLISHED_SCHEMA))
         meta = []
         cols = (batch.column(x).to_pylist() for x in ("url", "caption", "notes", "sha256", "width", "height"))
         for k, img, (u, c, n, sha, ow, oh) in zip(keys, images, zip(*cols)):
@@ -157,6 +155,8 @@ def _map_task(storage, part: str, file: str, seed: int, n_out: int, first: int =
         out.write(pa.table({"shard": pa.array(shard, pa.int32()), "key": keys, "order": order,
                             "image": pa.array(images, pa.binary()), "ext": ext, "caption": batch.column("caption"),
                             "meta": meta}, schema=MAP_SCHEMA))
+    if line_shards is not None and rows.num_rows:     # before the map file: a map file means a finished map
+        storage.write_table(f"{PUBLISHING}/{part}.parquet", pa.concat_tables(placed))
     out.close()
     return {"part": part, "samples": rows.num_rows}
 
