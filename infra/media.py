@@ -95,3 +95,51 @@ def to_input(image, size: int):
         img = Image.fromarray(arr.astype(np.uint8))
     img = img.convert("RGB").resize((size, size), Image.BICUBIC)
     return (np.asarray(img, np.float32) / 127.5 - 1.0).transpose(2, 0, 1)
+
+
+# img2dataset's `border` resize fits the long side to S and pads the rest of an S x S square with one
+# colour: two different portrait photos then share most of their pixels (the bars), and a descriptor
+# or scorer reading the whole square calls them alike. The ledger keeps each image's original size,
+# so the picture's own region can be recovered whatever resize mode ingest ran.
+PAD_TOLERANCE = 24      # a bar pixel differs from the bar's colour by at most this (JPEG noise)
+PAD_MIN = 2             # bars thinner than this are left alone: nothing to gain, a guess to lose
+
+
+def content_box(stored: tuple[int, int], original: tuple[int, int]) -> tuple[int, int, int, int] | None:
+    """Where a picture of `original` (w, h) lies in a square `stored` (S, S) image that fitted its
+    long side and centred it, as (left, top, right, bottom), one pixel inside the edge the resize
+    blended; None where nothing would have been padded (not square, same aspect, unknown size)."""
+    (sw, sh), (ow, oh) = stored, original
+    if not (sw and sh and ow and oh) or sw != sh or ow == oh:
+        return None
+    if ow > oh:
+        cw, ch = sw, max(1, round(oh * sh / ow))
+    else:
+        cw, ch = max(1, round(ow * sw / oh)), sh
+    left, top = (sw - cw) // 2, (sh - ch) // 2
+    if max(sw - cw, sh - ch) < 2 * PAD_MIN:
+        return None
+    inset_x, inset_y = (1 if cw < sw else 0), (1 if ch < sh else 0)
+    return left + inset_x, top + inset_y, left + cw - inset_x, top + ch - inset_y
+
+
+def unpad(image, width: int | None, height: int | None):
+    """The picture without the bars a `border` resize added: `image` (PIL) cropped to `content_box`
+    when the region outside it is one flat colour (a centre crop or a kept ratio has no such bars,
+    and is returned whole). `width`, `height`: the original size the sample index recorded."""
+    import numpy as np
+
+    box = content_box(image.size, (width or 0, height or 0))
+    if box is None:
+        return image
+    arr = np.asarray(image.convert("RGB"), np.int16)
+    left, top, right, bottom = box
+    # the bars, less the pixel row or column beside the picture that the resize blended
+    bars = np.concatenate([arr[:max(0, top - 1)].reshape(-1, 3), arr[bottom + 1:].reshape(-1, 3),
+                           arr[:, :max(0, left - 1)].reshape(-1, 3), arr[:, right + 1:].reshape(-1, 3)])
+    if not len(bars):
+        return image
+    colour = np.median(bars, axis=0)
+    if np.mean(np.abs(bars - colour).max(-1) <= PAD_TOLERANCE) < 0.98:
+        return image         # not bars: the resize mode kept content there
+    return image.crop(box)

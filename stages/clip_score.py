@@ -34,7 +34,7 @@ from infra.configtools import join, require
 from infra.errors import UserError
 
 from .base import DROPPED, KEPT, Decide, PartTask, StageContext, StageResult
-from .dataplane import by_location, image_batches, read_images, read_kept, reused_or_run
+from .dataplane import PICTURE_COLUMNS, by_location, picture_batches, pictures, read_images, read_kept, reused_or_run
 from .examples import write_examples
 from .scorer import BootstrapConfig, Scorer, check_scorer, read_trusted_keys, small_bootstrap, train_bootstrap
 from infra.hashing import order_key
@@ -133,8 +133,13 @@ LINE = "clip_score/line"           # the bootstrap scorer kept for later runs (b
 CUT = "clip_score/cut/line.json"   # keep_fraction's cut kept for later runs (reuse_cut)
 
 
+# What the scorer is shown: the picture without a `border` resize's bars (dataplane.pictures). In
+# each partition's reuse key, so scores made from padded squares by an earlier version are not reused.
+SCORED_PICTURES = "unpadded"
+
+
 def _scored_key(scorer: dict, device: str, u) -> str:
-    text = json.dumps([scorer["kind"], scorer["sha256"], device, u.part, u.sha256])
+    text = json.dumps([scorer["kind"], scorer["sha256"], device, SCORED_PICTURES, u.part, u.sha256])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 _SCORERS: dict = {}
 
@@ -157,12 +162,22 @@ def _score_task(storage, part: str, file: str, out: str, folder: str, sha: str, 
                 kind: str = "checkpoint") -> dict:
     """Ray task: score one partition, write its scores (`out`.parquet, then the counts in
     `out`.json, which make them reusable), return how many of each value."""
-    rows = by_location(read_kept(storage, file, ["key", "caption", "tar", "offset", "size"]))
+    rows = by_location(read_kept(storage, file, ["key", "caption", *PICTURE_COLUMNS]))
     scorer = _scorer(storage, folder, sha, device, kind) if rows.num_rows else None
-    scores = np.concatenate([np.zeros(0), *(np.asarray(scorer.score(images, batch.column("caption").to_pylist()), np.float64)
-                                            for batch, images in image_batches(storage, rows))])
+    scores = np.concatenate([np.zeros(0), *(np.asarray(scorer.score(_decoded(batch, images), batch.column("caption").to_pylist()),
+                                                       np.float64)
+                                            for batch, images in picture_batches(storage, rows))])
     ints = np.round(np.asarray(scores, np.float64) * SCALE).astype(np.int64)
     return _write_scores(storage, out, part, rows.column("key"), ints)
+
+
+def _decoded(batch: pa.Table, images: list) -> list:
+    """The batch's pictures, or a one-line error naming the first that ingest let through undecodable."""
+    bad = [k for k, img in zip(batch.column("key").to_pylist(), images) if img is None]
+    if bad:
+        raise RuntimeError(f"clip_score: the image of {bad[0]} does not decode (ingest verified it: is the ingest "
+                           "tar changed? `capline verify` checks it)")
+    return images
 
 
 def _write_scores(storage, out: str, part: str, keys, ints: np.ndarray) -> dict:
@@ -208,7 +223,7 @@ def _decide(table: pa.Table, storage, scores: str, threshold: float | None, cut:
 
 def _sample_task(storage, file: str, seed: int, below: str, trusted: frozenset | None) -> list[dict]:
     """Ray task: the partition's rows whose seeded order key is below `below` (and trusted, if listed)."""
-    rows = read_kept(storage, file, ["key", "caption", "tar", "offset", "size"]).to_pylist()
+    rows = read_kept(storage, file, ["key", "caption", *PICTURE_COLUMNS]).to_pylist()
     return [dict(r, order=order_key(seed, r["key"])) for r in rows
             if order_key(seed, r["key"]) < below and (trusted is None or r["key"] in trusted)]
 
@@ -404,7 +419,8 @@ def _train_task(storage, rows: list[dict], **kwargs) -> dict:
     import torch
 
     torch.set_num_threads(max(1, int(kwargs["cfg"].cpus)))
-    images = read_images(storage, pa.Table.from_pylist(rows))
+    table = pa.Table.from_pylist(rows)
+    images = _decoded(table, pictures(table, read_images(storage, table)))
     with tempfile.TemporaryDirectory(prefix="capline-scorer-") as tmp:
         info = train_bootstrap(images=images, captions=[r["caption"] for r in rows], out_dir=tmp, **kwargs)
         storage.put_dir(SCORER_DIR, tmp)

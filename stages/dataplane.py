@@ -337,6 +337,32 @@ def image_batches(storage: Storage, table: pa.Table, batch_rows: int = BATCH_ROW
             start, held = i + 1, 0
 
 
+PICTURE_COLUMNS = ("tar", "offset", "size", "width", "height")   # what `pictures` reads of a row
+
+
+def pictures(batch: pa.Table, images: list) -> list:
+    """Each row's picture as every image model and descriptor should see it: decoded (RGB PIL, the
+    untrusted-input policy) and without the bars a `border` resize padded it with (infra.media.unpad,
+    from the original width and height the sample index keeps); None where it does not decode."""
+    from infra.media import decode, unpad
+
+    sizes = zip(*(batch.column(c).to_pylist() if c in batch.column_names else [None] * batch.num_rows
+                  for c in ("width", "height")))
+    out = []
+    for data, (w, h) in zip(images, sizes):
+        try:
+            out.append(unpad(decode(data), w, h))
+        except Exception:  # noqa: BLE001 - ingest verified decodability; the caller counts a None
+            out.append(None)
+    return out
+
+
+def picture_batches(storage: Storage, table: pa.Table, **options):
+    """`image_batches`, each batch's images as `pictures`."""
+    for batch, images in image_batches(storage, table, **options):
+        yield batch, pictures(batch, images)
+
+
 def reused_or_run(ctx, fn: Callable, folder: str, key_of: Callable, call_of: Callable, what: str, done_before: str,
                   verb: str, items: list | None = None, **options) -> tuple[list, dict[str, str]]:
     """`fn` over the upstream partitions (or `items`, other PartResults), except those an earlier

@@ -47,7 +47,7 @@ from infra.errors import UserError
 from infra.shuffle import merge_group, merge_ranges, read_bucket, read_range, write_buckets, write_ranges
 
 from .base import Decide, StageContext, StageResult
-from .dataplane import DROPPED, KEPT, PartTask, by_location, hash_buckets, image_batches, reused_or_run
+from .dataplane import DROPPED, KEPT, PICTURE_COLUMNS, PartTask, by_location, hash_buckets, picture_batches, reused_or_run
 from .eval_sets import EvalSetConfig, build_reference, check_exists
 from .imagehash import describe, to_rgb_array
 from .lsh import BandPlan, band_plan, band_values, close_in_groups, mix64, runs
@@ -215,25 +215,25 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
     from .dataplane import read_kept
     from .imagehash import simhash
 
-    rows = by_location(read_kept(storage, file, ["key", "url", "caption", "tar", "offset", "size"]))
+    rows = by_location(read_kept(storage, file, ["key", "url", "caption", *PICTURE_COLUMNS]))
     indexes, enc_indexes, encoder = _indexes(storage, blobs, names, encoder_checkpoint, cfg.encoder_image_size)
     n = rows.num_rows
     vec16, means, codes = np.zeros((n, 768), np.float16), np.zeros((n, 3), np.float32), np.zeros((n, cfg.bits // 8), np.uint8)
     pix, ok = [bytes(16)] * n, np.zeros(n, bool)
     best_set, best_id, best_sim = [""] * n, [""] * n, np.full(n, -1.0, np.float32)
     at = 0
-    for batch, images in image_batches(storage, rows):     # memory: a batch's images, whatever n is
+    # memory: a batch's images, whatever n is; each decoded once and seen without a resize's bars
+    for batch, images in picture_batches(storage, rows):
         m = batch.num_rows
         vecs = np.zeros((m, 768), np.float32)
         for j, img in enumerate(images):
             i = at + j
-            try:
-                arr = to_rgb_array(img)   # decode once: for the descriptor and the pixel hash
-                vecs[j], means[i] = describe(arr)
-                pix[i] = hashlib.sha256(arr.tobytes()).digest()[:16]
-                ok[i] = True
-            except Exception:  # noqa: BLE001 - ingest verified decodability; count it if it happens
-                pass
+            if img is None:
+                continue     # ingest verified decodability; counted as undecodable if it happens
+            arr = to_rgb_array(img)   # for the descriptor and the pixel hash
+            vecs[j], means[i] = describe(arr)
+            pix[i] = hashlib.sha256(arr.tobytes()).digest()[:16]
+            ok[i] = True
         vec16[at:at + m], codes[at:at + m] = vecs, simhash(vecs, cfg.bits)
         for kind, idx_map in (("hash", indexes), ("encoder", enc_indexes)):
             if not idx_map:
@@ -269,10 +269,17 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
     return result
 
 
+# How a partition's own images are described: the thumbnail of the picture without a `border`
+# resize's bars (dataplane.pictures). Part of each partition's reuse key, so a partition described
+# the padded way by an earlier version is described again, not reused.
+WITHIN_DESCRIPTOR = "thumb16-unpadded"
+
+
 def _described_key(fingerprint: str, u, plan: BandPlan) -> str:
     """What decides a partition's descriptors and signatures: the stage's fingerprint (config,
-    evaluation sets), the partition's content, the band plan (it grows with N, in steps)."""
-    text = json.dumps([fingerprint, u.part, u.sha256, plan.width, plan.bands, plan.bits])
+    evaluation sets), how images are described, the partition's content, the band plan (it grows
+    with N, in steps)."""
+    text = json.dumps([fingerprint, WITHIN_DESCRIPTOR, u.part, u.sha256, plan.width, plan.bands, plan.bits])
     return f"{u.part}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
@@ -749,7 +756,7 @@ class DedupStage(Decide):
                                    "published_kept": decisions.get("published_kept", 0),
                                    "pairs": {"exact": found.exact, "near_candidates": found.n_candidates,
                                              "near": found.near},
-                                   "method": {"descriptor": "thumb16-v2", "eval_threshold": cfg.eval_threshold,
+                                   "method": {"descriptor": WITHIN_DESCRIPTOR, "eval_threshold": cfg.eval_threshold,
                                               "within_threshold": cfg.within_threshold,
                                               "lsh": f"{found.lsh}, Hamming radius "
                                                      f"{hamming_radius(cfg.within_threshold, cfg.bits)}",

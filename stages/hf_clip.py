@@ -73,13 +73,14 @@ class HFScorer:
         self.mean = np.array(conf.get("image_mean", CLIP_MEAN), np.float32).reshape(3, 1, 1)
         self.std = np.array(conf.get("image_std", CLIP_STD), np.float32).reshape(3, 1, 1)
 
-    def _pixels(self, data: bytes) -> np.ndarray:
-        """(3, S, S): shortest side to S (bicubic), centre crop, CLIP's normalisation."""
+    def _pixels(self, data) -> np.ndarray:
+        """(3, S, S): shortest side to S (bicubic), centre crop, CLIP's normalisation. `data`: encoded
+        bytes or a decoded PIL image (the data plane's `pictures`, without a resize's bars)."""
         from PIL import Image
 
         from infra.media import decode
 
-        img = decode(data)
+        img = data.convert("RGB") if isinstance(data, Image.Image) else decode(data)
         w, h = img.size
         scale = self.size / min(w, h)
         img = img.resize((max(self.size, round(w * scale)), max(self.size, round(h * scale))), Image.BICUBIC)
@@ -89,7 +90,7 @@ class HFScorer:
         x = np.asarray(img, np.float32).transpose(2, 0, 1) / 255.0
         return (x - self.mean) / self.std
 
-    def score(self, images: list[bytes], captions: list[str]) -> np.ndarray:
+    def score(self, images: list, captions: list[str]) -> np.ndarray:
         from .scorer import in_chunks
 
         torch = self.torch

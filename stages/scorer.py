@@ -105,8 +105,9 @@ class Scorer:
 
     CHUNK = 64   # every forward pass has exactly this many rows
 
-    def score(self, images: list[bytes], captions: list[str]) -> np.ndarray:
-        """Cosine per pair, in fixed-size chunks (in_chunks)."""
+    def score(self, images: list, captions: list[str]) -> np.ndarray:
+        """Cosine per pair, in fixed-size chunks (in_chunks). `images`: encoded bytes or decoded PIL
+        images (the data plane's `pictures`, without a resize's bars)."""
         from trainers.data import decode_image, encode_caption
 
         torch = self.torch
