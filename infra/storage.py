@@ -54,14 +54,18 @@ class Storage:
 
     @classmethod
     def from_uri(cls, uri: str) -> "Storage":
-        import pyarrow.fs as pafs
-
-        fs, root = pafs.FileSystem.from_uri(uri)
+        fs, root = filesystem(uri)
         return cls(fs, root.rstrip("/"))
 
     @property
     def is_local(self) -> bool:
         return self.fs.type_name == "local"
+
+    @property
+    def _objects(self) -> bool:
+        """S3: this class's own calls go through infra/objects.py, a request per object. (Ray Data,
+        Parquet filter reads and training open `fs`, pyarrow's filesystem, as files.)"""
+        return self.fs.type_name == "s3"
 
     def path(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
@@ -71,8 +75,10 @@ class Storage:
         return self.path(rel) if self.is_local else f"{self.fs.type_name}://{self.path(rel)}"
 
     def _ensure_parent(self, rel: str) -> None:
-        parent = self.path(rel).rsplit("/", 1)[0]
-        self.fs.create_dir(parent, recursive=True)
+        """A local folder for the file; an object store has no folders to make (pyarrow would PUT a
+        marker per level, on every write)."""
+        if self.is_local:
+            self.fs.create_dir(self.path(rel).rsplit("/", 1)[0], recursive=True)
 
     def write_bytes(self, rel: str, data: bytes) -> str:
         """Write whole or not at all (temp + move where moves exist); -> sha256 of the bytes."""
@@ -91,6 +97,8 @@ class Storage:
     def _write_whole(self, rel: str, pieces) -> str:
         if _blocked:   # this process lost its run folder's lock: nothing more is written
             raise UserError(_blocked)
+        if self._objects:
+            return self._put(rel, pieces)
         self._ensure_parent(rel)
         target = self.path(rel)
         # an object store's PUT is atomic already; a local file is written aside, then moved
@@ -112,13 +120,63 @@ class Storage:
             raise
         return h.hexdigest()
 
+    def _put(self, rel: str, pieces) -> str:
+        """One PUT (an object store's PUT is whole or nothing): small bodies from memory, larger
+        ones spooled to a local temp file first, never whole in memory."""
+        import tempfile
+
+        from . import objects
+
+        h = hashlib.sha256()
+        with tempfile.SpooledTemporaryFile(max_size=64 << 20) as spool:
+            for piece in pieces:
+                h.update(piece)
+                spool.write(piece)
+            size = spool.tell()
+            spool.seek(0)
+            body = spool.read() if size <= (64 << 20) else spool
+            objects.put(self.path(rel), body, size)
+        return h.hexdigest()
+
     def read_bytes(self, rel: str) -> bytes:
+        if self._objects:
+            from . import objects
+
+            return objects.get(self.path(rel))
         with self.fs.open_input_stream(self.path(rel)) as f:
             return f.read()
 
     def read_range(self, rel: str, offset: int, size: int) -> bytes:
+        return self.read_ranges(rel, [(offset, size)])[0]
+
+    def read_ranges(self, rel: str, spans: list[tuple[int, int]]) -> list[bytes]:
+        """(offset, size) pieces of one file: on an object store a ranged GET each, 8 at a time and no
+        HEAD; locally the file opened once."""
+        if self._objects:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from . import objects
+
+            path = self.path(rel)
+            if len(spans) < 2:
+                return [objects.get(path, o, n) for o, n in spans]
+            with ThreadPoolExecutor(min(8, len(spans))) as pool:
+                return list(pool.map(lambda s: objects.get(path, *s), spans))
         with self.fs.open_input_file(self.path(rel)) as f:
-            return f.read_at(size, offset)
+            return [f.read_at(n, o) for o, n in spans]
+
+    def download(self, rel: str, local_path) -> str:
+        """A file of the run streamed into a local file (never whole in memory); -> its sha256."""
+        if self._objects:
+            from . import objects
+
+            return objects.download(self.path(rel), local_path)
+        h = hashlib.sha256()
+        with self.fs.open_input_stream(self.path(rel)) as src, open(local_path, "wb") as out:
+            while chunk := src.read(1 << 22):
+                h.update(chunk)
+                out.write(chunk)
+        return h.hexdigest()
 
     def write_table(self, rel: str, table: pa.Table) -> tuple[str, int]:
         """-> (sha256, bytes) of the Parquet file as written."""
@@ -128,35 +186,87 @@ class Storage:
         return self.write_bytes(rel, data), len(data)
 
     def read_table(self, rel: str, columns=None) -> pa.Table:
+        if self._objects:      # one GET of the whole file, parsed here (pyarrow would HEAD three times)
+            return pq.read_table(pa.BufferReader(self.read_bytes(rel)), columns=columns)
         return pq.read_table(self.path(rel), columns=columns, filesystem=self.fs)
 
     def exists(self, rel: str) -> bool:
         import pyarrow.fs as pafs
 
+        if self._objects:
+            from . import objects
+
+            return objects.head(self.path(rel)) is not None
         return self.fs.get_file_info(self.path(rel)).type != pafs.FileType.NotFound
 
     def delete(self, rel: str) -> None:
+        """A file, or a folder with everything in it; nothing if neither is there. On an object store
+        one listing and a batched delete (no HEADs, no folder marker re-created)."""
         import pyarrow.fs as pafs
 
+        if self._objects:
+            from . import objects
+
+            files, _ = objects.listing(self.path(rel), recursive=True)
+            objects.delete([self.path(rel)] + [p for p, _ in files])
+            return
         info = self.fs.get_file_info(self.path(rel))
         if info.type == pafs.FileType.Directory:
             self.fs.delete_dir(self.path(rel))
         elif info.type == pafs.FileType.File:
             self.fs.delete_file(self.path(rel))
 
+    def delete_all(self, rels: list[str]) -> None:
+        """`delete` of each (files or folders), 16 at a time."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if len(rels) < 2:
+            for r in rels:
+                self.delete(r)
+            return
+        with ThreadPoolExecutor(min(16, len(rels))) as pool:
+            list(pool.map(self.delete, rels))
+
+    def delete_files(self, rels) -> None:
+        """Files of the run (from a listing), deleted together: on an object store 1,000 a request."""
+        rels = list(rels)
+        if self._objects:
+            from . import objects
+
+            objects.delete([self.path(r) for r in rels])
+            return
+        for r in rels:
+            try:
+                self.fs.delete_file(self.path(r))
+            except FileNotFoundError:
+                pass
+
     def list(self, rel_dir: str, suffix: str = "", recursive: bool = False) -> list[str]:
         """Run-folder-relative paths of the files in rel_dir (directly in it unless recursive), sorted."""
+        return [p for p, _ in self.list_sized(rel_dir, suffix, recursive)]
+
+    def list_sized(self, rel_dir: str, suffix: str = "", recursive: bool = False) -> list[tuple[str, int]]:
+        """`list`, each path with its size in bytes (a listing has them: no request per file)."""
         import pyarrow.fs as pafs
 
+        base = len(self.root) + 1
+        if self._objects:
+            from . import objects
+
+            files, _ = objects.listing(self.path(rel_dir), recursive)
+            return sorted((p[base:], n) for p, n in files if p.endswith(suffix))
         infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel_dir), allow_not_found=True,
                                                         recursive=recursive))
-        base = len(self.root) + 1
-        return sorted(i.path[base:] for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffix))
+        return sorted((i.path[base:], i.size) for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffix))
 
     def list_dirs(self, rel_dir: str) -> list[str]:
         """Names of the folders directly in rel_dir (an object store's common prefixes)."""
         import pyarrow.fs as pafs
 
+        if self._objects:
+            from . import objects
+
+            return sorted(objects.listing(self.path(rel_dir), recursive=False)[1])
         infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel_dir), allow_not_found=True))
         return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
 
@@ -164,21 +274,20 @@ class Storage:
         return self.write_bytes(rel, json.dumps(obj, indent=1, sort_keys=True).encode())
 
     def read_jsons(self, rels: list[str], default=None) -> list:
-        """`read_json` of each, 16 at a time (on an object store each read waits on latency)."""
+        """`read_json` of each, 32 at a time (on an object store each read waits on latency)."""
         from concurrent.futures import ThreadPoolExecutor
 
         if len(rels) < 2:
             return [self.read_json(r, default) for r in rels]
-        with ThreadPoolExecutor(min(16, len(rels))) as pool:
+        with ThreadPoolExecutor(min(32, len(rels))) as pool:
             return list(pool.map(lambda r: self.read_json(r, default), rels))
 
     def read_json(self, rel: str, default=None):
-        """The JSON at rel; `default` if there is none or it is not whole JSON (a torn write)."""
-        if not self.exists(rel):
-            return default
+        """The JSON at rel; `default` if there is none or it is not whole JSON (a torn write). One
+        read: a missing file is the read's own answer, not a look first."""
         try:
             return json.loads(self.read_bytes(rel))
-        except ValueError:
+        except (FileNotFoundError, ValueError):
             return default
 
     def put_dir(self, rel: str, local_dir) -> dict[str, str]:
@@ -213,9 +322,7 @@ class Storage:
         (-> its run-relative path), or None where workers reach the local path as it is."""
         if self.is_local:
             return None
-        with open(local_path, "rb") as src, self.fs.open_output_stream(self.path(rel)) as out:
-            while chunk := src.read(1 << 22):
-                out.write(chunk)
+        self.write_file(rel, local_path)
         return rel
 
     def local_dir(self, rel: str):
@@ -262,10 +369,22 @@ def is_uri(path) -> bool:
 
 
 def filesystem(uri: str):
-    """-> (pyarrow FileSystem, path inside it)."""
+    """-> (pyarrow FileSystem, path inside it). S3's is made to send no folder checks and to retry
+    throttling with AWS's standard backoff for longer than its default three attempts (what opens
+    it as files: Ray Data, Parquet filter reads, training; Storage's own calls use infra/objects.py)."""
     import pyarrow.fs as pafs
 
-    return pafs.FileSystem.from_uri(uri)
+    fs, path = pafs.FileSystem.from_uri(uri)
+    if fs.type_name == "s3":
+        # the options from_uri found (endpoint, region, scheme from the URI and the environment), kept;
+        # a longer retry added (it does not survive pickling: a task's copy retries 3 times, which
+        # only matters for what opens `fs` directly)
+        opts = dict(fs.__reduce__()[1][0])
+        if not opts.get("proxy_options", {}).get("host"):
+            opts.pop("proxy_options", None)
+        opts = {k: v for k, v in opts.items() if v not in ("", None) or k == "region"}
+        fs = pafs.S3FileSystem(**opts, retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=12))
+    return fs, path
 
 
 def join(base, *parts: str):

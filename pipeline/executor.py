@@ -192,20 +192,21 @@ class Executor:
         if not reuse:
             return self.run(run_part, [(ctx.storage, ctx.name, fn, t, None, None, ctx.notes) for t in tasks], what, num_cpus=num_cpus,
                             num_gpus=num_gpus, describe=label, setting=setting)
+        from stages import records
+
         folder = f"{ctx.name}/{REUSE}"
-        have = set(ctx.storage.list(folder, ".json"))
+        keys = [reuse_key(ctx.fingerprint, t) for t in tasks]
+        # the earlier runs' records in one read (the folder's summary), listed and read only for
+        # keys it lacks: never a request per partition on the driver
+        found = records.find(ctx.storage, {k: f"{folder}/{k}.json" for k in keys if k})
         results: list = [None] * len(tasks)
-        calls, where, used = [], [], set()
-        for i, t in enumerate(tasks):
-            key = reuse_key(ctx.fingerprint, t)
-            record = f"{folder}/{key}.json" if key else None
-            if record:
-                used |= {record, f"{folder}/{key}.parquet"}
-            if record in have:
-                results[i] = PartResult.from_json(ctx.storage.read_json(record))
+        calls, where = [], []
+        for i, (t, key) in enumerate(zip(tasks, keys)):
+            if key in found:
+                results[i] = PartResult.from_json(found[key])
             else:
-                calls.append((ctx.storage, ctx.name, fn, t, f"{folder}/{key}.parquet" if key else None, record,
-                              ctx.notes))
+                calls.append((ctx.storage, ctx.name, fn, t, f"{folder}/{key}.parquet" if key else None,
+                              f"{folder}/{key}.json" if key else None, ctx.notes))
                 where.append(i)
         if len(calls) < len(tasks):
             self.log(f"{ctx.name}: {len(tasks) - len(calls)} partitions unchanged since an earlier run, reused; "
@@ -213,8 +214,10 @@ class Executor:
         for i, r in zip(where, self.run(run_part, calls, what, num_cpus=num_cpus, num_gpus=num_gpus,
                                         describe=label, setting=setting)):
             results[i] = r
-        for stale in set(ctx.storage.list(folder)) - used:
-            ctx.storage.delete(stale)    # partitions no later run can match: the source lost them
+        records.write_summary(ctx.storage, folder, {f"{folder}/{k}.json": r.to_json() for k, r in zip(keys, results) if k})
+        used = {f"{folder}/{k}.{suffix}" for k in keys if k for suffix in ("json", "parquet")}
+        # partitions no later run can match (the source lost them): deleted together
+        ctx.storage.delete_files(records.stale_files(ctx.storage, folder, used))
         return results
 
 

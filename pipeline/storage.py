@@ -18,7 +18,6 @@ Checked before any work: the bucket exists and the credentials are accepted.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -100,12 +99,7 @@ class RunStore:
             return False
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(dst.name + ".part")
-        h = hashlib.sha256()
-        with storage.fs.open_input_stream(storage.path(rel)) as src, open(tmp, "wb") as out:
-            while chunk := src.read(1 << 22):   # streamed: a tar of the full pull may be GBs
-                h.update(chunk)
-                out.write(chunk)
-        got = h.hexdigest()
+        got = storage.download(rel, tmp)      # streamed: a tar of the full pull may be GBs
         if expect and got != expect:
             tmp.unlink()
             raise UserError(f"storage: {self.uri}/{rel} does not match the sha256 its stage's _SUCCESS recorded; "
@@ -189,9 +183,7 @@ class RunStore:
             out[rel] = file_sha256(p)
             if before.get(rel) == out[rel] and storage.exists(rel):
                 continue
-            with open(p, "rb") as f, storage.fs.open_output_stream(storage.path(rel)) as dst:
-                while chunk := f.read(1 << 22):
-                    dst.write(chunk)
+            storage.write_file(rel, p)
             n += 1
         if n:
             log(f"storage: {stage}: uploaded {n} files the driver wrote to {self.uri}/{stage}")

@@ -370,18 +370,22 @@ def reused_or_run(ctx, fn: Callable, folder: str, key_of: Callable, call_of: Cal
     the task writing `.json` (its result) last, so a record found means whole outputs.
     `call_of(u, out)` makes a task's arguments. Records no partition maps to now are deleted.
     -> (results in upstream order, partition -> its output prefix)."""
+    from . import records
+
     upstream = items if items is not None else ctx.upstream or []
     outs = {u.part: f"{folder}/{key_of(u)}" for u in upstream}
-    have = set(ctx.storage.list(folder, ".json"))
-    done = [u.part for u in upstream if f"{outs[u.part]}.json" in have]
-    todo = [u for u in upstream if f"{outs[u.part]}.json" not in have]
+    # earlier runs' results in one read (the folder's summary; records.py), not one per partition
+    found = records.find(ctx.storage, {u.part: f"{outs[u.part]}.json" for u in upstream})
+    done = [u.part for u in upstream if u.part in found]
+    todo = [u for u in upstream if u.part not in found]
     if done:
         ctx.log(f"{ctx.name}: {len(done)} partitions {done_before}, reused; {len(todo)} to {verb}")
-    results = dict(zip(done, ctx.storage.read_jsons([f"{outs[p]}.json" for p in done])))
+    results = {p: found[p] for p in done}
     ran = ctx.run(fn, [call_of(u, outs[u.part]) for u in todo], what, describe=lambda c: f"partition {c[1]}", **options)
     results.update({u.part: r for u, r in zip(todo, ran)})
+    records.write_summary(ctx.storage, folder, {f"{outs[p]}.json": r for p, r in results.items()})
     keep = set(outs.values())           # partition names hold no "." (ingest names them)
-    for stale in ctx.storage.list(folder):
-        if f"{folder}/{stale.rsplit('/', 1)[-1].split('.', 1)[0]}" not in keep:
-            ctx.storage.delete(stale)      # partitions gone from the input, or made under another config
+    # partitions gone from the input, or made under another config: deleted together
+    ctx.storage.delete_files([f for f in records.stale_files(ctx.storage, folder, set())
+                              if f"{folder}/{f.rsplit('/', 1)[-1].split('.', 1)[0]}" not in keep])
     return [results[u.part] for u in upstream], outs

@@ -20,7 +20,6 @@ reaches images by. The driver gets counts back. capline adds:
 """
 from __future__ import annotations
 
-import math
 import re
 
 import hashlib
@@ -37,6 +36,7 @@ import pyarrow.parquet as pq
 
 from infra.configtools import join, require
 
+from . import records
 from .base import Source, StageContext, StageResult
 from .dataplane import DROPPED, KEPT, SAMPLE_SCHEMA, PartResult, read_kept, write_part
 from .source import safe_name
@@ -57,10 +57,11 @@ class IngestConfig:
     retries: int = 1                 # extra attempts per URL
     thread_count: int = 32           # concurrent requests per shard task
     samples_per_shard: int = 1000
-    # the stages after ingest get partitions of consecutive shards of one source partition, about
-    # this many samples at most (and fewer while the cluster has more CPUs than partitions): fewer,
-    # larger objects per stage. How the work is cut, not what is decided: not in the fingerprint
-    compact_rows: int = 100_000
+    # the stages after ingest get partitions of this many samples' worth of consecutive shards of one
+    # source partition, whatever the cluster or the data's size: a partition never moves, so another
+    # cluster or an append reuses every one. Tasks per later stage ~ samples / compact_rows: 5,000 at
+    # 10^8. How the work is cut, not what is decided: not in the fingerprint
+    compact_rows: int = 20_000
     min_image_size: int | None = None    # moved: the basic stage decides image_too_small (min_image_side)
     max_aspect_ratio: float | None = None  # moved: the basic stage decides aspect_ratio (max_aspect_ratio)
     max_bytes: int = 20_000_000      # a response longer than this is dropped (too_many_bytes)
@@ -113,7 +114,10 @@ class IngestConfig:
                 f"must be >= max_pixels ({self.max_pixels}), or the largest allowed image never decodes")
 
 
-@dataclass
+PARTS = "ingest/parts"   # <unit>/{tars,ledger,results,compact}/ per source partition; _summary.parquet
+
+
+@dataclass(frozen=True)
 class ShardJob:
     """One ingest shard: rows [start, stop) of a source partition's kept samples."""
     unit: str          # parts/<unit>/: the source partition's download folder
@@ -142,7 +146,7 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server) -> dict:
     keys = rows.column("key").to_pylist()
     todo = rows   # every URL is fetched: caption and image-size drops are the basic stage's
     name = f"{job.shard:05d}"
-    unit = f"ingest/parts/{job.unit}"
+    unit = f"{PARTS}/{job.unit}"
     verdicts: dict[str, list] = {c: [] for c in ("key", "verdict", "reason", "detail", "tar", "member", "offset",
                                                  "size", "sha256", "width", "height", "url")}
 
@@ -351,19 +355,21 @@ class IngestStage(Source):
         site = ctx.artifact("source", "site")
         served = site["served"]   # files the source stage made: served over loopback here
         fp = hashlib.sha256(ctx.fingerprint.encode()).hexdigest()
-        jobs, reused, units = [], [], set()
+        jobs, wanted, units = [], {}, set()
         for u in ctx.upstream or []:
             unit = f"{safe_name(u.part)}-{hashlib.sha256((fp + u.sha256).encode()).hexdigest()[:12]}"
             units.add(unit)
-            done = {Path(r).stem: r for r in ctx.storage.list(f"ingest/parts/{unit}/results", ".json")}
             for i, start in enumerate(range(0, u.kept, cfg.samples_per_shard)):
-                name = f"{i:05d}"
-                if name in done:
-                    reused.append(PartResult.from_json(json.loads(ctx.storage.read_bytes(done[name]))))
-                    continue
-                jobs.append(ShardJob(unit, i, u.part, u.file, start, min(u.kept, start + cfg.samples_per_shard)))
-        for stale in set(ctx.storage.list_dirs("ingest/parts")) - units:
-            ctx.storage.delete(f"ingest/parts/{stale}")   # a partition no longer in the source
+                job = ShardJob(unit, i, u.part, u.file, start, min(u.kept, start + cfg.samples_per_shard))
+                wanted[job] = f"{PARTS}/{unit}/results/{i:05d}.json"
+        # every shard and group record of earlier runs in one read (records.py); a unit's folder is
+        # listed only where a shard is missing from it (new, or finished after the last summary)
+        summary = {PARTS: records.read_summary(ctx.storage, PARTS)}
+        found = records.find(ctx.storage, wanted, summaries=summary)
+        reused = [PartResult.from_json(found[j]) for j in wanted if j in found]
+        jobs = [j for j in wanted if j not in found]
+        gone = sorted(set(ctx.storage.list_dirs(PARTS)) - units)
+        ctx.storage.delete_all([f"{PARTS}/{stale}" for stale in gone])   # partitions no longer in the source
         if reused:
             ctx.log(f"ingest: {len(reused)} shards downloaded before, reused; {len(jobs)} to download")
         results = []
@@ -391,7 +397,10 @@ class IngestStage(Source):
         shards = reused + results
         report = write_report(ctx.stage_dir, shards, ctx.run_name)
         ctx.log(f"ingest: failures by host and reason in {report}")
-        parts = compact(ctx, shards, shards_per_partition(sum(p.n_in for p in shards), ctx.cluster_cpus(), cfg))
+        used = {rel: r.to_json() for rel, r in zip([wanted[j] for j in wanted if j in found] + [wanted[j] for j in jobs],
+                                                   shards)}
+        parts = compact(ctx, shards, shards_per_partition(cfg), summary[PARTS], used)
+        records.write_summary(ctx.storage, PARTS, used)
         ok = sum(p.extra["successes"] for p in results)
         nodes = sorted({p.extra["node"] for p in results if p.extra.get("node")})
         return StageResult(parts, {"shards": len(shards), "partitions": len(units), "compacted_to": len(parts), "nodes": nodes,
@@ -399,18 +408,20 @@ class IngestStage(Source):
                            artifacts={"ledger": "ingest/parts.json", "report": "ingest/report.html"})
 
 
-def shards_per_partition(samples: int, cluster_cpus: float, cfg: IngestConfig) -> int:
-    """Shards joined into one partition for the stages after ingest: up to `compact_rows` samples,
-    but no fewer partitions than the cluster's CPUs while the data allows; a power of two, so a run
-    that adds a little data keeps the same grouping (and its partitions are reused downstream)."""
-    target = min(cfg.compact_rows, math.ceil(samples / max(1.0, cluster_cpus)))
-    return 1 << max(0, int(math.floor(math.log2(max(1, target // cfg.samples_per_shard)))))
+def shards_per_partition(cfg: IngestConfig) -> int:
+    """Shards joined into one partition for the stages after ingest: `compact_rows` samples' worth,
+    from the config alone. Never from the cluster's size or the data's: a partition is then the same
+    consecutive shards of one source partition on any cluster and after any append, and every stage
+    after ingest reuses it."""
+    return max(1, cfg.compact_rows // cfg.samples_per_shard)
 
 
-def compact(ctx: StageContext, shards: list[PartResult], per: int) -> list[PartResult]:
+def compact(ctx: StageContext, shards: list[PartResult], per: int, before: dict[str, dict],
+            used: dict[str, dict]) -> list[PartResult]:
     """The shards' ledgers joined, `per` consecutive shards of one source partition at a time (their
     tars stay where they are: rows point at them). A group joined before from the same shards is
-    reused; a lone shard is its own partition."""
+    reused (its record in `before`, ingest's summary of the last run, or written since); a lone
+    shard is its own partition. The records used are added to `used`."""
     units: dict[str, list[PartResult]] = {}
     for p in shards:
         units.setdefault(p.file.split("/")[2], []).append(p)   # ingest/parts/<unit>/ledger/<shard>.parquet
@@ -424,20 +435,23 @@ def compact(ctx: StageContext, shards: list[PartResult], per: int) -> list[PartR
                 continue
             first, last = (Path(g.file).stem for g in (group[0], group[-1]))
             joined.append((unit, first, last, group))
-    rels = [f"ingest/parts/{unit}/compact/{first}-{last}" for unit, first, last, _ in joined]
-    keep, calls = set(rels), []
-    for rel, done, (unit, first, last, group) in zip(rels, ctx.storage.read_jsons([f"{r}.json" for r in rels]), joined):
+    rels = [f"{PARTS}/{unit}/compact/{first}-{last}" for unit, first, last, _ in joined]
+    done = records.find(ctx.storage, {r: f"{r}.json" for r in rels}, summaries={PARTS: before})
+    calls = []
+    for rel, (unit, first, last, group) in zip(rels, joined):
         shas = [g.sha256 for g in group]
-        if done and done.get("members") == shas:
-            out.append(PartResult.from_json(done["result"]))
+        if rel in done and done[rel].get("members") == shas:
+            out.append(PartResult.from_json(done[rel]["result"]))
+            used[f"{rel}.json"] = done[rel]
         else:
             calls.append((ctx.storage, [g.file for g in group], shas, f"{unit}-{first}-{last}", rel, group[0].input))
-    for unit in units:
-        for f in ctx.storage.list(f"ingest/parts/{unit}/compact"):
-            if f.rsplit(".", 1)[0] not in keep:
-                ctx.storage.delete(f)       # a grouping of an earlier run
+    # groupings of an earlier run (another compact_rows) in a unit still used: known from the summary
+    stale = [r for r in before if "/compact/" in r and r not in used and r.split("/")[2] in units]
+    ctx.storage.delete_files([f for r in stale for f in (r, r[:-len(".json")] + ".parquet")])
     if calls:
-        out += ctx.run(_compact_task, calls, "ingest compact", num_cpus=0.5, unit="partitions")
+        made = ctx.run(_compact_task, calls, "ingest compact", num_cpus=0.5, unit="partitions")
+        used.update({f"{c[4]}.json": {"members": c[2], "result": r.to_json()} for c, r in zip(calls, made)})
+        out += made
         ctx.log(f"ingest: {len(shards)} shards joined into {len(out)} partitions for the stages after it")
     return sorted(out, key=lambda p: p.part)
 

@@ -174,7 +174,6 @@ def _merge_task(storage, files: list[str], rel_out: str) -> dict:
     """Ray task: map files read whole (one stream each, not a range per shard) into a local folder,
     written back as one file with a row group per output shard: the reducers open one file where
     there were len(files). Rows keep the files' order within a shard (the reducer sorts anyway)."""
-    import shutil
     import tempfile
 
     import pyarrow.parquet as pq
@@ -183,8 +182,7 @@ def _merge_task(storage, files: list[str], rel_out: str) -> dict:
         local = []
         for i, rel in enumerate(files):
             path = Path(tmp) / f"{i:05d}.parquet"
-            with storage.fs.open_input_stream(storage.path(rel)) as src, open(path, "wb") as dst:
-                shutil.copyfileobj(src, dst, 64 << 20)
+            storage.download(rel, path)
             local.append(pq.ParquetFile(path))
         groups: dict[int, list[tuple[int, int]]] = {}
         for i, pf in enumerate(local):          # each row group holds one shard (infra/shuffle.py)

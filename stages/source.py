@@ -408,9 +408,7 @@ def _read_file_task(storage, path: str, cfg: SourceConfig, pinned: str | None = 
         local = Path(path)
         if pinned is not None:
             local = Path(tmp) / name
-            with storage.fs.open_input_stream(storage.path(pinned)) as src, open(local, "wb") as out:
-                while chunk := src.read(1 << 22):
-                    out.write(chunk)
+            storage.download(pinned, local)
         rows = keyed_rows(_read_table(local, cfg.format, _text_cols(cfg, local), cfg.header, cfg.columns), cfg, name)
         return write_partitions(storage, rows, name, cfg.rows_per_part)
 
