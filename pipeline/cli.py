@@ -291,8 +291,9 @@ def _cmd_run(args) -> int:
         from .report import write_report
 
         print(f"\ncapline: finished in {time.time() - t0:.0f}s; run folder {run_dir.resolve()}")
+        t_report = time.time()
         report = write_report(run_dir, storage=store.storage())
-        print(f"report: {report}")
+        print(f"report: {report} ({time.time() - t_report:.1f} s)")
         log_report(run_dir, Path(report), log=_say)
         manifest = json.loads((run_dir / "manifest.json").read_text())
         if open_clip_args(manifest):

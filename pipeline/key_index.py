@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 import pyarrow.parquet as pq
 
 KEYS = "keys"
@@ -37,13 +38,23 @@ def _reduce_task(storage, bucket: int, maps: list[str], out: str, row_group: int
                         out, row_group)
 
 
-def _single_task(storage, files: list[str], out: str, row_group: int) -> int:
+def _single_task(storage, files: list[str], out: str, row_group: int, previous: pa.Table | None = None) -> int:
+    """The one index file from the keys of `files`, less those `previous` (the last index's rows of
+    files whose content is unchanged) already holds: an append reads only the ledgers it added."""
+    import pyarrow.compute as pc
+
+    have = set(previous.column("file").unique().to_pylist()) if previous is not None else set()
     keys, where = [], []
     for f in files:
+        if f in have:
+            continue
         k = storage.read_table(f, ["key"]).column("key").to_pylist()
         keys += k
         where += [f] * len(k)
-    return _write_index(storage, pa.table({"key": keys, "file": where}), out, row_group)
+    new = pa.table({"key": pa.array(keys, pa.string()), "file": pa.array(where, pa.string())})
+    if previous is not None:
+        new = pa.concat_tables([previous.filter(pc.is_in(previous.column("file"), pa.array(files, pa.string()))), new])
+    return _write_index(storage, new, out, row_group)
 
 
 def _write_index(storage, t: pa.Table, out: str, row_group: int) -> int:
@@ -54,28 +65,41 @@ def _write_index(storage, t: pa.Table, out: str, row_group: int) -> int:
     return t.num_rows
 
 
-def build(storage, executor, stage: str, files: list[str], rows: int, in_driver: bool = False) -> dict:
-    """The index of `stage`'s ledger `files` (`rows` keys in all), in Ray tasks; -> its meta.
-    `in_driver`: the stage wrote its partitions from the driver (no task), so the index is built
-    there too (a cluster's workers may not reach what the driver wrote)."""
+def build(storage, executor, stage: str, files: dict[str, str], rows: int, in_driver: bool = False) -> dict:
+    """The index of `stage`'s ledger `files` (path -> sha256; `rows` keys in all), in Ray tasks; ->
+    its meta. `in_driver`: the stage wrote its partitions from the driver (no task), so the index is
+    built there too (a cluster's workers may not reach what the driver wrote)."""
     if in_driver:
         from types import SimpleNamespace
 
         executor = SimpleNamespace(run=lambda fn, calls, *a, **k: [fn(*c) for c in calls])
     folder = f"{stage}/{KEYS}"
-    storage.delete(folder)
     buckets = max(1, math.ceil(rows / ROWS_PER_BUCKET))
-    if buckets == 1:    # one index file: one task reads the keys of every ledger, no map files
-        executor.run(_single_task, [(storage, files, f"{folder}/000000.parquet", ROW_GROUP)], f"{stage} key index",
-                     num_cpus=0.25, quiet=True)
+    before = storage.read_json(f"{folder}/meta.json") or {}
+    if buckets == 1:    # one index file: one task reads the keys of the ledgers it lacks, no map files
+        previous = None
+        if before.get("buckets") == 1 and isinstance(before.get("files"), dict):
+            try:
+                old = storage.read_table(f"{folder}/000000.parquet")
+                same = [f for f, sha in files.items() if before["files"].get(f) == sha]
+                previous = old.filter(pa.compute.is_in(old.column("file"), pa.array(same, pa.string())))
+            except (FileNotFoundError, OSError):
+                previous = None
+        executor.run(_single_task, [(storage, sorted(files), f"{folder}/000000.parquet", ROW_GROUP, previous)],
+                     f"{stage} key index", num_cpus=0.25, quiet=True)
+        for stale in storage.list(folder):
+            if stale not in (f"{folder}/000000.parquet", f"{folder}/meta.json"):
+                storage.delete_files([stale])      # buckets of an earlier, larger index
     else:
+        storage.delete(folder)
+        files = dict(files)
         maps = [f"{folder}/_map/{i:06d}.parquet" for i in range(len(files))]
         executor.run(_map_task, [(storage, f, m, buckets) for f, m in zip(files, maps)], f"{stage} key index",
                      num_cpus=0.25, quiet=True)
         executor.run(_reduce_task, [(storage, b, maps, f"{folder}/{b:06d}.parquet", ROW_GROUP)
                                     for b in range(buckets)], f"{stage} key index", num_cpus=0.25, quiet=True)
         storage.delete(f"{folder}/_map")
-    meta = {"buckets": buckets, "rows": rows}
+    meta = {"buckets": buckets, "rows": rows, **({"files": dict(sorted(files.items()))} if buckets == 1 else {})}
     storage.write_json(f"{folder}/meta.json", meta)
     return meta
 

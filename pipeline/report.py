@@ -7,6 +7,8 @@ run used (each score means one thing for kept and dropped alike), a grid of kept
 (picture, caption, reason, score; at most MAX_PER_REASON per stage and reason), training curves from
 MLflow, and the evaluation table with every shot count. Charts are PNGs drawn with matplotlib and inlined, so the page
 needs no network and no script beyond one check that logs an error for any image that fails to load.
+Everything comes from what the stages stored (stats.json's score histograms, each stage's picks.json):
+the report reads no ledger, so its time does not grow with the number of partitions.
 """
 from __future__ import annotations
 
@@ -16,11 +18,7 @@ import io
 import json
 from pathlib import Path
 
-
-
-import pyarrow.compute as pc
-
-from stages.base import has_ledger, read_ledger
+import numpy as np
 
 from infra.errors import UserError
 
@@ -76,23 +74,25 @@ def _score_charts(run_dir: Path, config: dict, storage) -> list[str]:
             "dedup": [("eval_threshold", stages.get("dedup", {}).get("eval_threshold")),
                       ("within_threshold", stages.get("dedup", {}).get("within_threshold"))]}
     for stage in ("dedup", "language", "clip_score"):   # basic's scores are lengths and ratios: no one axis
-        if not has_ledger(storage, stage):
+        # the histogram the stage's tasks binned (stats.json): the report never reads a ledger
+        path = run_dir / stage / "stats.json"
+        stats = json.loads(path.read_text()) if path.is_file() else {}
+        hist = stats.get("score_hist")
+        if not hist or sum(hist.get("kept", [])) + sum(hist.get("dropped", [])) < 2:
             continue
-        # two columns as arrays (8 bytes a sample), not a dict per row
-        t = read_ledger(storage, stage, ["verdict", "score"])
-        t = t.filter(pc.is_valid(t.column("score")))
-        is_kept = pc.equal(t.column("verdict"), "kept")
-        kept = t.column("score").filter(is_kept).to_numpy()
-        dropped = t.column("score").filter(pc.invert(is_kept)).to_numpy()
-        if len(kept) + len(dropped) < 2:
-            continue
-        stats = json.loads((run_dir / stage / "stats.json").read_text())
+        lo, hi = hist["range"]
+        edges = np.linspace(lo, hi, hist["bins"] + 1)
+        kept, dropped = (np.asarray(hist.get(v, [0] * hist["bins"])) for v in ("kept", "dropped"))
+        used = np.flatnonzero(kept + dropped)
+        view = (edges[used[0]], edges[used[-1] + 1])     # the bins that hold scores, not all of [-1, 1]
         lines = cuts.get(stage, [])
         if stage == "clip_score":
             lines = [("threshold", stats.get("threshold")) if stats.get("threshold") is not None
                      else (f"top {stats.get('keep_fraction')} cut", stats.get("cut"))]
         fig, ax = plt.subplots(figsize=(6, 2.6))
-        ax.hist([kept, dropped], bins=40, stacked=True, color=["#4a4", "#c44"], label=["kept", "dropped"])
+        ax.stairs(kept, edges, fill=True, color="#4a4", label="kept")
+        ax.stairs(kept + dropped, edges, baseline=kept, fill=True, color="#c44", label="dropped")
+        ax.set_xlim(*view)
         for (label, cut), style in zip(lines, ("--", ":")):
             if cut is not None:
                 ax.axvline(cut, color="k", linestyle=style, label=f"{label} = {cut:.3g}")
@@ -106,15 +106,13 @@ def _sample_grid(storage, seed: int, per_reason: int) -> str:
     import pyarrow as pa
 
     from stages.dataplane import read_images
-    from stages.examples import pick
+    from stages.examples import stored_picks
 
     parts = []
     for stage in FILTER_STAGES:
-        done = storage.read_json(f"{stage}/parts.json")
-        if done is None:
+        groups = stored_picks(storage, stage, per_reason)     # what the stage picked: one read, no ledger
+        if groups is None:
             continue
-        files = [p["file"] for p in done]
-        groups = pick(storage, files, per_reason, seed)
         rows = [r for rs in groups.values() for r in rs]
         found = read_images(storage, pa.Table.from_pylist(rows)) if rows else []
         images = {r["key"]: b for r, b in zip(rows, found) if b is not None}

@@ -264,13 +264,17 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     if parts:   # before _SUCCESS: a finished stage can always say where a key's row is
         from .key_index import build
 
-        build(ctx.storage, ctx.executor, stage.name, [p.file for p in parts], sum(p.n_in for p in parts),
+        build(ctx.storage, ctx.executor, stage.name, {p.file: p.sha256 for p in parts}, sum(p.n_in for p in parts),
               # a stage that wrote from the driver (no task) and is small: its index there too
               in_driver=len(ctx.executor.records) == first_record and sum(p.n_in for p in parts) <= 100_000)
     wall = time.time() - t0
     controls.write(stage.name, "parts.json", [p.to_json() for p in parts])
+    from stages.dataplane import HIST_BINS, HIST_RANGE, sum_histograms
+
+    hist = sum_histograms(parts)
     stats = {"stage": stage.name, **counts, "partitions": len(parts), "wall_seconds": round(wall, 3),
-             **result.extra_stats, "tasks": ctx.executor.records[first_record:]}
+             **result.extra_stats, "tasks": ctx.executor.records[first_record:],
+             **({"score_hist": {"bins": HIST_BINS, "range": list(HIST_RANGE), **hist}} if hist else {})}
     controls.write(stage.name, "stats.json", stats)
     files = {p.file: p.sha256 for p in parts}
     files.update(result.files)

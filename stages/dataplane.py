@@ -241,9 +241,46 @@ def write_part(storage: Storage, stage: str, part: str, input_name: str | None, 
         raise RuntimeError(f"stage {stage}, partition {part}: {missing} dropped samples have no reason")
     rel = rel or part_file(stage, part)
     sha, nbytes = storage.write_table(rel, out)
+    hist = score_histogram(out)
+    if hist:     # the stage's score chart is the sum of these: nothing reads the ledgers to draw it
+        extra = {**(extra or {}), "score_hist": hist}
     result = summarize(stage, part, input_name, in_keys, out, sha, nbytes, extra)
     result.file = rel
     return result
+
+
+HIST_BINS, HIST_RANGE = 100, (-1.0, 1.0)    # scores of the stages the report charts are cosines or confidences
+
+
+def score_histogram(table: pa.Table) -> dict[str, dict[str, int]]:
+    """A partition's scores binned by verdict, sparse: {"kept"|"dropped": {bin: count}} over
+    HIST_BINS bins of HIST_RANGE (values outside go to the end bins); {} without scores."""
+    scores = table.column("score")
+    if scores.null_count == len(scores):
+        return {}
+    valid = pc.is_valid(scores)
+    lo, hi = HIST_RANGE
+    out = {}
+    for verdict, mask in (("kept", pc.equal(table.column("verdict"), KEPT)),
+                          ("dropped", pc.not_equal(table.column("verdict"), KEPT))):
+        v = scores.filter(pc.and_(valid, mask)).to_numpy(zero_copy_only=False)
+        if len(v):
+            bins = np.clip(((v - lo) / (hi - lo) * HIST_BINS).astype(np.int64), 0, HIST_BINS - 1)
+            idx, n = np.unique(bins, return_counts=True)
+            out[verdict] = {str(int(i)): int(c) for i, c in zip(idx, n)}
+    return out
+
+
+def sum_histograms(parts: list) -> dict[str, list[int]]:
+    """The partitions' `score_hist`es as dense counts per verdict; {} if none has one."""
+    total = {"kept": [0] * HIST_BINS, "dropped": [0] * HIST_BINS}
+    seen = False
+    for p in parts:
+        for verdict, bins in p.extra.get("score_hist", {}).items():
+            seen = True
+            for i, n in bins.items():
+                total[verdict][int(i)] += n
+    return total if seen else {}
 
 
 def read_kept(storage: Storage, rel: str, columns=None) -> pa.Table:

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .dataplane import read_images
-from .examples import stage_picks
+from .examples import stage_picks, store_picks
 
 PAIRS_PER_REASON = 12
 _STYLE = """body{font:14px sans-serif;margin:1.5em;color:#222}.pairs{display:flex;flex-wrap:wrap;gap:14px}
@@ -72,7 +72,9 @@ def write_report(ctx, shown: dict[str, list], parts: list[dict]) -> Path:
     """shown: reason -> the first drops by key, each (key, cosine or None, key kept, their partitions)."""
     part_of = {k: p for pairs in shown.values() for key, _, root, pk, pr in pairs for k, p in ((key, pk), (root, pr))}
     shown = {reason: [(key, score, root) for key, score, root, _, _ in pairs] for reason, pairs in shown.items()}
-    evals = {r: rows for r, rows in stage_picks(ctx, parts, PAIRS_PER_REASON).items() if r.startswith("eval_duplicate")}
+    picks = stage_picks(ctx, parts, PAIRS_PER_REASON)
+    store_picks(ctx, picks)          # the run report's samples of this stage
+    evals = {r: rows for r, rows in picks.items() if r.startswith("eval_duplicate")}
     rows = _rows(ctx, part_of, {k for pairs in shown.values() for key, _, root in pairs for k in (key, root)})
     rows.update(_with_images(ctx.storage, [r for found in evals.values() for r in found]))
     totals = {}

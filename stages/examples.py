@@ -106,12 +106,26 @@ def render_html(title: str, groups: dict[str, list[dict]], totals: dict[str, int
     return "".join(parts)
 
 
+PICKS = "picks.json"      # <stage>/picks.json: the stage's merged picks, what the run report shows
+
+
+def store_picks(ctx, groups: dict[str, list[dict]]) -> None:
+    ctx.storage.write_json(f"{ctx.name}/{PICKS}", groups)
+
+
+def stored_picks(storage, stage: str, per_reason: int) -> dict[str, list[dict]] | None:
+    """The first `per_reason` of each reason the stage picked (in its order); None if it stored none."""
+    groups = storage.read_json(f"{stage}/{PICKS}")
+    return None if groups is None else {reason: rows[:per_reason] for reason, rows in groups.items()}
+
+
 def write_examples(ctx, parts: list[dict], per_reason: int, title: str, cut: float | None = None) -> Path:
     """`<stage>/report.html` from the stage's partitions (its PartResults); `cut`: the stage's one
     threshold on its score, if it has one."""
     from .dataplane import read_images
 
     groups = stage_picks(ctx, parts, per_reason, cut) if per_reason else {}
+    store_picks(ctx, groups)
     totals: dict[str, int] = defaultdict(int)
     for p in parts:
         totals["kept"] += p.kept

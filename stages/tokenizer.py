@@ -97,18 +97,16 @@ def _train_task(storage, files: list[str], n: int, seed: int, cfg: TokenizerConf
             "consumed": (sum(g["n"] for g in found), add_sums(*(g["sum"] for g in found)))}
 
 
-def _keep_task(storage, files: list[str]) -> dict:
-    """Ray task: the dataset line's model as this run's, and what the stage consumed (counted by
-    tasks that read the keys only; nothing is trained)."""
-    import ray
-
+def _keep(ctx) -> dict:
+    """The dataset line's model as this run's (two requests on the driver), and what the stage
+    consumed: the upstream partitions' kept counts and key-set checksums from their summaries (the
+    upstream checked them when it wrote them): an append reads no partition here."""
     from .dataplane import add_sums
 
-    count = ray.remote(num_cpus=0.25)(_sample_task)
-    found = ray.get([count.remote(storage, f, 0, "") for f in files])      # no order key is below ""
-    info = storage.read_json(f"{LINE}/info.json")
-    storage.write_bytes("tokenizer/spm.model", storage.read_bytes(f"{LINE}/spm.model"))
-    return {**info, "consumed": (sum(g["n"] for g in found), add_sums(*(g["sum"] for g in found)))}
+    info = ctx.storage.read_json(f"{LINE}/info.json")
+    ctx.storage.write_bytes("tokenizer/spm.model", ctx.storage.read_bytes(f"{LINE}/spm.model"))
+    upstream = ctx.upstream or []
+    return {**info, "consumed": (sum(u.kept for u in upstream), add_sums(*(u.kept_sum for u in upstream)))}
 
 
 LINE = "tokenizer/line"      # the model kept for later runs (reuse)
@@ -123,7 +121,7 @@ class TokenizerStage(Sink):
         cfg: TokenizerConfig = ctx.cfg
         files = [u.file for u in ctx.upstream or [] if u.kept]
         if cfg.reuse and ctx.storage.exists(f"{LINE}/info.json"):
-            info = ctx.call(_keep_task, ctx.storage, files, what="tokenizer", num_cpus=0.25)
+            info = _keep(ctx)
             ctx.log(f"tokenizer: the model of this dataset line ({info['sha256'][:12]}, {info['vocab_size']} pieces), "
                     "not trained again (stages.tokenizer.reuse; set it false to retrain)")
         else:

@@ -125,11 +125,16 @@ class CountingProxy(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, upstream: tuple[str, int], latency: float, faults: float = 0.0, seed: int = 0,
-                 stall: float = 2.0):
+                 stall: float = 2.0, write_limit: float | None = None):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.upstream, self.latency = upstream, latency
         self.log_lock = threading.Lock()
         self.entries: list[tuple[float, str, str, int, int]] = []
+        # write_limit: writes (PUT, POST, DELETE) accepted per second, as S3 limits a prefix; one over
+        # it in the last second is answered 503 SlowDown (counted in `slowdowns`) and not forwarded
+        from collections import deque
+
+        self.write_limit, self.recent_writes, self.slowdowns = write_limit, deque(), 0
         # faults: this share of requests answered 503 SlowDown or 500, cut (connection reset) or
         # stalled `stall` seconds, chosen by a seeded draw; a request that got a fault is let through
         # when it comes again, as a store's transient faults clear on retry
@@ -138,6 +143,19 @@ class CountingProxy(http.server.ThreadingHTTPServer):
         self.faults, self.stall, self.rng = faults, stall, random.Random(seed)
         self.faulted: set[tuple[str, str]] = set()
         self.injected: dict[str, int] = {}
+
+    def over_write_limit(self, method: str) -> bool:
+        if self.write_limit is None or method not in ("PUT", "POST", "DELETE"):
+            return False
+        now = time.monotonic()
+        with self.log_lock:
+            while self.recent_writes and now - self.recent_writes[0] > 1.0:
+                self.recent_writes.popleft()
+            if len(self.recent_writes) >= self.write_limit:
+                self.slowdowns += 1
+                return True
+            self.recent_writes.append(now)
+            return False
 
     def fault_for(self, method: str, path: str) -> str | None:
         if not self.faults:
@@ -217,7 +235,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _forward(self):
         body = self._body()
         time.sleep(self.server.latency)
-        kind = self.server.fault_for(self.command, self.path)
+        kind = "503" if self.server.over_write_limit(self.command) else self.server.fault_for(self.command, self.path)
         if kind and self._fault(kind):
             return
         headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}

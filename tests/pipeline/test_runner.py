@@ -200,7 +200,11 @@ def test_a_pure_stage_reuses_the_partitions_whose_input_did_not_change(tmp_path,
     assert read_ledger(tmp_path, "dropodd").sort_by("key").column("key").to_pylist() == [f"k{i:04d}" for i in range(12)]
     # a partition that no longer exists leaves no reusable copy behind
     run_pipeline(_cfg(4), tmp_path, log=lambda m: None, stages=[Numbers(), DropOdd(reuse=True)], observers=[])
-    assert len(list((tmp_path / "dropodd" / "reuse").glob("*.parquet"))) == 1
+    assert len(list((tmp_path / "dropodd" / "reuse").glob("[!_]*.parquet"))) == 1
+    # ... and the summary the next run reads instead of each record names only that one
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(tmp_path / "dropodd" / "reuse" / "_summary.parquet").num_rows == 1
 
 
 class Captions(Stage):

@@ -201,11 +201,10 @@ def test_a_stage_key_index_names_the_one_ledger_file_of_a_key(tmp_path, ray_loca
     from pipeline.executor import Executor
 
     storage = Storage.local(tmp_path)
-    files = []
+    files = {}
     for i in range(5):
         rel = f"dedup/ledger/p{i}.parquet"
-        storage.write_table(rel, pa.table({"key": [f"s{j:05d}" for j in range(i, 5000, 5)]}))
-        files.append(rel)
+        files[rel] = storage.write_table(rel, pa.table({"key": [f"s{j:05d}" for j in range(i, 5000, 5)]}))[0]
     monkeypatch.setattr(key_index, "ROWS_PER_BUCKET", 1500)
     monkeypatch.setattr(key_index, "ROW_GROUP", 100)
     meta = key_index.build(storage, Executor(log=lambda m: None), "dedup", files, 5000)
@@ -219,6 +218,17 @@ def test_a_stage_key_index_names_the_one_ledger_file_of_a_key(tmp_path, ray_loca
                for j in range(0, 5000, 37))
     index = pq.ParquetFile(tmp_path / "dedup" / "keys" / "000000.parquet")
     assert index.metadata.num_row_groups > 1       # a lookup reads one row group of it
+    # an append: p5 added, p0 gone; the index is rebuilt from the old one and reads only p5's ledger
+    storage.write_table("dedup/ledger/p5.parquet", pa.table({"key": ["t00001", "t00002"]}))
+    grown = {f: sha for f, sha in files.items() if not f.endswith("p0.parquet")}
+    grown["dedup/ledger/p5.parquet"] = "new"
+    read = []
+    monkeypatch.setattr(Storage, "read_table", lambda self, rel, columns=None, _r=Storage.read_table: (read.append(rel), _r(self, rel, columns))[1])
+    key_index.build(storage, Executor(log=lambda m: None), "language", grown, 4002, in_driver=True)
+    assert [r for r in read if "/ledger/" in r] == ["dedup/ledger/p5.parquet"], read
+    assert key_index.lookup(storage, "language", "t00002") == "dedup/ledger/p5.parquet"
+    assert key_index.lookup(storage, "language", "s00001") == "dedup/ledger/p1.parquet"
+    assert key_index.lookup(storage, "language", "s00000") == ""            # its partition is gone
 
 
 def test_status_calls_the_shards_stale_when_clip_score_changed_under_an_unchanged_tokenizer(tmp_path):

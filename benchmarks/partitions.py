@@ -1,0 +1,217 @@
+"""capline at real partition counts: thousands of tiny partitions through every stage, the run folder on
+S3 (moto's real server) behind a loopback proxy that adds latency to every request and answers write
+bursts above a set rate with 503 SlowDown, as S3 does per prefix. A dataset line, fresh, then with 1 %
+more URLs in a new list file.
+
+    python benchmarks/partitions.py [--partitions 2000] [--per-shard 4] [--cpus 16] [--latency-ms 25]
+                                    [--write-limit 80] [--append 0.01] [--label NAME]
+
+Each ingest shard holds `--per-shard` URLs and is its own partition (compact_rows = per-shard: nothing
+joined), so every stage after ingest runs `--partitions` partitions. Printed and written to
+benchmarks/results/partitions.json (merged by label):
+- requests per object written (every PUT/POST, the refused ones too, over the distinct keys written)
+  and per object read (GET/HEAD of objects over the distinct keys read); listings and batched
+  deletes apart; SlowDowns answered; whether the run finished with every URL accounted for;
+- per stage: wall seconds, the seconds the driver spent outside tasks (wall less the task groups'),
+  and the append's share of the fresh run's;
+- the report's seconds (the run logs them), and the whole command's append share;
+- whether the first run's shards are byte-identical after the append.
+
+This is one machine with 2 real cores behind a Ray that declares `--cpus`: the figures say how the
+work is shaped (requests, objects, what the driver does), not how fast a real cluster is.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from benchmarks._common import RESULTS, write_results  # noqa: E402
+from benchmarks.cluster import STAGES  # noqa: E402
+
+BUCKET = "capline-parts"
+PREFIX = "line"
+
+
+def _list(path: Path, rows: list[dict], base: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stages.synthetic import SERVER_PLACEHOLDER
+
+    pq.write_table(pa.table({"url": [r["url"].replace(SERVER_PLACEHOLDER, base) for r in rows],
+                             "caption": [r["caption"] for r in rows],
+                             "similarity": [0.25 + (int(hashlib.sha256(r["url"].encode()).hexdigest()[:4], 16) % 100) / 1000
+                                            for r in rows]}), path)
+
+
+def _traffic(entries: list, refused: int, bucket: str) -> dict:
+    """Requests by kind from the proxy's log: object writes and reads per distinct object."""
+    objects = [e for e in entries if e[2].strip("/") != bucket]          # /bucket/key..., not /bucket
+    writes = [e for e in objects if e[1] in ("PUT", "POST")]
+    reads = [e for e in objects if e[1] in ("GET", "HEAD")]
+    bucket_level = Counter(e[1] for e in entries if e[2].strip("/") == bucket)
+    written, read = len({e[2] for e in writes}), len({e[2] for e in reads})
+    return {"requests": len(entries) + refused, "object_writes": len(writes), "objects_written": written,
+            "requests_per_object_written": round((len(writes) + refused) / written, 3) if written else None,
+            "object_reads": len(reads), "objects_read": read,
+            "requests_per_object_read": round(len(reads) / read, 3) if read else None,
+            "listings": bucket_level.get("GET", 0), "batched_deletes": bucket_level.get("POST", 0),
+            "slowdowns_answered": refused}
+
+
+def _stage_stats(client) -> dict[str, dict]:
+    """Each finished stage's stats.json from the bucket."""
+    out = {}
+    for stage in STAGES:
+        try:
+            out[stage] = json.loads(client.get_object(Bucket=BUCKET, Key=f"{PREFIX}/{stage}/stats.json")["Body"].read())
+        except client.exceptions.NoSuchKey:
+            continue
+    return out
+
+
+def _shard_digests(client) -> dict[str, str]:
+    from helpers import bucket_keys
+
+    keys = [k for k in bucket_keys(client, BUCKET, f"{PREFIX}/shard/shards/") if k.endswith(".tar")]
+    return {k.rsplit("/", 1)[1]: hashlib.sha256(client.get_object(Bucket=BUCKET, Key=k)["Body"].read()).hexdigest()
+            for k in keys}
+
+
+def run(args) -> dict:
+    from helpers import CountingProxy, moto_s3, synthetic_rows
+    from stages.demo_server import DemoServer
+
+    tmp = Path(tempfile.mkdtemp(prefix="capline-partitions-bench-"))
+    n_fresh = args.partitions * args.per_shard
+    n_more = max(1, round(n_fresh * args.append))
+    t0 = time.time()
+    rows = synthetic_rows(tmp / "site", n_fresh + n_more, 7)
+    print(f"generated {len(rows)} images in {time.time() - t0:.0f} s")
+    gen = moto_s3(BUCKET)
+    env_s3, client = next(gen)
+    upstream = env_s3["AWS_ENDPOINT_URL"].rsplit(":", 1)
+    proxy = CountingProxy(("127.0.0.1", int(upstream[1])), args.latency_ms / 1000, write_limit=args.write_limit).start()
+    urls = tmp / "urls"
+    urls.mkdir()
+    env = {**os.environ, **env_s3, "AWS_ENDPOINT_URL": proxy.endpoint, "CAPLINE_CACHE": str(tmp / "cache"),
+           "PYTHONPATH": str(ROOT), "CAPLINE_PROGRESS": "0", "CAPLINE_NETGUARD": "1"}
+    out: dict = {"label": args.label, "partitions": args.partitions, "urls_per_shard": args.per_shard,
+                 "cpus_declared": args.cpus, "latency_ms": args.latency_ms, "write_limit_per_s": args.write_limit,
+                 "urls": {"fresh": n_fresh, "append": n_more}}
+    try:
+        with DemoServer(tmp / "site" / "www") as server:
+            config = {"name": "partitions", "seed": 0,
+                      "source": {"kind": "urls", "path": str(urls), "url_col": "url", "caption_col": "caption"},
+                      "ray": {"num_cpus": args.cpus, "object_store_memory_mb": 512}, "track_data": False,
+                      "train": {"steps": 0},
+                      "stages": {"ingest": {"allow_hosts": [server.netloc], "samples_per_shard": args.per_shard,
+                                            "compact_rows": args.per_shard, "timeout": 5},
+                                 "dedup": {"eval_sets": []}, "basic": {"min_image_side": 16},
+                                 "language": {"min_confidence": 0.1},
+                                 "clip_score": {"scorer": "column", "column": "similarity", "threshold": 0.26,
+                                                "keep_fraction": None},
+                                 "tokenizer": {"vocab_size": 400, "reuse": True},
+                                 "shard": {"samples_per_shard": 1000, "append": True}}}
+            (tmp / "partitions.yaml").write_text(json.dumps(config))
+            cmd = [sys.executable, "-m", "pipeline.cli", "run", str(tmp / "partitions.yaml"), "--run-dir",
+                   f"s3://{BUCKET}/{PREFIX}", "--until", "shard"]
+            runs = {}
+            for name, part in (("fresh", rows[:n_fresh]), ("append", rows[n_fresh:])):
+                _list(urls / f"{name}.parquet", part, server.base_url)
+                first = len(proxy.entries)
+                refused0 = proxy.slowdowns
+                t0 = time.time()
+                proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+                wall = time.time() - t0
+                log = proc.stdout + proc.stderr
+                (RESULTS / f"partitions-{args.label}-{name}.log").write_text(log)
+                if proc.returncode != 0:
+                    print(log[-4000:])
+                    raise SystemExit(f"capline run ({name}) failed ({proc.returncode}); log in benchmarks/results/")
+                stages = {}
+                for stage, stats in _stage_stats(client).items():
+                    in_tasks = sum(r.get("seconds", 0) for r in stats.get("tasks", []))
+                    stages[stage] = {"wall_seconds": stats["wall_seconds"], "partitions": stats.get("partitions"),
+                                     "in": stats.get("in"), "kept": stats.get("kept"),
+                                     "driver_seconds_outside_tasks": round(max(0.0, stats["wall_seconds"] - in_tasks), 2)}
+                report = re.search(r"report: \S+ \((\d+(?:\.\d+)?) s\)", log)
+                runs[name] = {"wall_seconds": round(wall, 1), "stages": stages,
+                              "report_seconds": float(report.group(1)) if report else None,
+                              "traffic": _traffic(proxy.entries[first:], proxy.slowdowns - refused0, BUCKET),
+                              "listed_urls": sum(1 for _ in rows[:n_fresh + (n_more if name == "append" else 0)])}
+                src = stages.get("source", {})
+                runs[name]["every_url_accounted_for"] = src.get("in") == runs[name]["listed_urls"]
+                if name == "fresh":
+                    shards_before = _shard_digests(client)
+            shards_after = _shard_digests(client)
+    finally:
+        proxy.shutdown()
+        try:
+            next(gen)
+        except StopIteration:
+            pass
+    fresh, append = runs["fresh"], runs["append"]
+    share = {s: round(append["stages"][s]["wall_seconds"] / fresh["stages"][s]["wall_seconds"], 3)
+             for s in STAGES if s in fresh["stages"] and s in append["stages"] and fresh["stages"][s]["wall_seconds"]}
+    out.update(runs=runs, append_share={"stages": share, "command": round(append["wall_seconds"] / fresh["wall_seconds"], 3)},
+               first_shards_byte_identical={k: shards_after.get(k) for k in shards_before} == shards_before,
+               shards={"fresh": len(shards_before), "after_append": len(shards_after)})
+    return out
+
+
+def table(r: dict) -> str:
+    lines = [f"{r['label']}: {r['partitions']} partitions of {r['urls_per_shard']} URLs, {r['cpus_declared']} logical "
+             f"CPUs, S3 behind {r['latency_ms']} ms and {r['write_limit_per_s']} writes/s"]
+    for name, run in r["runs"].items():
+        t = run["traffic"]
+        lines.append(f"  {name}: {run['wall_seconds']} s; {t['requests_per_object_written']} requests per object written "
+                     f"(goal <= 1.5), {t['requests_per_object_read']} per object read (goal <= 2); "
+                     f"{t['slowdowns_answered']} SlowDowns answered; every URL accounted for: {run['every_url_accounted_for']}; "
+                     f"report {run['report_seconds']} s")
+    lines.append(f"  {'stage':<11}{'fresh s':>9}{'driver s':>9}{'append s':>9}{'driver s':>9}{'share':>7}  (goal <= 0.05)")
+    for s, share in r["append_share"]["stages"].items():
+        f, a = r["runs"]["fresh"]["stages"][s], r["runs"]["append"]["stages"][s]
+        lines.append(f"  {s:<11}{f['wall_seconds']:>9.1f}{f['driver_seconds_outside_tasks']:>9.1f}"
+                     f"{a['wall_seconds']:>9.1f}{a['driver_seconds_outside_tasks']:>9.1f}{share:>7.3f}")
+    lines.append(f"  whole command: append {r['append_share']['command']} of the fresh run; first run's shards "
+                 f"byte-identical: {r['first_shards_byte_identical']} ({r['shards']})")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--partitions", type=int, default=2000)
+    p.add_argument("--per-shard", type=int, default=4, help="URLs per ingest shard (each its own partition)")
+    p.add_argument("--cpus", type=int, default=16)
+    p.add_argument("--latency-ms", type=float, default=25)
+    p.add_argument("--write-limit", type=float, default=80, help="writes per second before 503 SlowDown")
+    p.add_argument("--append", type=float, default=0.01, help="the second run's extra URLs, as a share of the first's")
+    p.add_argument("--timeout", type=float, default=4 * 3600)
+    p.add_argument("--label", default="current")
+    args = p.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    result = run(args)
+    print(table(result))
+    path = RESULTS / "partitions.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data.pop("machine", None)
+    data["runs"] = {**data.get("runs", {}), args.label: result}
+    write_results("partitions", data)
+
+
+if __name__ == "__main__":
+    main()
