@@ -517,6 +517,10 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"capline init: URLs in '{found['url_col']}', captions in '{found['caption_col']}'"
                   + (f", keys in '{found['key_col']}'" if found["key_col"] is not None else "")
                   + (" (no header: columns by position)" if not found.get("header", True) else "") + f"; wrote {out} (run {name})")
+            if found.get("malformed"):
+                from .init_config import malformed_note
+
+                print(f"capline init: note: {malformed_note(found['malformed'])}")
             print(f"next: capline run {out}")
             return 0
         if args.command == "models":

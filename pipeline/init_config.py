@@ -8,6 +8,7 @@ written is the demo's pipeline with `source.kind: urls`; every other value is a 
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from infra.errors import UserError
 
 CAPTION_NAMES = ("caption", "text", "alt", "alt_text", "title", "description", "txt")
 KEY_NAMES = ("key", "uid", "id", "sample_id")
+SIMILARITY_NAMES = ("similarity", "clip_score", "clip_similarity")   # an image-text score a list may carry
 URL_RE = re.compile(r"^https?://\S+$", re.I)
 
 
@@ -36,15 +38,24 @@ def _head(path: Path, fmt: str) -> pa.Table:
             data = f.read(4 << 20)
         data = data[: data.rfind(b"\n") + 1] or data
         if fmt in ("csv", "tsv"):
-            parse = pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",", invalid_row_handler=lambda row: "skip")
-            t = pacsv.read_csv(pa.BufferReader(data), parse_options=parse)
+            malformed: list[tuple[int, str]] = []
+
+            def set_aside(row) -> str:      # counted, with its line: the run drops it as malformed_row:columns
+                malformed.append((row.number, (row.text or "")[:80]))
+                return "skip"
+
+            parse = pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",", invalid_row_handler=set_aside)
+            t = pacsv.read_csv(pa.BufferReader(data), parse_options=parse, read_options=pacsv.ReadOptions(use_threads=False))
+            meta = {}
             if any(URL_RE.match(n.strip()) for n in t.column_names):
                 # a URL among the "column names": the first line is a row (CC3M's TSVs have no header)
+                malformed.clear()
                 t = pacsv.read_csv(pa.BufferReader(data), parse_options=parse,
-                                   read_options=pacsv.ReadOptions(autogenerate_column_names=True))
+                                   read_options=pacsv.ReadOptions(autogenerate_column_names=True, use_threads=False))
                 t = t.rename_columns([str(i) for i in range(t.num_columns)])
-                return t.replace_schema_metadata({b"capline_headerless": b"1"})
-            return t
+                meta[b"capline_headerless"] = b"1"
+            meta[b"capline_malformed"] = json.dumps(malformed).encode()
+            return t.replace_schema_metadata(meta)
         return pajson.read_json(pa.BufferReader(data))
     except (pa.ArrowInvalid, OSError) as err:
         raise UserError(f"{path}: not a readable {fmt} file ({str(err).splitlines()[0]})") from None
@@ -95,9 +106,20 @@ def detect(path: Path, fmt: str = "auto") -> dict:
     if headerless:   # columns by position
         url_col, caption_col = int(url_col), int(caption_col)
         key_col = int(key_col) if key_col is not None else None
+    malformed = json.loads((t.schema.metadata or {}).get(b"capline_malformed", b"[]"))
+    similarity = next((n for n in t.column_names if n.lower() in SIMILARITY_NAMES), None)
     return {"format": _format(path, fmt), "url_col": url_col, "caption_col": caption_col, "key_col": key_col,
+            "malformed": malformed, "similarity_col": similarity,
             "header": not headerless, "rows_seen": t.num_rows, "url_share": scores[url_col if not headerless else str(url_col)][0],
             "caption_words": scores[caption_col if not headerless else str(caption_col)][1]}
+
+
+def malformed_note(malformed: list) -> str:
+    """One line about the lines of the list that are not rows (as init read them)."""
+    shown = ", ".join(f"line {n}" for n, _ in malformed[:3])
+    return (f"{len(malformed)} line(s) of those read are not rows of the list ({shown}"
+            f"{', ...' if len(malformed) > 3 else ''}: too few or too many columns); the run drops each as "
+            "malformed_row:columns, naming its line")
 
 
 def write_config(path: Path, out: Path, found: dict, name: str | None = None) -> str:
@@ -110,16 +132,23 @@ def write_config(path: Path, out: Path, found: dict, name: str | None = None) ->
         source["key_col"] = found["key_col"]
     if not found.get("header", True):
         source["header"] = False
+    # the list's own image-text score (LAION's `similarity`) is the filter's score: no scorer to train
+    clip = ({"scorer": "column", "column": found["similarity_col"], "threshold": 0.28, "keep_fraction": None}
+            if found.get("similarity_col") else {"scorer": "bootstrap", "keep_fraction": 0.9})
     cfg = {"name": name, "seed": 0, "source": source,
            "stages": {"dedup": {"eval_sets": [{"name": "digits", "kind": "builtin", "path": "digits"}]},
                       "basic": {"min_image_side": 200, "max_aspect_ratio": 3.0, "min_words": 3},
                       "language": {"languages": ["en"]},   # min_confidence: the measured default
-                      "clip_score": {"scorer": "bootstrap", "keep_fraction": 0.9}},
+                      "clip_score": clip},
            "train": {"model": "cappa", "size": "tiny", "steps": 1000}}
     header = (f"# Written by `capline init {path}`: URLs in '{found['url_col']}' ({100 * found['url_share']:.0f}% of "
               f"{found['rows_seen']} rows looked at), captions in '{found['caption_col']}' "
-              f"({found['caption_words']:.1f} words on average).\n# Every other value is a default: see README.md, "
-              "'Your own URL list'. Run it with: capline run " + str(out) + "\n")
+              f"({found['caption_words']:.1f} words on average).\n"
+              + (f"# clip_score: the list's own '{found['similarity_col']}' column is the score (LAION's cut, 0.28), "
+                 "so no scorer is trained.\n" if found.get("similarity_col") else "")
+              + (f"# {malformed_note(found['malformed'])}\n" if found.get("malformed") else "")
+              + "# Every other value is a default: see README.md, 'Your own URL list'. Run it with: capline run "
+              + str(out) + "\n")
     if out.exists():
         raise UserError(f"{out} exists; give another --output or remove it")
     out.parent.mkdir(parents=True, exist_ok=True)

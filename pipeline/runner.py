@@ -87,11 +87,8 @@ class Controls:
     def wipe(self, stage: str, keep: tuple[str, ...]) -> None:
         """Remove a stage's files made from other inputs, except its content-addressed caches."""
         if self.mirror:   # the storage's copy; for a local run folder it is the folder below
-            for f in self.storage.list(stage):
-                self.storage.delete(f)
-            for d in self.storage.list_dirs(stage):
-                if d not in keep:
-                    self.storage.delete(f"{stage}/{d}")
+            self.storage.delete_files(self.storage.list(stage))
+            self.storage.delete_all([f"{stage}/{d}" for d in self.storage.list_dirs(stage) if d not in keep])
         local = self.run_dir / stage
         for child in local.iterdir() if local.exists() else ():
             if child.name not in keep:
@@ -257,9 +254,8 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     result = stage.run(ctx)
     counts = _check(stage, ctx, result)
     written = {p.file for p in result.parts}
-    for stale in ctx.storage.list(f"{stage.name}/ledger", ".parquet"):
-        if stale not in written:
-            ctx.storage.delete(stale)    # partitions of an earlier, larger input
+    # partitions of an earlier, larger input: deleted together (1,000 a request on an object store)
+    ctx.storage.delete_files([f for f in ctx.storage.list(f"{stage.name}/ledger", ".parquet") if f not in written])
     parts = sorted(result.parts, key=lambda p: p.part)
     if parts:   # before _SUCCESS: a finished stage can always say where a key's row is
         from .key_index import build
@@ -280,8 +276,7 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     files.update(result.files)
     driver = store.push_stage(stage.name, ctx.log, before) if store is not None and store.uri else {}
     files.update(driver)
-    for stale in sorted(set(before) - set(files)):
-        ctx.storage.delete(stale)        # produced by the last finish, not by this one
+    ctx.storage.delete_files(sorted(set(before) - set(files)))     # produced by the last finish, not by this one
     # a sink that wrote nothing the digest can see (a model lives in train/model, evaluated on the
     # driver) is what it was made from; one that writes files (tokenizer, shards) is its files alone,
     # so the same shards have the same digest whatever config came before them

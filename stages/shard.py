@@ -350,9 +350,8 @@ class ShardStage(Sink):
     def _delete_stale(self, ctx: StageContext, names: set[str]) -> None:
         """Shards and indexes of an earlier, larger plan (not this run's or the line's)."""
         for folder, suffix in (("shard/shards", ".tar"), ("shard/index", ".parquet")):   # the runner: ledger/
-            for stale in ctx.storage.list(folder, suffix):
-                if stale.rsplit("/", 1)[-1][:-len(suffix)] + ".tar" not in names:
-                    ctx.storage.delete(stale)
+            ctx.storage.delete_files([stale for stale in ctx.storage.list(folder, suffix)
+                                      if stale.rsplit("/", 1)[-1][:-len(suffix)] + ".tar" not in names])
 
     def _publish(self, ctx: StageContext, line: dict | None, mapped: list, shards: list[dict], added: list[str],
                  n_new: int) -> None:

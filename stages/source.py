@@ -165,21 +165,48 @@ def _positional(table: pa.Table, header: bool, columns) -> pa.Table:
     return table.rename_columns([str(i) for i in range(table.num_columns)])
 
 
-def _read_table(path: Path, fmt: str, text_cols: tuple = (), header: bool = True, columns=None) -> pa.Table:
+def _read_table(path: Path, fmt: str, text_cols: tuple = (), header: bool = True,
+                columns=None) -> tuple[pa.Table, list[int] | None, list[dict]]:
+    """A URL list file -> (its rows, each row's 1-based line in the file (None for Parquet), the
+    lines that are not rows: [{line, expected, actual, text}]). A CSV/TSV line with too few or too
+    many columns (a URL without a caption, a tab inside a caption: real CC3M/CC12M lists have them)
+    is set aside with its line number, never a reason to refuse the whole list."""
     fmt = _format(path, fmt)
     try:
         if fmt == "parquet":
-            return pq.read_table(path)
+            return pq.read_table(path), None, []
         if fmt == "jsonl":
-            return pajson.read_json(path)
+            table = pajson.read_json(path)
+            return table, list(range(1, table.num_rows + 1)), []
         # text columns as bytes, decoded per row (texts()): type inference would turn an invalid byte
         # into a binary column, or a column of numbers-looking captions into floats
         names = None if header or columns else _read_columns(path, fmt, header, columns)
         wanted = {(f"f{names.index(c)}" if names is not None and c in names else c) for c in text_cols}
         convert = pacsv.ConvertOptions(column_types={c: pa.binary() for c in wanted})
-        parse = pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",")
-        return _positional(pacsv.read_csv(path, read_options=_read_options(header, columns), parse_options=parse,
-                                          convert_options=convert), header, columns)
+        malformed: list[dict] = []
+
+        def set_aside(row) -> str:
+            malformed.append({"line": row.number, "expected": row.expected_columns, "actual": row.actual_columns,
+                              "text": (row.text or "")[:200]})
+            return "skip"
+
+        # one thread: only then does pyarrow know each bad line's number; empty lines kept as rows, so
+        # that rows and bad lines together are the file's lines (a caption quoted over several lines
+        # is the one case that shifts the numbers after it)
+        parse = pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",", invalid_row_handler=set_aside,
+                                   ignore_empty_lines=False)
+        options = _read_options(header, columns)
+        options.use_threads = False
+        table = _positional(pacsv.read_csv(path, read_options=options, parse_options=parse,
+                                           convert_options=convert), header, columns)
+        bad = {m["line"] for m in malformed}
+        lines, line = [], 2 if header and not columns else 1
+        for _ in range(table.num_rows):
+            while line in bad:
+                line += 1
+            lines.append(line)
+            line += 1
+        return table, lines, malformed
     except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"source.path {path}: not a readable {fmt} URL list ({first})") from None
@@ -192,8 +219,8 @@ def _read_columns(path: Path, fmt: str, header: bool = True, columns=None) -> li
     try:
         if fmt == "parquet":
             return pq.read_schema(path).names
-        if fmt in ("csv", "tsv"):
-            opts = pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",")
+        if fmt in ("csv", "tsv"):     # a malformed line is the row reader's to count, not a reason to refuse
+            opts = pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",", invalid_row_handler=lambda row: "skip")
             with pacsv.open_csv(path, read_options=_read_options(header, columns), parse_options=opts) as reader:
                 names = reader.schema.names
             return names if header or columns else [str(i) for i in range(len(names))]
@@ -274,11 +301,14 @@ def texts(column: pa.ChunkedArray) -> list:
     return out
 
 
-def keyed_rows(table: pa.Table, cfg: SourceConfig, part: str) -> pa.Table:
-    """A URL list file's rows -> key, url, caption, partition, verdict, reason, detail (one per row).
+def keyed_rows(table: pa.Table, cfg: SourceConfig, part: str, lines: list[int] | None = None,
+               malformed: list[dict] = ()) -> pa.Table:
+    """A URL list file's rows -> key, url, caption, partition, verdict, reason, detail (one per row
+    and one per malformed line). `lines`: each row's line in the file (details name it).
 
-    A row with no URL or with bytes that are not UTF-8 is kept in the ledger as dropped with its
-    reason (`malformed_row:*`). With `key_col`, keys must be unique and usable as tar member names:
+    A row with no URL or with bytes that are not UTF-8, and a line that is not a row (`malformed`:
+    too few or too many columns), are kept in the ledger as dropped with their reason
+    (`malformed_row:*`) and line. With `key_col`, keys must be unique and usable as tar member names:
     the file is refused before anything downloads, naming the first offending rows."""
     url_col, caption_col, key_col = (column_ref(c, table.column_names, w) for c, w in (
         (cfg.url_col, "url_col"), (cfg.caption_col, "caption_col"), (cfg.key_col, "key_col")))
@@ -307,7 +337,17 @@ def keyed_rows(table: pa.Table, cfg: SourceConfig, part: str) -> pa.Table:
         out_caps.append(cap)
         verdicts.append(KEPT if ok else DROPPED)
         reasons.append("" if ok else "malformed_row:invalid_utf8" if bad else "malformed_row:missing_url")
-        details.append(f"{part} row {i}" + (f": its {bad} is not UTF-8" if bad else ""))
+        where = f"{part} line {lines[i]}" if lines is not None else f"{part} row {i + 1}"
+        details.append(where + (f": its {bad} is not UTF-8" if bad else ""))
+    for m in malformed:     # a line that is not a row: a sample of its own, dropped, so it is counted
+        keys.append("m" + hashlib.sha1(f"{part}\0{m['line']}\0{m['text']}".encode()).hexdigest()[:16])
+        out_urls.append(None)
+        out_caps.append("")
+        verdicts.append(DROPPED)
+        reasons.append("malformed_row:columns")
+        details.append(f"{part} line {m['line']}: {m['actual']} columns where {m['expected']} were expected "
+                       f"({m['text'][:120]!r})")
+        notes.append(None)
     return pa.table({"key": keys, "url": pa.array(out_urls, pa.string()), "caption": out_caps,
                      "partition": [part] * len(keys), "verdict": verdicts, "reason": reasons, "detail": details,
                      "notes": pa.array(notes, pa.string())})
@@ -409,7 +449,8 @@ def _read_file_task(storage, path: str, cfg: SourceConfig, pinned: str | None = 
         if pinned is not None:
             local = Path(tmp) / name
             storage.download(pinned, local)
-        rows = keyed_rows(_read_table(local, cfg.format, _text_cols(cfg, local), cfg.header, cfg.columns), cfg, name)
+        table, lines, malformed = _read_table(local, cfg.format, _text_cols(cfg, local), cfg.header, cfg.columns)
+        rows = keyed_rows(table, cfg, name, lines, malformed)
         return write_partitions(storage, rows, name, cfg.rows_per_part)
 
 

@@ -22,7 +22,41 @@ def _source(tmp_path, path, *overrides):
     import json
 
     (tmp_path / "run" / "source" / "parts.json").write_text(json.dumps([p.to_json() for p in parts]))
-    return {r["detail"].split(" row ")[1].split(":")[0]: r for r in read_ledger(storage, "source").to_pylist()}
+    # details name a text file's line (1-based, after its header) and a Parquet file's row (1-based):
+    # here, both as the 0-based row (these files have no malformed lines)
+    first = 2 if cfg.header and not cfg.columns else 1
+
+    def row(detail: str) -> str:
+        where = detail.split(":")[0]
+        n = int(where.rsplit(" ", 1)[1])
+        return str(n - first) if " line " in where else str(n - 1)
+
+    return {row(r["detail"]): r for r in read_ledger(storage, "source").to_pylist()}
+
+
+def test_malformed_lines_are_dropped_with_their_line_and_the_rest_kept(tmp_path):
+    """A CC3M-style TSV (no header, CRLF) with a URL missing its caption, a caption holding a tab and
+    an empty line: each bad line is a dropped sample naming its line, every other row is kept."""
+    path = tmp_path / "Train_GCC-training.tsv"
+    path.write_bytes(b"a red square\thttp://a.example/1.jpg\r\n"
+                     b"http://a.example/2.jpg\r\n"                           # line 2: no caption
+                     b"a blue\tcircle\thttp://a.example/3.jpg\r\n"          # line 3: a tab in the caption
+                     b"\r\n"                                                 # line 4: empty
+                     b"a green star\thttp://a.example/5.jpg\r\n")
+    cfg = load_config(None, ["source.kind=urls", f"source.path={path}", "source.header=false",
+                             "source.url_col=1", "source.caption_col=0"]).source
+    storage = Storage.local(tmp_path / "run")
+    parts = _read_file_task(storage, str(path), cfg)
+    assert sum(p.n_in for p in parts) == 5 and sum(p.kept for p in parts) == 2
+    (tmp_path / "run" / "source" / "parts.json").write_text(__import__("json").dumps([p.to_json() for p in parts]))
+    by_line = {int(r["detail"].split(" line ")[1].split(":")[0]): r for r in read_ledger(storage, "source").to_pylist()}
+    assert sorted(by_line) == [1, 2, 3, 4, 5]
+    assert by_line[1]["verdict"] == by_line[5]["verdict"] == "kept" and by_line[5]["caption"] == "a green star"
+    assert by_line[5]["url"] == "http://a.example/5.jpg"                       # no \r left on it
+    for line, got in ((2, "1 columns where 2"), (3, "3 columns where 2")):
+        assert by_line[line]["reason"] == "malformed_row:columns" and got in by_line[line]["detail"], by_line[line]
+    assert by_line[4]["reason"] == "malformed_row:missing_url"
+    assert "Train_GCC-training.tsv line 3: 3 columns" in by_line[3]["detail"]
 
 
 def _bad_utf8_strings(values: list[bytes]) -> pa.Array:
@@ -165,3 +199,19 @@ def test_init_writes_the_one_measured_language_default(tmp_path):
     write_config(path, tmp_path / "cfg.yaml", detect(path))
     cfg = load_config(tmp_path / "cfg.yaml", [])
     assert cfg.stages.language.min_confidence == LanguageConfig().min_confidence == 0.1
+
+
+def test_init_names_the_malformed_lines_it_read_and_uses_a_similarity_column(tmp_path):
+    path = tmp_path / "laion.tsv"
+    lines = ["url\tcaption\tsimilarity"] + [f"http://a.example/{i}.jpg\ta photo of thing {i}\t0.3{i}" for i in range(6)]
+    lines[3] = "http://a.example/2.jpg\tno similarity here"            # line 4: one column short
+    path.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "laion.yaml"
+    proc = capline("init", str(path), "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "1 line(s) of those read are not rows of the list (line 4: too few or too many columns)" in proc.stdout
+    text = out.read_text()
+    assert "# 1 line(s) of those read are not rows" in text and "'similarity' column is the score" in text
+    cfg = load_config(out, [])
+    assert (cfg.stages.clip_score.scorer, cfg.stages.clip_score.column, cfg.stages.clip_score.threshold) == \
+        ("column", "similarity", 0.28)
