@@ -43,6 +43,7 @@ import pyarrow.compute as pc
 
 from infra.configtools import join, require
 from infra.errors import UserError
+from infra.hashing import hash_file as file_sha256
 
 from infra.shuffle import merge_group, merge_ranges, read_bucket, read_range, write_buckets, write_ranges
 
@@ -66,6 +67,9 @@ class DedupConfig:
     # file (.pt: DataComp's ISC descriptor, an open_clip visual tower traced), fed encoder_image_size
     # pixels, shortest side resized and centre-cropped, ImageNet-normalised
     encoder_checkpoint: str | None = None
+    # TorchScript is code: loading it runs whatever it holds (its __setstate__, its forward). It is
+    # loaded only when its sha256 is pinned here, as an explicit choice to run that file
+    encoder_sha256: str | None = None
     encoder_threshold: float = 0.95
     encoder_image_size: int = 224
     cpus_per_worker: float = 0.75      # < 1 leaves room for Ray Data's read tasks on small machines
@@ -95,6 +99,14 @@ class DedupConfig:
             require(p.is_dir() or (p.is_file() and p.suffix in TORCHSCRIPT), join(prefix, "encoder_checkpoint"),
                     f"{self.encoder_checkpoint} is neither a capline model directory nor a TorchScript file "
                     f"({', '.join(TORCHSCRIPT)})")
+            script = torchscript_file(p)
+            if script is not None:
+                got = file_sha256(script)
+                require(self.encoder_sha256 == got, join(prefix, "encoder_sha256"),
+                        f"{script} is TorchScript, which runs code when it is loaded; to run it, pin it with "
+                        f"{join(prefix, 'encoder_sha256')}: {got}" if self.encoder_sha256 is None else
+                        f"{self.encoder_sha256} is not the sha256 of {script} ({got}): the file changed since it "
+                        "was pinned; check it before pinning it again")
         require(16 <= self.encoder_image_size <= 1024, join(prefix, "encoder_image_size"), "must be 16..1024 pixels")
 
 
@@ -113,14 +125,19 @@ def torchscript_file(path) -> Path | None:
 
 class EncoderDescriber:
     """Unit image embeddings, no colour check: from a capline checkpoint (GAP of the final tokens), or
-    from a TorchScript image model (its output flattened; shapes: (1, 3, S, S) -> (1, D))."""
+    from a TorchScript image model (its output flattened; shapes: (1, 3, S, S) -> (1, D)), loaded
+    only if its bytes have the pinned `sha256` (checked where it is loaded: a worker's copy too)."""
 
-    def __init__(self, checkpoint: str, image_size: int = 224):
+    def __init__(self, checkpoint: str, image_size: int = 224, sha256: str | None = None):
         import torch
 
         self.torch = torch
         script = torchscript_file(checkpoint)
         if script is not None:
+            got = file_sha256(script)
+            if got != sha256:
+                raise UserError(f"stages.dedup.encoder_checkpoint {script}: a TorchScript file (code) whose sha256 "
+                                f"{got} is not the pinned stages.dedup.encoder_sha256 ({sha256}); not loaded")
             self.script = torch.jit.load(str(script), map_location="cpu").eval()
             self.size = image_size
         else:
@@ -189,7 +206,8 @@ PAIR_FAN_IN = 64      # signature buckets per pair bucket
 _LOADED: dict = {}
 
 
-def _indexes(storage, blobs: dict, names: tuple, encoder_checkpoint: str | None, image_size: int = 224):
+def _indexes(storage, blobs: dict, names: tuple, encoder_checkpoint: str | None, image_size: int = 224,
+             encoder_sha256: str | None = None):
     """Loaded once per worker process, however many partitions it describes. The driver built them on
     its own disk, which a worker on another node cannot see: they arrive through Ray's object store
     (`blobs`: kind -> set name -> the index file's bytes; `names` identify them)."""
@@ -201,7 +219,8 @@ def _indexes(storage, blobs: dict, names: tuple, encoder_checkpoint: str | None,
         _LOADED.clear()
         _LOADED[key] = ({n: load(b) for n, b in blobs["hash"].items()},
                         {n: load(b) for n, b in blobs["encoder"].items()},
-                        EncoderDescriber(str(storage.local_dir(encoder_checkpoint)), image_size) if encoder_checkpoint
+                        EncoderDescriber(str(storage.local_dir(encoder_checkpoint)), image_size, encoder_sha256)
+                        if encoder_checkpoint
                         else None)
     return _LOADED[key]
 
@@ -216,7 +235,8 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
     from .imagehash import simhash
 
     rows = by_location(read_kept(storage, file, ["key", "url", "caption", *PICTURE_COLUMNS]))
-    indexes, enc_indexes, encoder = _indexes(storage, blobs, names, encoder_checkpoint, cfg.encoder_image_size)
+    indexes, enc_indexes, encoder = _indexes(storage, blobs, names, encoder_checkpoint, cfg.encoder_image_size,
+                                             cfg.encoder_sha256)
     n = rows.num_rows
     vec16, means, codes = np.zeros((n, 768), np.float16), np.zeros((n, 3), np.float32), np.zeros((n, cfg.bits // 8), np.uint8)
     pix, ok = [bytes(16)] * n, np.zeros(n, bool)
@@ -650,7 +670,8 @@ class DedupStage(Decide):
                 enc_params = {"descriptor": "encoder", "checkpoint": _dir_digest(cfg.encoder_checkpoint),
                               "bits": cfg.bits, "colour_tol": None, "image_size": cfg.encoder_image_size}
                 epath, _ = build_reference(es, ctx.run_dir, cache, enc_params, log=ctx.log,
-                                           describer=EncoderDescriber(cfg.encoder_checkpoint, cfg.encoder_image_size))
+                                           describer=EncoderDescriber(cfg.encoder_checkpoint, cfg.encoder_image_size,
+                                                                                      cfg.encoder_sha256))
                 enc_paths[es.name] = epath
         encoder_rel = None
         if cfg.encoder_checkpoint:
@@ -779,5 +800,8 @@ def preflight(cfg: DedupConfig, run_dir: Path | None) -> None:
         if es.kind == "builtin" and es.path == "demo_heldout":
             continue  # made by the source stage of this very run
         check_exists(es, run_dir)
-    if cfg.encoder_checkpoint and not (Path(cfg.encoder_checkpoint) / "model.json").is_file():
-        raise UserError(f"stages.dedup.encoder_checkpoint {cfg.encoder_checkpoint}: not a capline model checkpoint")
+    # what validation accepts, run accepts: a capline model folder, or TorchScript (pinned, checked there)
+    if cfg.encoder_checkpoint and torchscript_file(cfg.encoder_checkpoint) is None \
+            and not (Path(cfg.encoder_checkpoint) / "model.json").is_file():
+        raise UserError(f"stages.dedup.encoder_checkpoint {cfg.encoder_checkpoint}: neither a capline model checkpoint "
+                        f"(a folder with model.json) nor a TorchScript file ({', '.join(TORCHSCRIPT)})")

@@ -428,7 +428,13 @@ def test_a_torchscript_image_model_is_a_dedup_descriptor(tmp_path):
 
     path = tmp_path / "isc.pt"
     torch.jit.trace(Thumb(), torch.zeros(1, 3, 32, 32)).save(str(path))
-    describe = EncoderDescriber(str(path), image_size=32)
+    from infra.errors import UserError
+    from infra.hashing import hash_file
+
+    sha = hash_file(path)
+    with pytest.raises(UserError, match="not the pinned stages.dedup.encoder_sha256"):
+        EncoderDescriber(str(path), image_size=32)          # TorchScript is code: never loaded unpinned
+    describe = EncoderDescriber(str(path), image_size=32, sha256=sha)
 
     def png(f):
         img = Image.new("RGB", (48, 40))
@@ -443,7 +449,16 @@ def test_a_torchscript_image_model_is_a_dedup_descriptor(tmp_path):
     va, vb, vc = (describe(i)[0] for i in (a, brighter, other))
     assert va.shape == (48,) and abs(np.linalg.norm(va) - 1) < 1e-4
     assert float(va @ vb) >= 0.95 > float(va @ vc)
-    load_config(None, [f"stages.dedup.encoder_checkpoint={path}", "stages.dedup.encoder_image_size=32"])
+    with pytest.raises(ConfigError, match=f"runs code when it is loaded; to run it, pin it with "
+                                          f"stages.dedup.encoder_sha256: {sha}"):
+        load_config(None, [f"stages.dedup.encoder_checkpoint={path}", "stages.dedup.encoder_image_size=32"])
+    with pytest.raises(ConfigError, match="the file changed since it was pinned"):
+        load_config(None, [f"stages.dedup.encoder_checkpoint={path}", "stages.dedup.encoder_sha256=" + "ab" * 32])
+    pinned = load_config(None, [f"stages.dedup.encoder_checkpoint={path}", "stages.dedup.encoder_image_size=32",
+                                f"stages.dedup.encoder_sha256={sha}"])
+    from stages.dedup import DedupStage
+
+    DedupStage().preflight(pinned)          # what `capline run` checks first accepts what validation did
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ConfigError, match="neither a capline model directory nor a TorchScript file"):
         load_config(None, [f"stages.dedup.encoder_checkpoint={tmp_path / 'weights.bin'}"])
@@ -452,6 +467,8 @@ def test_a_torchscript_image_model_is_a_dedup_descriptor(tmp_path):
 @pytest.mark.slow
 def test_dedup_runs_a_torchscript_encoder_in_its_tasks(tmp_path, ray_local):
     import torch
+
+    from infra.hashing import hash_file
 
     from helpers import free_port
 
@@ -465,7 +482,7 @@ def test_dedup_runs_a_torchscript_encoder_in_its_tasks(tmp_path, ray_local):
     cfg = load_config(None, ["source.num_samples=120", "source.eval_size=30", "source.slow_seconds=2",
                              "stages.ingest.timeout=1", "stages.ingest.samples_per_shard=60", f"source.serve_port={free_port()}",
                              f"stages.dedup.cache_dir={tmp_path / 'cache'}", f"stages.dedup.encoder_checkpoint={path}",
-                             "stages.dedup.encoder_image_size=32",
+                             "stages.dedup.encoder_image_size=32", f"stages.dedup.encoder_sha256={hash_file(path)}",
                              "stages.dedup.eval_sets=[{name: demo, kind: builtin, path: demo_heldout}]"])
     summary = run_pipeline(cfg, tmp_path / "run", until="dedup", log=lambda m: None)
     assert summary["dedup"]["in"] == summary["dedup"]["kept"] + sum(summary["dedup"]["dropped"].values())
