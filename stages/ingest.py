@@ -73,6 +73,8 @@ class IngestConfig:
     task_retries: int = 2            # Ray retries of a shard whose worker died
     # politeness per host (stages/polite.py), for the whole cluster: each download task gets its share
     user_agent_token: str = "capline"    # in the User-Agent; the robots.txt / X-Robots-Tag token honoured
+    # who runs the crawl, in the User-Agent (a URL or mail address): site operators ask before they block
+    contact: str = ""
     respect_robots: bool = True
     host_rate: float = 20.0              # requests per second to one host
     host_concurrency: int = 16           # requests in flight to one host
@@ -95,6 +97,8 @@ class IngestConfig:
         require(self.breaker_failures >= 1, join(prefix, "breaker_failures"), "must be >= 1")
         require(bool(re.fullmatch(r"[A-Za-z0-9_-]+", self.user_agent_token)), join(prefix, "user_agent_token"),
                 f"a robots.txt token is letters, digits, '-' and '_', got {self.user_agent_token!r}")
+        require(bool(re.fullmatch(r"[^\x00-\x1f\x7f();]*", self.contact)) and len(self.contact) <= 200,
+                join(prefix, "contact"), "a URL or mail address on one line, without ( ) or ; (it goes in the User-Agent)")
         require(0 < self.encode_quality <= 100, join(prefix, "encode_quality"), "must be 1..100")
         require(self.max_bytes > 0, join(prefix, "max_bytes"), "must be > 0")
         # PIL refuses more than twice its MAX_IMAGE_PIXELS (89.5M) whatever we allow, and capline
@@ -343,7 +347,8 @@ class IngestStage(Source):
 
     def fingerprint(self, config) -> str:
         base = json.loads(super().fingerprint(config))
-        base["section"].pop("compact_rows")    # how the later stages' work is cut, not what ingest decides
+        for how in ("compact_rows", "contact"):    # how the work is cut and who asks: not what ingest decides
+            base["section"].pop(how)
         return json.dumps(base, sort_keys=True)
 
     def run(self, ctx: StageContext) -> StageResult:
@@ -475,7 +480,7 @@ def _downloader(cfg: IngestConfig, allow: tuple, at_once: int = 1, own: tuple = 
     manners = Manners(token=cfg.user_agent_token, rate=cfg.host_rate / at_once,
                       concurrency=max(1, cfg.host_concurrency // at_once), robots=cfg.respect_robots,
                       max_wait=cfg.max_retry_after, retries=cfg.rate_limit_retries,
-                      breaker_failures=cfg.breaker_failures)
+                      breaker_failures=cfg.breaker_failures, contact=cfg.contact)
 
     resizer = Resizer(image_size=cfg.image_size, resize_mode=cfg.resize_mode,
                       resize_only_if_bigger=False, encode_quality=cfg.encode_quality,

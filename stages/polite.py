@@ -31,10 +31,20 @@ class Manners:
     max_wait: float = 60.0            # the longest Retry-After waited for
     retries: int = 3                  # waits on 429/503 before the URL is given up
     breaker_failures: int = 20        # consecutive failures that stop asking a host
+    contact: str = ""                 # a URL or mail address a site's operator can reach the crawl's owner at
 
     @property
     def user_agent(self) -> str:
-        return f"Mozilla/5.0 (compatible; {self.token}/0.3; img2dataset-compatible dataset builder)"
+        """`compatible; <token>/<capline's version>; +<contact>`: what a site's logs show, so its operator can
+        tell which crawler this is and whom to ask."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("capline")
+        except PackageNotFoundError:
+            v = "dev"
+        return (f"Mozilla/5.0 (compatible; {self.token}/{v}; img2dataset-compatible dataset builder"
+                + (f"; +{self.contact}" if self.contact else "") + ")")
 
 
 class Host:

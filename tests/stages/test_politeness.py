@@ -151,3 +151,19 @@ def test_rate_limit_retry_after_and_robots_through_ingest(tmp_path, ray_local):
     report = (tmp_path / "run" / "ingest" / "report.html").read_text()
     assert "Hosts that asked to slow down" in report and f"127.0.0.1:{server.server_address[1]}" in report
     assert summary["ingest"]["dropped"] == {"robots_disallowed": 6}
+
+
+def test_the_user_agent_carries_the_package_version_and_the_configured_contact():
+    from importlib.metadata import version
+
+    from infra.errors import ConfigError
+    from pipeline.config import load_config
+    from stages.ingest import IngestStage
+    from stages.polite import Manners
+
+    assert f"capline/{version('capline')};" in Manners().user_agent and "+" not in Manners().user_agent
+    assert Manners(contact="mailto:data@example.org").user_agent.endswith("; +mailto:data@example.org)")
+    with pytest.raises(ConfigError, match="stages.ingest.contact"):
+        load_config(None, ["stages.ingest.contact=a (b); c"])
+    plain, named = (IngestStage().fingerprint(load_config(None, extra)) for extra in ([], ["stages.ingest.contact=x@y.z"]))
+    assert plain == named                    # who asks does not change what was downloaded
