@@ -301,6 +301,15 @@ def texts(column: pa.ChunkedArray) -> list:
     return out
 
 
+def _ids(column: pa.ChunkedArray) -> list:
+    """The list's own ids as text, as a person writes them: an id column that pandas or a writer made
+    float (1000056.0) keeps its integers (1000056), so `capline explain RUN 1000056` finds it."""
+    if pa.types.is_floating(column.type):
+        return [None if v is None or math.isnan(v) else str(int(v)) if float(v).is_integer() else str(v)
+                for v in column.to_pylist()]
+    return texts(column)
+
+
 def keyed_rows(table: pa.Table, cfg: SourceConfig, part: str, lines: list[int] | None = None,
                malformed: list[dict] = ()) -> pa.Table:
     """A URL list file's rows -> key, url, caption, partition, verdict, reason, detail (one per row
@@ -317,7 +326,7 @@ def keyed_rows(table: pa.Table, cfg: SourceConfig, part: str, lines: list[int] |
             raise UserError(f"source partition {part}: missing column {c}")
     urls = texts(table.column(url_col))
     caps = texts(table.column(caption_col))
-    ids = texts(table.column(key_col)) if key_col else None
+    ids = _ids(table.column(key_col)) if key_col else None
     notes = _carried(table, cfg, part, {url_col, caption_col, key_col})
     if ids is not None:
         _check_keys(ids, key_col, part)

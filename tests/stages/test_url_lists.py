@@ -215,3 +215,11 @@ def test_init_names_the_malformed_lines_it_read_and_uses_a_similarity_column(tmp
     cfg = load_config(out, [])
     assert (cfg.stages.clip_score.scorer, cfg.stages.clip_score.column, cfg.stages.clip_score.threshold) == \
         ("column", "similarity", 0.28)
+
+
+def test_a_float_id_column_keeps_integer_ids(tmp_path):
+    path = tmp_path / "list.parquet"
+    pq.write_table(pa.table({"url": ["http://a.example/1.jpg", "http://a.example/2.jpg"],
+                             "caption": ["one", "two"], "SAMPLE_ID": pa.array([1000056.0, 7.5], pa.float64())}), path)
+    rows = _source(tmp_path, path, "source.key_col=SAMPLE_ID")
+    assert rows["0"]["key"] == "1000056" and rows["1"]["key"] == "7_5"
