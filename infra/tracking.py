@@ -58,6 +58,20 @@ def client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
+def run_pages(uri: str, run_ids: dict[str, str], ui: str) -> dict[str, str]:
+    """kind -> the UI page of each run (`<ui>/#/experiments/<id>/runs/<run>`): where a person lands on
+    the run itself, not on MLflow 3's welcome page two clicks away. Runs the store lacks are left out."""
+    c = client(uri)
+    out = {}
+    for kind, run_id in run_ids.items():
+        try:
+            exp = c.get_run(run_id).info.experiment_id
+        except Exception:  # noqa: BLE001 - a run removed from the store, or a store that is down
+            continue
+        out[kind] = f"{ui.rstrip('/')}/#/experiments/{exp}/runs/{run_id}"
+    return out
+
+
 # MLflow 3's UI opens an experiment in its GenAI overview ("Traces 0") unless the experiment says it
 # is model training: then it opens on the runs table, where capline's runs are
 EXPERIMENT_KIND, TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"

@@ -302,11 +302,26 @@ def _cmd_run(args) -> int:
 
             print(f"open_clip: python -m open_clip_train.main {open_clip_args(manifest)} {OPEN_CLIP_EXAMPLE}")
         store.push_top()
-    if (run_dir / "mlflow.db").is_file():
-        mlflow = Path(sys.executable).parent / "mlflow"
-        print(f"MLflow: {mlflow if mlflow.exists() else 'mlflow'} ui --backend-store-uri "
-              f"sqlite:///{(run_dir / 'mlflow.db').resolve()} (then open http://127.0.0.1:5000)")
+    _print_mlflow_pages(run_dir)
     return 0
+
+
+def _print_mlflow_pages(run_dir: Path) -> None:
+    """How to open the run's MLflow runs: the UI command for a local store, then each run's own page."""
+    from infra.tracking import redact, run_pages, tracking_uri
+
+    uri = tracking_uri(run_dir)
+    local = uri.startswith("sqlite:")
+    if local and not (run_dir / "mlflow.db").is_file():
+        return
+    manifest = run_dir / "manifest.json"
+    runs = {k: v for k, v in (json.loads(manifest.read_text()).get("mlflow_runs", {}) if manifest.is_file() else {}).items()
+            if k in ("data", "train")}
+    if local:
+        mlflow = Path(sys.executable).parent / "mlflow"
+        print(f"MLflow: {mlflow if mlflow.exists() else 'mlflow'} ui --backend-store-uri {uri}, then open:")
+    for kind, page in run_pages(uri, runs, "http://127.0.0.1:5000" if local else redact(uri)).items():
+        print(f"  {kind} run: {page}")
 
 
 def _cmd_ray(args) -> int:

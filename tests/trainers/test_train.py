@@ -1,6 +1,7 @@
 """End to end: Ray Train workers pretrain tiny CapPa and CLIP* from the pipeline's shards, tracked in
 MLflow; a training worker killed mid-run is replaced and the job resumes from its checkpoint."""
 import json
+import re
 import os
 import signal
 import threading
@@ -142,6 +143,10 @@ def test_main_job_ends_with_an_evaluated_model(data_run):
                  "word order demo_aro precision@1", "word order demo_aro shuffle_nouns_and_adj (pairwise)",
                  f"run folder {run.resolve()}", "mlflow ui --backend-store-uri"):
         assert line in out.stdout, line
+    # the run's own MLflow page, not MLflow 3's welcome page: #/experiments/<id>/runs/<run id>
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert re.search(rf"  train run: http://127\.0\.0\.1:5000/#/experiments/\d+/runs/{manifest['mlflow_runs']['train']}",
+                     out.stdout), out.stdout[-1500:]
     results = json.loads(next((run / "eval").glob("train-cappa-tiny.json")).read_text())
     assert set(results["fewshot"]) >= {"demo_shape", "demo_count", "digits"}   # 30 held-out images: colour may not fit
     assert set(results["fewshot"]["digits"]) == {"1", "5", "10", "25"}
