@@ -160,6 +160,16 @@ def _parser() -> argparse.ArgumentParser:
     it.add_argument("--output", "-o", help="the config to write (default: configs/<file name>.yaml)")
     it.add_argument("--format", default="auto", choices=["auto", "parquet", "csv", "tsv", "jsonl"])
     it.add_argument("--name", help="the run's name (default: from the file name)")
+    ck = sub.add_parser("check", help="check a config before running it: settings, URL list columns, paths, models",
+                        description="Every check `capline run` makes before it starts Ray or downloads anything: "
+                                    "setting values and ranges, the URL lists' files and the columns the config "
+                                    "names (with the closest names when one is missing), allow_hosts entries, "
+                                    "evaluation sets, scorer and descriptor folders, the dataset line's settings. "
+                                    "Exit 0 and one line when the config is ready, else one line naming the setting "
+                                    "to change.")
+    ck.add_argument("config", nargs="?", default=None, help="YAML run config (default: configs/demo.yaml)")
+    ck.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config value by dotted key, as for run")
     mo = sub.add_parser("models", help="model families and sizes, with parameter counts")
     mo.add_argument("--table", action="store_true",
                     help="count parameters of every family at every size (32k vocabulary, 224 px; tiny at "
@@ -520,6 +530,15 @@ def _main(argv: list[str] | None = None) -> int:
             return _cmd_rebuild(args)
         if args.command == "ray":
             return _cmd_ray(args)
+        if args.command == "check":
+            from .config import load_config
+            from .runner import preflight
+
+            cfg = load_config(args.config, args.overrides)
+            preflight(cfg)
+            print(f"capline check: {args.config or 'the embedded demo config'} is ready to run ({cfg.name}: settings, inputs and "
+                  "models checked; nothing downloaded, no cluster started)")
+            return 0
         if args.command == "init":
             from .init_config import detect, write_config
 

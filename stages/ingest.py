@@ -97,6 +97,10 @@ class IngestConfig:
         require(self.breaker_failures >= 1, join(prefix, "breaker_failures"), "must be >= 1")
         require(bool(re.fullmatch(r"[A-Za-z0-9_-]+", self.user_agent_token)), join(prefix, "user_agent_token"),
                 f"a robots.txt token is letters, digits, '-' and '_', got {self.user_agent_token!r}")
+        for entry in self.allow_hosts:
+            require(isinstance(entry, str) and bool(HOST_PORT.fullmatch(entry)), join(prefix, "allow_hosts"),
+                    f"{entry!r} is not host[:port]" + (f"; write {_host_port(entry)!r}" if _host_port(entry) else
+                                                        " (e.g. '10.0.0.5:9000')"))
         require(bool(re.fullmatch(r"[^\x00-\x1f\x7f();]*", self.contact)) and len(self.contact) <= 200,
                 join(prefix, "contact"), "a URL or mail address on one line, without ( ) or ; (it goes in the User-Agent)")
         require(0 < self.encode_quality <= 100, join(prefix, "encode_quality"), "must be 1..100")
@@ -116,6 +120,19 @@ class IngestConfig:
                 f"choose from {', '.join(FORMATS)}" + (f"; not {', '.join(bad)}" if bad else ""))
         require(self.pixels_in_flight >= self.max_pixels, join(prefix, "pixels_in_flight"),
                 f"must be >= max_pixels ({self.max_pixels}), or the largest allowed image never decodes")
+
+
+HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?")   # what allow_hosts matches
+
+
+def _host_port(entry) -> str | None:
+    """The host[:port] a URL-shaped allow_hosts entry meant ('http://127.0.0.1:8600/' -> '127.0.0.1:8600')."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(entry, str) or "://" not in entry:
+        return None
+    netloc = urlsplit(entry).netloc.rsplit("@", 1)[-1]
+    return netloc if HOST_PORT.fullmatch(netloc) else None
 
 
 PARTS = "ingest/parts"   # <unit>/{tars,ledger,results,compact}/ per source partition; _summary.parquet

@@ -223,3 +223,21 @@ def test_a_float_id_column_keeps_integer_ids(tmp_path):
                              "caption": ["one", "two"], "SAMPLE_ID": pa.array([1000056.0, 7.5], pa.float64())}), path)
     rows = _source(tmp_path, path, "source.key_col=SAMPLE_ID")
     assert rows["0"]["key"] == "1000056" and rows["1"]["key"] == "7_5"
+
+
+def test_capline_check_names_each_mistake_before_anything_downloads(tmp_path):
+    """A misspelled score column, a URL in allow_hosts, an unpinned TorchScript descriptor: each a
+    one-line error naming the setting and the value to use; the corrected config passes."""
+    path = tmp_path / "laion.tsv"
+    path.write_text("url\tcaption\tsimilarity\nhttp://a.example/1.jpg\ta photo of a cat\t0.31\n")
+    base = ["--set", "source.kind=urls", "--set", f"source.path={path}", "--set", "stages.dedup.eval_sets=[]",
+            "--set", "stages.clip_score.scorer=column", "--set", "stages.clip_score.keep_fraction=null",
+            "--set", "stages.clip_score.threshold=0.28"]
+    for extra, said in ((["stages.clip_score.column=similarty"], "has no column 'similarty'; did you mean 'similarity'?"),
+                        (["stages.clip_score.column=similarity", "stages.ingest.allow_hosts=['http://127.0.0.1:8600/']"],
+                         "'http://127.0.0.1:8600/' is not host[:port]; write '127.0.0.1:8600'")):
+        proc = capline("check", *base, *(x for e in extra for x in ("--set", e)))
+        assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    ok = capline("check", *base, "--set", "stages.clip_score.column=similarity")
+    assert ok.returncode == 0 and "is ready to run" in ok.stdout, ok.stderr
