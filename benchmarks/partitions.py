@@ -147,7 +147,9 @@ def run(args) -> dict:
                     in_tasks = sum(r.get("seconds", 0) for r in stats.get("tasks", []))
                     stages[stage] = {"wall_seconds": stats["wall_seconds"], "partitions": stats.get("partitions"),
                                      "in": stats.get("in"), "kept": stats.get("kept"),
-                                     "driver_seconds_outside_tasks": round(max(0.0, stats["wall_seconds"] - in_tasks), 2)}
+                                     "driver_seconds_outside_tasks": round(max(0.0, stats["wall_seconds"] - in_tasks), 2),
+                                     "task_groups": [{k: g.get(k) for k in ("what", "tasks", "at_once", "seconds")}
+                                                     for g in stats.get("tasks", [])]}
                 report = re.search(r"report: \S+ \((\d+(?:\.\d+)?) s\)", log)
                 runs[name] = {"wall_seconds": round(wall, 1), "stages": stages,
                               "report_seconds": float(report.group(1)) if report else None,

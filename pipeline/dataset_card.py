@@ -24,6 +24,9 @@ def thresholds(cfg) -> dict[str, dict]:
             # an unset value that only says "moved to another stage" (ingest's old size bounds) is no threshold
             out[name] = {k: v for k, v in dataclasses.asdict(section).items()
                          if not (name == "ingest" and v is None)}
+    where = getattr(getattr(cfg, "source", None), "where", None)
+    if where:     # bounds on the list's own columns (source.where): thresholds like a filter's
+        out["source"] = {"where": where}
     return out
 
 

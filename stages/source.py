@@ -86,6 +86,10 @@ class SourceConfig:
     # null: every other column of a Parquet list, none of a text list; [] none; values over
     # 1,000 characters are left out
     keep_columns: list[str | int] | None = None
+    # bounds on the list's own numeric columns, each a declared threshold (LAION's recipe:
+    # {punsafe: {max: 0.5}, pwatermark: {max: 0.8}, WIDTH: {min: 256}}): a row outside one, or without
+    # a number there, is dropped as list_filter:<column>, naming the value and the bound
+    where: dict[str, dict[str, float]] = field(default_factory=dict)
     # kind: synthetic
     num_samples: int = 2000
     eval_size: int = 300
@@ -121,6 +125,14 @@ class SourceConfig:
             v = getattr(self, name)
             require(not isinstance(v, int) or isinstance(v, bool) or v >= 0, join(prefix, name),
                     f"a column position counts from 0, got {v}")
+        for col, bounds in self.where.items():
+            at = join(prefix, f"where.{col}")
+            require(isinstance(bounds, dict) and bool(bounds) and set(bounds) <= {"min", "max"}, at,
+                    f"bounds as {{min: X, max: Y}} (either or both), got {bounds!r}")
+            for k, v in bounds.items():
+                require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), at,
+                        f"{k} must be a finite number, got {v!r}")
+            require(bounds.get("min", -math.inf) <= bounds.get("max", math.inf), at, f"min > max in {bounds}")
         require(self.columns is None or not self.header, join(prefix, "columns"),
                 "names columns of a file without a header: set source.header: false too (or drop columns)")
 
@@ -259,8 +271,16 @@ def partition_files(cfg: SourceConfig) -> list[Path]:
 
 def check_url_list(cfg: SourceConfig) -> None:
     """Check a `kind: urls` list's files and columns; UserError names what is wrong."""
+    import difflib
+
     for f in partition_files(cfg):
         names = _read_columns(f, cfg.format, cfg.header, cfg.columns)
+        for col in cfg.where:
+            if col not in names:
+                close = difflib.get_close_matches(col, names, n=3, cutoff=0.5)
+                raise UserError(f"source.where.{col}: {f.name} has no column {col!r}"
+                                + (f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else
+                                   f" (its columns: {', '.join(names[:20])})"))
         wanted = [column_ref(c, names, w) for c, w in ((cfg.url_col, "url_col"), (cfg.caption_col, "caption_col"),
                                                       (cfg.key_col, "key_col")) if c is not None]
         missing = [c for c in wanted if c not in names]
@@ -299,6 +319,22 @@ def texts(column: pa.ChunkedArray) -> list:
         else:
             out.append(str(v))
     return out
+
+
+def _outside(value, bounds: dict) -> str | None:
+    """Why `value` fails `bounds` ({min, max}, inclusive), or None if it is inside."""
+    if isinstance(value, (bytes, str)):
+        try:
+            value = float(value)
+        except ValueError:
+            return f"is {value!r}, not a number"
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return "has no value"
+    if "min" in bounds and value < bounds["min"]:
+        return f"{value:g} < min {bounds['min']:g}"
+    if "max" in bounds and value > bounds["max"]:
+        return f"{value:g} > max {bounds['max']:g}"
+    return None
 
 
 def _ids(column: pa.ChunkedArray) -> list:
@@ -348,6 +384,16 @@ def keyed_rows(table: pa.Table, cfg: SourceConfig, part: str, lines: list[int] |
         reasons.append("" if ok else "malformed_row:invalid_utf8" if bad else "malformed_row:missing_url")
         where = f"{part} line {lines[i]}" if lines is not None else f"{part} row {i + 1}"
         details.append(where + (f": its {bad} is not UTF-8" if bad else ""))
+    for col, bounds in cfg.where.items():    # the list's own thresholds, in the ledger like any other
+        if col not in table.column_names:
+            raise UserError(f"source.where.{col}: {part} has no column {col!r}")
+        for i, v in enumerate(table.column(col).to_pylist()):
+            if verdicts[i] != KEPT:
+                continue
+            why = _outside(v, bounds)
+            if why:
+                verdicts[i], reasons[i] = DROPPED, f"list_filter:{col}"
+                details[i] = f"{details[i]}: {col} {why} (source.where)"
     for m in malformed:     # a line that is not a row: a sample of its own, dropped, so it is counted
         keys.append("m" + hashlib.sha1(f"{part}\0{m['line']}\0{m['text']}".encode()).hexdigest()[:16])
         out_urls.append(None)
@@ -473,7 +519,7 @@ def _text_cols(cfg: SourceConfig, path: Path) -> tuple:
 
 class SourceStage(Source):
     name = "source"
-    reasons = ("malformed_row", "missing_url", "invalid_url", "duplicate_key")
+    reasons = ("malformed_row", "missing_url", "invalid_url", "duplicate_key", "list_filter")
 
     def section(self, config) -> SourceConfig:
         return config.source

@@ -126,7 +126,7 @@ def test_rerun_resumes_only_missing_shards(tmp_path, ray_local):
                   for r in pq.read_table(f, columns=["key"]).to_pylist()}
     assert {r["key"] for p in parts for r in pq.read_table(tmp_path / p["file"], columns=["key"]).to_pylist()} == shard_keys
     before = _content(tmp_path)
-    (part,) = (tmp_path / "ingest" / "parts").iterdir()
+    (part,) = (p for p in (tmp_path / "ingest" / "parts").iterdir() if p.is_dir())   # beside: _summary.parquet
     shards = part / "shards"
     # Simulate a kill mid-ingest: the stage marker gone, one shard never finished (no result), its tar half written.
     (tmp_path / "ingest" / "_SUCCESS").unlink()

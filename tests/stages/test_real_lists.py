@@ -53,17 +53,31 @@ def test_cc3m_tsv_and_laion_parquet_to_shards(tmp_path, ray_local):
         laion = tmp_path / "laion" / "part-00000.parquet"
         laion.parent.mkdir()
         similarity = [round(0.2 + 0.01 * i, 4) for i in range(20)]
+        # LAION's own recipe on its own columns: punsafe <= 0.5, pwatermark <= 0.8 (one row has no pwatermark)
+        punsafe = [0.01] * 16 + [0.7, 0.01, 0.01, 0.93]
+        pwatermark = [0.1] * 17 + [0.95, None, 0.1]
         pq.write_table(pa.table({"URL": urls[20:], "TEXT": [r["caption"] for r in rows[20:]],
                                  "LICENSE": ["CC-BY"] * 10 + ["?"] * 10, "WIDTH": [96] * 20, "HEIGHT": [96] * 20,
-                                 "similarity": similarity, "punsafe": [0.01] * 20}), laion)
+                                 "similarity": similarity, "punsafe": punsafe,
+                                 "pwatermark": pa.array(pwatermark, pa.float64())}), laion)
         cfg = load_config(None, ["source.kind=urls", f"source.path={laion}", "source.url_col=URL",
                                  "source.caption_col=TEXT", allow, *COMMON, "stages.clip_score.scorer=column",
                                  "stages.clip_score.column=similarity", "stages.clip_score.threshold=0.28",
-                                 "stages.clip_score.keep_fraction=null"])
+                                 "stages.clip_score.keep_fraction=null",
+                                 "source.where={punsafe: {max: 0.5}, pwatermark: {max: 0.8}}"])
         summary = run_pipeline(cfg, tmp_path / "laion-run", until="shard", log=lambda m: None)
     got = _samples(tmp_path / "laion-run")
-    kept = {u for u, s in zip(urls[20:], similarity) if s >= 0.28}
-    assert set(got) == kept and summary["clip_score"]["dropped"] == {"clip_score": 20 - len(kept)}
+    allowed = [p <= 0.5 and w is not None and w <= 0.8 for p, w in zip(punsafe, pwatermark)]
+    assert summary["source"]["dropped"] == {"list_filter:punsafe": 2, "list_filter:pwatermark": 2}
+    kept = {u for u, s, ok in zip(urls[20:], similarity, allowed) if s >= 0.28 and ok}
+    assert set(got) == kept and summary["clip_score"]["dropped"] == {"clip_score": sum(allowed) - len(kept)}
+    from stages.base import read_ledger
+
+    why = {r["url"]: r["detail"] for r in read_ledger(tmp_path / "laion-run", "source").to_pylist() if r["reason"]}
+    assert why[urls[36]].endswith("punsafe 0.7 > max 0.5 (source.where)")
+    assert why[urls[38]].endswith("pwatermark has no value (source.where)")
+    card = (tmp_path / "laion-run" / "shard" / "README.md").read_text()
+    assert "list_filter:punsafe=2" in card and "punsafe" in card.split("## Filters and thresholds")[1]
     sample = got[sorted(kept)[0]]
     assert sample["LICENSE"] in ("CC-BY", "?") and sample["WIDTH"] == 96 and sample["punsafe"] == 0.01
     assert sample["clip_score"] == sample["similarity"]      # the list's score is the filter's score
