@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 import subprocess
 import sys
@@ -308,9 +309,9 @@ def _cmd_run(args) -> int:
         manifest = json.loads((run_dir / "manifest.json").read_text())
         if open_clip_args(manifest):
             print(f"dataset card: {store.storage().uri('shard/README.md')}")
-            from .dataset_card import OPEN_CLIP_EXAMPLE
+            from .dataset_card import open_clip_example
 
-            print(f"open_clip: python -m open_clip_train.main {open_clip_args(manifest)} {OPEN_CLIP_EXAMPLE}")
+            print(f"open_clip: python -m open_clip_train.main {open_clip_args(manifest)} {open_clip_example(manifest)}")
         store.push_top()
     _print_mlflow_pages(run_dir)
     return 0
@@ -546,7 +547,7 @@ def _main(argv: list[str] | None = None) -> int:
             if not src.is_file():
                 raise UserError(f"{src}: no such file")
             found = detect(src, args.format)
-            out = Path(args.output) if args.output else Path("configs") / f"{src.name.split('.')[0]}.yaml"
+            out = Path(args.output) if args.output else Path("configs") / f"{re.sub(r'[^A-Za-z0-9_-]+', '-', src.name)}.yaml"
             name = write_config(src, out, found, args.name)
             print(f"capline init: URLs in '{found['url_col']}', captions in '{found['caption_col']}'"
                   + (f", keys in '{found['key_col']}'" if found["key_col"] is not None else "")

@@ -38,8 +38,13 @@ def open_clip_args(manifest: dict) -> str | None:
     return f"--train-data '{shard['train_data']}' --train-num-samples {n} --dataset-type webdataset"
 
 
-# what the printed open_clip line adds so it runs when pasted (a small model; change to taste)
-OPEN_CLIP_EXAMPLE = "--model ViT-B-32 --batch-size 256 --epochs 1 --workers 4"
+def open_clip_example(manifest: dict) -> str:
+    """What the printed open_clip line adds so it runs when pasted (a small model; change to taste):
+    a batch no larger than the dataset (a power of two, at most 256)."""
+    shard = manifest.get("artifacts", {}).get("shard") or {}
+    n = sum(s["samples"] for s in shard.get("shards", [])) or 256
+    batch = 1 << max(0, min(8, n.bit_length() - 1))
+    return f"--model ViT-B-32 --batch-size {batch} --epochs 1 --workers 4"
 
 
 def card(manifest: dict, summary: dict, cfg) -> str:
@@ -79,5 +84,5 @@ def card(manifest: dict, summary: dict, cfg) -> str:
               "`shardindex.json` (wids).", ""]
     args = open_clip_args(manifest)
     if args:
-        lines += ["```", f"python -m open_clip_train.main {args} {OPEN_CLIP_EXAMPLE}", "```", ""]
+        lines += ["```", f"python -m open_clip_train.main {args} {open_clip_example(manifest)}", "```", ""]
     return "\n".join(lines)

@@ -125,7 +125,8 @@ def malformed_note(malformed: list) -> str:
 def write_config(path: Path, out: Path, found: dict, name: str | None = None) -> str:
     import yaml
 
-    name = name or re.sub(r"[^A-Za-z0-9_-]+", "-", path.name.split(".")[0]).strip("-") or "run"
+    # the whole file name (foo.tsv and foo.tsv.gz are two lists: two runs, two configs)
+    name = name or re.sub(r"[^A-Za-z0-9_-]+", "-", path.name).strip("-") or "run"
     source = {"kind": "urls", "path": str(path.resolve()), "format": found["format"],
               "url_col": found["url_col"], "caption_col": found["caption_col"]}
     if found["key_col"] is not None:

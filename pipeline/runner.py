@@ -248,7 +248,9 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     before = (controls.read(stage.name, "_SUCCESS") or {}).get("files", {})   # what the last finish produced
     controls.remove(stage.name, "_SUCCESS")
     controls.write(stage.name, "_STARTED", {"input_digest": in_digest})
-    ctx.log(f"{stage.name}: running" + (" (resuming partial work)" if started else ""))
+    # resuming only what the same input began: after a config or input change the stage starts over
+    resuming = started is not None and started.get("input_digest") == in_digest
+    ctx.log(f"{stage.name}: running" + (" (resuming partial work)" if resuming else ""))
     t0 = time.time()
     first_record = len(ctx.executor.records)
     result = stage.run(ctx)

@@ -30,13 +30,31 @@ def _transformers():
     return transformers
 
 
+OPEN_CLIP_FILES = ("open_clip_pytorch_model.bin", "open_clip_model.safetensors", "open_clip_config.json")
+
+
+def _open_clip_hint(path: Path) -> str | None:
+    """What to do with an open_clip checkpoint (what most LAION and DataComp users hold)."""
+    files = [path] if path.is_file() else sorted(path.iterdir()) if path.is_dir() else []
+    if any(f.name in OPEN_CLIP_FILES or (f.suffix in (".pt", ".bin") and "epoch" in f.name) for f in files):
+        return ("this looks like an open_clip checkpoint, which scorer: hf does not read; use its Hugging Face "
+                "conversion (OpenAI's and LAION's CLIPs are published in both forms), or score the list "
+                "elsewhere and use scorer: column on that score")
+    return None
+
+
 def check_hf(folder: str) -> dict:
     """Fail before any work if `folder` is not a local Hugging Face CLIP. -> a description."""
     from .scorer import dir_sha256
 
     path = Path(folder)
-    if not (path / "config.json").is_file():
-        raise UserError(f"stages.clip_score.checkpoint {folder}: not a Hugging Face model folder (no config.json)")
+    if not path.exists():
+        raise UserError(f"stages.clip_score.checkpoint {folder}: no such folder (a Hugging Face CLIP saved with "
+                        "save_pretrained, on this machine: capline downloads nothing)")
+    if path.is_file() or not (path / "config.json").is_file():
+        hint = _open_clip_hint(path)
+        raise UserError(f"stages.clip_score.checkpoint {folder}: not a Hugging Face model folder (no config.json)"
+                        + (f"; {hint}" if hint else ""))
     tf = _transformers()
     try:
         cfg = tf.AutoConfig.from_pretrained(str(path), local_files_only=True)
@@ -45,9 +63,29 @@ def check_hf(folder: str) -> dict:
     if getattr(cfg, "model_type", "") not in ("clip", "siglip"):
         raise UserError(f"stages.clip_score.checkpoint {folder}: a {cfg.model_type} model, not a CLIP; "
                         "scorer: hf needs a CLIPModel folder")
+    if cfg.model_type == "siglip" and not _image_processor_config(path):
+        raise UserError(f"stages.clip_score.checkpoint {folder}: a SigLIP without its image normalisation "
+                        "(preprocessor_config.json or processor_config.json with image_mean and image_std); it would "
+                        "be scored with CLIP's normalisation: save its processor into the folder too")
     if not any((path / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json")):
         raise UserError(f"stages.clip_score.checkpoint {folder}: no tokenizer files next to the model")
     return {"kind": "hf", "path": str(path), "family": cfg.model_type, "sha256": dir_sha256(path)}
+
+
+def _image_processor_config(folder: Path) -> dict:
+    """The image normalisation the folder declares: transformers 4 writes preprocessor_config.json,
+    transformers 5 processor_config.json (the image processor's settings under "image_processor").
+    Without either, CLIP's own values apply; a SigLIP would then be scored with CLIP's, so say so."""
+    import json
+
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        f = folder / name
+        if f.is_file():
+            conf = json.loads(f.read_text())
+            conf = conf.get("image_processor", conf) if isinstance(conf, dict) else {}
+            if "image_mean" in conf and "image_std" in conf:
+                return conf
+    return {}
 
 
 class HFScorer:
@@ -56,8 +94,6 @@ class HFScorer:
     CHUNK = 64   # every forward pass has exactly this many rows: a pair's score never depends on its batch
 
     def __init__(self, folder: str, device: str = "cpu"):
-        import json
-
         import torch
 
         tf = _transformers()
@@ -68,8 +104,7 @@ class HFScorer:
         vision = self.model.config.vision_config
         self.size = int(vision.image_size)
         self.max_len = int(getattr(self.model.config.text_config, "max_position_embeddings", 77))
-        pre = Path(folder) / "preprocessor_config.json"
-        conf = json.loads(pre.read_text()) if pre.is_file() else {}
+        conf = _image_processor_config(Path(folder))
         self.mean = np.array(conf.get("image_mean", CLIP_MEAN), np.float32).reshape(3, 1, 1)
         self.std = np.array(conf.get("image_std", CLIP_STD), np.float32).reshape(3, 1, 1)
 

@@ -267,3 +267,22 @@ def test_workers_outlive_the_gap_between_two_stages(ray_local, tmp_path):
     time.sleep(4)
     second = set(ray_local.get([pid.remote(str(tmp_path / "second")) for _ in range(4)]))
     assert len(first) == 4 and second == first, (first, second)
+
+
+@pytest.mark.slow   # starts Ray
+def test_resuming_is_said_only_for_work_begun_on_the_same_input(tmp_path, ray_local):
+    """A stage interrupted under one input and run again under another starts over, and says so:
+    "resuming partial work" only where the same input began it."""
+    import json
+
+    _run(tmp_path, [Numbers(), DropOdd()], n=10)
+    for stage in ("numbers", "dropodd"):          # as if interrupted: begun, never finished
+        (tmp_path / stage / "_SUCCESS").unlink()
+    said = []
+    run_pipeline(_cfg(10), tmp_path, log=said.append, stages=[Numbers(), DropOdd()], observers=[])
+    assert "numbers: running (resuming partial work)" in said, said
+    (tmp_path / "dropodd" / "_SUCCESS").unlink()
+    (tmp_path / "dropodd" / "_STARTED").write_text(json.dumps({"input_digest": "another input"}))
+    said.clear()
+    run_pipeline(_cfg(10), tmp_path, log=said.append, stages=[Numbers(), DropOdd()], observers=[])
+    assert "dropodd: running" in said and "dropodd: running (resuming partial work)" not in said, said

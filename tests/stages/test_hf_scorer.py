@@ -66,6 +66,31 @@ def test_a_local_hf_clip_scores_pairs_and_is_checked_first(tmp_path):
     (tmp_path / "notclip").mkdir()
     with pytest.raises(UserError, match="not a Hugging Face model folder"):
         check_hf(str(tmp_path / "notclip"))
+    with pytest.raises(UserError, match="no such folder .*capline downloads nothing"):
+        check_hf(str(tmp_path / "absent"))
+    (tmp_path / "oc").mkdir()
+    (tmp_path / "oc" / "open_clip_pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(UserError, match="looks like an open_clip checkpoint.*scorer: column"):
+        check_hf(str(tmp_path / "oc"))
+
+
+def test_the_image_normalisation_comes_from_either_processor_file(tmp_path):
+    """transformers 5 writes processor_config.json (settings under image_processor), 4 wrote
+    preprocessor_config.json: a SigLIP's own mean and std are used from either."""
+    import json
+
+    from stages.hf_clip import _image_processor_config
+
+    siglip = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    (tmp_path / "v5").mkdir()
+    (tmp_path / "v5" / "processor_config.json").write_text(json.dumps({"image_processor": siglip}))
+    (tmp_path / "v4").mkdir()
+    (tmp_path / "v4" / "preprocessor_config.json").write_text(json.dumps(siglip))
+    (tmp_path / "none").mkdir()
+    for folder in ("v5", "v4"):
+        got = _image_processor_config(tmp_path / folder)
+        assert (got["image_mean"], got["image_std"]) == (siglip["image_mean"], siglip["image_std"]), folder
+    assert _image_processor_config(tmp_path / "none") == {}
 
 
 @pytest.mark.slow

@@ -241,3 +241,18 @@ def test_capline_check_names_each_mistake_before_anything_downloads(tmp_path):
         assert len(proc.stderr.strip().splitlines()) == 1
     ok = capline("check", *base, "--set", "stages.clip_score.column=similarity")
     assert ok.returncode == 0 and "is ready to run" in ok.stdout, ok.stderr
+
+
+def test_two_lists_that_differ_only_in_compression_get_two_runs_and_a_batch_that_fits(tmp_path):
+    from pipeline.dataset_card import open_clip_example
+    from pipeline.init_config import detect, write_config
+
+    names = set()
+    for suffix in (".tsv", ".tsv.gz"):
+        path = tmp_path / f"foo{suffix}"
+        _cc3m(path, __import__("gzip").open if suffix.endswith(".gz") else open)
+        names.add(write_config(path, tmp_path / f"{suffix}.yaml", detect(path)))
+    assert names == {"foo-tsv", "foo-tsv-gz"}
+    shards = lambda n: {"artifacts": {"shard": {"shards": [{"samples": n}]}}}   # noqa: E731
+    assert "--batch-size 64 " in open_clip_example(shards(72))        # not 256 for 72 samples
+    assert "--batch-size 256 " in open_clip_example(shards(10**6))
