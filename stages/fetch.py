@@ -437,8 +437,26 @@ def throttled() -> dict:
     return {h: [st.slowdowns, round(st.waited, 1)] for h, st in sorted(_hosts.hosts.items()) if st.slowdowns}
 
 
-# Replace the module function the Downloader calls (through download_image_with_retry).
+# failures that may clear if asked again (`stages.ingest.retries`); anything else is an answer: a
+# refusal (robots.txt, X-Robots-Tag, an unsafe address, a host's breaker), a rate limit already waited
+# on as the host asked (capline:rate_limited), a 4xx, a file that is not a usable image
+TRANSIENT = frozenset(HOST_FAILURES) | {"download_error"}
+
+
+def safe_download_image_with_retry(row, timeout, retries, user_agent_token, disallowed_header_directives):
+    """Drop-in for img2dataset's download_image_with_retry, which asks again after any failure: here
+    only after a transient one, so a host that refused or asked to slow down is not asked again, and
+    the ledger's detail counts the attempts made."""
+    for attempt in range(retries + 1):
+        key, stream, err = safe_download_image(row, timeout, user_agent_token, disallowed_header_directives)
+        if stream is not None or reason_of("failed", err) not in TRANSIENT:
+            return key, stream, err
+    return key, None, (f"{err} ({retries + 1} attempts)" if retries else err)
+
+
+# Replace the module functions the Downloader calls.
 _i2d.download_image = safe_download_image
+_i2d.download_image_with_retry = safe_download_image_with_retry
 
 
 @dataclass(frozen=True)

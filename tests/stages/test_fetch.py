@@ -1,6 +1,7 @@
 """Unit: URL safety, image checks and error-to-reason mapping of the safe fetcher."""
 import io
 import threading
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -274,3 +275,46 @@ def test_png_bombs_under_the_cap_decode_within_the_pixel_budget():
     assert not errors and budget.used == 0
     assert budget.peak == 49_000_000 <= policy.pixels_in_flight
     assert _reason(check_image, png_bomb(8000, 8000), policy) == "image_too_large"
+
+
+class _Answers(BaseHTTPRequestHandler):
+    """/noai: an image its server refuses to AI use (X-Robots-Tag: noai); /gone: 404; /flaky: 500.
+    Counts every request by path."""
+    asked: Counter = Counter()
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        _Answers.asked[self.path] += 1
+        code = {"/noai": 200, "/gone": 404, "/flaky": 500}[self.path]
+        body = b"\x89PNG not really" if code == 200 else b"no"
+        self.send_response(code)
+        self.send_header("Content-Type", "image/png" if code == 200 else "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        if self.path == "/noai":
+            self.send_header("X-Robots-Tag", "noai")
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_retries_ask_again_only_after_transient_failures(monkeypatch):
+    """stages.ingest.retries asks again after a 500, never after a refusal or a 404 (img2dataset's own
+    retry asked again after anything: a host that said no, or asked to slow down, was asked again)."""
+    import stages.fetch as fetch
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    where = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        monkeypatch.setattr(fetch, "_policy", FetchPolicy(allow_hosts=(where,), manners=Manners(robots=False)))
+        _Answers.asked.clear()
+        got = {p: fetch.safe_download_image_with_retry((0, f"http://{where}{p}"), 3, 2, "capline", ["noai"])
+               for p in ("/noai", "/gone", "/flaky")}
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert dict(_Answers.asked) == {"/noai": 1, "/gone": 1, "/flaky": 3}
+    assert reason_of("failed", got["/noai"][2]) == "robots_disallowed"
+    assert reason_of("failed", got["/gone"][2]) == "http_404"
+    assert got["/flaky"][2].endswith("(3 attempts)") and reason_of("failed", got["/flaky"][2]) == "http_500"
