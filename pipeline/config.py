@@ -36,6 +36,10 @@ StagesConfig.__module__ = __name__
 class RunConfig:
     name: str = "demo"
     seed: int = 0
+    # a dataset that grows run after run (scheduled runs over an appended list): published shards stay
+    # byte for byte, new samples go to new shards, and the tokenizer, the bootstrap scorer and the
+    # clip_score cut are the line's own. One switch for the four settings that make it (LINE_SETTINGS)
+    dataset_line: bool = False
     run_dir: str | None = None   # default: runs/<name>
     track_data: bool = True      # log a data-build run to MLflow after the shard stage
     ray: RayConfig = field(default_factory=RayConfig)
@@ -68,11 +72,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data = copy.deepcopy(data)
     for item in overrides or []:
         apply_override(data, item)
+    _dataset_line(data)
     if isinstance(data.get("train"), dict):
         from trainers.train_config import with_recipe
 
         data["train"] = with_recipe(data["train"])
     return build(RunConfig, data)
+
+
+LINE_SETTINGS = (("stages", "shard", "append"), ("stages", "tokenizer", "reuse"),
+                 ("stages", "clip_score", "bootstrap", "reuse"), ("stages", "clip_score", "reuse_cut"))
+
+
+def _dataset_line(data: dict) -> None:
+    """`dataset_line: true` turns on each of LINE_SETTINGS; one set false beside it is a contradiction."""
+    if data.get("dataset_line") is not True:
+        return
+    for path in LINE_SETTINGS:
+        where = data
+        for key in path[:-1]:
+            where = where.setdefault(key, {})
+            if not isinstance(where, dict):
+                raise UserError(f"{'.'.join(path[:path.index(key) + 1])}: expected a mapping")
+        name = ".".join(path)
+        if where.get(path[-1]) is False:
+            raise UserError(f"{name}: false contradicts dataset_line: true (which sets it true); remove {name}, "
+                            "or set dataset_line: false")
+        where[path[-1]] = True
 
 
 def save_config(cfg: RunConfig, path: Path) -> None:

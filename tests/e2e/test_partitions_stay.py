@@ -39,13 +39,13 @@ def test_another_cluster_and_three_percent_more_reuse_every_partition(tmp_path):
     with DemoServer(tmp_path / "site" / "www") as server:
         config = {"name": "stay", "source": {"kind": "urls", "path": str(urls), "url_col": "url", "caption_col": "caption"},
                   "ray": {"object_store_memory_mb": 256},
-                  "track_data": False, "train": {"steps": 0},
+                  "track_data": False, "train": {"steps": 0}, "dataset_line": True,
                   "stages": {"ingest": {"allow_hosts": [server.netloc], "samples_per_shard": 20, "compact_rows": 40},
                              "dedup": {"eval_sets": []}, "basic": {"min_image_side": 16},
                              "clip_score": {"scorer": "column", "column": "similarity", "threshold": 0.3,
                                             "keep_fraction": None},
-                             "tokenizer": {"vocab_size": 300, "reuse": True},
-                             "shard": {"samples_per_shard": 50, "append": True}}}
+                             "tokenizer": {"vocab_size": 300},
+                             "shard": {"samples_per_shard": 50}}}
         (tmp_path / "stay.yaml").write_text(yaml.safe_dump(config))
 
         def run_on(cpus: int) -> str:

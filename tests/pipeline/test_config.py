@@ -103,3 +103,15 @@ def test_an_append_only_line_refuses_filters_that_would_move_published_samples()
                                            "stages.clip_score.bootstrap.reuse=true"]))
     check_line_settings(load_config(None, [*line, "stages.clip_score.enabled=false"]))
     preflight(load_config(None, []))     # without append: nothing to keep
+
+
+def test_dataset_line_is_one_switch_for_the_four_settings_a_line_needs():
+    from pipeline.config import LINE_SETTINGS
+
+    cfg = load_config(None, ["dataset_line=true"])
+    assert (cfg.stages.shard.append, cfg.stages.tokenizer.reuse, cfg.stages.clip_score.bootstrap.reuse,
+            cfg.stages.clip_score.reuse_cut) == (True,) * 4 == (True,) * len(LINE_SETTINGS)
+    off = load_config(None, [])
+    assert not (off.dataset_line or off.stages.shard.append or off.stages.tokenizer.reuse)
+    with pytest.raises(UserError, match="stages.tokenizer.reuse: false contradicts dataset_line: true"):
+        load_config(None, ["dataset_line=true", "stages.tokenizer.reuse=false"])
