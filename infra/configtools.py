@@ -158,3 +158,47 @@ def require(cond: bool, key: str, message: str) -> None:
 
 def join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
+
+
+# -- what the settings are, for a person (`capline config`) ----------------------------------------
+def _comments(cls) -> dict[str, str]:
+    """field name -> the comment beside it, or the comment lines just above it, in the class's source."""
+    import inspect
+    import re
+
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return {}
+    out, above = {}, []
+    for line in lines:
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("# ").strip())
+            continue
+        m = re.match(r"^\s{4}(\w+)\s*:[^#]*?(?:#\s*(.*))?$", line) if not text.startswith(("def ", "@")) else None
+        if m and m.group(1) not in out and not line.startswith("        "):
+            out[m.group(1)] = (m.group(2) or " ".join(above)).strip()
+        if text:
+            above = []
+    return out
+
+
+def describe_settings(cls, prefix: str = "", instance=None) -> list[tuple[str, Any, str]]:
+    """Every setting of a config dataclass, nested sections flattened: (dotted key, default, meaning).
+    Defaults are a default instance's (a section may default a nested one differently from its class)."""
+    instance = instance if instance is not None else cls()
+    hints = typing.get_type_hints(cls)
+    notes = _comments(cls)
+    if cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}("):   # documented as a whole: the
+        whole = cls.__doc__.strip().split(". ")[0].rstrip(".")           # docstring, for fields without a note
+        notes = {f.name: notes.get(f.name) or f"{whole}: {f.name}" for f in dataclasses.fields(cls)}
+    out = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        value = getattr(instance, f.name)
+        if dataclasses.is_dataclass(hints.get(f.name)) and dataclasses.is_dataclass(value):
+            out += describe_settings(type(value), key, value)
+        else:
+            out.append((key, value, notes.get(f.name, "")))
+    return out

@@ -32,8 +32,7 @@ class RayConfig:
     address: str | None = None          # null: start a local cluster
     num_cpus: int | None = None         # local cluster only; null: all cores
     object_store_memory_mb: int = 1024  # local cluster only
-    dashboard: bool = True
-
+    dashboard: bool = True  # start Ray's dashboard with a local cluster (its cloud probes are switched off)
     def validate(self, prefix: str) -> None:
         require(self.num_cpus is None or self.num_cpus >= 1, join(prefix, "num_cpus"), "must be >= 1 or null")
         require(self.object_store_memory_mb >= 80, join(prefix, "object_store_memory_mb"),

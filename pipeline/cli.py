@@ -171,6 +171,12 @@ def _parser() -> argparse.ArgumentParser:
     ck.add_argument("config", nargs="?", default=None, help="YAML run config (default: configs/demo.yaml)")
     ck.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config value by dotted key, as for run")
+    cf = sub.add_parser("config", help="every setting: its key, default (or the config's value) and meaning",
+                        description="List every setting capline reads, as dotted keys for --set or YAML, with "
+                                    "its default and one line of what it does. With CONFIG, the values that config "
+                                    "sets are shown beside the defaults.")
+    cf.add_argument("config", nargs="?", default=None, help="a YAML run config to show the values of")
+    cf.add_argument("--grep", help="only the settings whose key or meaning contains this text")
     mo = sub.add_parser("models", help="model families and sizes, with parameter counts")
     mo.add_argument("--table", action="store_true",
                     help="count parameters of every family at every size (32k vocabulary, 224 px; tiny at "
@@ -333,6 +339,35 @@ def _print_mlflow_pages(run_dir: Path) -> None:
         print(f"MLflow: {mlflow if mlflow.exists() else 'mlflow'} ui --backend-store-uri {uri}, then open:")
     for kind, page in run_pages(uri, runs, "http://127.0.0.1:5000" if local else redact(uri)).items():
         print(f"  {kind} run: {page}")
+
+
+def _cmd_config(args) -> int:
+    """`capline config [CONFIG]`: key = value  # meaning, for every setting."""
+    import dataclasses
+
+    from infra.configtools import describe_settings
+
+    from .config import RunConfig, load_config
+
+    values = {}
+    if args.config:
+        def flat(obj, prefix=""):
+            for f in dataclasses.fields(obj):
+                v, key = getattr(obj, f.name), f"{prefix}{f.name}"
+                if dataclasses.is_dataclass(v):
+                    flat(v, key + ".")
+                else:
+                    values[key] = v
+        flat(load_config(args.config, []))
+    for key, default, meaning in describe_settings(RunConfig):
+        line = meaning.split(". ")[0].rstrip(".")
+        if args.grep and args.grep.lower() not in f"{key} {line}".lower():
+            continue
+        shown = json.dumps(default, default=str)
+        if key in values and values[key] != default:
+            shown = f"{json.dumps(values[key], default=str)}  (default {shown})"
+        print(f"{key} = {shown}" + (f"  # {line}" if line else ""))
+    return 0
 
 
 def _cmd_ray(args) -> int:
@@ -531,6 +566,8 @@ def _main(argv: list[str] | None = None) -> int:
             return _cmd_rebuild(args)
         if args.command == "ray":
             return _cmd_ray(args)
+        if args.command == "config":
+            return _cmd_config(args)
         if args.command == "check":
             from .config import load_config
             from .runner import preflight

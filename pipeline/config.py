@@ -34,8 +34,8 @@ StagesConfig.__module__ = __name__
 
 @dataclass
 class RunConfig:
-    name: str = "demo"
-    seed: int = 0
+    name: str = "demo"  # the run's name: its default folder runs/<name> and MLflow's run names
+    seed: int = 0  # every seeded choice (samples, order keys, training): same seed, same dataset
     # a dataset that grows run after run (scheduled runs over an appended list): published shards stay
     # byte for byte, new samples go to new shards, and the tokenizer, the bootstrap scorer and the
     # clip_score cut are the line's own. One switch for the four settings that make it (LINE_SETTINGS)

@@ -29,16 +29,15 @@ from .examples import write_examples
 
 @dataclass
 class BasicConfig:
-    enabled: bool = True
-    min_chars: int = 5
-    max_chars: int = 1000
-    min_words: int = 3
-    max_words: int = 200
-    min_image_side: int = 200
-    max_aspect_ratio: float = 3.0
+    enabled: bool = True  # false: every sample passes this stage
+    min_chars: int = 5  # captions shorter than this are dropped (caption_too_short)
+    max_chars: int = 1000  # captions longer than this are dropped (caption_too_long)
+    min_words: int = 3  # captions with fewer words are dropped (too_few_words)
+    max_words: int = 200  # captions with more words are dropped (too_many_words)
+    min_image_side: int = 200  # images whose shorter original side is smaller are dropped (image_too_small)
+    max_aspect_ratio: float = 3.0  # images longer than this many times their width, or wider, are dropped
     max_replacement_share: float = 0.2   # share of U+FFFD characters that makes a caption undecodable
-    examples_per_reason: int = 20
-
+    examples_per_reason: int = 20  # samples per drop reason shown in the stage's report
     def validate(self, prefix: str) -> None:
         require(0 <= self.min_chars <= self.max_chars, join(prefix, "min_chars"),
                 f"need 0 <= min_chars <= max_chars, got {self.min_chars} and {self.max_chars}")

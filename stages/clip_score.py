@@ -42,9 +42,10 @@ from infra.hashing import order_key
 
 @dataclass
 class ClipScoreConfig:
-    REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs"}
-    enabled: bool = True
-    scorer: Literal["bootstrap", "checkpoint", "hf", "column"] = "bootstrap"
+    REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs",
+                               "batch_size": "never read: tasks size their image batches by rows and bytes"}
+    enabled: bool = True  # false: every sample passes this stage
+    scorer: Literal["bootstrap", "checkpoint", "hf", "column"] = "bootstrap"  # what scores image-text pairs: bootstrap (trained here), checkpoint, hf (a local CLIP), column (the list's own)
     # scorer: checkpoint -> a capline clip/siglip/coca model folder; scorer: hf -> a local Hugging
     # Face CLIP folder (OpenAI's ViT-B/32 or ViT-L/14 as `save_pretrained` writes them), offline
     checkpoint: str | None = None
@@ -60,11 +61,9 @@ class ClipScoreConfig:
     reuse_cut: bool = False
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
     cpus_per_worker: float = 0.75    # < 1 leaves room for the tasks that read partitions
-    gpus_per_worker: float = 0.0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    batch_size: int = 256
-    examples_per_reason: int = 20
-
+    gpus_per_worker: float = 0.0  # GPUs a scoring task asks Ray for (0: CPU)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # where a scorer runs: auto (a GPU if the task has one), cpu, cuda
+    examples_per_reason: int = 20  # samples per drop reason shown in the stage's report
     def validate(self, prefix: str) -> None:
         require((self.threshold is None) != (self.keep_fraction is None), join(prefix, "threshold"),
                 "set exactly one of threshold and keep_fraction (set the other to null)")
@@ -80,7 +79,6 @@ class ClipScoreConfig:
         if self.scorer == "column":
             require(bool(self.column), join(prefix, "column"),
                     "scorer: column needs the name of the URL list's score column (e.g. similarity)")
-        require(self.batch_size >= 1, join(prefix, "batch_size"), "must be >= 1")
 
 
 def preflight(cfg: ClipScoreConfig) -> None:

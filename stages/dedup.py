@@ -57,10 +57,11 @@ from .neardup import NearDupIndex
 
 @dataclass
 class DedupConfig:
-    REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs"}
-    eval_sets: list[EvalSetConfig] = field(default_factory=list)
+    REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs",
+                               "batch_size": "never read: tasks size their image batches by rows and bytes"}
+    eval_sets: list[EvalSetConfig] = field(default_factory=list)  # evaluation sets no training image may match (name, kind builtin|folder|parquet|..., path)
     eval_threshold: float = 0.92       # cosine of thumbnail descriptors
-    within_threshold: float = 0.97
+    within_threshold: float = 0.97  # cosine of thumbnail descriptors above which two training images are one
     colour_tol: float = 12.0           # max mean-colour difference per channel (0..255) for a match
     bits: int = 256                    # SimHash bits for the binary candidate search
     # an image encoder whose embeddings are compared too: a capline model directory, or a TorchScript
@@ -70,10 +71,9 @@ class DedupConfig:
     # TorchScript is code: loading it runs whatever it holds (its __setstate__, its forward). It is
     # loaded only when its sha256 is pinned here, as an explicit choice to run that file
     encoder_sha256: str | None = None
-    encoder_threshold: float = 0.95
-    encoder_image_size: int = 224
+    encoder_threshold: float = 0.95  # cosine of encoder embeddings above which an image matches
+    encoder_image_size: int = 224  # pixels the encoder is fed (shortest side resized, centre crop)
     cpus_per_worker: float = 0.75      # < 1 leaves room for Ray Data's read tasks on small machines
-    batch_size: int = 256
     # signature rows one group task takes on average (each ~100 bytes in memory): the number of
     # buckets grows with the data, never fewer than the cluster's CPUs can work on at once
     bucket_rows: int = 1_000_000
@@ -81,8 +81,7 @@ class DedupConfig:
     # under this many requests per sample are first merged, a group at a time, into fewer files
     shuffle_requests_per_sample: float = 0.05
     merge_bytes: int = 1_000_000_000   # the signature rows one merge task holds in memory
-    cache_dir: str = "~/.cache/capline/eval-index"
-
+    cache_dir: str = "~/.cache/capline/eval-index"  # where evaluation-set indexes are kept between runs, by content
     def validate(self, prefix: str) -> None:
         for name in ("eval_threshold", "within_threshold", "encoder_threshold"):
             v = getattr(self, name)

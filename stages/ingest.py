@@ -49,14 +49,14 @@ from infra.media import FORMATS  # noqa: E402 - the one allow-list
 
 @dataclass
 class IngestConfig:
-    image_size: int = 256
-    resize_mode: Literal["border", "keep_ratio", "center_crop", "no"] = "border"
-    encode_format: Literal["jpg", "png", "webp"] = "jpg"
-    encode_quality: int = 95
+    image_size: int = 256  # img2dataset resizes each image to this many pixels (see resize_mode)
+    resize_mode: Literal["border", "keep_ratio", "center_crop", "no"] = "border"  # img2dataset's resize; border pads to a square (dedup and scorers see the picture without the bars)
+    encode_format: Literal["jpg", "png", "webp"] = "jpg"  # how resized images are stored in the tars
+    encode_quality: int = 95  # JPEG/WebP quality of the stored images
     timeout: float = 10.0            # seconds per request
     retries: int = 1                 # extra attempts per URL
     thread_count: int = 32           # concurrent requests per shard task
-    samples_per_shard: int = 1000
+    samples_per_shard: int = 1000  # URLs per ingest shard: one download task and one tar each
     # the stages after ingest get partitions of this many samples' worth of consecutive shards of one
     # source partition, whatever the cluster or the data's size: a partition never moves, so another
     # cluster or an append reuses every one. Tasks per later stage ~ samples / compact_rows: 5,000 at
@@ -75,7 +75,7 @@ class IngestConfig:
     user_agent_token: str = "capline"    # in the User-Agent; the robots.txt / X-Robots-Tag token honoured
     # who runs the crawl, in the User-Agent (a URL or mail address): site operators ask before they block
     contact: str = ""
-    respect_robots: bool = True
+    respect_robots: bool = True  # read each host's robots.txt once and honour it for user_agent_token
     host_rate: float = 20.0              # requests per second to one host
     host_concurrency: int = 16           # requests in flight to one host
     max_retry_after: float = 60.0        # the longest wait a 429/503 Retry-After is granted

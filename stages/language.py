@@ -34,20 +34,18 @@ from infra.hashing import file_sha256
 
 @dataclass
 class LanguageConfig:
-    REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs"}
-    enabled: bool = True
-    backend: Literal["fasttext", "langid"] = "fasttext"
-    languages: list[str] = field(default_factory=lambda: ["en"])
+    REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs",
+                               "batch_size": "never read: a task judges its partition's captions together"}
+    enabled: bool = True  # false: every sample passes this stage
+    backend: Literal["fasttext", "langid"] = "fasttext"  # the language identifier (fastText's lid.176, shipped in the package)
+    languages: list[str] = field(default_factory=lambda: ["en"])  # captions in other languages are dropped (language)
     min_confidence: float = 0.1      # measured: see the module's docstring
-    cpus_per_worker: float = 0.5
-    batch_size: int = 1024
-    examples_per_reason: int = 20
-
+    cpus_per_worker: float = 0.5  # CPUs a language task asks Ray for
+    examples_per_reason: int = 20  # samples per drop reason shown in the stage's report
     def validate(self, prefix: str) -> None:
         require(bool(self.languages), join(prefix, "languages"), "list at least one language code, e.g. [en]")
         require(0 <= self.min_confidence <= 1, join(prefix, "min_confidence"),
                 f"must be in [0, 1], got {self.min_confidence}")
-        require(self.batch_size >= 1, join(prefix, "batch_size"), "must be >= 1")
 
 
 def preflight(cfg: LanguageConfig) -> None:

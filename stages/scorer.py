@@ -31,13 +31,13 @@ class BootstrapConfig:
     trusted_keys: str | None = None   # a Parquet/CSV file with a `key` column; default: the stage's input
     max_samples: int = 20000          # train on at most this many (the first in seeded order)
     steps: int = 300                 # more overfits: on the demo 600 steps memorise the mismatched pairs
-    batch_size: int = 128
-    image_size: int = 48
-    max_len: int = 24
+    batch_size: int = 128  # pairs per contrastive training step of the bootstrap scorer
+    image_size: int = 48  # pixels the bootstrap scorer sees
+    max_len: int = 24  # caption tokens the bootstrap scorer reads
     vocab_size: int = 1000            # a soft limit, as in the tokenizer stage
-    model_args: dict[str, int] = field(default_factory=lambda: {"width": 64, "depth": 2, "heads": 2, "mlp": 256, "patch": 8})
-    lr: float = 0.001
-    cpus: float = 2.0
+    model_args: dict[str, int] = field(default_factory=lambda: {"width": 64, "depth": 2, "heads": 2, "mlp": 256, "patch": 8})  # the bootstrap CLIP*'s width, depth, heads, MLP and patch size
+    lr: float = 0.001  # the bootstrap scorer's learning rate
+    cpus: float = 2.0  # CPUs the bootstrap scorer's training task asks for
     # keep the scorer the first run of this run folder trained, for every later (scheduled) run:
     # the scores of unchanged partitions are then reused; false trains anew on the data as it is
     reuse: bool = False

@@ -52,8 +52,8 @@ from infra.shuffle import BucketWriter, merge_group, read_bucket
 @dataclass
 class ShardConfig:
     REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs"}
-    samples_per_shard: int = 10_000
-    max_shard_bytes: int = 1_000_000_000
+    samples_per_shard: int = 10_000  # samples per final WebDataset shard
+    max_shard_bytes: int = 1_000_000_000  # a shard is closed before it grows past this many bytes
     min_shards: int = 4              # small data still makes this many shards: one per training worker (up to 4)
     # the reducers read a footer and a range of every map file: more map files than keep them under
     # this many requests per sample are first merged, a group at a time, into fewer files

@@ -72,14 +72,14 @@ class DefectFractions:
 
 @dataclass
 class SourceConfig:
-    kind: Literal["synthetic", "urls", "openclipart"] = "synthetic"
+    kind: Literal["synthetic", "urls", "openclipart"] = "synthetic"  # where samples come from: a URL list (urls), the generated demo (synthetic), openclipart SVGs
     # kind: urls (the list) or openclipart (the SVG folder; default /usr/share/openclipart/svg)
     path: str | None = None
-    format: Literal["auto", "parquet", "csv", "tsv", "jsonl"] = "auto"
+    format: Literal["auto", "parquet", "csv", "tsv", "jsonl"] = "auto"  # the list's format; auto: from the file name (.parquet, .csv, .tsv, .jsonl, compressed too)
     # a column by name, or by position (0 = first): CC3M/CC12M's TSVs come without a header
     url_col: str | int = "url"
-    caption_col: str | int = "caption"
-    key_col: str | int | None = None
+    caption_col: str | int = "caption"  # the column of captions (alt-text), by name or position
+    key_col: str | int | None = None  # the list's own unique id column (keys in the ledger and shards); null: a hash of URL and caption
     header: bool = True              # csv/tsv: false when the first line is already a row
     columns: list[str] | None = None  # csv/tsv without a header: names for its columns, in order
     # other columns carried into each sample's JSON (LICENSE, WIDTH, similarity, punsafe, ...):
@@ -92,12 +92,12 @@ class SourceConfig:
     where: dict[str, dict[str, float]] = field(default_factory=dict)
     # kind: synthetic
     num_samples: int = 2000
-    eval_size: int = 300
-    image_size: int = 96
-    slow_seconds: float = 6.0
+    eval_size: int = 300  # held-out demo scenes for evaluation (never served)
+    image_size: int = 96  # side of the demo's generated images, in pixels
+    slow_seconds: float = 6.0  # the demo's slow URLs answer after this long (a planted timeout)
     serve_port: int = 8431           # loopback port a served source (synthetic, openclipart) is fetched from; 0: any
-    huge_pixels: int = 16000
-    huge_bytes: int = 3_000_000
+    huge_pixels: int = 16000  # side of the demo's planted huge-pixel PNG
+    huge_bytes: int = 3_000_000  # size of the demo's planted huge-bytes file
     defects: DefectFractions = field(default_factory=DefectFractions)
     # kind: openclipart
     limit: int | None = None         # a seeded subset of this many drawings (null: all 8,121)

@@ -23,12 +23,12 @@ from .base import Sink, StageContext, StageResult
 
 @dataclass
 class TokenizerConfig:
-    vocab_size: int = 32000
-    model_type: Literal["unigram", "bpe"] = "unigram"
-    lowercase: bool = True
-    normalization: Literal["nmt_nfkc", "nfkc", "identity"] = "nmt_nfkc"
-    max_sentences: int = 2_000_000
-    character_coverage: float = 0.9995
+    vocab_size: int = 32000  # SentencePiece pieces to learn (a soft limit: fewer if the captions support fewer)
+    model_type: Literal["unigram", "bpe"] = "unigram"  # SentencePiece's algorithm (unigram or bpe)
+    lowercase: bool = True  # lowercase captions before training and encoding
+    normalization: Literal["nmt_nfkc", "nfkc", "identity"] = "nmt_nfkc"  # SentencePiece's normalisation rule (nmt_nfkc, ...)
+    max_sentences: int = 2_000_000  # captions sampled, by seeded order key, to train on
+    character_coverage: float = 0.9995  # share of characters the vocabulary covers (rare ones map to unknown)
     # keep the model the first run of this run folder trained for every later (scheduled) run: a
     # dataset line's fixed vocabulary, so models trained on its earlier shards stay compatible;
     # false trains anew on the captions as they are now

@@ -9,12 +9,12 @@ from infra.configtools import join, require
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "adafactor"] = "adamw"
-    lr: float = 1e-3
+    name: Literal["adamw", "adafactor"] = "adamw"  # the optimizer (adamw, or the paper's adafactor)
+    lr: float = 1e-3  # peak learning rate
     weight_decay: float = 0.1      # decoupled, on weight matrices only (AdamW: x lr; adafactor: x schedule, paper 1e-4)
     beta1: float = 0.9             # adamw beta1; adafactor: momentum
     beta2: float = 0.999           # adamw beta2; adafactor: beta2_cap
-    warmup_steps: int = 100
+    warmup_steps: int = 100  # linear warmup steps before the schedule's decay
     schedule: Literal["cosine", "linear"] = "cosine"   # after warmup: cosine to 0, or linear to 0 (ClipCap's)
     clip: float = 1.0              # gradient norm clipping (0: off)
     check_recipe: bool = True      # refuse a weight decay far from every published recipe (false: allow)
@@ -56,26 +56,26 @@ def with_recipe(train: dict) -> dict:
 
 @dataclass
 class TrainConfig:
-    model: Literal["cap", "cappa", "clip", "siglip", "coca", "clipcap"] = "cappa"
-    size: Literal["tiny", "s16", "m16", "b16", "l14"] = "tiny"
+    model: Literal["cap", "cappa", "clip", "siglip", "coca", "clipcap"] = "cappa"  # the family to pretrain: cap, cappa, clip, siglip, coca, clipcap
+    size: Literal["tiny", "s16", "m16", "b16", "l14"] = "tiny"  # the family's size (tiny, S/16, B/16, L/14 ...): `capline models` lists them
     model_args: dict[str, Any] = field(default_factory=dict)   # any ModelConfig field, e.g. {width: 96}
     image_size: int | None = None  # null: 64 for size tiny, 224 (the paper's) for the ViT sizes
     max_len: int = 64              # caption tokens with EOS, as the paper's sizes use
     steps: int = 0                 # 0: the train stage trains nothing
     global_batch: int = 64         # independent of the number of workers
     micro_batch: int | None = None  # per worker and step of accumulation (default: global / workers)
-    num_workers: int = 2
+    num_workers: int = 2  # Ray Train workers (data-parallel)
     loader_workers: int = 1        # background loader processes per training worker
-    use_gpu: bool = False
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 2
-    max_failures: int = 2
+    use_gpu: bool = False  # train on GPUs (one a worker)
+    checkpoint_every: int = 50  # steps between checkpoints (a stopped run resumes from the last)
+    keep_checkpoints: int = 2  # checkpoints kept on disk
+    max_failures: int = 2  # worker failures Ray Train recovers from before the run fails
     sample_every: int = 100        # captioning models: log a few generated captions every N steps
     image_encoder: str | None = None  # clipcap: a capline checkpoint whose encoder stays frozen
     lm_checkpoint: str | None = None  # clipcap: a trained ClipCap checkpoint whose LM (lm.*) to start from
     lm_path: str | None = None     # clipcap: a local Hugging Face causal LM folder (GPT-2 family) as the LM
     recipe: Literal["clipcap", "paper"] | None = None  # a published recipe's optimiser and batch under your values
-    experiment: str = "capline"
+    experiment: str = "capline"  # the MLflow experiment runs are logged to
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def validate(self, prefix: str) -> None:

@@ -115,3 +115,25 @@ def test_dataset_line_is_one_switch_for_the_four_settings_a_line_needs():
     assert not (off.dataset_line or off.stages.shard.append or off.stages.tokenizer.reuse)
     with pytest.raises(UserError, match="stages.tokenizer.reuse: false contradicts dataset_line: true"):
         load_config(None, ["dataset_line=true", "stages.tokenizer.reuse=false"])
+
+
+def test_capline_config_lists_every_setting_with_its_default_and_meaning():
+    from helpers import capline
+    from infra.configtools import describe_settings
+    from pipeline.config import RunConfig
+
+    rows = describe_settings(RunConfig)
+    assert len(rows) > 150 and sum(1 for _, _, m in rows if m) / len(rows) > 0.95
+    built = RunConfig()
+    for key, default, _ in rows:             # every key listed is where the config holds it, with that default
+        obj = built
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        assert obj == default, key
+    assert len({k for k, _, _ in rows}) == len(rows)
+    out = capline("config", "--grep", "compact_rows")
+    assert out.returncode == 0 and out.stdout.startswith("stages.ingest.compact_rows = 20000  # the stages after"), out.stdout
+    demo = capline("config", "configs/demo.yaml", "--grep", "stages.ingest.compact_rows")
+    assert demo.stdout.startswith("stages.ingest.compact_rows = 1000  (default 20000)"), demo.stdout
+    removed = capline("config", "--grep", "batch_size").stdout
+    assert "stages.dedup.batch_size" not in removed and "stages.clip_score.bootstrap.batch_size" in removed

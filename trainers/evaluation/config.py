@@ -95,9 +95,9 @@ class Budget:
 
 @dataclass
 class MapProbe:
-    steps: int = 100
-    lr: float = 3e-3
-    shots: int = 10
+    steps: int = 100               # training steps of the MAP-head probe
+    lr: float = 3e-3               # its learning rate
+    shots: int = 10                # examples per class it is trained on
     sweep: bool = True             # also lr/3 and 3*lr, each read at steps/2 and steps; best on validation
 
     def validate(self, prefix: str) -> None:
@@ -113,12 +113,12 @@ def _default_fewshot() -> list[ClassificationSet]:
 
 @dataclass
 class EvalConfig:
-    fewshot: list[ClassificationSet] = field(default_factory=_default_fewshot)
-    captioning: list[CaptionSet] = field(default_factory=list)
-    zeroshot: list[ClassificationSet] = field(default_factory=list)
-    wordorder: list[WordOrderSet] = field(default_factory=list)
-    shots: list[int] = field(default_factory=lambda: [1, 5, 10, 25])
-    seeds: int = 3
+    fewshot: list[ClassificationSet] = field(default_factory=_default_fewshot)  # few-shot linear probe sets: {name, kind: builtin|folder|parquet, path, image_col, label_col}
+    captioning: list[CaptionSet] = field(default_factory=list)  # captioning sets (CIDEr, BLEU-4, ROUGE-L): {name, kind: coco|webdataset, path, images}
+    zeroshot: list[ClassificationSet] = field(default_factory=list)  # zero-shot classification sets: {name, kind, path, label_col, templates}
+    wordorder: list[WordOrderSet] = field(default_factory=list)  # word-order sets (ARO-style): {name, kind: pairs|aro, path | from}
+    shots: list[int] = field(default_factory=lambda: [1, 5, 10, 25])  # examples per class of the few-shot probes
+    seeds: int = 3  # probe repeats over seeded example draws (mean and spread reported)
     eos: bool = True               # zero-shot prompts end in EOS, as big_vision scores them
     lit_decoder: Budget = field(default_factory=Budget)
     lit: Budget = field(default_factory=lambda: Budget(steps=300, batch_size=64))
