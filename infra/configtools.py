@@ -200,5 +200,6 @@ def describe_settings(cls, prefix: str = "", instance=None) -> list[tuple[str, A
         if dataclasses.is_dataclass(hints.get(f.name)) and dataclasses.is_dataclass(value):
             out += describe_settings(type(value), key, value)
         else:
-            out.append((key, value, notes.get(f.name, "")))
+            how = f.name in getattr(cls, "HOW", ())
+            out.append((key, value, ("[how the work runs; decides nothing] " if how else "") + notes.get(f.name, "")))
     return out

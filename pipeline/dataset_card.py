@@ -22,8 +22,10 @@ def thresholds(cfg) -> dict[str, dict]:
         section = getattr(cfg.stages, name, None)
         if section is not None and dataclasses.is_dataclass(section):
             # an unset value that only says "moved to another stage" (ingest's old size bounds) is no threshold
-            out[name] = {k: v for k, v in dataclasses.asdict(section).items()
-                         if not (name == "ingest" and v is None)}
+            from stages.base import deciding
+
+            # what decides, not how the work was cut (HOW), nor an unset value that only says "moved"
+            out[name] = {k: v for k, v in deciding(section).items() if not (name == "ingest" and v is None)}
     where = getattr(getattr(cfg, "source", None), "where", None)
     if where:     # bounds on the list's own columns (source.where): thresholds like a filter's
         out["source"] = {"where": where}

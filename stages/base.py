@@ -149,13 +149,20 @@ class Stage:
         """Checks that need no cluster (bad paths, unknown codes): fail in a second, not mid-run."""
 
     def fingerprint(self, config) -> str:
-        """What, besides the upstream output, decides this stage's result (JSON text)."""
+        """What, besides the upstream output, decides this stage's result (JSON text): its section less
+        the settings it declares as how the work runs (`HOW`)."""
         section = self.section(config)
-        data = dataclasses.asdict(section) if dataclasses.is_dataclass(section) else section
+        data = deciding(section) if dataclasses.is_dataclass(section) else section
         return json.dumps({"stage": self.name, "section": data, "seed": config.seed}, sort_keys=True)
 
     def run(self, ctx: StageContext) -> StageResult:
         raise NotImplementedError
+
+
+def deciding(section) -> dict:
+    """A config section as a dict, without the settings its class names in `HOW`."""
+    how = set(getattr(type(section), "HOW", ()))
+    return {k: v for k, v in dataclasses.asdict(section).items() if k not in how}
 
 
 class Source(Stage):

@@ -42,6 +42,8 @@ from infra.hashing import order_key
 
 @dataclass
 class ClipScoreConfig:
+    # how the work is cut or run, never what is decided: left out of the fingerprint and the card
+    HOW: ClassVar[tuple] = ("cpus_per_worker", "gpus_per_worker")
     REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs",
                                "batch_size": "never read: tasks size their image batches by rows and bytes"}
     enabled: bool = True  # false: every sample passes this stage

@@ -57,6 +57,8 @@ from .neardup import NearDupIndex
 
 @dataclass
 class DedupConfig:
+    # how the work is cut or run, never what is decided: left out of the fingerprint and the card
+    HOW: ClassVar[tuple] = ("bucket_rows", "shuffle_requests_per_sample", "merge_bytes", "cpus_per_worker", "cache_dir")
     REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs",
                                "batch_size": "never read: tasks size their image batches by rows and bytes"}
     eval_sets: list[EvalSetConfig] = field(default_factory=list)  # evaluation sets no training image may match (name, kind builtin|folder|parquet|..., path)
@@ -646,8 +648,6 @@ class DedupStage(Decide):
 
         cfg = self.section(config)
         base = json.loads(super().fingerprint(config))
-        for how in ("bucket_rows", "shuffle_requests_per_sample", "merge_bytes"):
-            base["section"].pop(how)          # how the work is cut up, not what it decides
         return json.dumps(base, sort_keys=True) + "".join(
             sorted(f"{e.name}:{stat_fingerprint(e)}" for e in cfg.eval_sets))
 

@@ -28,7 +28,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -49,6 +49,8 @@ from infra.media import FORMATS  # noqa: E402 - the one allow-list
 
 @dataclass
 class IngestConfig:
+    # how the work is cut or run, never what is decided: left out of the fingerprint and the card
+    HOW: ClassVar[tuple] = ("compact_rows", "contact")   # (more would rename every unit's tars: not worth it)
     image_size: int = 256  # img2dataset resizes each image to this many pixels (see resize_mode)
     resize_mode: Literal["border", "keep_ratio", "center_crop", "no"] = "border"  # img2dataset's resize; border pads to a square (dedup and scorers see the picture without the bars)
     encode_format: Literal["jpg", "png", "webp"] = "jpg"  # how resized images are stored in the tars
@@ -361,12 +363,6 @@ class IngestStage(Source):
         "image_too_large": "the images are larger than stages.ingest.max_pixels: raise it",
         "unsupported_format": "the images are in formats outside stages.ingest.formats",
     }
-
-    def fingerprint(self, config) -> str:
-        base = json.loads(super().fingerprint(config))
-        for how in ("compact_rows", "contact"):    # how the work is cut and who asks: not what ingest decides
-            base["section"].pop(how)
-        return json.dumps(base, sort_keys=True)
 
     def run(self, ctx: StageContext) -> StageResult:
         from contextlib import nullcontext

@@ -34,6 +34,8 @@ from infra.hashing import file_sha256
 
 @dataclass
 class LanguageConfig:
+    # how the work is cut or run, never what is decided: left out of the fingerprint and the card
+    HOW: ClassVar[tuple] = ("cpus_per_worker",)
     REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs",
                                "batch_size": "never read: a task judges its partition's captions together"}
     enabled: bool = True  # false: every sample passes this stage

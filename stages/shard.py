@@ -51,6 +51,8 @@ from infra.shuffle import BucketWriter, merge_group, read_bucket
 
 @dataclass
 class ShardConfig:
+    # how the work is cut or run, never what is decided: left out of the fingerprint and the card
+    HOW: ClassVar[tuple] = ("shuffle_requests_per_sample", "merge_bytes")
     REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs"}
     samples_per_shard: int = 10_000  # samples per final WebDataset shard
     max_shard_bytes: int = 1_000_000_000  # a shard is closed before it grows past this many bytes

@@ -132,8 +132,27 @@ def test_capline_config_lists_every_setting_with_its_default_and_meaning():
         assert obj == default, key
     assert len({k for k, _, _ in rows}) == len(rows)
     out = capline("config", "--grep", "compact_rows")
-    assert out.returncode == 0 and out.stdout.startswith("stages.ingest.compact_rows = 20000  # the stages after"), out.stdout
+    assert out.returncode == 0 and out.stdout.startswith("stages.ingest.compact_rows = 20000  # [how the work runs; decides nothing] the stages after"), out.stdout
     demo = capline("config", "configs/demo.yaml", "--grep", "stages.ingest.compact_rows")
     assert demo.stdout.startswith("stages.ingest.compact_rows = 1000  (default 20000)"), demo.stdout
     removed = capline("config", "--grep", "batch_size").stdout
     assert "stages.dedup.batch_size" not in removed and "stages.clip_score.bootstrap.batch_size" in removed
+
+
+def test_how_the_work_runs_is_neither_fingerprinted_nor_on_the_card():
+    from infra.configtools import describe_settings
+    from pipeline.config import RunConfig
+    from pipeline.dataset_card import thresholds
+    from stages.registry import STAGES
+
+    plain = load_config(None, [])
+    cut = load_config(None, ["stages.dedup.bucket_rows=5000", "stages.dedup.cpus_per_worker=2",
+                             "stages.shard.merge_bytes=100000000", "stages.ingest.compact_rows=500"])
+    assert all(s.fingerprint(plain) == s.fingerprint(cut) for s in STAGES)
+    decides = load_config(None, ["stages.dedup.within_threshold=0.9"])
+    assert any(s.fingerprint(plain) != s.fingerprint(decides) for s in STAGES)
+    card = thresholds(plain)
+    assert "within_threshold" in card["dedup"] and "bucket_rows" not in card["dedup"] and "merge_bytes" not in card["dedup"]
+    marked = {k for k, _, m in describe_settings(RunConfig) if m.startswith("[how")}
+    assert {"stages.dedup.bucket_rows", "stages.ingest.compact_rows", "stages.shard.merge_bytes"} <= marked
+    assert "stages.dedup.within_threshold" not in marked
