@@ -589,6 +589,9 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"capline init: URLs in '{found['url_col']}', captions in '{found['caption_col']}'"
                   + (f", keys in '{found['key_col']}'" if found["key_col"] is not None else "")
                   + (" (no header: columns by position)" if not found.get("header", True) else "") + f"; wrote {out} (run {name})")
+            if found.get("private_hosts"):
+                print(f"capline init: note: the list names private or loopback hosts ({', '.join(found['private_hosts'][:5])}), "
+                      f"which ingest refuses; {out} has the stages.ingest.allow_hosts line to uncomment if you trust them")
             if found.get("malformed"):
                 from .init_config import malformed_note
 

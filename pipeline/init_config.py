@@ -107,11 +107,31 @@ def detect(path: Path, fmt: str = "auto") -> dict:
         url_col, caption_col = int(url_col), int(caption_col)
         key_col = int(key_col) if key_col is not None else None
     malformed = json.loads((t.schema.metadata or {}).get(b"capline_malformed", b"[]"))
+    urls = _strings(t.column(url_col if not headerless else str(url_col)))
     similarity = next((n for n in t.column_names if n.lower() in SIMILARITY_NAMES), None)
     return {"format": _format(path, fmt), "url_col": url_col, "caption_col": caption_col, "key_col": key_col,
-            "malformed": malformed, "similarity_col": similarity,
+            "malformed": malformed, "similarity_col": similarity, "private_hosts": private_hosts(urls),
             "header": not headerless, "rows_seen": t.num_rows, "url_share": scores[url_col if not headerless else str(url_col)][0],
             "caption_words": scores[caption_col if not headerless else str(caption_col)][1]}
+
+
+def private_hosts(urls: list[str]) -> list[str]:
+    """host:port of the URLs that name a private, loopback or link-local address (or localhost), which
+    ingest refuses unless stages.ingest.allow_hosts lists them. Names are not looked up (init is offline)."""
+    import ipaddress
+    import urllib.parse
+
+    found = set()
+    for u in urls:
+        parts = urllib.parse.urlsplit(u.strip())
+        host = parts.hostname or ""
+        try:
+            private = not ipaddress.ip_address(host).is_global
+        except ValueError:
+            private = host == "localhost" or host.endswith((".localhost", ".local", ".internal"))
+        if private:
+            found.add(parts.netloc.rsplit("@", 1)[-1])
+    return sorted(found)
 
 
 def malformed_note(malformed: list) -> str:
@@ -123,6 +143,8 @@ def malformed_note(malformed: list) -> str:
 
 
 def write_config(path: Path, out: Path, found: dict, name: str | None = None) -> str:
+    """A data-build config for the list (download, dedup, filters, tokenizer, shards; training and
+    evaluation written out but commented), each value that is not a default with its reason."""
     import yaml
 
     # the whole file name (foo.tsv and foo.tsv.gz are two lists: two runs, two configs)
@@ -133,25 +155,48 @@ def write_config(path: Path, out: Path, found: dict, name: str | None = None) ->
         source["key_col"] = found["key_col"]
     if not found.get("header", True):
         source["header"] = False
-    # the list's own image-text score (LAION's `similarity`) is the filter's score: no scorer to train
-    clip = ({"scorer": "column", "column": found["similarity_col"], "threshold": 0.28, "keep_fraction": None}
-            if found.get("similarity_col") else {"scorer": "bootstrap", "keep_fraction": 0.9})
-    cfg = {"name": name, "seed": 0, "source": source,
-           "stages": {"dedup": {"eval_sets": [{"name": "digits", "kind": "builtin", "path": "digits"}]},
-                      "basic": {"min_image_side": 200, "max_aspect_ratio": 3.0, "min_words": 3},
-                      "language": {"languages": ["en"]},   # min_confidence: the measured default
-                      "clip_score": clip},
-           "train": {"model": "cappa", "size": "tiny", "steps": 1000}}
-    header = (f"# Written by `capline init {path}`: URLs in '{found['url_col']}' ({100 * found['url_share']:.0f}% of "
-              f"{found['rows_seen']} rows looked at), captions in '{found['caption_col']}' "
-              f"({found['caption_words']:.1f} words on average).\n"
-              + (f"# clip_score: the list's own '{found['similarity_col']}' column is the score (LAION's cut, 0.28), "
-                 "so no scorer is trained.\n" if found.get("similarity_col") else "")
-              + (f"# {malformed_note(found['malformed'])}\n" if found.get("malformed") else "")
-              + "# Every other value is a default: see README.md, 'Your own URL list'. Run it with: capline run "
-              + str(out) + "\n")
+    dump = lambda obj: yaml.safe_dump(obj, sort_keys=False, width=1000).rstrip("\n")   # noqa: E731
+    indent = lambda text, n: "\n".join(" " * n + line for line in text.splitlines())   # noqa: E731
+    if found.get("similarity_col"):
+        clip = (f"    clip_score:   # the list's own '{found['similarity_col']}' column is the score (LAION's cut): "
+                "no scorer to train\n"
+                f"      {{scorer: column, column: {found['similarity_col']}, threshold: 0.28, keep_fraction: null}}\n")
+    else:
+        clip = ("    clip_score:   # no score in the list: a small CLIP* is trained on it first, and the best 90 % kept\n"
+                "      {scorer: bootstrap, keep_fraction: 0.9}\n")
+    hosts = found.get("private_hosts") or []
+    # never allowed for the user: a list naming internal addresses is how a crawl is turned on a network
+    allow = (f"    # the list's URLs name private or loopback hosts, which ingest refuses; if you trust them:\n"
+             f"    # ingest: {{allow_hosts: {json.dumps(hosts)}}}\n" if hosts else "")
+    text = (
+        f"# Written by `capline init {path}`: URLs in '{found['url_col']}' ({100 * found['url_share']:.0f}% of "
+        f"{found['rows_seen']} rows looked at), captions in '{found['caption_col']}' "
+        f"({found['caption_words']:.1f} words on average).\n"
+        + (f"# {malformed_note(found['malformed'])}\n" if found.get("malformed") else "")
+        + "# A data build: download, deduplicate, filter, tokenize, shard. `capline config` lists every other\n"
+        "# setting with its default; `capline check " + str(out) + "` checks this file; run it with\n"
+        "# `capline run " + str(out) + "`.\n"
+        f"name: {json.dumps(name)}\n"
+        "seed: 0\n"
+        "source:\n" + indent(dump(source), 2) + "\n"
+        "stages:\n"
+        + allow +
+        "    dedup:\n"
+        "      # the evaluation sets your models will be tested on: no training image may be a copy of one\n"
+        "      # (e.g. {name: imagenet_val, kind: folder, path: /data/imagenet/val}); none listed here\n"
+        "      eval_sets: []\n"
+        "    basic:   # DataComp's basic filter: images of 200 px or more, aspect up to 3, captions of 3 words or more\n"
+        "      {min_image_side: 200, max_aspect_ratio: 3.0, min_words: 3}\n"
+        "    language: {languages: [en]}   # English captions (the confidence cut is the measured default)\n"
+        + clip +
+        "train:\n"
+        "  steps: 0   # no training: this config builds the dataset\n"
+        "# To pretrain on the shards too (the paper's CapPa; `capline models` lists families and sizes):\n"
+        "# train: {model: cappa, size: tiny, steps: 1000}\n"
+        "# eval:  {fewshot: [{name: digits, kind: builtin, path: digits}]}\n")
+    yaml.safe_load(text)     # what was written is valid YAML (and load_config checks it in the test)
     if out.exists():
         raise UserError(f"{out} exists; give another --output or remove it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(header + yaml.safe_dump(cfg, sort_keys=False))
+    out.write_text(text)
     return name

@@ -256,3 +256,17 @@ def test_two_lists_that_differ_only_in_compression_get_two_runs_and_a_batch_that
     shards = lambda n: {"artifacts": {"shard": {"shards": [{"samples": n}]}}}   # noqa: E731
     assert "--batch-size 64 " in open_clip_example(shards(72))        # not 256 for 72 samples
     assert "--batch-size 256 " in open_clip_example(shards(10**6))
+
+
+def test_init_writes_a_data_build_that_says_why_and_leaves_private_hosts_to_the_user(tmp_path):
+    path = tmp_path / "mixed.tsv"
+    path.write_text("url\tcaption\nhttp://127.0.0.1:8600/a.jpg\ta photo of a cat\nhttp://example.com/b.jpg\ta dog on grass\n")
+    out = tmp_path / "mixed.yaml"
+    proc = capline("init", str(path), "--output", str(out))
+    assert proc.returncode == 0 and "private or loopback hosts (127.0.0.1:8600)" in proc.stdout, proc.stdout
+    text = out.read_text()
+    assert "# ingest: {allow_hosts: [\"127.0.0.1:8600\"]}" in text          # written, but left to the user
+    cfg = load_config(out, [])
+    assert cfg.stages.ingest.allow_hosts == [] and cfg.train.steps == 0 and cfg.stages.dedup.eval_sets == []
+    assert "# train: {model: cappa" in text and "DataComp's basic filter" in text
+    assert capline("check", str(out)).returncode == 0
