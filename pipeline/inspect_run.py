@@ -110,6 +110,8 @@ def explain(where, key: str) -> list[dict]:
         for r in rows:
             row = {c: r.get(c) for c in ("key", "stage", "verdict", "reason", "score", "detail")}
             row.update({c: r[c] for c in ("match_set", "match_key") if r.get(c)})   # what a match refers to
+            if r.get("match_key") and not r.get("match_set"):     # a copy kept in the data: by its URL too
+                row["match_url"] = _url_of(run_dir, r["match_key"])
             if name == "shard" and r.get("tar"):
                 row.update(tar=r["tar"], offset=r.get("offset"))
                 row["detail"] = f"{r['tar']} at byte {r.get('offset')}"
@@ -120,6 +122,21 @@ def explain(where, key: str) -> list[dict]:
         raise UserError(f"no sample with key {key!r} in {run_dir.uri()} "
                         f"(see the key column of {run_dir.uri('source/ledger')}/)")
     return out
+
+
+def _url_of(run_dir, key: str) -> str | None:
+    """A sample's URL from the source stage's ledger (through its key index: one small read)."""
+    from stages.base import read_ledger
+
+    from .key_index import lookup
+
+    file = lookup(run_dir, "source", key)
+    if file is None:
+        rows = read_ledger(run_dir, "source", ["url"], filters=[("key", "==", key)]).to_pylist()
+    else:
+        rows = pq.read_table(run_dir.path(file), filesystem=run_dir.fs, columns=["url"],
+                             filters=[("key", "==", key)]).to_pylist() if file else []
+    return rows[0]["url"] if rows else None
 
 
 def printable(text) -> str:
@@ -147,4 +164,6 @@ def format_explain(key: str, rows: list[dict]) -> str:
         why = f" ({printable(r['reason'])})" if r["reason"] else ""
         detail = f"  [{printable(r['detail'])}]" if r["detail"] else ""
         lines.append(f"  {r['stage']:<10} {r['verdict']}{why}{score}{detail}")
+        if r.get("match_url"):
+            lines.append(f"  {'':<10} the copy kept: {printable(r['match_key'])} {printable(r['match_url'])}")
     return "\n".join(lines)

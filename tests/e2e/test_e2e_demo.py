@@ -89,6 +89,14 @@ def test_explain_follows_one_sample(reference_run):
     out = capline("explain", str(run_dir), key)
     assert out.returncode == 0
     assert "source     kept" in out.stdout and "ingest     dropped (http_404)" in out.stdout
+    # a duplicate names the copy kept in its place by key and by URL
+    from stages.base import read_ledger
+
+    dedup = read_ledger(run_dir, "dedup", ["key", "reason", "match_key"]).to_pylist()
+    dup = next(r for r in dedup if r["reason"] in ("exact_duplicate", "near_duplicate"))
+    kept_url = read_ledger(run_dir, "source", ["url"], filters=[("key", "==", dup["match_key"])]).column("url")[0].as_py()
+    out = capline("explain", str(run_dir), dup["key"])
+    assert f"the copy kept: {dup['match_key']} {kept_url}" in out.stdout, out.stdout
 
 
 def test_rerun_of_a_finished_run_skips_everything(reference_run):
