@@ -308,14 +308,39 @@ def safe_download_image(row, timeout, user_agent_token, disallowed_header_direct
 
 
 def _fetch_small(url: str, timeout: float, limit: int = 512 << 10) -> tuple[int, bytes]:
-    """A small file (robots.txt) through the same checked, pinned opener: -> (status, body)."""
+    """A small file (robots.txt) through the same checked, pinned opener: -> (status, body). The whole
+    exchange (connect, headers, body) is under the URL deadline, as an image's is: a server that
+    trickles it a byte at a time is cut off there (the caller then counts it unreachable: disallow),
+    where a socket timeout alone would wait as long as bytes keep coming, with every URL of the host
+    waiting behind it."""
+    _pins.sockets = []
+    start = time.monotonic()
+    ticket = _watchdog.watch(start + _policy.deadline, _pins.sockets)
     try:
         check_url(url, _policy)
         request = urllib.request.Request(url, headers={"User-Agent": _policy.manners.user_agent})
         with _opener.open(request, timeout=timeout) as r:
-            return r.status, r.read(limit)
+            chunks, n = [], 0
+            while n < limit:
+                chunk = r.read(min(1 << 14, limit - n))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                n += len(chunk)
+                if time.monotonic() - start > _policy.deadline:
+                    raise TimeoutError(f"not read within {_policy.deadline:g}s")
+            if time.monotonic() - start > _policy.deadline:
+                raise TimeoutError(f"not read within {_policy.deadline:g}s")
+            return r.status, b"".join(chunks)
     except urllib.error.HTTPError as err:
         return err.code, b""
+    except OSError:
+        if time.monotonic() - start >= _policy.deadline:
+            raise TimeoutError(f"not read within {_policy.deadline:g}s") from None
+        raise
+    finally:
+        _watchdog.release(ticket)
+        _pins.sockets = None
 
 
 def _fetch_once(key, url, timeout, user_agent_token, disallowed_header_directives, checked: bool = False):

@@ -318,3 +318,62 @@ def test_retries_ask_again_only_after_transient_failures(monkeypatch):
     assert reason_of("failed", got["/noai"][2]) == "robots_disallowed"
     assert reason_of("failed", got["/gone"][2]) == "http_404"
     assert got["/flaky"][2].endswith("(3 attempts)") and reason_of("failed", got["/flaky"][2]) == "http_500"
+
+
+class _TrickledRobots(BaseHTTPRequestHandler):
+    """robots.txt sent a byte every 0.2 s for a minute (each byte beats any socket timeout); images whole."""
+    hits: list = []
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        import time
+
+        _TrickledRobots.hits.append(self.path)
+        if self.path == "/robots.txt":
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.end_headers()
+            for _ in range(300):
+                try:
+                    self.wfile.write(b"#")
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(0.2)
+            return
+        body = _jpeg()
+        self.send_response(200)
+        self.send_header("Content-Type", "image/jpeg")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_a_trickled_robots_txt_is_cut_at_the_deadline_and_counts_as_disallow(monkeypatch):
+    """A host that trickles its robots.txt held every URL of the host behind it indefinitely: now the
+    exchange ends at the URL deadline and the host's URLs are refused as robots_disallowed."""
+    import time
+
+    import stages.fetch as fetch
+
+    _TrickledRobots.hits = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _TrickledRobots)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        monkeypatch.setattr(fetch, "_policy", FetchPolicy(allow_hosts=(f"127.0.0.1:{port}",), deadline=1.0))
+        monkeypatch.setattr(fetch, "_hosts", fetch.Hosts(fetch._policy.manners))
+        t0 = time.monotonic()
+        _, stream, err = safe_download_image((0, f"http://127.0.0.1:{port}/a.jpg"), 5, None, None)
+        took = time.monotonic() - t0
+        _, stream2, err2 = safe_download_image((1, f"http://127.0.0.1:{port}/b.jpg"), 5, None, None)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert stream is None and reason_of("failed", err) == "robots_disallowed" and "unreachable" in err, err
+    assert took < 5, took                                   # the deadline, not the minute the server trickles
+    assert stream2 is None and reason_of("failed", err2) == "robots_disallowed"
+    assert _TrickledRobots.hits == ["/robots.txt"]          # asked once, no image fetched
