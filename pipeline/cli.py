@@ -251,11 +251,23 @@ def _config(args):
         if saved.is_file():
             print(f"capline: using {args.run_dir}'s own config ({saved})", flush=True)
             try:
-                return load_config(saved, args.overrides)
+                cfg = load_config(saved, args.overrides)
             except UserError as err:   # e.g. written by an older capline, with keys that have moved since
                 raise UserError(f"{saved} (the run folder's own config) does not load: {err}; name the config "
                                 f"to use: capline {args.command} CONFIG --run-dir {args.run_dir}") from None
+            return _no_foreign_address(cfg, f"{args.run_dir}'s config", args.overrides)
     return load_config(args.config, args.overrides)
+
+
+def _no_foreign_address(cfg, where: str, overrides: list[str] = ()):
+    """A config someone else wrote (a run folder's, a manifest's) does not choose the cluster: its
+    ray.address would get this user's Ray token sent to whatever listens there. The address comes
+    from --address, RAY_ADDRESS, a config the user names, or their own --set."""
+    if cfg.ray.address and not any(o.startswith("ray.address=") for o in overrides or ()):
+        print(f"capline: not joining the Ray cluster {cfg.ray.address!r} that {where} names: a cluster address is "
+              "taken from --address, RAY_ADDRESS or a config you name", flush=True)
+        cfg.ray.address = None
+    return cfg
 
 
 def _cmd_train(args) -> int:
@@ -436,7 +448,7 @@ def _cmd_rebuild(args) -> int:
     if not path.is_file():
         raise UserError(f"{args.manifest}: no manifest.json there")
     manifest = json.loads(path.read_text())
-    cfg = build(RunConfig, manifest["config"])
+    cfg = _no_foreign_address(build(RunConfig, manifest["config"]), str(path))
     old_dir = path.parent
     new_dir = Path(args.run_dir) if args.run_dir else old_dir.with_name(old_dir.name + "-rebuild")
     if new_dir.resolve() == old_dir.resolve():

@@ -116,3 +116,38 @@ def _listening(proc):
         return [c for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return []
+
+
+def test_a_manifest_or_run_folder_from_elsewhere_does_not_choose_the_cluster(tmp_path, monkeypatch, capsys):
+    """rebuild (a manifest) and train --run-dir (a run folder's config.yaml) joined the ray.address
+    written there, sending the user's Ray token to whatever listened: the address now comes only from
+    --address, RAY_ADDRESS, a config the user names or their own --set."""
+    import json
+
+    import infra.ray_runtime as ray_runtime
+    from pipeline import cli
+    from pipeline.config import load_config
+    from pipeline.runner import input_fingerprints
+
+    joined = []
+
+    class Stop(Exception):
+        pass
+
+    def record(cfg, address=None, log=print):
+        joined.append((cfg.address, address))
+        raise Stop
+
+    monkeypatch.setattr(ray_runtime, "ray_session", record)
+    foreign = load_config(None, ["ray.address=10.9.9.9:6379"])
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "manifest.json").write_text(json.dumps({"config": foreign.to_dict(), "inputs": input_fingerprints(foreign)}))
+    try:
+        cli.main(["rebuild", str(old / "manifest.json"), "--run-dir", str(tmp_path / "new")])
+    except Stop:
+        pass
+    assert joined == [(None, None)], joined
+    assert "not joining the Ray cluster '10.9.9.9:6379'" in capsys.readouterr().out
+    saved = cli._no_foreign_address(load_config(None, ["ray.address=10.9.9.9:6379"]), "x", ["ray.address=10.9.9.9:6379"])
+    assert saved.ray.address == "10.9.9.9:6379"           # the user's own --set is the user's choice
