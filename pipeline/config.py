@@ -49,7 +49,8 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self, prefix: str) -> None:
-        require(bool(self.name) and "/" not in self.name, "name", f"must be a non-empty name without '/', got {self.name!r}")
+        require(bool(self.name) and "/" not in self.name and "\\" not in self.name and self.name not in (".", ".."),
+                "name", f"must be one folder name (runs/<name>), not a path, '.' or '..', got {self.name!r}")
         require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
 
     def to_dict(self) -> dict:

@@ -111,6 +111,25 @@ def preflight(cfg: RunConfig, stages: list[Stage] | None = None) -> None:
         stage.preflight(cfg)
 
 
+# what capline itself puts at the top of a run folder, besides its stages' folders
+RUN_FOLDER_NAMES = {"manifest.json", "config.yaml", "report.html", "mlflow.db", "mlartifacts", "mlruns",
+                    ".capline.lock", "drift", "eval", "train"}
+
+
+def check_run_folder(run_dir: Path, stages: list[Stage] | None = None) -> None:
+    """A run folder is new, empty, or capline's (a manifest, or only names capline writes): a stage
+    clears its own folder before it runs, so a folder of the user's given as --run-dir would lose
+    whatever sits in subfolders named like stages."""
+    if not run_dir.is_dir() or (run_dir / "manifest.json").is_file():
+        return
+    ours = RUN_FOLDER_NAMES | {s.name for s in (stages or STAGES)}
+    foreign = sorted(p.name for p in run_dir.iterdir() if p.name not in ours)
+    if foreign:
+        raise UserError(f"run folder {run_dir} holds files that are not a capline run's ({', '.join(foreign[:3])}"
+                        f"{', ...' if len(foreign) > 3 else ''}) and no manifest.json: give a new or empty --run-dir "
+                        "(a run clears the folders of its stages)")
+
+
 def default_run_dir(cfg: RunConfig) -> Path:
     return Path(cfg.run_dir) if cfg.run_dir else Path("runs") / cfg.name
 
@@ -162,6 +181,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
     stages = stages or STAGES
     observers = OBSERVERS if observers is None else observers
     wanted = select(until, only, stages)
+    check_run_folder(run_dir, stages)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     manifest = Manifest.open(run_dir, cfg.to_dict(), cfg.digest(), cfg.seed, input_fingerprints(cfg, stages))

@@ -128,3 +128,17 @@ def test_scorer_checkpoint_that_does_not_fit(tmp_path):
     proc = capline("run", "--run-dir", str(tmp_path / "run"), "--set", "stages.clip_score.scorer=checkpoint",
                    "--set", f"stages.clip_score.checkpoint={tmp_path / 'cappa'}")
     _one_line_error(proc, "a cappa model has no text embedding to score with")
+
+
+def test_a_folder_that_is_not_a_capline_run_is_refused_not_wiped(tmp_path):
+    """--run-dir at a folder of the user's: each stage clears its own folder, so the user's basic/ or
+    dedup/ would go. Refused before anything runs; the files stay. A name that is a path is refused."""
+    mine = tmp_path / "my-project"
+    (mine / "basic").mkdir(parents=True)
+    (mine / "basic" / "notes.txt").write_text("mine")
+    (mine / "thesis.tex").write_text("mine too")
+    out = capline("run", "--run-dir", str(mine), "--set", "source.num_samples=20")
+    assert out.returncode == 2 and "holds files that are not a capline run's (thesis.tex)" in out.stderr, out.stderr
+    assert (mine / "basic" / "notes.txt").read_text() == "mine" and "Traceback" not in out.stderr
+    bad = capline("run", "--set", "name=..", "--set", "source.num_samples=20", cwd=tmp_path)
+    assert bad.returncode == 2 and "must be one folder name" in bad.stderr, bad.stderr

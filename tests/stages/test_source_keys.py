@@ -60,9 +60,10 @@ def test_rows_repeated_across_files_get_keys_as_if_the_files_were_one(tmp_path):
     base = ones[0][0]
     assert [k for k, _ in ones] == [base, f"{base}_1", f"{base}_2", f"{base}_3"]   # file order, then row order
     by_key = dict(ones)
-    assert by_key[base] == "list0.csv row 0" and by_key[f"{base}_1"] == "list0.csv row 2"
-    assert by_key[f"{base}_2"] == "list1.csv row 1; the same URL and caption as list0.csv row 0"
-    assert by_key[f"{base}_3"] == "list2.csv row 0; the same URL and caption as list0.csv row 0"
+    # named by line in the file (its header is line 1)
+    assert by_key[base] == "list0.csv line 2" and by_key[f"{base}_1"] == "list0.csv line 4"
+    assert by_key[f"{base}_2"] == "list1.csv line 3; the same URL and caption as list0.csv line 2"
+    assert by_key[f"{base}_3"] == "list2.csv line 2; the same URL and caption as list0.csv line 2"
     assert renamed == 3 and sum(p.n_in for p in parts) == 7
 
 
@@ -75,7 +76,7 @@ def test_the_users_own_keys_in_two_files_are_refused_naming_both(tmp_path):
     (tmp_path / "a.csv").write_text("id,url,caption\nk1,http://x/1.jpg,one\nk2,http://x/2.jpg,two\n")
     (tmp_path / "b.csv").write_text("id,url,caption\nk3,http://x/3.jpg,three\nk1,http://x/9.jpg,other\n")
     with pytest.raises(UserError, match=r"1 key_col value\(s\) appear in more than one URL list file "
-                                        r"\(a.csv row 0 and b.csv row 1\)"):
+                                        r"\(a.csv line 2 and b.csv line 3\)"):
         _run(tmp_path, [tmp_path / "a.csv", tmp_path / "b.csv"], "source.key_col=id")
 
 
