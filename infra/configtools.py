@@ -72,6 +72,10 @@ def _convert(tp, value: Any, key: str):
         raise ConfigError(key, f"expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            import math
+
+            if not math.isfinite(value):   # YAML reads .nan and .inf: no setting means either
+                raise ConfigError(key, f"expected a finite number, got {value!r}")
             return float(value)
         raise ConfigError(key, f"expected a number, got {value!r}")
     if tp is str:
@@ -117,8 +121,15 @@ def build(cls, data: Any, prefix: str = ""):
         if hints[name] is float and isinstance(getattr(obj, name), int):
             setattr(obj, name, float(getattr(obj, name)))
     validate = getattr(obj, "validate", None)
-    if validate is not None:
+    if validate is not None:      # the section's own checks first: their messages say more
         validate(prefix)
+    # a number whose default is not negative is a count, size, time, rate or share: never negative
+    for name, f in fields.items():
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or isinstance(f.default, bool):
+            continue
+        if isinstance(f.default, (int, float)) and f.default >= 0 and value < 0:
+            raise ConfigError(f"{prefix}.{name}" if prefix else name, f"must be >= 0, got {value!r}")
     return obj
 
 

@@ -97,6 +97,10 @@ class IngestConfig:
         require(self.max_retry_after >= 0, join(prefix, "max_retry_after"), "must be >= 0 seconds")
         require(self.rate_limit_retries >= 0, join(prefix, "rate_limit_retries"), "must be >= 0")
         require(self.breaker_failures >= 1, join(prefix, "breaker_failures"), "must be >= 1")
+        require(0 <= self.task_retries <= 20, join(prefix, "task_retries"),
+                f"must be 0..20 (Ray takes -1 as retrying forever), got {self.task_retries}")
+        require(self.deadline > 0, join(prefix, "deadline"), f"must be > 0 seconds, got {self.deadline}")
+        require(self.pixels_in_flight > 0, join(prefix, "pixels_in_flight"), "must be > 0")
         require(bool(re.fullmatch(r"[A-Za-z0-9_-]+", self.user_agent_token)), join(prefix, "user_agent_token"),
                 f"a robots.txt token is letters, digits, '-' and '_', got {self.user_agent_token!r}")
         for entry in self.allow_hosts:

@@ -156,3 +156,18 @@ def test_how_the_work_runs_is_neither_fingerprinted_nor_on_the_card():
     marked = {k for k, _, m in describe_settings(RunConfig) if m.startswith("[how")}
     assert {"stages.dedup.bucket_rows", "stages.ingest.compact_rows", "stages.shard.merge_bytes"} <= marked
     assert "stages.dedup.within_threshold" not in marked
+
+
+def test_no_numeric_setting_takes_a_negative_nan_or_infinite_value():
+    """Every count, size, time, rate and share: -1, .nan and .inf are refused with the key named
+    (stages.ingest.task_retries=-1 was infinite retries in Ray)."""
+    from infra.configtools import describe_settings
+    from pipeline.config import RunConfig
+
+    numeric = [k for k, d, _ in describe_settings(RunConfig) if isinstance(d, (int, float)) and not isinstance(d, bool)]
+    assert len(numeric) > 80
+    for key in numeric:
+        for bad in ("-1", ".nan", ".inf"):
+            section = key.rsplit(".", 1)[0] + "." if "." in key else key   # the key, or its section's pair check
+            with pytest.raises(UserError, match=section.replace(".", r"\.")):
+                load_config(None, [f"{key}={bad}"])
