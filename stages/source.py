@@ -187,8 +187,9 @@ def _read_table(path: Path, fmt: str, text_cols: tuple = (), header: bool = True
     try:
         if fmt == "parquet":
             return pq.read_table(path), None, []
-        if fmt == "jsonl":
-            table = pajson.read_json(path)
+        if fmt == "jsonl":     # pyarrow's JSON reader does not decompress by suffix: a stream that does
+            with pa.input_stream(str(path), compression="detect") as stream:
+                table = pajson.read_json(stream)
             return table, list(range(1, table.num_rows + 1)), []
         # text columns as bytes, decoded per row (texts()): type inference would turn an invalid byte
         # into a binary column, or a column of numbers-looking captions into floats
@@ -236,7 +237,7 @@ def _read_columns(path: Path, fmt: str, header: bool = True, columns=None) -> li
             with pacsv.open_csv(path, read_options=_read_options(header, columns), parse_options=opts) as reader:
                 names = reader.schema.names
             return names if header or columns else [str(i) for i in range(len(names))]
-        with open(path, "rb") as f:
+        with pa.input_stream(str(path), compression="detect") as f:
             head = f.read(1 << 20)
         first = head.split(b"\n", 1)[0]
         return pajson.read_json(pa.BufferReader(first)).column_names if first.strip() else []
@@ -253,14 +254,24 @@ def sample_key(url: str, caption: str) -> str:
     return "u" + hashlib.sha1(f"{url}\0{caption}".encode()).hexdigest()[:16]
 
 
-URL_SUFFIXES = (".parquet", ".csv", ".tsv", ".jsonl", ".json", ".csv.gz", ".tsv.gz")
+# every format a list is read in, text ones also compressed as pyarrow decompresses them by suffix
+URL_SUFFIXES = (".parquet",) + tuple(f"{base}{c}" for base in (".csv", ".tsv", ".jsonl", ".json")
+                                      for c in ("",) + COMPRESSED)
 
 
 def partition_files(cfg: SourceConfig) -> list[Path]:
-    """The URL list's files: `path` itself, or the list files in the folder, in name order."""
+    """The URL list's files: `path` itself, or the list files in the folder, in name order. A file in
+    the folder that is none of them is named, not skipped in silence (hidden files aside)."""
     path = Path(cfg.path)
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.name.lower().endswith(URL_SUFFIXES))
+        found = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+        files = [p for p in found if p.name.lower().endswith(URL_SUFFIXES)]
+        others = [p.name for p in found if p not in files]
+        if others:
+            raise UserError(f"source.path {path}: {', '.join(others[:3])}{' ...' if len(others) > 3 else ''} "
+                            f"{'is' if len(others) == 1 else 'are'} not a URL list capline reads (a folder holds "
+                            f"only lists: .parquet, or .csv/.tsv/.jsonl/.json, plain or {'/'.join(COMPRESSED)}); "
+                            "move it out, or name one file in source.path")
         if not files:
             raise UserError(f"source.path {path}: a folder without URL list files ({', '.join(URL_SUFFIXES)})")
         return files

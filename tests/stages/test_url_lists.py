@@ -270,3 +270,32 @@ def test_init_writes_a_data_build_that_says_why_and_leaves_private_hosts_to_the_
     assert cfg.stages.ingest.allow_hosts == [] and cfg.train.steps == 0 and cfg.stages.dedup.eval_sets == []
     assert "# train: {model: cappa" in text and "DataComp's basic filter" in text
     assert capline("check", str(out)).returncode == 0
+
+
+def test_a_folder_reads_every_documented_compression_and_names_what_it_cannot(tmp_path):
+    """.csv.zst, .csv.bz2 and .jsonl.gz were skipped in silence ('1 file(s)'), and --incremental never
+    saw them; a file that is no list is named, not skipped."""
+    import bz2
+    import gzip
+    import json as _json
+
+    from stages.source import check_url_list, partition_files
+
+    folder = tmp_path / "lists"
+    folder.mkdir()
+    (folder / "a.csv").write_text("url,caption\nhttp://a.example/1.jpg,one\n")
+    with bz2.open(folder / "b.csv.bz2", "wt") as f:
+        f.write("url,caption\nhttp://a.example/2.jpg,two\n")
+    with gzip.open(folder / "c.jsonl.gz", "wt") as f:
+        f.write(_json.dumps({"url": "http://a.example/3.jpg", "caption": "three"}) + "\n")
+    with pa.output_stream(str(folder / "d.csv.zst"), compression="zstd") as out:
+        out.write(b"url,caption\nhttp://a.example/4.jpg,four\n")
+    cfg = load_config(None, ["source.kind=urls", f"source.path={folder}"]).source
+    assert [p.name for p in partition_files(cfg)] == ["a.csv", "b.csv.bz2", "c.jsonl.gz", "d.csv.zst"]
+    check_url_list(cfg)
+    rows = {r["url"] for name in ("a.csv", "b.csv.bz2", "c.jsonl.gz", "d.csv.zst")
+            for r in _source(tmp_path / name, folder / name).values()}
+    assert rows == {f"http://a.example/{i}.jpg" for i in range(1, 5)}
+    (folder / "notes.txt").write_text("my notes")
+    with pytest.raises(UserError, match="notes.txt is not a URL list capline reads"):
+        partition_files(cfg)
