@@ -43,7 +43,7 @@ from infra.errors import UserError
 
 from .base import KEPT, Sink, StageContext, StageResult
 from .dataplane import PartResult, by_location, image_batches, read_kept, write_part
-from .line import (LINE, PUBLISHED_SCHEMA, RECORD, published_file, published_parts, published_rows, published_state,
+from .line import (LINE, PUBLISHED, PUBLISHED_SCHEMA, RECORD, published_file, published_parts, published_rows, published_state,
                    read_line)
 from infra.hashing import order_key
 from infra.shuffle import BucketWriter, merge_group, read_bucket
@@ -312,6 +312,19 @@ class ShardStage(Sink):
         """The dataset line's record (append), or none: without append, a line kept before is dropped."""
         line = read_line(ctx.storage)
         if ctx.cfg.append:
+            if line is None and ctx.storage.list(PUBLISHED):
+                # the line's record is gone or torn while what it published is recorded: going on would
+                # write every published shard anew and drop samples the line had published
+                raise UserError(f"shard: {ctx.storage.uri(RECORD)} is missing or unreadable, but the dataset line's "
+                                f"published records are there ({ctx.storage.uri(PUBLISHED)}/); restore line.json, or "
+                                "set stages.shard.append: false to end the line and write every shard anew")
+            if line is not None:
+                have = {f.rsplit("/", 1)[-1] for f in ctx.storage.list("shard/shards", ".tar")}
+                lost = sorted(s["name"] for s in line["shards"] if s["name"] not in have)
+                if lost:
+                    raise UserError(f"shard: the dataset line's published shard(s) {', '.join(lost[:3])} are missing "
+                                    f"from {ctx.storage.uri('shard/shards')}; restore them (`capline verify` checks the "
+                                    "rest), or set stages.shard.append: false to end the line and write every shard anew")
             if line is None and ctx.storage.list("shard/shards", ".tar"):
                 ctx.log("shard: starting a dataset line (stages.shard.append); the shards of an earlier run "
                         "are written anew, and from now on only added to")

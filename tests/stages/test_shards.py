@@ -115,3 +115,33 @@ def test_compare_two_runs_names_the_differing_samples(tmp_path):
     assert diff.returncode == 1
     assert "k3: txt differ" in diff.stdout
     assert "k2: json differ (json: url 'http://x/2.jpg' -> 'http://y/2.jpg')" in diff.stdout, diff.stdout
+
+
+def test_an_append_refuses_a_lost_line_record_and_a_missing_published_shard(tmp_path):
+    """Deleting shard/line/line.json made the next append rewrite every published shard and drop
+    published samples (exit 0); a deleted published shard went unnoticed. Both are refused, naming
+    what to do."""
+    import json
+    from types import SimpleNamespace
+
+    from infra.errors import UserError
+    from infra.storage import Storage
+    from stages.shard import ShardConfig, ShardStage
+
+    storage = Storage.local(tmp_path)
+    ctx = SimpleNamespace(storage=storage, cfg=ShardConfig(append=True), log=lambda m: None)
+    storage.write_bytes("shard/shards/000000.tar", b"t0")
+    storage.write_bytes("shard/shards/000001.tar", b"t1")
+    storage.write_json("shard/line/line.json", {"shards": [{"name": "000000.tar"}, {"name": "000001.tar"}], "runs": []})
+    storage.write_bytes("shard/line/published/p0.parquet", b"x")
+    assert ShardStage()._line(ctx)["shards"][1]["name"] == "000001.tar"        # whole: the line goes on
+    (tmp_path / "shard" / "shards" / "000001.tar").unlink()
+    with pytest.raises(UserError, match=r"published shard\(s\) 000001.tar are missing"):
+        ShardStage()._line(ctx)
+    (tmp_path / "shard" / "line" / "line.json").write_text("{torn")
+    with pytest.raises(UserError, match="line.json is missing or unreadable, but the dataset line's published records"):
+        ShardStage()._line(ctx)
+    (tmp_path / "shard" / "line" / "line.json").unlink()
+    with pytest.raises(UserError, match="restore line.json, or set stages.shard.append: false"):
+        ShardStage()._line(ctx)
+    assert json.loads(json.dumps(ShardStage()._line(SimpleNamespace(**{**vars(ctx), "cfg": ShardConfig()})))) is None
