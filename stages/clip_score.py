@@ -211,7 +211,8 @@ def _column_task(storage, part: str, file: str, out: str, column: str) -> dict:
     rows = read_kept(storage, file, ["key", "notes"])
     scores = []
     for n in rows.column("notes").to_pylist():
-        v = json.loads(n).get(column) if n else None
+        got = json.loads(n) if n else {}
+        v = got.get(column, got.get(f"source_{column}"))    # a list column named like capline's own is prefixed
         scores.append(float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else -1.0)
     ints = np.round(np.clip(np.asarray(scores, np.float64), -1.0, 1.0) * SCALE).astype(np.int64)
     return _write_scores(storage, out, part, rows.column("key"), ints)

@@ -420,6 +420,13 @@ def keyed_rows(table: pa.Table, cfg: SourceConfig, part: str, lines: list[int] |
 
 
 MAX_CARRIED_CHARS = 1000
+def stage_note_names() -> set[str]:
+    """What the stages call their scores and details in a sample's JSON (the registry's notes)."""
+    from .registry import STAGES
+
+    return {n for stage in STAGES for n in stage.note_names() if n}
+
+
 SAMPLE_FIELDS = {"key", "url", "caption", "status", "error_message", "width", "height", "original_width",
                  "original_height", "sha256"}
 
@@ -449,9 +456,10 @@ def _carried(table: pa.Table, cfg: SourceConfig, part: str, used: set) -> list[s
                             f"(columns: {', '.join(names[:20])})")
     if not wanted:
         return [None] * table.num_rows
-    # a list's own column named like a field capline writes (DataComp's sha256, a width) keeps its
-    # value under source_<name>, never over capline's
-    cols = {(f"source_{n}" if n in SAMPLE_FIELDS else n): table.column(n).to_pylist() for n in wanted}
+    # a list's own column named like a field capline writes (DataComp's sha256, a width, a stage's
+    # score: clip_score, language) keeps its value under source_<name>, never posing as capline's
+    reserved = SAMPLE_FIELDS | stage_note_names()
+    cols = {(f"source_{n}" if n in reserved else n): table.column(n).to_pylist() for n in wanted}
     out = []
     for i in range(table.num_rows):
         entry = {}

@@ -299,3 +299,15 @@ def test_a_folder_reads_every_documented_compression_and_names_what_it_cannot(tm
     (folder / "notes.txt").write_text("my notes")
     with pytest.raises(UserError, match="notes.txt is not a URL list capline reads"):
         partition_files(cfg)
+
+
+def test_list_columns_named_like_capline_scores_are_prefixed_not_posing_as_them(tmp_path):
+    import json as _json
+
+    path = tmp_path / "list.parquet"
+    pq.write_table(pa.table({"url": ["http://a.example/1.jpg"], "caption": ["one"], "clip_score": [0.99],
+                             "language": ["xx"], "language_score": [1.0], "LICENSE": ["CC-BY"]}), path)
+    notes = _json.loads(_source(tmp_path, path)["0"]["notes"])
+    assert notes.pop("source_detail") == "list.parquet row 1"          # the source stage's own note
+    assert notes == {"source_clip_score": 0.99, "source_language": "xx", "source_language_score": 1.0,
+                     "LICENSE": "CC-BY"}
