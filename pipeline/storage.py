@@ -42,6 +42,11 @@ class RunStore:
     def __init__(self, where: str):
         self.uri = where if is_uri(where) else None
         if self.uri:
+            key = self.uri.split("://", 1)[1]
+            if any(p in (".", "..") for p in key.split("/")) or "\\" in key:
+                # the working copy is cache_root()/<bucket>/<prefix>: a '..' would put it anywhere on disk
+                raise UserError(f"run folder {self.uri}: '.' and '..' are not folder names in a bucket; "
+                                "give the run folder's URI without them")
             self.fs, self.root = filesystem(self.uri)
             self.local = cache_root() / self.root
         else:

@@ -142,3 +142,12 @@ def test_a_folder_that_is_not_a_capline_run_is_refused_not_wiped(tmp_path):
     assert (mine / "basic" / "notes.txt").read_text() == "mine" and "Traceback" not in out.stderr
     bad = capline("run", "--set", "name=..", "--set", "source.num_samples=20", cwd=tmp_path)
     assert bad.returncode == 2 and "must be one folder name" in bad.stderr, bad.stderr
+
+
+def test_dot_dot_in_a_bucket_run_folder_is_refused(tmp_path):
+    from infra.errors import UserError
+    from pipeline.storage import RunStore
+
+    for uri in ("s3://bucket/runs/../../../etc", "s3://bucket/./x"):
+        with pytest.raises(UserError, match="'.' and '..' are not folder names in a bucket"):
+            RunStore(uri)
