@@ -8,7 +8,9 @@ and the lines open_clip and wids take.
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
+import re
 
 from stages.registry import STAGES
 
@@ -49,27 +51,42 @@ def open_clip_example(manifest: dict) -> str:
     return f"--model ViT-B-32 --batch-size {batch} --epochs 1 --workers 4"
 
 
+def md_code(text) -> str:
+    """Inline code that holds any text: a fence of more backticks than the text's longest run (file
+    names and columns come from the user's data and may hold backticks)."""
+    text = str(text).replace("\n", " ")
+    fence = "`" * (max((len(r) for r in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def md_text(text) -> str:
+    """Text from the data as Markdown text: its markup and HTML shown, never rendered."""
+    text = html.escape(str(text).replace("\n", " "), quote=False)
+    return re.sub(r"([\\`*\[\]|])", r"\\\1", text)     # table cells, code, emphasis, links
+
+
 def card(manifest: dict, summary: dict, cfg) -> str:
     shard = manifest["artifacts"].get("shard", {})
     digest = manifest["stages"]["shard"]["output_digest"]
     n = sum(s["samples"] for s in shard.get("shards", []))
-    lines = [f"# {cfg.name}: {n} image-text pairs in {len(shard.get('shards', []))} WebDataset shards", "",
+    lines = [f"# {md_text(cfg.name)}: {n} image-text pairs in {len(shard.get('shards', []))} WebDataset shards", "",
              f"- shard digest: `{digest}`",
              f"- config hash: `{manifest.get('config_hash')}`, seed {cfg.seed}, capline git `{manifest.get('git_revision')}`",
-             f"- source: `{json.dumps(manifest.get('inputs', {}), sort_keys=True)}`", "",
+             f"- source: {md_code(json.dumps(manifest.get('inputs', {}), sort_keys=True))}", "",
              "## Funnel", "", "| stage | in | kept | % kept | wall s | dropped by reason |", "|---|---:|---:|---:|---:|---|"]
     for stage in [s.name for s in STAGES]:
         st = summary.get(stage)
         if not st:
             continue
         pct = f"{100 * st['kept'] / st['in']:.1f}" if st.get("in") else "-"
-        reasons = ", ".join(f"{k}={v}" for k, v in sorted(st["dropped"].items(), key=lambda kv: -kv[1])) or "-"
+        reasons = ", ".join(f"{md_text(k)}={v}" for k, v in sorted(st["dropped"].items(), key=lambda kv: -kv[1])) or "-"
         lines.append(f"| {stage} | {st['in']} | {st['kept']} | {pct} | {st.get('wall_seconds', 0):.1f} | {reasons} |")
     lines += ["", "## Filters and thresholds", ""]
     for name, section in thresholds(cfg).items():
         if name == "dedup":
             section = {k: v for k, v in section.items() if k != "eval_sets"}
-        lines.append(f"- **{name}**: " + ", ".join(f"{k}={json.dumps(v)}" for k, v in section.items()))
+        lines.append(f"- **{name}**: " + ", ".join(f"{k}={md_code(json.dumps(v))}" for k, v in section.items()))
     art = manifest["artifacts"]
     if art.get("clip_score", {}).get("scorer_sha256"):
         lines.append(f"- CLIP-score scorer sha256: `{art['clip_score']['scorer_sha256']}`")
@@ -80,7 +97,7 @@ def card(manifest: dict, summary: dict, cfg) -> str:
     if dedup.get("eval_sets"):
         lines += ["", "## Evaluation sets removed", "", "| set | images | samples removed |", "|---|---:|---:|"]
         for name, info in dedup["eval_sets"].items():
-            lines.append(f"| {name} | {info.get('images')} | {dedup.get('eval_matches', {}).get(name, 0)} |")
+            lines.append(f"| {md_text(name)} | {info.get('images')} | {dedup.get('eval_matches', {}).get(name, 0)} |")
     lines += ["", "## Reading it", "", "Each sample: `<key>.jpg`, `<key>.txt` (caption), `<key>.json` (img2dataset's "
               "fields plus `clip_score`, `language_score`). Beside the tars: `sizes.json` (open_clip), "
               "`shardindex.json` (wids).", ""]

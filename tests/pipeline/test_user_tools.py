@@ -251,3 +251,15 @@ def test_status_calls_the_shards_stale_when_clip_score_changed_under_an_unchange
     storage.write_json("clip_score/_SUCCESS", {"output_digest": "clip_score-new", "upstream_digest": "language-out"})
     storage.write_json("tokenizer/_SUCCESS", {"output_digest": "tokenizer-out", "upstream_digest": "clip_score-new"})
     assert state()["tokenizer"] == "done" and state()["shard"] == "stale"
+
+
+def test_the_dataset_card_shows_names_from_the_data_as_text():
+    """A list file named with backticks broke the card's Markdown and left raw HTML in it."""
+    from pipeline.dataset_card import md_code, md_text
+
+    name = "a``b<img src=x onerror=alert(1)>.csv"
+    code = md_code(name)
+    assert code.startswith("```") and code.endswith("```") and name in code      # a longer fence holds it
+    assert md_code("`x") == "`` `x ``"
+    text = md_text("x|y <b>z</b> `w` [l](u)")
+    assert "<b>" not in text and r"x\|y" in text and r"\`w\`" in text and r"\[l\]" in text
