@@ -63,6 +63,12 @@ def check_hf(folder: str) -> dict:
     if getattr(cfg, "model_type", "") not in ("clip", "siglip"):
         raise UserError(f"stages.clip_score.checkpoint {folder}: a {cfg.model_type} model, not a CLIP; "
                         "scorer: hf needs a CLIPModel folder")
+    if not any(path.glob("*.safetensors")):
+        pickled = sorted(f.name for f in path.iterdir() if f.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        raise UserError(f"stages.clip_score.checkpoint {folder}: no model.safetensors"
+                        + (f" ({', '.join(pickled[:2])} is pickled weights, which run code when loaded and are "
+                           "not read)" if pickled else "")
+                        + "; save the model with save_pretrained(..., safe_serialization=True)")
     if cfg.model_type == "siglip" and not _image_processor_config(path):
         raise UserError(f"stages.clip_score.checkpoint {folder}: a SigLIP without its image normalisation "
                         "(preprocessor_config.json or processor_config.json with image_mean and image_std); it would "
@@ -99,7 +105,7 @@ class HFScorer:
         tf = _transformers()
         self.torch = torch
         self.device = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-        self.model = tf.AutoModel.from_pretrained(folder, local_files_only=True).to(self.device).eval()
+        self.model = tf.AutoModel.from_pretrained(folder, local_files_only=True, use_safetensors=True).to(self.device).eval()
         self.tokenizer = tf.AutoTokenizer.from_pretrained(folder, local_files_only=True)
         vision = self.model.config.vision_config
         self.size = int(vision.image_size)

@@ -66,6 +66,14 @@ def test_a_local_hf_clip_scores_pairs_and_is_checked_first(tmp_path):
     (tmp_path / "notclip").mkdir()
     with pytest.raises(UserError, match="not a Hugging Face model folder"):
         check_hf(str(tmp_path / "notclip"))
+    pickled = tmp_path / "pickled"
+    import shutil
+
+    shutil.copytree(folder, pickled)
+    for f in pickled.glob("*.safetensors"):
+        f.rename(f.with_name("pytorch_model.bin"))          # what an older save_pretrained wrote
+    with pytest.raises(UserError, match="no model.safetensors .pytorch_model.bin is pickled weights"):
+        check_hf(str(pickled))
     with pytest.raises(UserError, match="no such folder .*capline downloads nothing"):
         check_hf(str(tmp_path / "absent"))
     (tmp_path / "oc").mkdir()
