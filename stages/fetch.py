@@ -280,6 +280,10 @@ def safe_download_image(row, timeout, user_agent_token, disallowed_header_direct
         except _SlowDown as slow:   # capline's own server does not rate-limit; if it did, say so
             return key, None, f"HTTP Error {slow.code}: asked to slow down"
     host = _hosts.get(parts.netloc)
+    if host.spent:
+        _pinned().clear()
+        return key, None, (f"capline:rate_limited: {parts.hostname} asked to wait {host.waited:.0f}s in all, more than "
+                           f"stages.ingest.host_wait_budget {m.wait_budget:g}s; not asked again by this task")
     if host.open:
         _pinned().clear()
         return key, None, (f"capline:host_unavailable: {parts.hostname} failed {m.breaker_failures} times in a row; "
@@ -295,8 +299,14 @@ def safe_download_image(row, timeout, user_agent_token, disallowed_header_direct
         except _SlowDown as slow:
             wait = retry_after(slow.retry_after, attempt)
             if wait > m.max_wait:
+                host.outcome(False)
                 return key, None, (f"capline:rate_limited: HTTP {slow.code} asking to wait {wait:.0f}s, more than "
                                    f"max_retry_after {m.max_wait:g}s")
+            if host.waited + wait > m.wait_budget:    # a host that only ever says "later" costs a bounded time
+                host.spent = True
+                host.outcome(False)
+                return key, None, (f"capline:rate_limited: {parts.hostname} asked to wait {host.waited + wait:.0f}s in "
+                                   f"all, more than stages.ingest.host_wait_budget {m.wait_budget:g}s")
             host.pause(wait)
             continue
         finally:
@@ -304,6 +314,7 @@ def safe_download_image(row, timeout, user_agent_token, disallowed_header_direct
         reason = reason_of("success" if result[1] is not None else "failed", result[2])
         host.outcome(reason not in HOST_FAILURES)
         return result
+    host.outcome(False)      # a 429/503 storm counts toward the host's breaker like any other failure
     return key, None, f"capline:rate_limited: HTTP 429/503 {m.retries + 1} times (waited as asked each time)"
 
 

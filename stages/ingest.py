@@ -50,7 +50,9 @@ from infra.media import FORMATS  # noqa: E402 - the one allow-list
 @dataclass
 class IngestConfig:
     # how the work is cut or run, never what is decided: left out of the fingerprint and the card
-    HOW: ClassVar[tuple] = ("compact_rows", "contact")   # (more would rename every unit's tars: not worth it)
+    # (host_wait_budget only bounds how long a host that keeps saying "later" is waited on; in the
+    # fingerprint it would have renamed every unit's tars and downloaded every list again on upgrade)
+    HOW: ClassVar[tuple] = ("compact_rows", "contact", "host_wait_budget")
     image_size: int = 256  # img2dataset resizes each image to this many pixels (see resize_mode)
     resize_mode: Literal["border", "keep_ratio", "center_crop", "no"] = "border"  # img2dataset's resize; border pads to a square (dedup and scorers see the picture without the bars)
     encode_format: Literal["jpg", "png", "webp"] = "jpg"  # how resized images are stored in the tars
@@ -75,6 +77,7 @@ class IngestConfig:
     task_retries: int = 2            # Ray retries of a shard whose worker died
     # politeness per host (stages/polite.py), for the whole cluster: each download task gets its share
     user_agent_token: str = "capline"    # in the User-Agent; the robots.txt / X-Robots-Tag token honoured
+    host_wait_budget: float = 300.0  # seconds of Retry-After a download task grants one host in all; then its URLs are rate_limited
     # who runs the crawl, in the User-Agent (a URL or mail address): site operators ask before they block
     contact: str = ""
     respect_robots: bool = True  # read each host's robots.txt once and honour it for user_agent_token
@@ -497,7 +500,7 @@ def _downloader(cfg: IngestConfig, allow: tuple, at_once: int = 1, own: tuple = 
     manners = Manners(token=cfg.user_agent_token, rate=cfg.host_rate / at_once,
                       concurrency=max(1, cfg.host_concurrency // at_once), robots=cfg.respect_robots,
                       max_wait=cfg.max_retry_after, retries=cfg.rate_limit_retries,
-                      breaker_failures=cfg.breaker_failures, contact=cfg.contact)
+                      breaker_failures=cfg.breaker_failures, contact=cfg.contact, wait_budget=cfg.host_wait_budget)
 
     resizer = Resizer(image_size=cfg.image_size, resize_mode=cfg.resize_mode,
                       resize_only_if_bigger=False, encode_quality=cfg.encode_quality,

@@ -31,6 +31,7 @@ class Manners:
     max_wait: float = 60.0            # the longest Retry-After waited for
     retries: int = 3                  # waits on 429/503 before the URL is given up
     breaker_failures: int = 20        # consecutive failures that stop asking a host
+    wait_budget: float = 300.0        # seconds of Retry-After one task grants a host in all, then it gives up on it
     contact: str = ""                 # a URL or mail address a site's operator can reach the crawl's owner at
 
     @property
@@ -62,6 +63,7 @@ class Host:
         self.robots_lock = threading.Lock()
         self.waited = 0.0
         self.slowdowns = 0
+        self.spent = False                # asked to wait more than the task's wait budget grants it
 
     def take_slot(self) -> None:
         """Wait for this host's next request slot (rate) and a free connection (concurrency)."""

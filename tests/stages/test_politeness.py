@@ -167,3 +167,44 @@ def test_the_user_agent_carries_the_package_version_and_the_configured_contact()
         load_config(None, ["stages.ingest.contact=a (b); c"])
     plain, named = (IngestStage().fingerprint(load_config(None, extra)) for extra in ([], ["stages.ingest.contact=x@y.z"]))
     assert plain == named                    # who asks does not change what was downloaded
+
+
+class _AlwaysLater(http.server.BaseHTTPRequestHandler):
+    asked = 0
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        _AlwaysLater.asked += 1
+        self.send_response(429)
+        self.send_header("Retry-After", "1")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+def test_a_host_that_always_says_later_costs_a_bounded_time_and_opens_its_breaker(monkeypatch):
+    """16 URLs of a host answering only 429 (Retry-After: 1) cost time linear in its URLs (75 s with
+    Retry-After 5 in the report): now the task's wait budget for the host bounds it, and the storm
+    counts toward the host's breaker."""
+    import stages.fetch as fetch
+    from stages.fetch import FetchPolicy, reason_of, safe_download_image
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _AlwaysLater)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    where = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        manners = Manners(robots=False, rate=100, retries=3, wait_budget=2.5)
+        monkeypatch.setattr(fetch, "_policy", FetchPolicy(allow_hosts=(where,), manners=manners))
+        monkeypatch.setattr(fetch, "_hosts", fetch.Hosts(manners))
+        _AlwaysLater.asked = 0
+        t0 = time.monotonic()
+        got = [safe_download_image((i, f"http://{where}/{i}.jpg"), 3, None, None) for i in range(16)]
+        took = time.monotonic() - t0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert all(s is None and reason_of("failed", e) == "rate_limited" for _, s, e in got)
+    assert took < 8, took                                      # the budget (2.5 s), not 16 x 4 waits
+    assert "host_wait_budget 2.5s" in got[-1][2] and _AlwaysLater.asked <= 5
+    assert fetch._hosts.get(where).failures >= 1               # counted toward the breaker
