@@ -86,6 +86,7 @@ class SourceConfig:
     # null: every other column of a Parquet list, none of a text list; [] none; values over
     # 1,000 characters are left out
     keep_columns: list[str | int] | None = None
+    carried_bytes: int = 4096        # JSON a sample carries from its list's columns at most; the rest left out, counted
     # bounds on the list's own numeric columns, each a declared threshold (LAION's recipe:
     # {punsafe: {max: 0.5}, pwatermark: {max: 0.8}, WIDTH: {min: 256}}): a row outside one, or without
     # a number there, is dropped as list_filter:<column>, naming the value and the bound
@@ -121,6 +122,7 @@ class SourceConfig:
         require(16 <= self.render_size <= 2048, join(prefix, "render_size"), "must be 16..2048 pixels")
         require(0 <= self.serve_port <= 65535, join(prefix, "serve_port"), f"must be 0..65535, got {self.serve_port}")
         require(self.rows_per_part >= 1, join(prefix, "rows_per_part"), f"must be >= 1, got {self.rows_per_part}")
+        require(64 <= self.carried_bytes <= 65536, join(prefix, "carried_bytes"), f"must be 64..65536, got {self.carried_bytes}")
         for name in ("url_col", "caption_col", "key_col"):
             v = getattr(self, name)
             require(not isinstance(v, int) or isinstance(v, bool) or v >= 0, join(prefix, name),
@@ -420,6 +422,7 @@ def keyed_rows(table: pa.Table, cfg: SourceConfig, part: str, lines: list[int] |
 
 
 MAX_CARRIED_CHARS = 1000
+MAX_CARRIED_COLUMNS = 64
 def stage_note_names() -> set[str]:
     """What the stages call their scores and details in a sample's JSON (the registry's notes)."""
     from .registry import STAGES
@@ -456,17 +459,27 @@ def _carried(table: pa.Table, cfg: SourceConfig, part: str, used: set) -> list[s
                             f"(columns: {', '.join(names[:20])})")
     if not wanted:
         return [None] * table.num_rows
+    if len(wanted) > MAX_CARRIED_COLUMNS:
+        raise UserError(f"source.keep_columns: {part} would carry {len(wanted)} columns into every sample (at most "
+                        f"{MAX_CARRIED_COLUMNS}); name the ones to keep in source.keep_columns")
     # a list's own column named like a field capline writes (DataComp's sha256, a width, a stage's
     # score: clip_score, language) keeps its value under source_<name>, never posing as capline's
     reserved = SAMPLE_FIELDS | stage_note_names()
     cols = {(f"source_{n}" if n in reserved else n): table.column(n).to_pylist() for n in wanted}
     out = []
     for i in range(table.num_rows):
-        entry = {}
+        entry, size, left = {}, 2, 0
         for n, values in cols.items():
             v = _jsonable(values[i])
-            if v is not None and len(json.dumps(v)) <= MAX_CARRIED_CHARS:
-                entry[n] = v
+            if v is None:
+                continue
+            cost = len(json.dumps({n: v}, ensure_ascii=False).encode()) - 1
+            if len(json.dumps(v)) > MAX_CARRIED_CHARS or size + cost > cfg.carried_bytes:
+                left += 1          # over a value's or the sample's cap: left out, and said so
+                continue
+            entry[n], size = v, size + cost
+        if left:
+            entry["source_left_out"] = left
         out.append(json.dumps(entry, sort_keys=True, ensure_ascii=False) if entry else None)
     return out
 

@@ -311,3 +311,21 @@ def test_list_columns_named_like_capline_scores_are_prefixed_not_posing_as_them(
     assert notes.pop("source_detail") == "list.parquet row 1"          # the source stage's own note
     assert notes == {"source_clip_score": 0.99, "source_language": "xx", "source_language_score": 1.0,
                      "LICENSE": "CC-BY"}
+
+
+def test_what_a_sample_carries_from_its_list_is_capped(tmp_path):
+    """A 1.2 MB Parquet put 289 KB of JSON into every sample: now source.carried_bytes per sample
+    (values past it left out, counted), and more than 64 carried columns is refused naming the setting."""
+    import json as _json
+
+    wide = {f"c{i:03d}": ["x" * 900] for i in range(40)}                # 36 KB a row
+    path = tmp_path / "wide.parquet"
+    pq.write_table(pa.table({"url": ["http://a.example/1.jpg"], "caption": ["one"], **wide}), path)
+    notes = _json.loads(_source(tmp_path, path)["0"]["notes"])
+    assert len(_json.dumps(notes).encode()) <= 4096 + 200
+    assert notes["source_left_out"] == 40 - sum(1 for k in notes if k.startswith("c"))
+    many = tmp_path / "many.parquet"
+    pq.write_table(pa.table({"url": ["http://a.example/1.jpg"], "caption": ["one"],
+                             **{f"c{i}": [i] for i in range(70)}}), many)
+    with pytest.raises(UserError, match="would carry 70 columns into every sample .at most 64.; name the ones"):
+        _source(tmp_path / "m", many)
