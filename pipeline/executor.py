@@ -116,10 +116,13 @@ class Executor:
     # -- running tasks -----------------------------------------------------------------------------
     def run(self, fn: Callable, calls: list[tuple], what: str, num_cpus: float = 1.0, num_gpus: float = 0.0,
             describe: Callable[[tuple], str] | None = None, unit: str = "partitions", max_retries: int = 2,
-            quiet: bool = False, setting: str | None = None, kwargs: list[dict] | None = None) -> list:
+            quiet: bool = False, setting: str | None = None, kwargs: list[dict] | None = None,
+            items: list[int] | None = None, item_unit: str = "URLs") -> list:
         """`fn(*call)` for every call, in Ray tasks; results in call order. Progress with rate and ETA
         (a bar on a terminal); a stall is reported, not waited out silently; a task's failure names
-        it, and a UserError raised in a task is said in one line."""
+        it, and a UserError raised in a task is said in one line. `items`: how many `item_unit` each
+        call works through; then each call gets `progress=` a counter it adds to as it goes, and the
+        progress counts those (a list of one shard still shows its URLs and an ETA)."""
         import ray
 
         shape = self.shape()
@@ -132,14 +135,28 @@ class Executor:
         intervals: list[tuple[float, float]] = []
         pending: dict = {}
         nxt = done = 0
-        progress = Progress(what, total, (lambda m: None) if quiet else self.log, unit=unit)
+        counter = None
+        if items is not None:
+            counter = ray.remote(num_cpus=0)(ItemCounter).remote()
+            kwargs = [{**(kwargs[i] if kwargs else {}), "progress": counter} for i in range(total)]
+            progress = Progress(what, sum(items), (lambda m: None) if quiet else self.log, unit=item_unit)
+        else:
+            progress = Progress(what, total, (lambda m: None) if quiet else self.log, unit=unit)
+        counted = finished = 0
         last_done = time.time()
         t_start = time.time()
         while done < total:
             while nxt < total and len(pending) < limit:
                 pending[remote.remote(what, fn, *calls[nxt], **(kwargs[nxt] if kwargs else {}))] = nxt
                 nxt += 1
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.poll_seconds)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=2.0 if counter else self.poll_seconds)
+            if counter is not None:
+                now_counted = min(progress.total, ray.get(counter.get.remote()))
+                if now_counted > counted:
+                    counted, last_done = now_counted, time.time()
+                    progress.update(counted)
+                if not ready and time.time() - last_done < self.poll_seconds:
+                    continue
             if not ready:
                 progress.stalled(time.time() - last_done, len(pending))
                 self._check_still_feasible(cpus, num_gpus, what, setting)
@@ -155,7 +172,12 @@ class Executor:
                 intervals.append((t0, t1))
                 done += 1
                 last_done = time.time()
-                progress.update(done)
+                if counter is None:
+                    progress.update(done)
+                else:
+                    finished += items[i]        # what finished tasks did, whatever their reports said
+                    counted = max(counted, min(progress.total, finished))
+                    progress.update(counted)
         progress.close()
         if total:
             self.records.append({"what": what, "tasks": total, "at_once": max_overlap(intervals),
@@ -219,6 +241,19 @@ class Executor:
         # partitions no later run can match (the source lost them): deleted together
         ctx.storage.delete_files(records.stale_files(ctx.storage, folder, used))
         return results
+
+
+class ItemCounter:
+    """A Ray actor the tasks of one `run` add the items they finished to (no CPU of its own)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def add(self, n: int) -> None:
+        self.n += n
+
+    def get(self) -> int:
+        return self.n
 
 
 # how an object store says a node's credentials are missing or wrong (pyarrow's S3 codes, boto's)

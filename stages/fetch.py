@@ -479,7 +479,51 @@ def throttled() -> dict:
 TRANSIENT = frozenset(HOST_FAILURES) | {"download_error"}
 
 
+class _Finished:
+    """URLs this process finished, sent to the run's progress counter (a Ray actor) every second by
+    one thread: the driver shows URLs done and an ETA while a shard is still downloading."""
+
+    def __init__(self):
+        self.lock, self.n, self.sent, self.counter, self.thread = threading.Lock(), 0, 0, None, None
+
+    def report_to(self, counter) -> None:
+        with self.lock:
+            self.counter, self.n, self.sent = counter, 0, 0
+            if counter is not None and (self.thread is None or not self.thread.is_alive()):
+                self.thread = threading.Thread(target=self._run, name="capline-fetch-progress", daemon=True)
+                self.thread.start()
+
+    def one(self) -> None:
+        with self.lock:
+            self.n += 1
+
+    def flush(self) -> None:
+        with self.lock:
+            counter, delta = self.counter, self.n - self.sent
+            self.sent = self.n
+        if counter is not None and delta:
+            try:
+                counter.add.remote(delta)
+            except Exception:  # noqa: BLE001 - progress is a courtesy: never the download's failure
+                pass
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(1.0)
+            self.flush()
+
+
+_finished = _Finished()
+
+
 def safe_download_image_with_retry(row, timeout, retries, user_agent_token, disallowed_header_directives):
+    try:
+        return _download_with_retry(row, timeout, retries, user_agent_token, disallowed_header_directives)
+    finally:
+        _finished.one()
+
+
+def _download_with_retry(row, timeout, retries, user_agent_token, disallowed_header_directives):
     """Drop-in for img2dataset's download_image_with_retry, which asks again after any failure: here
     only after a transient one, so a host that refused or asked to slow down is not asked again, and
     the ledger's detail counts the attempts made."""

@@ -158,19 +158,22 @@ class ShardJob:
     stop: int
 
 
-def _shard_task(storage, job: ShardJob, downloader, base: str, server) -> dict:
+def _shard_task(storage, job: ShardJob, downloader, base: str, server, progress=None) -> dict:
     """Ray task: download one shard in a local temporary folder, move it into the run folder, index it.
 
     `server`: (host, pid, start time) of the process serving a served source over loopback (the
     driver). If it died while this shard downloaded, the failures recorded are its death, not the
-    URLs': the shard is discarded, and a resumed run downloads it again.
+    URLs': the shard is discarded, and a resumed run downloads it again. `progress`: the run's URL
+    counter (Executor.run's items), told of each URL as it finishes.
     """
     import copy
     import tempfile
 
     import ray
 
-    from . import fetch  # noqa: F401 - installs the safe fetcher in this worker
+    from . import fetch   # installs the safe fetcher in this worker
+
+    fetch._finished.report_to(progress)
 
     rows = read_kept(storage, job.source_file).slice(job.start, job.stop - job.start)
     keys = rows.column("key").to_pylist()
@@ -230,6 +233,7 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server) -> dict:
                                "successes": sum(v == KEPT for v in verdicts["verdict"]),
                                "throttled": _throttled(), **failures_by_host(verdicts)})
     storage.write_bytes(f"{unit}/results/{name}.json", json.dumps(result.to_json(), sort_keys=True).encode())
+    fetch._finished.flush()
     return result
 
 
@@ -417,7 +421,8 @@ class IngestStage(Source):
                 start = time.time()
                 results = ctx.run(_shard_task, [(ctx.storage, j, downloader, base, alive) for j in jobs], "ingest",
                                   num_cpus=1, max_retries=cfg.task_retries,
-                                  describe=lambda c: f"shard {c[1].unit}/{c[1].shard:05d}", unit="shards")
+                                  describe=lambda c: f"shard {c[1].unit}/{c[1].shard:05d}", unit="shards",
+                                  items=[j.stop - j.start for j in jobs])      # progress in URLs, not shards
                 elapsed = time.time() - start
         shards = reused + results
         report = write_report(ctx.stage_dir, shards, ctx.run_name)

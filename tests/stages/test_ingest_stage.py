@@ -115,10 +115,10 @@ def _content(run_dir):
 
 
 def test_rerun_resumes_only_missing_shards(tmp_path, ray_local):
-    cfg = load_config(None, SMALL)
+    cfg = load_config(None, SMALL + ["stages.ingest.compact_rows=120"])
     logs = []
     run_pipeline(cfg, tmp_path, until="ingest", log=logs.append)
-    # 5 shards of 60 on 2 CPUs: 2 shards a partition for the stages after (150 samples each, at most)
+    # 5 shards of 60, compact_rows 120: 2 shards a partition for the stages after
     assert any("ingest: 5 shards joined into 3 partitions" in m for m in logs), logs
     parts = json.loads((tmp_path / "ingest" / "parts.json").read_text())
     assert [p["in"] for p in parts] == [120, 120, 60]
@@ -128,8 +128,10 @@ def test_rerun_resumes_only_missing_shards(tmp_path, ray_local):
     before = _content(tmp_path)
     (part,) = (p for p in (tmp_path / "ingest" / "parts").iterdir() if p.is_dir())   # beside: _summary.parquet
     shards = part / "shards"
-    # Simulate a kill mid-ingest: the stage marker gone, one shard never finished (no result), its tar half written.
+    # Simulate a kill mid-ingest: the stage marker gone, one shard never finished (no result), its tar half written,
+    # and no summary of the stage's records (the driver writes it once the stage's tasks are done)
     (tmp_path / "ingest" / "_SUCCESS").unlink()
+    (tmp_path / "ingest" / "parts" / "_summary.parquet").unlink()
     (part / "results" / "00002.json").unlink()
     (shards / "00002.tar").write_bytes(b"half a tar")
     untouched = (shards / "00001.tar").stat().st_mtime_ns
@@ -164,3 +166,27 @@ def test_a_list_of_private_urls_stops_after_ingest_naming_allow_hosts(tmp_path, 
     assert "stages.ingest.allow_hosts" in message and "\n" not in message
     assert (tmp_path / "run" / "ingest" / "_SUCCESS").exists()       # its verdicts are kept
     assert not any(line.startswith("dedup:") for line in said)        # nothing ran after it
+
+
+def test_a_list_under_one_shard_shows_its_urls_and_an_eta_while_it_downloads(tmp_path, ray_local):
+    """One shard of 20 URLs that answer in 0.7 s each, fetched one at a time (~14 s): the progress
+    counts URLs as they finish, with a rate and an ETA, where it said '0/1 done' until the end."""
+    import re
+
+    from stages import synthetic
+    from stages.source import DefectFractions
+
+    synthetic.generate(tmp_path / "site", 20, 5, 48, 3, {k: 0 for k in vars(DefectFractions())}, 100, 100)
+    rows = pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()
+    said = []
+    with DemoServer(tmp_path / "site" / "www", slow_seconds=0.7) as server:
+        (tmp_path / "urls.csv").write_text("url,caption\n" + "".join(
+            f"{server.base_url}/slow/{r['url'].rsplit('/', 1)[1]},\"{r['caption']}\"\n" for r in rows))
+        cfg = load_config(None, ["source.kind=urls", f"source.path={tmp_path / 'urls.csv'}",
+                                 f"stages.ingest.allow_hosts=['{server.netloc}']", "stages.ingest.thread_count=1",
+                                 "stages.ingest.timeout=5"])
+        summary = run_pipeline(cfg, tmp_path / "run", until="ingest", log=said.append)
+    assert summary["ingest"]["kept"] == 20
+    midway = [m for m in said if (g := re.match(r"ingest: (\d+)/20 URLs, [\d.]+/s, ETA \S+", m)) and 0 < int(g[1]) < 20]
+    assert midway, [m for m in said if m.startswith("ingest")]
+    assert any(m.startswith("ingest: 20/20 URLs") for m in said)
