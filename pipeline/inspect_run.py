@@ -119,6 +119,9 @@ def explain(where, key: str) -> list[dict]:
         if rows and rows[0]["verdict"] == "dropped":
             break
     if not any(r["stage"] != "(input)" for r in out):
+        as_key = key.replace(".", "_").replace("/", "_")     # the list's own id as written (source._check_keys)
+        if as_key != key:
+            return explain(where, as_key)
         raise UserError(f"no sample with key {key!r} in {run_dir.uri()} "
                         f"(see the key column of {run_dir.uri('source/ledger')}/)")
     return out

@@ -329,3 +329,15 @@ def test_what_a_sample_carries_from_its_list_is_capped(tmp_path):
                              **{f"c{i}": [i] for i in range(70)}}), many)
     with pytest.raises(UserError, match="would carry 70 columns into every sample .at most 64.; name the ones"):
         _source(tmp_path / "m", many)
+
+
+def test_explain_takes_the_lists_own_id_as_written(tmp_path):
+    from pipeline.inspect_run import explain
+
+    path = tmp_path / "list.parquet"
+    pq.write_table(pa.table({"url": ["http://a.example/1.jpg"], "caption": ["one"], "id": ["img.001"]}), path)
+    rows = _source(tmp_path, path, "source.key_col=id")
+    assert rows["0"]["key"] == "img_001"                 # a key names tar members: '.' becomes '_'
+    (tmp_path / "run" / "manifest.json").write_text("{}")
+    got = explain(tmp_path / "run", "img.001")           # as the list has it
+    assert [r["key"] for r in got if r["stage"] == "source"] == ["img_001"]
