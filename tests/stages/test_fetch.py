@@ -141,18 +141,21 @@ def test_redirect_to_private_address_and_byte_cap(redirector, monkeypatch):
 
 
 class _Counting(BaseHTTPRequestHandler):
+    """Counts requests by path; `trickled` is sent a byte every 0.2 s for a minute after its headers
+    (each byte beats any socket timeout); anything else is a whole JPEG."""
     hits: list = []
+    trickled, trickled_type = "/trickle", "image/png"
 
     def log_message(self, *a):
         pass
 
     def do_GET(self):
-        self.hits.append(self.path)
-        if self.path == "/trickle":   # headers at once, then one byte every 0.2 s, for a minute
-            import time
+        import time
 
+        type(self).hits.append(self.path)
+        if self.path == self.trickled:
             self.send_response(200)
-            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Type", self.trickled_type)
             self.end_headers()
             for _ in range(300):
                 try:
@@ -320,35 +323,10 @@ def test_retries_ask_again_only_after_transient_failures(monkeypatch):
     assert got["/flaky"][2].endswith("(3 attempts)") and reason_of("failed", got["/flaky"][2]) == "http_500"
 
 
-class _TrickledRobots(BaseHTTPRequestHandler):
-    """robots.txt sent a byte every 0.2 s for a minute (each byte beats any socket timeout); images whole."""
+class _TrickledRobots(_Counting):
+    """robots.txt trickled; images whole."""
     hits: list = []
-
-    def log_message(self, *a):
-        pass
-
-    def do_GET(self):
-        import time
-
-        _TrickledRobots.hits.append(self.path)
-        if self.path == "/robots.txt":
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain")
-            self.end_headers()
-            for _ in range(300):
-                try:
-                    self.wfile.write(b"#")
-                    self.wfile.flush()
-                except OSError:
-                    return
-                time.sleep(0.2)
-            return
-        body = _jpeg()
-        self.send_response(200)
-        self.send_header("Content-Type", "image/jpeg")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+    trickled, trickled_type = "/robots.txt", "text/plain"
 
 
 def test_a_trickled_robots_txt_is_cut_at_the_deadline_and_counts_as_disallow(monkeypatch):
