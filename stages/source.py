@@ -423,11 +423,17 @@ def keyed_rows(table: pa.Table, cfg: SourceConfig, part: str, lines: list[int] |
 
 MAX_CARRIED_CHARS = 1000
 MAX_CARRIED_COLUMNS = 64
-def stage_note_names() -> set[str]:
-    """What the stages call their scores and details in a sample's JSON (the registry's notes)."""
-    from .registry import STAGES
+# what the stages call their scores and details in a sample's JSON (their `notes`; the registry
+# imports this module, so the names are listed here, and tests/stages/test_url_lists.py checks them
+# against the registry's)
+STAGE_NOTES = frozenset({"basic_score", "basic_detail", "clip_score", "clip_score_detail", "dedup_score",
+                         "dedup_detail", "eval_score", "eval_detail", "language", "language_score", "shard_score",
+                         "shard_detail", "source_score", "source_detail", "tokenizer_score", "tokenizer_detail",
+                         "train_score", "train_detail"})
 
-    return {n for stage in STAGES for n in stage.note_names() if n}
+
+def stage_note_names() -> frozenset[str]:
+    return STAGE_NOTES
 
 
 SAMPLE_FIELDS = {"key", "url", "caption", "status", "error_message", "width", "height", "original_width",

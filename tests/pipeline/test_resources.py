@@ -52,7 +52,7 @@ def test_a_node_the_bucket_refuses_is_named_in_one_line(s3_env, ray_local, monke
         # the shared cluster's workers started before the bucket's keys were set: a node without them
         Executor(log=lambda m: None).run(_read, [(storage,)], "numbers")
     message = str(err.value)
-    assert re.search(r"numbers: task 0: the object store refused node [0-9a-f.:]+ \((ACCESS_DENIED|INVALID_ACCESS_KEY_ID)\); "
+    assert re.search(r"numbers: task 0: the object store refused node [0-9a-f.:]+ \((ACCESS_DENIED|INVALID_ACCESS_KEY_ID|Unable to locate credentials)\); "
                      "give that node the run folder's credentials", message), message
     assert "\n" not in message and "Traceback" not in message
 

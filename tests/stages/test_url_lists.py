@@ -341,3 +341,10 @@ def test_explain_takes_the_lists_own_id_as_written(tmp_path):
     (tmp_path / "run" / "manifest.json").write_text("{}")
     got = explain(tmp_path / "run", "img.001")           # as the list has it
     assert [r["key"] for r in got if r["stage"] == "source"] == ["img_001"]
+
+
+def test_the_names_list_columns_may_not_take_are_every_stages_notes():
+    from stages.registry import STAGES
+    from stages.source import STAGE_NOTES
+
+    assert {n for stage in STAGES for n in stage.note_names() if n} <= STAGE_NOTES
