@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import pyarrow as pa
-import pyarrow.compute  # noqa: F401 - pa.compute
 import pyarrow.parquet as pq
 
 KEYS = "keys"
@@ -38,12 +37,20 @@ def _reduce_task(storage, bucket: int, maps: list[str], out: str, row_group: int
                         out, row_group)
 
 
-def _single_task(storage, files: list[str], out: str, row_group: int, previous: pa.Table | None = None) -> int:
-    """The one index file from the keys of `files`, less those `previous` (the last index's rows of
-    files whose content is unchanged) already holds: an append reads only the ledgers it added."""
+def _single_task(storage, files: list[str], out: str, row_group: int, unchanged: list[str] = ()) -> int:
+    """The one index file from the keys of `files`: the rows of the `unchanged` ones taken from the
+    index already at `out` (read here, in the task), the others' keys read from their ledgers: an
+    append reads only the ledgers it added."""
     import pyarrow.compute as pc
 
-    have = set(previous.column("file").unique().to_pylist()) if previous is not None else set()
+    kept = None
+    if unchanged:
+        try:
+            old = storage.read_table(out)
+            kept = old.filter(pc.is_in(old.column("file"), pa.array(list(unchanged), pa.string())))
+        except (FileNotFoundError, OSError):
+            kept = None
+    have = set(kept.column("file").unique().to_pylist()) if kept is not None else set()
     keys, where = [], []
     for f in files:
         if f in have:
@@ -52,9 +59,7 @@ def _single_task(storage, files: list[str], out: str, row_group: int, previous: 
         keys += k
         where += [f] * len(k)
     new = pa.table({"key": pa.array(keys, pa.string()), "file": pa.array(where, pa.string())})
-    if previous is not None:
-        new = pa.concat_tables([previous.filter(pc.is_in(previous.column("file"), pa.array(files, pa.string()))), new])
-    return _write_index(storage, new, out, row_group)
+    return _write_index(storage, pa.concat_tables([kept, new]) if kept is not None else new, out, row_group)
 
 
 def _write_index(storage, t: pa.Table, out: str, row_group: int) -> int:
@@ -77,22 +82,15 @@ def build(storage, executor, stage: str, files: dict[str, str], rows: int, in_dr
     buckets = max(1, math.ceil(rows / ROWS_PER_BUCKET))
     before = storage.read_json(f"{folder}/meta.json") or {}
     if buckets == 1:    # one index file: one task reads the keys of the ledgers it lacks, no map files
-        previous = None
-        if before.get("buckets") == 1 and isinstance(before.get("files"), dict):
-            try:
-                old = storage.read_table(f"{folder}/000000.parquet")
-                same = [f for f, sha in files.items() if before["files"].get(f) == sha]
-                previous = old.filter(pa.compute.is_in(old.column("file"), pa.array(same, pa.string())))
-            except (FileNotFoundError, OSError):
-                previous = None
-        executor.run(_single_task, [(storage, sorted(files), f"{folder}/000000.parquet", ROW_GROUP, previous)],
+        index = f"{folder}/000000.parquet"
+        old = before.get("files") if before.get("buckets") == 1 and isinstance(before.get("files"), dict) else {}
+        unchanged = [f for f, sha in files.items() if old.get(f) == sha]
+        executor.run(_single_task, [(storage, sorted(files), index, ROW_GROUP, unchanged)],
                      f"{stage} key index", num_cpus=0.25, quiet=True)
-        for stale in storage.list(folder):
-            if stale not in (f"{folder}/000000.parquet", f"{folder}/meta.json"):
-                storage.delete_files([stale])      # buckets of an earlier, larger index
+        # buckets of an earlier, larger index: deleted together
+        storage.delete_files([f for f in storage.list(folder) if f not in (index, f"{folder}/meta.json")])
     else:
         storage.delete(folder)
-        files = dict(files)
         maps = [f"{folder}/_map/{i:06d}.parquet" for i in range(len(files))]
         executor.run(_map_task, [(storage, f, m, buckets) for f, m in zip(files, maps)], f"{stage} key index",
                      num_cpus=0.25, quiet=True)

@@ -64,7 +64,7 @@ def _funnel_chart(rows: list[dict]) -> str:
     return _png(fig)
 
 
-def _score_charts(run_dir: Path, config: dict, storage) -> list[str]:
+def _score_charts(run_dir: Path, config: dict) -> list[str]:
     """Per filter stage with scores: a histogram of kept and dropped scores and the cut it used."""
     import matplotlib.pyplot as plt
 
@@ -253,7 +253,7 @@ def write_report(run_dir: Path, per_reason: int = 6, storage=None) -> Path:
             f"capline {html.escape(str(manifest.get('git_revision', ''))[:12])}.</p>",
             "<h2>Funnel</h2>", "".join(table), _funnel_chart(rows),
             *(("<h2>Audit against the demo's planted defects</h2>", audit) if (audit := _audit(run_dir)) else ()),
-            "<h2>Scores and thresholds</h2>", "".join(_score_charts(run_dir, config, storage)) or "<p>No scores yet.</p>",
+            "<h2>Scores and thresholds</h2>", "".join(_score_charts(run_dir, config)) or "<p>No scores yet.</p>",
             "<h2>Samples kept and dropped</h2>", _sample_grid(storage, int(config.get("seed", 0)), per_reason),
             "<h2>Training</h2>", _training(run_dir, manifest),
             "<h2>Evaluation</h2>", _evaluation(run_dir),

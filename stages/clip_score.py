@@ -92,22 +92,6 @@ def preflight(cfg: ClipScoreConfig) -> None:
         check_hf(cfg.checkpoint)
 
 
-def check_score_column(source, column: str) -> None:
-    """`scorer: column` names a column of every URL list file (before anything downloads: a misspelled
-    one would score every sample -1 and keep nothing). A one-line error with the closest names."""
-    import difflib
-
-    from .source import _read_columns, partition_files
-
-    for f in partition_files(source):
-        names = _read_columns(f, source.format, source.header, source.columns)
-        if column not in names:
-            close = difflib.get_close_matches(column, names, n=3, cutoff=0.5)
-            raise UserError(f"stages.clip_score.column: {f.name} has no column {column!r}"
-                            + (f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else
-                               f" (its columns: {', '.join(names[:20])})"))
-
-
 SCALE = 1_000_000   # scores as integers of 1e-6
 
 
@@ -275,7 +259,10 @@ class ClipScoreStage(Decide):
         preflight(config.stages.clip_score)
         cfg = config.stages.clip_score
         if cfg.enabled and cfg.scorer == "column" and config.source.kind == "urls":
-            check_score_column(config.source, cfg.column)
+            from .source import require_columns
+
+            # a misspelled column would score every sample -1 and keep nothing: said before the download
+            require_columns(config.source, {"stages.clip_score.column": cfg.column})
 
     def run(self, ctx: StageContext) -> StageResult:
         if not ctx.cfg.enabled or not ctx.n_in:

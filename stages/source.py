@@ -282,18 +282,26 @@ def partition_files(cfg: SourceConfig) -> list[Path]:
     return [path]
 
 
-def check_url_list(cfg: SourceConfig) -> None:
-    """Check a `kind: urls` list's files and columns; UserError names what is wrong."""
+def require_columns(cfg: SourceConfig, wanted: dict[str, str]) -> None:
+    """Every list file has each column a setting names (setting -> column), before anything downloads;
+    else a one-line error naming the setting, the file and the closest names."""
     import difflib
 
     for f in partition_files(cfg):
         names = _read_columns(f, cfg.format, cfg.header, cfg.columns)
-        for col in cfg.where:
+        for setting, col in wanted.items():
             if col not in names:
                 close = difflib.get_close_matches(col, names, n=3, cutoff=0.5)
-                raise UserError(f"source.where.{col}: {f.name} has no column {col!r}"
+                raise UserError(f"{setting}: {f.name} has no column {col!r}"
                                 + (f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else
                                    f" (its columns: {', '.join(names[:20])})"))
+
+
+def check_url_list(cfg: SourceConfig) -> None:
+    """Check a `kind: urls` list's files and columns; UserError names what is wrong."""
+    require_columns(cfg, {f"source.where.{col}": col for col in cfg.where})
+    for f in partition_files(cfg):
+        names = _read_columns(f, cfg.format, cfg.header, cfg.columns)
         wanted = [column_ref(c, names, w) for c, w in ((cfg.url_col, "url_col"), (cfg.caption_col, "caption_col"),
                                                       (cfg.key_col, "key_col")) if c is not None]
         missing = [c for c in wanted if c not in names]
@@ -432,10 +440,6 @@ STAGE_NOTES = frozenset({"basic_score", "basic_detail", "clip_score", "clip_scor
                          "train_score", "train_detail"})
 
 
-def stage_note_names() -> frozenset[str]:
-    return STAGE_NOTES
-
-
 SAMPLE_FIELDS = {"key", "url", "caption", "status", "error_message", "width", "height", "original_width",
                  "original_height", "sha256"}
 
@@ -470,7 +474,7 @@ def _carried(table: pa.Table, cfg: SourceConfig, part: str, used: set) -> list[s
                         f"{MAX_CARRIED_COLUMNS}); name the ones to keep in source.keep_columns")
     # a list's own column named like a field capline writes (DataComp's sha256, a width, a stage's
     # score: clip_score, language) keeps its value under source_<name>, never posing as capline's
-    reserved = SAMPLE_FIELDS | stage_note_names()
+    reserved = SAMPLE_FIELDS | STAGE_NOTES
     cols = {(f"source_{n}" if n in reserved else n): table.column(n).to_pylist() for n in wanted}
     out = []
     for i in range(table.num_rows):
