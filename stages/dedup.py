@@ -51,7 +51,7 @@ from .base import Decide, StageContext, StageResult
 from .dataplane import DROPPED, KEPT, PICTURE_COLUMNS, PartTask, by_location, hash_buckets, picture_batches, reused_or_run
 from .eval_sets import EvalSetConfig, build_reference, check_exists
 from .imagehash import describe, to_rgb_array
-from .lsh import BandPlan, band_plan, band_values, close_in_groups, mix64, runs
+from .lsh import SMALL_GROUP, BandPlan, band_plan, band_values, close_in_groups, collapse_copies, mix64, runs
 from .neardup import NearDupIndex
 
 
@@ -227,11 +227,12 @@ def _indexes(storage, blobs: dict, names: tuple, encoder_checkpoint: str | None,
 
 
 def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
-                   encoder_checkpoint: str | None, cfg: DedupConfig, plan: BandPlan, n_buckets: int,
-                   out: str) -> dict:
-    """Ray task: describe one partition's images, search the evaluation sets, write descriptors and
-    signatures (sorted by their hash, a row group per range bucket of `n_buckets`) under `out`, then
-    the record that makes them reusable by a later run with the same partition. -> small counts."""
+                   encoder_checkpoint: str | None, cfg: DedupConfig, out: str) -> dict:
+    """Ray task: describe one partition's images (each decoded once), search the evaluation sets,
+    write each sample's descriptor, SimHash code, mean colour and exact hashes to `<out>.desc.parquet`,
+    then the record that makes them reusable by a later run with the same partition. -> small counts.
+    Nothing here depends on how many samples the run has: the band signatures, which do, are the
+    sign step's (`_sign_task`), from this file, without decoding an image again."""
     from .dataplane import read_kept
     from .imagehash import simhash
 
@@ -274,34 +275,59 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
                         best_set[i], best_id[i], best_sim[i] = f"{name}|{kind}", index.ids[idx[q]], sim[q]
         at += m
     keys = rows.column("key").to_pylist()
-    storage.write_table(f"{out}.desc.parquet", pa.table({
-        "key": keys, "vec": pa.array([v.tobytes() for v in vec16], pa.binary()),
-        "ok": ok, "eval_set": best_set, "eval_id": best_id, "eval_sim": best_sim}))
-    # signatures of the samples the within-data step considers: decodable, not an evaluation match
-    live = [i for i in range(n) if ok[i] and not _eval_hit(best_set[i], best_sim[i], cfg)]
     url_caption = [hashlib.blake2b(f"{u}\0{c}".encode(), digest_size=16).digest() for u, c in
                    zip(rows.column("url").to_pylist(), rows.column("caption").to_pylist())]
-    table = signature_table([keys[i] for i in live], part, codes[live], means[live], [pix[i] for i in live],
-                            [url_caption[i] for i in live], plan)
-    # one file per partition, a row group per bucket (infra/shuffle.py): no file per (partition, bucket)
-    write_ranges(storage, f"{out}.sig.parquet", table, "h32", n_buckets)
+    storage.write_table(f"{out}.desc.parquet", pa.table({
+        "key": keys, "vec": pa.array([v.tobytes() for v in vec16], pa.binary()),
+        "ok": ok, "eval_set": best_set, "eval_id": best_id, "eval_sim": best_sim,
+        "code": pa.array([c.tobytes() for c in codes], pa.binary()),
+        "mean": pa.FixedSizeListArray.from_arrays(pa.array(means.ravel()), 3),
+        "pixels": pa.array(pix, pa.binary()), "url_caption": pa.array(url_caption, pa.binary())}))
     result = {"part": part, "described": n, "undecodable": int((~ok).sum())}
-    storage.write_json(f"{out}.json", result)     # last: the files above are whole
+    storage.write_json(f"{out}.json", result)     # last: the file above is whole
+    return result
+
+
+SIGN_COLUMNS = ["key", "ok", "eval_set", "eval_sim", "code", "mean", "pixels", "url_caption"]
+
+
+def _sign_task(storage, part: str, desc: str, cfg: DedupConfig, plan: BandPlan, n_buckets: int, out: str) -> dict:
+    """Ray task: one partition's signatures for the band plan of this run's size, from its
+    descriptions (`desc`): of the samples the within-data step considers (decodable, not an
+    evaluation match), sorted by their hash, a row group per range bucket of `n_buckets`, as one
+    file (infra/shuffle.py: no file per (partition, bucket)); then its record. -> small counts."""
+    t = storage.read_table(desc, SIGN_COLUMNS)
+    ok, sets, sims = (t.column(c).to_pylist() for c in ("ok", "eval_set", "eval_sim"))
+    live = np.array([i for i in range(t.num_rows) if ok[i] and not _eval_hit(sets[i], sims[i], cfg)], np.int64)
+    t = t.take(live)
+    codes = _packed(t.column("code"), cfg.bits // 8)
+    means = t.column("mean").combine_chunks().flatten().to_numpy().reshape(-1, 3)
+    table = signature_table(t.column("key").to_pylist(), part, codes, means, t.column("pixels").to_pylist(),
+                            t.column("url_caption").to_pylist(), plan)
+    write_ranges(storage, f"{out}.sig.parquet", table, "h32", n_buckets)
+    result = {"part": part, "signed": t.num_rows}
+    storage.write_json(f"{out}.json", result)     # last: the file above is whole
     return result
 
 
 # How a partition's own images are described: the thumbnail of the picture without a `border`
-# resize's bars (dataplane.pictures). Part of each partition's reuse key, so a partition described
-# the padded way by an earlier version is described again, not reused.
-WITHIN_DESCRIPTOR = "thumb16-unpadded"
+# resize's bars (dataplane.pictures), codes and hashes kept for the sign step. Part of each
+# partition's reuse key, so a partition described by an earlier version is described again.
+WITHIN_DESCRIPTOR = "thumb16-unpadded-v3"
 
 
-def _described_key(fingerprint: str, u, plan: BandPlan) -> str:
-    """What decides a partition's descriptors and signatures: the stage's fingerprint (config,
-    evaluation sets), how images are described, the partition's content, the band plan (it grows
-    with N, in steps)."""
-    text = json.dumps([fingerprint, WITHIN_DESCRIPTOR, u.part, u.sha256, plan.width, plan.bands, plan.bits])
+def _described_key(fingerprint: str, u) -> str:
+    """What decides a partition's descriptions: the stage's fingerprint (config, evaluation sets),
+    how images are described, the partition's content. Not the run's size: a dataset line that
+    doubles keeps every description (only the cheap signatures follow the band plan)."""
+    text = json.dumps([fingerprint, WITHIN_DESCRIPTOR, u.part, u.sha256])
     return f"{u.part}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def _signed_key(part: str, described: str, plan: BandPlan) -> str:
+    """A partition's signatures: its descriptions and the band plan (it grows with N, in steps)."""
+    text = json.dumps([described, plan.width, plan.bands, plan.bits])
+    return f"{part}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
 def _eval_hit(set_kind: str, sim: float, cfg: DedupConfig) -> bool:
@@ -318,6 +344,7 @@ def hamming_radius(threshold: float, bits: int) -> int:
 
 
 DESCRIBED = "dedup/described"    # per partition, by what decided it: kept across runs (Stage.preserve)
+SIGNED = "dedup/signed"          # per partition and band plan: kept across runs too
 # a signature is (sig_kind, sig_hi, sig_lo): 16 bytes of a pixel or URL+caption hash, or a band's value
 SIG_SCHEMA = pa.schema([("sig_kind", pa.int16()), ("sig_hi", pa.uint64()), ("sig_lo", pa.uint64()),
                         ("key", pa.string()), ("part", pa.string()), ("code", pa.binary()),
@@ -397,10 +424,16 @@ def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str], n_buck
     if near.any():
         codes = _packed(t.column("code"), cfg.bits // 8)
         means = t.column("mean").combine_chunks().flatten().to_numpy().reshape(-1, 3)
-        for i, j in close_in_groups(codes, means, starts[near], lengths[near], hamming_radius(cfg.within_threshold, cfg.bits),
+        g_starts, g_lengths, rows = starts[near], lengths[near], None
+        if (g_lengths > SMALL_GROUP).any():      # exact copies (placeholders) paired linearly, then searched once
+            rows, g_starts, g_lengths, copy_i, copy_j = collapse_copies(codes, means, g_starts, g_lengths)
+            nr_i.append(copy_i)
+            nr_j.append(copy_j)
+            codes, means = codes[rows], means[rows]
+        for i, j in close_in_groups(codes, means, g_starts, g_lengths, hamming_radius(cfg.within_threshold, cfg.bits),
                                     cfg.colour_tol, BLOCK):
-            nr_i.append(i)
-            nr_j.append(j)
+            nr_i.append(i if rows is None else rows[i])
+            nr_j.append(j if rows is None else rows[j])
     pairs = set()
     for i_list, j_list, what in ((ex_i, ex_j, "exact_duplicate"), (nr_i, nr_j, "near_duplicate")):
         i, j = np.concatenate(i_list).astype(np.int64), np.concatenate(j_list).astype(np.int64)
@@ -517,7 +550,7 @@ def _components_task(storage, files: list[str], parts: list[str], shown_per_reas
     (~60 bytes each), growing with the duplicates, never with the data; the driver gets counts."""
     from .line import published_mask
 
-    t = pa.concat_tables([storage.read_table(f) for f in files]) if files else EDGE_SCHEMA.empty_table()
+    t = pa.concat_tables(storage.read_tables(files)) if files else EDGE_SCHEMA.empty_table()
     n_e = t.num_rows
     enc = pc.dictionary_encode(pa.concat_arrays([t.column("a").combine_chunks(), t.column("b").combine_chunks()]))
     ends, keys = enc.indices.to_numpy().astype(np.int32), enc.dictionary
@@ -632,7 +665,7 @@ class DedupStage(Decide):
     reasons = ("exact_duplicate", "near_duplicate", "eval_duplicate", "undecodable_image")
     report = "dedup/report.html"
     # partitions described, and examples picked, before: by what decided them (a scheduled run's reuse)
-    preserve = ("described", "examples", "reuse")
+    preserve = ("described", "signed", "examples", "reuse")
     audits = (("eval_near_copy", "eval_duplicate"), ("repeat_row", "exact_duplicate"), ("train_near_copy", ""))
 
     def preflight(self, config) -> None:
@@ -689,14 +722,21 @@ class DedupStage(Decide):
                          "encoder": {n: p.read_bytes() for n, p in enc_paths.items()}})
         names = tuple(sorted(p.name for p in [*index_paths.values(), *enc_paths.values()]))
         args = (blobs, names, encoder_rel)
-        # a partition described by an earlier run with the same input, config and band plan is
-        # reused (a scheduled run that added 1 % describes the 1 %); its files serve any bucket count
+        # a partition described by an earlier run with the same input and config is reused (a
+        # scheduled run that added 1 % describes the 1 %), whatever the run's size
         described, outs = reused_or_run(
-            ctx, _describe_task, DESCRIBED, lambda u: _described_key(ctx.fingerprint, u, plan),
-            lambda u, out: (ctx.storage, u.part, u.file, *args, cfg, plan, n_buckets, out), "dedup describe",
+            ctx, _describe_task, DESCRIBED, lambda u: _described_key(ctx.fingerprint, u),
+            lambda u, out: (ctx.storage, u.part, u.file, *args, cfg, out), "dedup describe",
             "described before with the same input", "describe", num_cpus=cfg.cpus_per_worker)
         ctx.log(f"dedup: described {sum(d['described'] for d in described)} images")
-        sig_files = self._merged([f"{outs[u.part]}.sig.parquet" for u in upstream], ctx, cfg, samples, plan, n_buckets)
+        # signatures for this size's band plan: a partition signed before under the same plan is
+        # reused; its file serves any bucket count (range buckets)
+        _, signed = reused_or_run(
+            ctx, _sign_task, SIGNED, lambda u: _signed_key(u.part, outs[u.part], plan),
+            lambda u, out: (ctx.storage, u.part, f"{outs[u.part]}.desc.parquet", cfg, plan, n_buckets, out),
+            "dedup sign", f"signed before for {plan.bands} bands of {plan.width} bits", "sign",
+            num_cpus=cfg.cpus_per_worker)
+        sig_files = self._merged([f"{signed[u.part]}.sig.parquet" for u in upstream], ctx, cfg, samples, plan, n_buckets)
         # pairs are few next to signatures: fewer pair buckets, so the fetch and verify tasks each
         # open the group tasks' files n_buckets / PAIR_FAN_IN times fewer
         n_pairs = max(1, math.ceil(n_buckets / PAIR_FAN_IN))

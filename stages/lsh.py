@@ -121,7 +121,7 @@ def close_in_groups(codes: np.ndarray, means: np.ndarray, starts: np.ndarray, le
         if size > SMALL_GROUP:
             for s in group_starts:
                 for a, b in close_pairs_block(words[s:s + size], means[s:s + size], radius, colour_tol, block):
-                    yield np.array([s + a]), np.array([s + b])
+                    yield s + a, s + b
             continue
         ia, ib = np.triu_indices(int(size), 1)
         per = max(1, PAIR_CHUNK // len(ia))
@@ -135,13 +135,41 @@ def close_in_groups(codes: np.ndarray, means: np.ndarray, starts: np.ndarray, le
 
 
 def close_pairs_block(words: np.ndarray, means: np.ndarray, radius: int, colour_tol: float, block: int = 1024):
-    """(a, b), a < b, within one large group: XOR and popcount a block of rows at a time (memory:
-    block x group x bits/8), so a large group costs time, not memory."""
+    """(a, b) arrays, a < b, within one large group: XOR and popcount a block of rows at a time
+    (memory: block x group x bits/8), so a large group costs time, not memory."""
     mv = np.asarray(means, np.float32)
     for lo in range(0, len(words), block):
         hi = min(len(words), lo + block)
         ham = np.bitwise_count(words[lo:hi, None, :] ^ words[None, lo:, :]).sum(-1)        # (rows, lo..n)
         near = (ham <= radius) & (np.abs(mv[lo:hi, None] - mv[None, lo:]).max(-1) <= colour_tol)
-        for a, b in zip(*np.nonzero(near)):
-            if lo + a < lo + b:
-                yield int(lo + a), int(lo + b)
+        a, b = np.nonzero(near)
+        upper = a < b          # column b is row lo + b: the pair once, never a row with itself
+        if upper.any():
+            yield lo + a[upper], lo + b[upper]
+
+
+def collapse_copies(codes: np.ndarray, means: np.ndarray, starts: np.ndarray, lengths: np.ndarray):
+    """Exact copies out of groups larger than SMALL_GROUP before they are searched: a placeholder
+    image repeated 10^4 times shares every band value, and comparing its copies pairwise is 5*10^7
+    pairs a band. Rows of one group with the same code and mean colour become one representative
+    (the group's first such row) and each other copy is paired with it: linear in the copies.
+    -> (rows, starts, lengths) of the groups left to search, as indices into the original rows
+    (ascending within each group), and the copies' pairs (rep, copy), rep < copy."""
+    big = lengths > SMALL_GROUP
+    keep_rows = [np.arange(s, s + n) for s, n in zip(starts[~big], lengths[~big])]
+    keep_lengths = list(lengths[~big])
+    rep_i, copy_j = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for s, n in zip(starts[big], lengths[big]):
+        row_bytes = np.concatenate([codes[s:s + n], np.ascontiguousarray(means[s:s + n], np.float32).view(np.uint8)], 1)
+        as_void = np.ascontiguousarray(row_bytes).view(np.dtype((np.void, row_bytes.shape[1]))).ravel()
+        _, first, inverse = np.unique(as_void, return_index=True, return_inverse=True)
+        rep = first[inverse.ravel()]                       # each row's representative, local
+        copies = np.flatnonzero(rep != np.arange(n))
+        rep_i.append(s + rep[copies])
+        copy_j.append(s + copies)
+        keep_rows.append(s + np.sort(first))
+        keep_lengths.append(len(first))
+    rows = np.concatenate(keep_rows) if keep_rows else np.zeros(0, np.int64)
+    new_lengths = np.asarray(keep_lengths, np.int64)
+    new_starts = np.concatenate([[0], np.cumsum(new_lengths)[:-1]]).astype(np.int64) if len(new_lengths) else new_lengths
+    return rows, new_starts, new_lengths, np.concatenate(rep_i), np.concatenate(copy_j)

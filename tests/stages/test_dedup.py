@@ -140,7 +140,7 @@ def test_builtin_sets_read_offline():
 
 
 @pytest.mark.slow
-def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local):
+def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local, monkeypatch):
     sets = "stages.dedup.eval_sets=[{name: demo, kind: builtin, path: demo_heldout}]"
     base = ["source.slow_seconds=3", "stages.ingest.timeout=2", "stages.ingest.samples_per_shard=250",
             f"stages.dedup.cache_dir={tmp_path / 'cache'}", sets]
@@ -182,6 +182,21 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local):
     assert evals and all(r["match_set"] == "demo" and r["match_key"].startswith("eval") for r in evals)
     dups = [r for r in rows if r["reason"] in ("exact_duplicate", "near_duplicate")]
     assert dups and all(r["detail"] == f"duplicate_of={r['match_key']}" and r["match_key"] < r["key"] for r in dups)
+    # the data grew past a step of the band plan (as if 1,000x larger): the images are not described
+    # again, only their signatures made for the wider bands, and the targets still hold
+    import stages.dedup as dedup_module
+    from stages.lsh import band_plan
+
+    monkeypatch.setattr(dedup_module, "band_plan", lambda n, t, bits: band_plan(n * 1000, t, bits))
+    (tmp_path / "run" / "dedup" / "_SUCCESS").unlink()
+    logs = []
+    run_pipeline(load_config(None, base + ["stages.dedup.cpus_per_worker=2"]), tmp_path / "run", until="dedup", log=logs.append)
+    wider = band_plan(1000 * sum(1 for _ in first[1]), 0.97, 256)
+    assert wider.width > 16
+    assert any("dedup: 2 partitions described before with the same input, reused; 0 to describe" in m for m in logs), logs
+    assert not any("signed before" in m for m in logs), logs          # no partition had the wider plan's signatures
+    audit = json.loads((tmp_path / "run" / "dedup" / "audit.json").read_text())
+    assert audit["eval_near_copy"]["recall"] >= 0.98 and audit["train_near_copy"]["recall"] >= 0.95
 
 
 def test_signature_buckets_grow_with_the_data_and_the_cluster():
@@ -402,12 +417,62 @@ def test_a_large_lsh_group_is_compared_in_full_not_cut():
     codes[2599] = twin
     means = np.zeros((n, 3), np.float32)
     words = codes.view(np.uint64)                      # (n, 4): the packed 256-bit codes
-    found = set(close_pairs_block(words, means, radius=4, colour_tol=1.0, block=256))
+    pairs = lambda: {(int(a), int(b)) for ia, ib in close_pairs_block(words, means, 4, 1.0, block=256)  # noqa: E731
+                     for a, b in zip(ia, ib)}
+    found = pairs()
     assert (2500, 2599) in found
     ham = lambda a, b: int(np.unpackbits(codes[a] ^ codes[b]).sum())   # noqa: E731
     assert all(a < b and ham(a, b) <= 4 for a, b in found)
     means[2599] = 50
-    assert (2500, 2599) not in set(close_pairs_block(words, means, 4, 1.0, block=256))
+    assert (2500, 2599) not in pairs()
+
+
+def test_exact_copies_in_a_large_group_pair_with_one_representative():
+    """A placeholder repeated thousands of times: its copies pair with the first copy (linear), and
+    the search runs over one representative with the group's other codes."""
+    from stages.lsh import SMALL_GROUP, collapse_copies
+
+    rng = np.random.default_rng(1)
+    codes = rng.integers(0, 256, (400, 32), dtype=np.uint8)
+    means = np.zeros((400, 3), np.float32)
+    codes[100:350] = codes[100]                 # rows 100..349: one image 250 times
+    means[300:350] = 9                          # ... 50 of them another colour: not the same copy
+    small = np.arange(10, 10 + SMALL_GROUP)     # a small group: left whole
+    starts, lengths = np.array([10, 100]), np.array([SMALL_GROUP, 300])
+    rows, g_starts, g_lengths, ci, cj = collapse_copies(codes, means, starts, lengths)
+    assert list(rows[:SMALL_GROUP]) == list(small) and g_starts[0] == 0 and g_lengths[0] == SMALL_GROUP
+    kept = rows[g_starts[1]:g_starts[1] + g_lengths[1]]
+    assert list(kept) == [100, 300] + list(range(350, 400)) and g_lengths[1] == 52
+    assert sorted(zip(ci.tolist(), cj.tolist())) == [(100, j) for j in range(101, 300)] + [(300, j) for j in range(301, 350)]
+
+
+def test_a_placeholder_repeated_in_every_partition_costs_pairs_linear_in_its_copies(tmp_path):
+    """3,000 copies of one image across 3 partitions (every band value shared): the group step
+    writes each copy's pair with the first copy, not the 4.5 million pairs of all copies."""
+    from infra.shuffle import write_ranges
+    from infra.storage import Storage
+    from stages.dedup import PAIR_DIR, DedupConfig, _group_task, signature_table
+    from stages.lsh import band_plan
+
+    rng = np.random.default_rng(2)
+    storage, plan, n = Storage.local(tmp_path), band_plan(3600, 0.97, 256), 1200
+    blank = rng.integers(0, 256, 32, dtype=np.uint8)
+    files = []
+    for p in range(3):
+        codes = rng.integers(0, 256, (n, 32), dtype=np.uint8)
+        codes[:1000] = blank
+        keys = [f"p{p}s{i:04d}" for i in range(n)]
+        pixels = [b"blank".ljust(16, b"\0") if i < 1000 else rng.bytes(16) for i in range(n)]
+        t = signature_table(keys, f"p{p}", codes, np.zeros((n, 3), np.float32), pixels, [rng.bytes(16) for _ in keys], plan)
+        write_ranges(storage, f"sig/p{p}.parquet", t, "h32", 1)
+        files.append(f"sig/p{p}.parquet")
+    out = _group_task(storage, 0, DedupConfig(), files, 1, 1)
+    got = storage.read_table(f"{PAIR_DIR}/000000.parquet").to_pylist()
+    near = {(r["a"], r["b"]) for r in got if r["kind"] == "near_duplicate"}
+    exact = {(r["a"], r["b"]) for r in got if r["kind"] == "exact_duplicate"}
+    copies = sorted(f"p{p}s{i:04d}" for p in range(3) for i in range(1000))
+    assert near == exact == {(copies[0], c) for c in copies[1:]}
+    assert out["largest_group"] >= 3000 and out["pairs"] == 2 * 2999
 
 
 @pytest.mark.slow   # a few seconds of training or many images: not in the fast set
