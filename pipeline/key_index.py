@@ -37,7 +37,7 @@ def _reduce_task(storage, bucket: int, maps: list[str], out: str, row_group: int
                         out, row_group)
 
 
-def _single_task(storage, files: list[str], out: str, row_group: int, unchanged: list[str] = ()) -> int:
+def _single_task(storage, files: list[str], out: str, row_group: int, unchanged: list[str] = ()) -> dict:
     """The one index file from the keys of `files`: the rows of the `unchanged` ones taken from the
     index already at `out` (read here, in the task), the others' keys read from their ledgers: an
     append reads only the ledgers it added."""
@@ -51,15 +51,15 @@ def _single_task(storage, files: list[str], out: str, row_group: int, unchanged:
         except (FileNotFoundError, OSError):
             kept = None
     have = set(kept.column("file").unique().to_pylist()) if kept is not None else set()
+    missing = [f for f in files if f not in have]
     keys, where = [], []
-    for f in files:
-        if f in have:
-            continue
-        k = storage.read_table(f, ["key"]).column("key").to_pylist()
+    for f, t in zip(missing, storage.read_tables(missing, ["key"])):
+        k = t.column("key").to_pylist()
         keys += k
         where += [f] * len(k)
     new = pa.table({"key": pa.array(keys, pa.string()), "file": pa.array(where, pa.string())})
-    return _write_index(storage, pa.concat_tables([kept, new]) if kept is not None else new, out, row_group)
+    rows = _write_index(storage, pa.concat_tables([kept, new]) if kept is not None else new, out, row_group)
+    return {"rows": rows, "ledgers_read": len(missing)}
 
 
 def _write_index(storage, t: pa.Table, out: str, row_group: int) -> int:
@@ -72,7 +72,7 @@ def _write_index(storage, t: pa.Table, out: str, row_group: int) -> int:
 
 def build(storage, executor, stage: str, files: dict[str, str], rows: int, in_driver: bool = False) -> dict:
     """The index of `stage`'s ledger `files` (path -> sha256; `rows` keys in all), in Ray tasks; ->
-    its meta. `in_driver`: the stage wrote its partitions from the driver (no task), so the index is
+    its meta and how many ledgers were read for it (`ledgers_read`). `in_driver`: the stage wrote its partitions from the driver (no task), so the index is
     built there too (a cluster's workers may not reach what the driver wrote)."""
     if in_driver:
         from types import SimpleNamespace
@@ -85,8 +85,9 @@ def build(storage, executor, stage: str, files: dict[str, str], rows: int, in_dr
         index = f"{folder}/000000.parquet"
         old = before.get("files") if before.get("buckets") == 1 and isinstance(before.get("files"), dict) else {}
         unchanged = [f for f, sha in files.items() if old.get(f) == sha]
-        executor.run(_single_task, [(storage, sorted(files), index, ROW_GROUP, unchanged)],
-                     f"{stage} key index", num_cpus=0.25, quiet=True)
+        (done,) = executor.run(_single_task, [(storage, sorted(files), index, ROW_GROUP, unchanged)],
+                               f"{stage} key index", num_cpus=0.25, quiet=True)
+        read = done["ledgers_read"]
         # buckets of an earlier, larger index: deleted together
         storage.delete_files([f for f in storage.list(folder) if f not in (index, f"{folder}/meta.json")])
     else:
@@ -97,9 +98,10 @@ def build(storage, executor, stage: str, files: dict[str, str], rows: int, in_dr
         executor.run(_reduce_task, [(storage, b, maps, f"{folder}/{b:06d}.parquet", ROW_GROUP)
                                     for b in range(buckets)], f"{stage} key index", num_cpus=0.25, quiet=True)
         storage.delete(f"{folder}/_map")
+        read = len(files)
     meta = {"buckets": buckets, "rows": rows, **({"files": dict(sorted(files.items()))} if buckets == 1 else {})}
     storage.write_json(f"{folder}/meta.json", meta)
-    return meta
+    return {**meta, "ledgers_read": read}
 
 
 def lookup(storage, stage: str, key: str) -> str | None:

@@ -262,8 +262,11 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     started = controls.read(stage.name, "_STARTED")
     if started is None or started.get("input_digest") != in_digest:
         # made from other inputs: nothing in it can be trusted, except the stage's own
-        # content-addressed caches (ingest's per-partition downloads)
-        controls.wipe(stage.name, stage.preserve)
+        # content-addressed caches (ingest's per-partition downloads) and the key index, which
+        # records the sha256 of each ledger it read: an append reads only the ledgers it lacks
+        from .key_index import KEYS
+
+        controls.wipe(stage.name, stage.preserve + (KEYS,))
     sdir.mkdir(parents=True, exist_ok=True)
     before = (controls.read(stage.name, "_SUCCESS") or {}).get("files", {})   # what the last finish produced
     controls.remove(stage.name, "_SUCCESS")
@@ -279,12 +282,13 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     # partitions of an earlier, larger input: deleted together (1,000 a request on an object store)
     ctx.storage.delete_files([f for f in ctx.storage.list(f"{stage.name}/ledger", ".parquet") if f not in written])
     parts = sorted(result.parts, key=lambda p: p.part)
+    index = {}
     if parts:   # before _SUCCESS: a finished stage can always say where a key's row is
         from .key_index import build
 
-        build(ctx.storage, ctx.executor, stage.name, {p.file: p.sha256 for p in parts}, sum(p.n_in for p in parts),
-              # a stage that wrote from the driver (no task) and is small: its index there too
-              in_driver=len(ctx.executor.records) == first_record and sum(p.n_in for p in parts) <= 100_000)
+        index = build(ctx.storage, ctx.executor, stage.name, {p.file: p.sha256 for p in parts}, sum(p.n_in for p in parts),
+                      # a stage that wrote from the driver (no task) and is small: its index there too
+                      in_driver=len(ctx.executor.records) == first_record and sum(p.n_in for p in parts) <= 100_000)
     wall = time.time() - t0
     controls.write(stage.name, "parts.json", [p.to_json() for p in parts])
     from stages.dataplane import HIST_BINS, HIST_RANGE, sum_histograms
@@ -292,6 +296,7 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     hist = sum_histograms(parts)
     stats = {"stage": stage.name, **counts, "partitions": len(parts), "wall_seconds": round(wall, 3),
              **result.extra_stats, "tasks": ctx.executor.records[first_record:],
+             **({"key_index": {"ledgers": len(parts), "ledgers_read": index["ledgers_read"]}} if index else {}),
              **({"score_hist": {"bins": HIST_BINS, "range": list(HIST_RANGE), **hist}} if hist else {})}
     controls.write(stage.name, "stats.json", stats)
     files = {p.file: p.sha256 for p in parts}

@@ -177,7 +177,17 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server, progress=
 
     rows = read_kept(storage, job.source_file).slice(job.start, job.stop - job.start)
     keys = rows.column("key").to_pylist()
-    todo = rows   # every URL is fetched: caption and image-size drops are the basic stage's
+    # every URL is fetched (caption and image-size drops are the basic stage's), each once: a URL
+    # repeated in the shard is downloaded for its first row, and its other rows share that verdict
+    # and that image (dedup then drops them as exact duplicates, as it would two downloads)
+    first_of: dict[str, int] = {}
+    copies: dict[str, list[str]] = {}
+    for i, u in enumerate(rows.column("url").to_pylist()):
+        if u in first_of:
+            copies.setdefault(keys[first_of[u]], []).append(keys[i])
+        else:
+            first_of[u] = i
+    todo = rows.take(sorted(first_of.values())) if copies else rows
     name = f"{job.shard:05d}"
     unit = f"{PARTS}/{job.unit}"
     verdicts: dict[str, list] = {c: [] for c in ("key", "verdict", "reason", "detail", "tar", "member", "offset",
@@ -226,6 +236,15 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server, progress=
 
                     failure = failure_of(r["status"], r["error_message"])
                     add(r["uid"], DROPPED, failure.reason, failure.detail, url=r["url"])
+    row_of = {k: i for i, k in enumerate(verdicts["key"])} if copies else {}
+    for first, later in copies.items():
+        if first not in row_of:
+            continue        # img2dataset lost the row: write_part names the missing keys
+        i = row_of[first]
+        for key in later:
+            for col, values in verdicts.items():
+                values.append(key if col == "key" else
+                              f"{values[i]} (the same URL as {first}, downloaded once)" if col == "detail" else values[i])
     table = pa.table({c: pa.array(v, SAMPLE_SCHEMA.field(c).type) for c, v in verdicts.items()})
     result = write_part(storage, "ingest", f"{job.unit}-{name}", job.source_part, keys,
                         _with_state(table, rows), rel=f"{unit}/ledger/{name}.parquet", notes=IngestStage.notes,
@@ -488,7 +507,7 @@ def compact(ctx: StageContext, shards: list[PartResult], per: int, before: dict[
 
 def _compact_task(storage, files: list[str], shas: list[str], name: str, rel: str, source_part: str) -> PartResult:
     """Ray task: a group of shards' ledgers as one partition (rows only; the images stay in their tars)."""
-    table = pa.concat_tables([storage.read_table(f) for f in files])
+    table = pa.concat_tables(storage.read_tables(files))
     result = write_part(storage, "ingest", name, source_part, table.column("key").to_pylist(), table,
                         rel=f"{rel}.parquet", notes=IngestStage.notes)
     storage.write_json(f"{rel}.json", {"members": shas, "result": result.to_json()})
