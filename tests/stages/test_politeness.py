@@ -153,6 +153,40 @@ def test_rate_limit_retry_after_and_robots_through_ingest(tmp_path, ray_local):
     assert summary["ingest"]["dropped"] == {"robots_disallowed": 6}
 
 
+@pytest.mark.slow
+def test_a_url_repeated_200_times_is_downloaded_once(tmp_path, ray_local):
+    """A list that names one image 200 times (half with other captions: other keys) among 10 other
+    URLs: the host is asked for it once, every row gets the verdict and the image of that one
+    download, and nothing is lost."""
+    from pipeline.config import load_config
+    from pipeline.runner import run_pipeline
+    from stages import synthetic
+    from stages.base import read_ledger
+    from stages.source import DefectFractions
+
+    synthetic.generate(tmp_path / "site", 12, 5, 48, 3, {k: 0 for k in vars(DefectFractions())}, 100, 100)
+    rows = pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()
+    server = RateLimited(tmp_path / "site" / "www")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        name = next(f"{r['key']}.jpg" for r in rows if hash(f"{r['key']}.jpg") % 3)    # never answered 429
+        lines = ["url,caption"] + [f"{server.base}/img/{name},\"a caption {i % 100}\"" for i in range(200)]
+        lines += [f"{server.base}/img/{r['key']}.jpg,\"{r['caption']}\"" for r in rows[:10] if f"{r['key']}.jpg" != name]
+        (tmp_path / "urls.csv").write_text("\n".join(lines) + "\n")
+        cfg = load_config(None, ["source.kind=urls", f"source.path={tmp_path / 'urls.csv'}",
+                                 f"stages.ingest.allow_hosts=['127.0.0.1:{server.server_address[1]}']",
+                                 "stages.ingest.samples_per_shard=300", "stages.ingest.host_rate=50"])
+        summary = run_pipeline(cfg, tmp_path / "run", until="ingest", log=lambda m: None)
+    finally:
+        server.shutdown()
+    assert server.asked[f"/img/{name}"] == 1
+    ledger = read_ledger(tmp_path / "run", "ingest").to_pylist()
+    assert len(ledger) == len(lines) - 1 and summary["ingest"]["kept"] == len(ledger)       # nothing lost
+    same = [r for r in ledger if r["url"].endswith(f"/img/{name}")]
+    assert len(same) == 200 and len({(r["tar"], r["offset"], r["size"], r["sha256"]) for r in same}) == 1
+    assert sum("downloaded once" in r["detail"] for r in same) == 199
+
+
 def test_the_user_agent_carries_the_package_version_and_the_configured_contact():
     from importlib.metadata import version
 
