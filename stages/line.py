@@ -46,11 +46,17 @@ def published_parts(storage) -> set[str]:
     return {f.rsplit("/", 1)[-1][:-len(".parquet")] for f in storage.list(PUBLISHED, ".parquet")}
 
 
+def published_all(storage, part: str) -> pa.Table:
+    """A partition's published (key, shard) rows, as its record holds them (one read; none: empty)."""
+    try:
+        return storage.read_table(published_file(part)).select(PUBLISHED_SCHEMA.names)
+    except FileNotFoundError:
+        return PUBLISHED_SCHEMA.empty_table()
+
+
 def published_rows(storage, part: str, shards: frozenset[str]) -> pa.Table:
     """A partition's published (key, shard) rows, only those in a shard the line lists."""
-    if not storage.exists(published_file(part)):
-        return PUBLISHED_SCHEMA.empty_table()
-    t = storage.read_table(published_file(part)).select(PUBLISHED_SCHEMA.names)
+    t = published_all(storage, part)
     return t.filter(pc.is_in(t.column("shard"), pa.array(sorted(shards), pa.string())))
 
 

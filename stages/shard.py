@@ -28,6 +28,7 @@ import io
 import json
 import math
 import os
+import re
 import tarfile
 import time
 from typing import ClassVar
@@ -43,8 +44,8 @@ from infra.errors import UserError
 
 from .base import KEPT, Sink, StageContext, StageResult
 from .dataplane import PartResult, by_location, image_batches, read_kept, write_part
-from .line import (LINE, PUBLISHED, PUBLISHED_SCHEMA, RECORD, published_file, published_parts, published_rows, published_state,
-                   read_line)
+from .line import (LINE, PUBLISHED, PUBLISHED_SCHEMA, RECORD, published_all, published_file, published_parts, published_rows,
+                   published_state, read_line)
 from infra.hashing import order_key
 from infra.shuffle import BucketWriter, merge_group, read_bucket
 
@@ -107,12 +108,18 @@ def _new_rows(storage, t: pa.Table, part: str, line_shards: frozenset | None) ->
 
 def _plan_task(storage, part: str, file: str, line_shards: frozenset | None) -> dict:
     """Ray task: what a partition brings to new shards (samples, bytes) and, in a dataset line,
-    how many samples it published before that are no longer kept (the first by key, to name)."""
+    how many samples it published before that are no longer kept (the first by key, to name), and
+    the shards its published record names that the line's record does not list (a stale or
+    crafted line.json: going on would write new shards over them)."""
     t = read_kept(storage, file, ["key", "size", "caption"])
     new, published = _new_rows(storage, t, part, line_shards)
     gone = published.filter(pc.invert(pc.is_in(published.column("key"), t.column("key")))).column("key")
+    unlisted = []
+    if line_shards is not None:
+        named = published_all(storage, part).column("shard")
+        unlisted = sorted(set(pc.unique(named).to_pylist()) - line_shards)[:3]
     return {"samples": new.num_rows, "bytes": int(pc.sum(new.column("size")).as_py() or 0) + 1600 * new.num_rows,
-            "withdrawn": len(gone), "first_withdrawn": pc.min(gone).as_py()}
+            "withdrawn": len(gone), "first_withdrawn": pc.min(gone).as_py(), "unlisted": unlisted}
 
 
 def _stored_size(data: bytes) -> tuple[int | None, int | None]:
@@ -226,6 +233,15 @@ def _reduce_task(storage, shard: int, maps: list[str]) -> dict:
                       extra={"name": name, "samples": len(keys), "bytes": len(data), "sha256": sha, "md5": md5})
 
 
+SHARD_NAME = re.compile(r"[0-9]{6}\.tar")
+
+
+def next_shard(listed: list[dict]) -> int:
+    """The number of a dataset line's next shard: after the highest it lists (a line whose record
+    skips a number never reuses one)."""
+    return 1 + max((int(s["name"][:6]) for s in listed), default=-1)
+
+
 class ShardStage(Sink):
     """A sink that places samples: its ledger (a partition per output shard) says where each went."""
     name = "shard"
@@ -266,6 +282,12 @@ class ShardStage(Sink):
         upstream = [u for u in upstream if u.part not in same]
         plans = ctx.run(_plan_task, [(ctx.storage, u.part, u.file, line_shards) for u in upstream], "shard plan",
                         num_cpus=0.25, quiet=True)
+        unlisted = sorted({s for p in plans for s in p["unlisted"]})
+        if unlisted:
+            raise UserError(f"shard: {ctx.storage.uri(RECORD)} does not list shard(s) {', '.join(unlisted[:3])} that "
+                            "this dataset line's published records name: the record is stale or not this line's, and "
+                            "going on would write new shards over published ones; restore the line's own line.json, "
+                            "or set stages.shard.append: false to end the line and write every shard anew")
         withdrawn = [p for p in plans if p["withdrawn"]]
         if withdrawn:
             first = min(p["first_withdrawn"] for p in withdrawn)
@@ -276,7 +298,7 @@ class ShardStage(Sink):
                             "stages.shard.append=false to write every shard anew")
         todo = [(u, p) for u, p in zip(upstream, plans) if p["samples"]]
         n_new = sum(p["samples"] for _, p in todo)
-        first = len(old)
+        first = next_shard(old)
         parts = [PartResult.from_json(s["result"]) for s in old]
         if n_new:
             parts += self._write(ctx, cfg, [u for u, _ in todo], n_new, sum(p["bytes"] for _, p in todo), first,
@@ -319,6 +341,13 @@ class ShardStage(Sink):
                                 f"published records are there ({ctx.storage.uri(PUBLISHED)}/); restore line.json, or "
                                 "set stages.shard.append: false to end the line and write every shard anew")
             if line is not None:
+                names = [s.get("name") if isinstance(s, dict) else None for s in line.get("shards") or []] \
+                    if isinstance(line, dict) else [None]
+                odd = [n for n in names if not (isinstance(n, str) and SHARD_NAME.fullmatch(n))]
+                if odd or len(set(names)) != len(names) or not isinstance(line.get("runs"), list):
+                    raise UserError(f"shard: {ctx.storage.uri(RECORD)} is not a dataset line's record (shards named "
+                                    "NNNNNN.tar, each once, and its runs); restore the line's own line.json, or set "
+                                    "stages.shard.append: false to end the line and write every shard anew")
                 have = {f.rsplit("/", 1)[-1] for f in ctx.storage.list("shard/shards", ".tar")}
                 lost = sorted(s["name"] for s in line["shards"] if s["name"] not in have)
                 if lost:

@@ -122,6 +122,7 @@ def test_an_append_only_line_adds_shards_and_never_changes_published_ones(tmp_pa
         _write_partition(urls / "a.csv", rows[:120], server.base_url)
         run_pipeline(cfg(), run, until="shard", log=lambda m: None)
         first = json.loads((run / "shard" / "shards.json").read_text())
+        first_record = (run / "shard" / "line" / "line.json").read_bytes()
         tars = {s["name"]: hashlib.sha256((run / "shard" / "shards" / s["name"]).read_bytes()).hexdigest()
                 for s in first}
         published = {r["key"]: r["tar"] for r in read_ledger(run, "shard").to_pylist()}
@@ -161,6 +162,18 @@ def test_an_append_only_line_adds_shards_and_never_changes_published_ones(tmp_pa
         for c in copies:
             row = dedup[key_of(c)]
             assert (row["verdict"], row["match_key"]) == ("dropped", target_key), row
+        # a stale line.json (the first run's, restored from a backup) would number new shards over the
+        # second run's published ones: refused, naming the shards, before anything is written
+        record = run / "shard" / "line" / "line.json"
+        now_record = record.read_bytes()
+        record.write_bytes(first_record)
+        _write_partition(urls / "c.csv", [{**target, "caption": f"{target['caption']} again"}], server.base_url)
+        with pytest.raises(UserError, match=rf"does not list shard\(s\) {added[0]}.* stale or not this line's"):
+            run_pipeline(cfg(), run, until="shard", log=lambda m: None)
+        assert {s["name"]: hashlib.sha256((run / "shard" / "shards" / s["name"]).read_bytes()).hexdigest()
+                for s in first} == tars
+        record.write_bytes(now_record)
+        (urls / "c.csv").unlink()
         # a change that would drop published samples is refused, naming the settings; nothing published moves
         with pytest.raises(UserError, match=r"stages.shard.append: \d+ sample\(s\) published by earlier runs"):
             run_pipeline(cfg("stages.basic.min_words=6"), run, until="shard", log=lambda m: None)

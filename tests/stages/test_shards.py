@@ -145,3 +145,30 @@ def test_an_append_refuses_a_lost_line_record_and_a_missing_published_shard(tmp_
     with pytest.raises(UserError, match="restore line.json, or set stages.shard.append: false"):
         ShardStage()._line(ctx)
     assert json.loads(json.dumps(ShardStage()._line(SimpleNamespace(**{**vars(ctx), "cfg": ShardConfig()})))) is None
+
+
+@pytest.mark.parametrize("record", [{"shards": [{"name": "../../x.tar"}], "runs": []},
+                                    {"shards": [{"name": "000000.tar"}, {"name": "000000.tar"}], "runs": []},
+                                    {"shards": "000000.tar", "runs": []}, ["000000.tar"],
+                                    {"shards": [{"name": "000000.tar"}]}])
+def test_a_crafted_line_record_is_refused(tmp_path, record):
+    from types import SimpleNamespace
+
+    from infra.errors import UserError
+    from infra.storage import Storage
+    from stages.shard import ShardConfig, ShardStage
+
+    storage = Storage.local(tmp_path)
+    storage.write_bytes("shard/shards/000000.tar", b"t0")
+    storage.write_json("shard/line/line.json", record)
+    ctx = SimpleNamespace(storage=storage, cfg=ShardConfig(append=True), log=lambda m: None)
+    with pytest.raises(UserError, match="is not a dataset line's record"):
+        ShardStage()._line(ctx)
+
+
+def test_new_shards_of_a_line_never_take_a_listed_number():
+    from stages.shard import next_shard
+
+    assert next_shard([]) == 0
+    assert next_shard([{"name": "000000.tar"}, {"name": "000001.tar"}]) == 2
+    assert next_shard([{"name": "000000.tar"}, {"name": "000005.tar"}]) == 6     # len() would give 2
