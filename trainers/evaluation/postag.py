@@ -121,9 +121,10 @@ def _guess(word: str) -> str:
 
 
 def tokens(caption: str) -> list[str]:
-    """Words and punctuation as separate tokens (contractions kept as 'n't / 's, as Penn splits them)."""
-    return re.findall(r"n't|'s|[A-Za-z0-9]+(?:[-'][A-Za-z0-9]+)*(?=n't)|[A-Za-z0-9]+(?:[-'][A-Za-z0-9]+)*|[^\sA-Za-z0-9]",
-                      caption)
+    """Words and punctuation as separate tokens, split as spaCy's English tokenizer (ARO's) splits
+    them: contractions and possessives as n't / 's ("dog's" -> dog 's), hyphens as tokens of their
+    own ("well-stuffed" -> well - stuffed); other apostrophes stay inside a word ("o'clock")."""
+    return re.findall(r"n't|'s\b|[A-Za-z0-9]+(?=n't)|[A-Za-z0-9]+(?:'(?!s\b)[A-Za-z0-9]+)*|[^\sA-Za-z0-9]", caption)
 
 
 def tag(words: list[str]) -> list[str]:
@@ -135,7 +136,8 @@ def tag(words: list[str]) -> list[str]:
         prev_tag = out[-1] if out else "O"
         nxt = low[i + 1] if i + 1 < len(low) else ""
         if not re.search(r"[a-z]", w) or w in _CLOSED:
-            out.append("J" if w in _J_CLOSED and w != "next" or (w == "next" and nxt == "to") else "O")
+            # "next" is an adjective ("the next day") except in "next to", where it is a preposition's part
+            out.append("J" if w in _J_CLOSED and not (w == "next" and nxt == "to") else "O")
             continue
         weights = _weights(w.replace("-", "_"))
         if not weights:
@@ -168,6 +170,9 @@ def tag(words: list[str]) -> list[str]:
             # before a noun an adjective-or-noun word modifies it: adjective when WordNet says so as often
             out.append("J" if nxt_noun and weights["a"] >= 0.5 * weights["n"] else "N" if not nxt_noun and nominal
                        else "J" if weights["a"] >= weights["n"] else "N")
+            continue
+        if not weights:                     # only verb or adverb readings, ruled out above: neither N nor J
+            out.append("O")                 # ("that includes", "a rather small", "the fully furnished")
             continue
         best = max(weights, key=lambda p: (weights[p], p == "n"))
         out.append({"n": "N", "a": "J"}.get(best, "O"))
