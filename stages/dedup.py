@@ -29,7 +29,6 @@ cosine at `encoder_threshold`, through the same index class: either path can fla
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
 from typing import ClassVar
@@ -209,17 +208,16 @@ _LOADED: dict = {}
 
 def _indexes(storage, blobs: dict, names: tuple, encoder_checkpoint: str | None, image_size: int = 224,
              encoder_sha256: str | None = None):
-    """Loaded once per worker process, however many partitions it describes. The driver built them on
-    its own disk, which a worker on another node cannot see: they arrive through Ray's object store
-    (`blobs`: kind -> set name -> the index file's bytes; `names` identify them)."""
+    """Made once per worker process, however many partitions it describes. The driver loaded the
+    evaluation indexes on its own disk, which a worker on another node cannot see: they arrive
+    through Ray's object store as arrays (`blobs`: kind -> set name -> NearDupIndex.arrays()), which
+    the worker processes of a node share without a copy each; only the Hamming index over the codes
+    (32 bytes a reference) is each process's own. `names` identify them."""
     key = (storage.uri(), names, encoder_checkpoint)
     if key not in _LOADED:
-        def load(data):
-            return NearDupIndex.load(io.BytesIO(data))
-
         _LOADED.clear()
-        _LOADED[key] = ({n: load(b) for n, b in blobs["hash"].items()},
-                        {n: load(b) for n, b in blobs["encoder"].items()},
+        _LOADED[key] = ({n: NearDupIndex.from_arrays(a) for n, a in blobs["hash"].items()},
+                        {n: NearDupIndex.from_arrays(a) for n, a in blobs["encoder"].items()},
                         EncoderDescriber(str(storage.local_dir(encoder_checkpoint)), image_size, encoder_sha256)
                         if encoder_checkpoint
                         else None)
@@ -718,8 +716,8 @@ class DedupStage(Decide):
         plan = band_plan(samples, cfg.within_threshold, cfg.bits)
         n_buckets = bucket_count(samples, cfg.bucket_rows, ctx.cluster_cpus(), sigs_per_sample(plan))
         # one copy in the object store, shared by every task on a node (a path here means nothing there)
-        blobs = ray.put({"hash": {n: p.read_bytes() for n, p in index_paths.items()},
-                         "encoder": {n: p.read_bytes() for n, p in enc_paths.items()}})
+        blobs = ray.put({"hash": {n: NearDupIndex.load(p).arrays() for n, p in index_paths.items()},
+                         "encoder": {n: NearDupIndex.load(p).arrays() for n, p in enc_paths.items()}})
         names = tuple(sorted(p.name for p in [*index_paths.values(), *enc_paths.values()]))
         args = (blobs, names, encoder_rel)
         # a partition described by an earlier run with the same input and config is reused (a

@@ -14,6 +14,7 @@ import glob
 import hashlib
 import itertools
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Literal
@@ -139,6 +140,28 @@ def content_digest(es: EvalSetConfig, run_dir: Path | None) -> str:
     return h.hexdigest()
 
 
+def cached_digest(es: EvalSetConfig, run_dir: Path | None, cache_dir: Path) -> str:
+    """`content_digest`, read again only when the set's files changed (names, sizes, mtimes:
+    `stat_fingerprint`): a run does not read 50,000 evaluation images just to learn they are the
+    ones it indexed before. Builtin sets (small, or the run's own demo split) are digested each time."""
+    stat = stat_fingerprint(es)
+    if not stat:
+        return content_digest(es, run_dir)
+    where = cache_dir / "digests" / f"{hashlib.sha256(json.dumps([es.kind, str(es.path), stat]).encode()).hexdigest()[:32]}.txt"
+    try:
+        text = where.read_text().strip()
+        if len(text) == 64:
+            return text
+    except OSError:
+        pass
+    digest = content_digest(es, run_dir)
+    where.parent.mkdir(parents=True, exist_ok=True)
+    tmp = where.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(digest)
+    tmp.replace(where)
+    return digest
+
+
 BATCH = 256   # evaluation images per description task
 
 
@@ -178,7 +201,7 @@ def build_reference(es: EvalSetConfig, run_dir: Path | None, cache_dir: Path, pa
                     describer=None, log=print, run=None) -> tuple[Path, dict]:
     """Build (or find in the cache) the reference index of one set. Returns (index path, stats)."""
     check_exists(es, run_dir)
-    key = hashlib.sha256((content_digest(es, run_dir) + json.dumps(params, sort_keys=True)).encode()).hexdigest()[:24]
+    key = hashlib.sha256((cached_digest(es, run_dir, cache_dir) + json.dumps(params, sort_keys=True)).encode()).hexdigest()[:24]
     path = cache_dir / f"{es.name}-{key}.npz"
     meta = path.with_suffix(".json")
     if path.is_file() and meta.is_file():

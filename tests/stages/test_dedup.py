@@ -555,3 +555,49 @@ def test_dedup_runs_a_torchscript_encoder_in_its_tasks(tmp_path, ray_local):
     assert summary["dedup"]["in"] == summary["dedup"]["kept"] + sum(summary["dedup"]["dropped"].values())
     assert summary["dedup"]["dropped"].get("eval_duplicate", 0) > 0
     assert list((tmp_path / "cache").rglob("*")), "no evaluation index was built"
+
+
+@pytest.mark.slow   # starts Ray, a moto server or capline processes: not in the fast set
+def test_the_evaluation_index_reaches_workers_as_shared_arrays_not_copies(tmp_path, ray_local):
+    """The index's vectors in a worker are the object store's read-only memory (every process of a
+    node reads the same pages), and it finds what the index built here finds."""
+    rng = np.random.default_rng(0)
+    vecs = rng.normal(size=(300, 768)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    built = NearDupIndex(colour_tol=None).build([f"e{i}" for i in range(300)], vecs, np.zeros((300, 3), np.float32))
+    built.save(tmp_path / "idx.npz")
+    loaded = NearDupIndex.load(tmp_path / "idx.npz")
+    assert np.array_equal(loaded.codes, built.codes)          # codes kept, not recomputed
+    queries = vecs[[5, 17, 250]] + 0.01 * rng.normal(size=(3, 768)).astype(np.float32)
+    def probe(blobs, queries):       # in a Ray worker (defined here: pickled by value, not by module)
+        from stages.neardup import NearDupIndex
+
+        index = NearDupIndex.from_arrays(blobs["s"])
+        idx, sim = index.search(queries, np.zeros((len(queries), 3), np.float32))
+        return bool(index.vecs.flags.writeable), [str(index.ids[i]) for i in idx], sim.tolist()
+
+    blobs = ray_local.put({"s": loaded.arrays()})
+    writeable, ids, sims = ray_local.get(ray_local.remote(probe).remote(blobs, queries))
+    assert not writeable                                       # a view of shared memory, not a copy
+    assert ids == ["e5", "e17", "e250"] and min(sims) > 0.99
+    assert ids == [str(loaded.ids[i]) for i in loaded.search(queries, np.zeros((3, 3), np.float32))[0]]
+
+
+def test_an_evaluation_folder_is_read_again_only_when_its_files_change(tmp_path, monkeypatch):
+    """The set's digest (what its index is cached by) is kept beside the cache, by the files'
+    names, sizes and mtimes: a rerun does not read every evaluation image to digest it."""
+    import stages.eval_sets as eval_sets
+
+    folder = tmp_path / "set"
+    folder.mkdir()
+    for i in range(3):
+        Image.fromarray(np.full((16, 16, 3), 40 * i, np.uint8)).save(folder / f"{i}.png")
+    es = EvalSetConfig(name="s", kind="folder", path=str(folder))
+    first = eval_sets.cached_digest(es, None, tmp_path / "cache")
+    assert first == eval_sets.content_digest(es, None)
+    reads = []
+    real = eval_sets.iter_images
+    monkeypatch.setattr(eval_sets, "iter_images", lambda *a: reads.append(1) or real(*a))
+    assert eval_sets.cached_digest(es, None, tmp_path / "cache") == first and not reads
+    Image.fromarray(np.full((16, 16, 3), 200, np.uint8)).save(folder / "3.png")     # a new image
+    assert eval_sets.cached_digest(es, None, tmp_path / "cache") != first and reads
