@@ -396,6 +396,10 @@ def _fetch_once(key, url, timeout, user_agent_token, disallowed_header_directive
                                                    "(connect, headers and body)") from None
             raise
         _watchdog.release(ticket)
+        if time.monotonic() - start >= _policy.deadline:
+            # the watchdog cut the connection mid-headers or mid-body and the reader took what came
+            # as a whole (short) response: the URL ran out of time, the image is not at fault
+            raise Refused("deadline_exceeded", f"not fetched within {_policy.deadline:g}s (connect, headers and body)")
         try:
             check_image(data, _policy)
         except Refused as err:

@@ -153,6 +153,16 @@ class _Counting(BaseHTTPRequestHandler):
         import time
 
         type(self).hits.append(self.path)
+        if self.path == "/trickle-headers":      # the status line, then header bytes one at a time
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\n")
+            for _ in range(300):
+                try:
+                    self.wfile.write(b"X")
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(0.2)
+            return
         if self.path == self.trickled:
             self.send_response(200)
             self.send_header("Content-Type", self.trickled_type)
@@ -230,6 +240,23 @@ def test_slow_loris_is_dropped_at_the_deadline(counting, monkeypatch):
     assert time.monotonic() - t0 < 30     # the server trickles for a minute; each byte beats the 5 s timeout
     _, stream, err = safe_download_image((1, f"http://127.0.0.1:{port}/ok.jpg"), 5, None, None)
     assert stream is not None and err is None
+
+
+def test_headers_trickled_on_an_image_are_a_deadline_not_an_undecodable_image(counting, monkeypatch):
+    """Headers sent a byte at a time: cut at the URL's deadline and named so (it was recorded as
+    `undecodable_image`, a failure of the image, so the host's breaker never counted it)."""
+    import time
+
+    import stages.fetch as fetch
+
+    port, hits = counting
+    monkeypatch.setattr(fetch, "_policy", FetchPolicy(allow_hosts=(f"127.0.0.1:{port}",), deadline=0.6,
+                                                      manners=Manners(robots=False)))
+    t0 = time.monotonic()
+    _, stream, err = safe_download_image((0, f"http://127.0.0.1:{port}/trickle-headers"), 5, None, None)
+    assert stream is None and reason_of("failed_to_download", err) == "deadline_exceeded", err
+    assert time.monotonic() - t0 < 30
+    assert "deadline_exceeded" in fetch.HOST_FAILURES        # so it counts toward the host's breaker
 
 
 def _psd(w: int = 4, h: int = 4) -> bytes:
