@@ -141,6 +141,9 @@ def _parser() -> argparse.ArgumentParser:
                                     "those whose content changed since, and compare the shards.")
     rb.add_argument("manifest", metavar="MANIFEST", help="a run's manifest.json (or its run folder)")
     rb.add_argument("--run-dir", help="where to rebuild (default: <original run folder>-rebuild)")
+    rb.add_argument("--until", metavar="STAGE",
+                    help="rebuild up to this stage (default: the last stage the original run finished; a data "
+                         "build made with `--until shard` is rebuilt to its shards, never trained)")
     rb.add_argument("--address", help="Ray cluster to join (as for run)")
 
     ry = sub.add_parser("ray", help="start a Ray node for capline: `ray start` with capline's quiet, "
@@ -440,7 +443,7 @@ def _cmd_rebuild(args) -> int:
 
     from .config import RunConfig
     from infra.ray_runtime import ray_session
-    from .runner import input_fingerprints, run_pipeline
+    from .runner import input_fingerprints, run_pipeline, select, stage_names
     from .verify import compare_runs, drift
 
     path = Path(args.manifest)
@@ -455,27 +458,44 @@ def _cmd_rebuild(args) -> int:
         raise UserError("rebuild into another --run-dir: the rebuild is compared with the original")
     if input_fingerprints(cfg) != manifest.get("inputs"):
         raise UserError(f"the inputs changed since {path} was written: {input_fingerprints(cfg)} != {manifest.get('inputs')}")
-    print(f"capline: rebuilding {old_dir} into {new_dir}", flush=True)
+    # what the original ran, no more: a data build (`--until shard`) is rebuilt to its shards, not
+    # trained and evaluated on the way
+    names = stage_names()
+    finished = [n for n in names if n in manifest.get("stages", {})]
+    until = args.until or (finished[-1] if finished else None)
+    select(until, None)                       # an unknown --until is named with the stages there are
+    if "ingest" not in finished or (until is not None and names.index(until) < names.index("ingest")):
+        raise UserError(f"{path}: the original run did not finish downloading (ingest), so there is no drift to "
+                        "report; rebuild a run that did, or give --until ingest or a later stage")
+    print(f"capline: rebuilding {old_dir} into {new_dir}, up to {until}", flush=True)
     from .lock import run_lock
 
     with run_lock(new_dir, log=_say):
         if (old_dir / "source" / "_SUCCESS").is_file() and not (new_dir / "source").exists():
             shutil.copytree(old_dir / "source", new_dir / "source")  # the pinned URL list (and demo site)
         with ray_session(cfg.ray, args.address, log=_say):
-            run_pipeline(cfg, new_dir, log=_say)
             from .executor import Executor
 
+            # the drift is known once the downloads are: said and written then, whatever comes after
+            run_pipeline(cfg, new_dir, until="ingest", log=_say)
             report = drift(old_dir, new_dir, Executor(log=_say))
-        (new_dir / "drift.json").write_text(json.dumps(report, indent=1))
+            (new_dir / "drift.json").write_text(json.dumps(report, indent=1))
+            _say_drift(report, new_dir)
+            if until != "ingest":
+                run_pipeline(cfg, new_dir, until=until, log=_say)
+    if (old_dir / "shard" / "shards.json").is_file() and (new_dir / "shard" / "shards.json").is_file():
+        lines = compare_runs(old_dir, new_dir)
+        print("shards: byte-identical to the original" if not lines else f"shards: {len(lines)} samples differ")
+    return 0
+
+
+def _say_drift(report: dict, new_dir: Path) -> None:
     n = report["counts"]
     print(f"drift: {n['died']} URLs died, {n['changed']} changed content, {n['revived']} came back "
-          f"(the first {report['listed']} of each in {new_dir / 'drift.json'}, all in {report['all']})")
+          f"(the first {report['listed']} of each in {new_dir / 'drift.json'}, all in {report['all']})", flush=True)
     for kind in ("died", "changed", "revived"):
         for key in report[kind][:50]:
-            print(f"  {kind:<8} {key}")
-    lines = compare_runs(old_dir, new_dir)
-    print("shards: byte-identical to the original" if not lines else f"shards: {len(lines)} samples differ")
-    return 0
+            print(f"  {kind:<8} {key}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -142,7 +142,8 @@ def test_a_manifest_or_run_folder_from_elsewhere_does_not_choose_the_cluster(tmp
     foreign = load_config(None, ["ray.address=10.9.9.9:6379"])
     old = tmp_path / "old"
     old.mkdir()
-    (old / "manifest.json").write_text(json.dumps({"config": foreign.to_dict(), "inputs": input_fingerprints(foreign)}))
+    (old / "manifest.json").write_text(json.dumps({"config": foreign.to_dict(), "inputs": input_fingerprints(foreign),
+                                                   "stages": {"source": {}, "ingest": {}}}))
     try:
         cli.main(["rebuild", str(old / "manifest.json"), "--run-dir", str(tmp_path / "new")])
     except Stop:
