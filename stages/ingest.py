@@ -246,11 +246,13 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server, progress=
                 values.append(key if col == "key" else
                               f"{values[i]} (the same URL as {first}, downloaded once)" if col == "detail" else values[i])
     table = pa.table({c: pa.array(v, SAMPLE_SCHEMA.field(c).type) for c, v in verdicts.items()})
+    # the shard's failures by host, for the ingest report, stay beside it: its result (what the
+    # driver holds for every shard) carries counts only
+    storage.write_json(f"{unit}/failures/{name}.json", {"throttled": _throttled(), **failures_by_host(verdicts)})
     result = write_part(storage, "ingest", f"{job.unit}-{name}", job.source_part, keys,
                         _with_state(table, rows), rel=f"{unit}/ledger/{name}.parquet", notes=IngestStage.notes,
                         extra={"node": ray.get_runtime_context().get_node_id(),
-                               "successes": sum(v == KEPT for v in verdicts["verdict"]),
-                               "throttled": _throttled(), **failures_by_host(verdicts)})
+                               "successes": sum(v == KEPT for v in verdicts["verdict"])})
     storage.write_bytes(f"{unit}/results/{name}.json", json.dumps(result.to_json(), sort_keys=True).encode())
     fetch._finished.flush()
     return result
@@ -287,25 +289,66 @@ def failures_by_host(verdicts: dict[str, list]) -> dict:
     return {"failures": top, "failures_other": sum(counts.values()) - sum(top.values()), "failure_examples": examples}
 
 
-def write_report(stage_dir: Path, parts: list[dict], name: str) -> Path:
-    """`ingest/report.html`: failed downloads by host and reason, with examples, from the shards' counts."""
-    import html
+REPORT_PAIRS, REPORT_HOSTS = 2000, 100     # (host, reason) counts and slowed hosts a merged table keeps
+
+
+def merge_failures(tables) -> dict:
+    """Shards' (or units') failure tables -> one, bounded: the REPORT_PAIRS most frequent (host,
+    reason) counts (the rest summed as `failures_other`), 3 examples per reason, the REPORT_HOSTS
+    hosts that made capline wait longest."""
     from collections import Counter
 
     by_pair: Counter = Counter()
     other = 0
     examples: dict[str, list] = {}
-    for p in parts:
-        by_pair.update(p.extra.get("failures", {}))
-        other += p.extra.get("failures_other", 0)
-        for reason, rows in p.extra.get("failure_examples", {}).items():
-            examples.setdefault(reason, []).extend(rows[: 3 - len(examples.get(reason, []))])
     slowed: dict[str, list] = {}
-    for p in parts:
-        for host, (times, waited) in p.extra.get("throttled", {}).items():
+    for t in tables:
+        by_pair.update(t.get("failures", {}))
+        other += t.get("failures_other", 0)
+        for reason, rows in t.get("failure_examples", {}).items():
+            examples.setdefault(reason, []).extend(rows[: 3 - len(examples.get(reason, []))])
+        for host, (times, waited) in t.get("throttled", {}).items():
             got = slowed.setdefault(host, [0, 0.0])
             got[0] += times
             got[1] += waited
+    top = dict(by_pair.most_common(REPORT_PAIRS))
+    return {"failures": top, "failures_other": other + sum(by_pair.values()) - sum(top.values()),
+            "failure_examples": examples,
+            "throttled": dict(sorted(slowed.items(), key=lambda kv: -kv[1][1])[:REPORT_HOSTS])}
+
+
+def _failure_tables(storage, units: dict[str, list[str]]) -> dict:
+    """Ray task: the ingest report's table over every shard of every unit (source partition), read
+    beside the shards, never through the driver. A unit's merged table is kept beside it
+    (`failures.json`, with the shards it covers): a later run reads one file per unchanged unit and
+    the shards of the others only. A shard recorded by an older version carries its table in its
+    result instead."""
+    cached = storage.read_jsons([f"{PARTS}/{unit}/failures.json" for unit in units])
+    merged = []
+    for (unit, names), have in zip(units.items(), cached):
+        if isinstance(have, dict) and have.get("shards") == names:
+            merged.append(have)
+            continue
+        tables = storage.read_jsons([f"{PARTS}/{unit}/failures/{n}.json" for n in names])
+        missing = [n for n, t in zip(names, tables) if t is None]
+        if missing:       # an older version's shards: the table is in the result's extra
+            olds = dict(zip(missing, storage.read_jsons([f"{PARTS}/{unit}/results/{n}.json" for n in missing])))
+            tables = [t if t is not None else (olds[n] or {}).get("extra", {}) for n, t in zip(names, tables)]
+        table = {**merge_failures(tables), "shards": names}
+        storage.write_json(f"{PARTS}/{unit}/failures.json", table)
+        merged.append(table)
+    return merge_failures(merged)
+
+
+def write_report(stage_dir: Path, table: dict, name: str) -> Path:
+    """`ingest/report.html`: failed downloads by host and reason, with examples (`merge_failures`)."""
+    import html
+    from collections import Counter
+
+    by_pair: Counter = Counter(table.get("failures", {}))
+    other = table.get("failures_other", 0)
+    examples: dict[str, list] = table.get("failure_examples", {})
+    slowed: dict[str, list] = table.get("throttled", {})
     by_host: Counter = Counter()
     reasons: Counter = Counter()
     for pair, n in by_pair.items():
@@ -324,7 +367,7 @@ def write_report(stage_dir: Path, parts: list[dict], name: str) -> Path:
             "<style>body{font:14px sans-serif;margin:1.5em}td,th{border:1px solid #ccc;padding:3px 8px}"
             "table{border-collapse:collapse}</style></head><body>"
             f"<h1>Ingest failures: {html.escape(name)}</h1><p>{sum(by_pair.values()) + other} failed downloads"
-            + (f" ({other} in (host, reason) pairs too rare to list per shard)" if other else "") + ".</p>"
+            + (f" ({other} in (host, reason) pairs too rare to list)" if other else "") + ".</p>"
             "<h2>By host and reason</h2><table><tr><th>host</th><th>failed</th>"
             + "".join(f"<th>{html.escape(r)}</th>" for r in cols) + "</tr>" + "".join(rows) + "</table>"
             "<h2>Examples</h2>" + ex
@@ -444,7 +487,11 @@ class IngestStage(Source):
                                   items=[j.stop - j.start for j in jobs])      # progress in URLs, not shards
                 elapsed = time.time() - start
         shards = reused + results
-        report = write_report(ctx.stage_dir, shards, ctx.run_name)
+        by_unit: dict[str, list[str]] = {}
+        for job in wanted:
+            by_unit.setdefault(job.unit, []).append(f"{job.shard:05d}")
+        table = ctx.call(_failure_tables, ctx.storage, by_unit, what="ingest report", num_cpus=0.25)
+        report = write_report(ctx.stage_dir, table, ctx.run_name)
         ctx.log(f"ingest: failures by host and reason in {report}")
         used = {rel: r.to_json() for rel, r in zip([wanted[j] for j in wanted if j in found] + [wanted[j] for j in jobs],
                                                    shards)}

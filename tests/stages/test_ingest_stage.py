@@ -63,7 +63,13 @@ def test_every_planted_defect_gets_its_reason(tmp_path, ray_local):
         assert "." not in sample["__key__"]
         seen.append(meta["uid"])
     kept = sorted(k for k, r in ledger.items() if r["verdict"] == "kept")
-    assert sorted(seen) == kept
+    # one member per downloaded URL: a row whose URL an earlier row of its shard named shares that
+    # row's member (the planted repeats)
+    shared = [k for k in kept if k not in set(seen)]
+    assert sorted(set(seen) | set(shared)) == kept and len(seen) == len(set(seen))
+    assert all("downloaded once" in ledger[k]["detail"] for k in shared)
+    assert all(ledger[k]["tar"] and any(ledger[o]["offset"] == ledger[k]["offset"] and ledger[o]["tar"] == ledger[k]["tar"]
+                                        for o in seen) for k in shared)
     for s in shards:
         with tarfile.open(s) as t:
             assert len(t.getmembers()) > 0
@@ -75,6 +81,35 @@ def test_every_planted_defect_gets_its_reason(tmp_path, ray_local):
         with tarfile.open(tmp_path / r["tar"]) as t:
             assert t.extractfile(r["member"]).read() == data
         assert r["width"] and r["height"] and len(r["sha256"]) == 64
+    # the failures by host are in the report, not in what the driver holds per shard
+    report = (tmp_path / "ingest" / "report.html").read_text()
+    assert "http_404" in report and "By host and reason" in report
+    results = [json.loads(f.read_text()) for f in (tmp_path / "ingest").glob("parts/*/results/*.json")]
+    assert results and all(set(r["extra"]) <= {"node", "successes"} for r in results)
+
+
+def test_the_ingest_report_table_is_merged_beside_the_shards_and_kept_per_unit(tmp_path):
+    """Units' tables merged in a task; an unchanged unit is read as one file next time; a shard
+    written by an older version (its table in its result) still counts; the table stays bounded."""
+    from infra.storage import Storage
+    from stages.ingest import PARTS, REPORT_PAIRS, _failure_tables
+
+    storage = Storage.local(tmp_path)
+    for i in range(2):
+        storage.write_json(f"{PARTS}/a/failures/{i:05d}.json", {
+            "failures": {f"h{i}.example\thttp_404": 3, "x.example\ttimeout": 1}, "failures_other": 2,
+            "failure_examples": {"http_404": [{"key": f"k{i}", "url": "u", "detail": "d"}]},
+            "throttled": {"x.example": [1, 2.5]}})
+    storage.write_json(f"{PARTS}/b/results/00000.json", {"extra": {"failures": {"y.example\thttp_500": 4}}})
+    storage.write_json(f"{PARTS}/c/failures/00000.json",
+                       {"failures": {f"z{i}.example\ttimeout": 1 for i in range(REPORT_PAIRS + 10)}})
+    got = _failure_tables(storage, {"a": ["00000", "00001"], "b": ["00000"], "c": ["00000"]})
+    assert got["failures"]["x.example\ttimeout"] == 2 and got["failures"]["y.example\thttp_500"] == 4
+    assert len(got["failures"]) == REPORT_PAIRS and got["failures_other"] == 4 + 14    # 2 a shard, 14 cut
+    assert [e["key"] for e in got["failure_examples"]["http_404"]] == ["k0", "k1"]
+    assert got["throttled"] == {"x.example": [2, 5.0]}
+    (tmp_path / PARTS / "a" / "failures" / "00000.json").unlink()     # unit a is read from its merged file now
+    assert _failure_tables(storage, {"a": ["00000", "00001"], "b": ["00000"], "c": ["00000"]}) == got
 
 
 def test_urls_source_csv_with_allow_list(tmp_path, ray_local):
