@@ -327,14 +327,6 @@ class Storage:
             (Path(local_dir) / rel).write_bytes(data)
         return sha
 
-    def shared_copy(self, rel: str, local_path) -> str | None:
-        """A local file workers on other machines must read: copied into an object-store run folder
-        (-> its run-relative path), or None where workers reach the local path as it is."""
-        if self.is_local:
-            return None
-        self.write_file(rel, local_path)
-        return rel
-
     def local_dir(self, rel: str):
         """A folder of the run as a local path this process can open: itself for a local run folder,
         else a copy fetched once per process (for model folders: libraries that want a path)."""

@@ -559,8 +559,29 @@ def _text_cols(cfg: SourceConfig, path: Path) -> tuple:
                                                     (cfg.key_col, "key_col")) if c is not None)
 
 
+INPUT = "source/input"     # the list files pinned in an object-store run folder, by content (preserved)
+
+
+def pin_inputs(storage, files: list[Path]) -> list[str | None]:
+    """Each list file's copy in the run folder's storage (None where workers read the local path):
+    `source/input/<sha256[:16]>-<name>`, uploaded only if not there yet; copies of files no longer
+    listed are deleted together."""
+    from infra.hashing import file_sha256
+
+    if storage.is_local:
+        return [None] * len(files)
+    rels = [f"{INPUT}/{file_sha256(f)[:16]}-{f.name}" for f in files]
+    have = set(storage.list(INPUT))
+    for f, rel in zip(files, rels):
+        if rel not in have:
+            storage.write_file(rel, f)
+    storage.delete_files(sorted(have - set(rels)))
+    return rels
+
+
 class SourceStage(Source):
     name = "source"
+    preserve = ("input",)
     reasons = ("malformed_row", "missing_url", "invalid_url", "duplicate_key", "list_filter")
 
     def section(self, config) -> SourceConfig:
@@ -611,8 +632,9 @@ class SourceStage(Source):
         if cfg.kind == "openclipart":
             return self._openclipart(ctx, cfg)
         files = partition_files(cfg)
-        # a run folder in object storage means nodes that share no disk: the list travels through it
-        pinned = [ctx.storage.shared_copy(f"source/input/{f.name}", f) for f in files]
+        # a run folder in object storage means nodes that share no disk: the list travels through it,
+        # each file once: named by its content, a file an earlier run pinned is not uploaded again
+        pinned = pin_inputs(ctx.storage, files)
         results = ctx.run(_read_file_task, [(ctx.storage, str(f), cfg, p) for f, p in zip(files, pinned)], "source",
                           num_cpus=1, describe=lambda c: f"URL list file {Path(c[1]).name}", unit="files")
         parts = [p for r in results for p in r]

@@ -165,3 +165,27 @@ def test_pull_keeps_the_success_marker_it_validated(s3, tmp_path, monkeypatch):
     fresh = RunStore(f"s3://{BUCKET}/sync/e")
     fresh.pull(log=lambda m: None)
     assert (fresh.local / "numbers" / "_SUCCESS").read_bytes() == validated
+
+
+def test_a_list_file_is_pinned_in_the_bucket_once_by_its_content(s3, tmp_path):
+    """The source stage's list files travel through an object-store run folder named by content:
+    an unchanged file is not uploaded again on the next run, a changed one is, and the copy of a
+    file no longer listed is deleted."""
+    from infra.storage import Storage
+    from stages.source import INPUT, pin_inputs
+
+    storage = Storage.from_uri(f"s3://{BUCKET}/pins")
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    a.write_text("url,caption\nhttp://x/1.jpg,one\n")
+    b.write_text("url,caption\nhttp://x/2.jpg,two\n")
+    uploads = []
+    real = storage.write_file
+    storage.write_file = lambda rel, local: uploads.append(rel) or real(rel, local)
+    first = pin_inputs(storage, [a, b])
+    assert [r.rsplit("-", 1)[1] for r in first] == ["a.csv", "b.csv"] and uploads == first
+    assert pin_inputs(storage, [a, b]) == first and uploads == first      # nothing uploaded again
+    b.write_text("url,caption\nhttp://x/3.jpg,three\n")
+    second = pin_inputs(storage, [a, b])
+    assert second[0] == first[0] and second[1] != first[1] and uploads == first + [second[1]]
+    assert sorted(bucket_keys(s3, BUCKET, f"pins/{INPUT}/")) == sorted(f"pins/{r}" for r in second)
+    assert Storage.local(tmp_path / "run").is_local and pin_inputs(Storage.local(tmp_path / "run"), [a]) == [None]
