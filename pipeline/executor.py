@@ -104,6 +104,17 @@ def _timed(what: str, fn: Callable, *args, **kwargs):
     return t0, time.time(), out
 
 
+def _map_pieces(what: str, n_out: int, fn: Callable, *args):
+    """Runs in the worker: a shuffle's map, its `n_out` pieces as the task's first returns and when
+    it ran as the last (what the executor waits on)."""
+    _failpoint(what)
+    t0 = time.time()
+    out = list(fn(*args))
+    if len(out) != n_out:
+        raise RuntimeError(f"{what}: a map returned {len(out)} pieces for {n_out} reducers")
+    return (*out, (t0, time.time()))
+
+
 @dataclass
 class Executor:
     log: Callable[[str], None] = print
@@ -184,6 +195,49 @@ class Executor:
                                  "cpus_per_task": cpus, "cluster_cpus": shape.cpus, "nodes": shape.nodes,
                                  "seconds": round(time.time() - t_start, 3)})
         return results
+
+    def shuffle(self, map_fn: Callable, calls: list[tuple], n_out: int, reduce_fn: Callable,
+                reduce_calls: list[tuple], what: str, num_cpus: float = 1.0, unit: str = "buckets") -> list:
+        """A shuffle through Ray's object store, never the bucket: `map_fn(*call)` returns `n_out`
+        pieces (a sequence), one per reducer; reducer b runs `reduce_fn(*reduce_calls[b], *pieces)`
+        with the b-th piece of every map, in map order. Each piece is an object of the store
+        (spilled to the node's disk when memory is short), each read once; the driver holds only
+        references. -> the reducers' results, in order."""
+        import ray
+
+        if not calls:
+            return self.run(reduce_fn, reduce_calls, what, num_cpus=num_cpus, unit=unit)
+        shape = self.shape()
+        cpus = fit_request(num_cpus, 0, shape, what)
+        remote = ray.remote(num_cpus=cpus, num_returns=n_out + 1, max_retries=2)(_map_pieces)
+        t0 = time.time()
+        refs = [remote.remote(what, n_out, map_fn, *c) for c in calls]     # Ray schedules them, a CPU each
+        timing = [r[-1] for r in refs]
+        progress = Progress(f"{what} (map)", len(calls), self.log, unit="tasks")
+        intervals, pending = [], {t: i for i, t in enumerate(timing)}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.poll_seconds)
+            if not ready:
+                progress.stalled(time.time() - t0, len(pending))
+                continue
+            for ref in ready:
+                i = pending.pop(ref)
+                try:
+                    intervals.append(ray.get(ref))
+                except Exception as err:
+                    progress.close()
+                    failure = _task_error(err, what, f"map task {i}")
+                    raise failure from (None if isinstance(failure, UserError) else err)
+                progress.update(len(calls) - len(pending))
+        progress.close()
+        self.records.append({"what": f"{what} (map)", "tasks": len(calls), "at_once": max_overlap(intervals),
+                             "cpus_per_task": cpus, "cluster_cpus": shape.cpus, "nodes": shape.nodes,
+                             "seconds": round(time.time() - t0, 3)})
+        # each reducer's pieces as top-level arguments: Ray hands it their values, fetched from
+        # wherever the maps ran
+        pieces = [[r[b] for r in refs] for b in range(n_out)]
+        return self.run(reduce_fn, [(*reduce_calls[b], *pieces[b]) for b in range(n_out)], what,
+                        num_cpus=num_cpus, unit=unit)
 
     def call(self, fn: Callable, *args, what: str, num_cpus: float = 1.0, num_gpus: float = 0.0,
              setting: str | None = None, **kwargs):

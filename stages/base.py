@@ -59,6 +59,11 @@ class StageContext:
         """One task's result (a model to train): the executor fits its request to the cluster."""
         return self.executor.call(fn, *args, what=what or self.name, **options)
 
+    def shuffle(self, map_fn: Callable, calls: list[tuple], n_out: int, reduce_fn: Callable,
+                reduce_calls: list[tuple], what: str | None = None, **options) -> list:
+        """Map pieces to `n_out` reducers through Ray's object store (Executor.shuffle)."""
+        return self.executor.shuffle(map_fn, calls, n_out, reduce_fn, reduce_calls, what or self.name, **options)
+
     def cluster_cpus(self) -> float:
         """The CPUs the alive nodes declare now: how many tasks a stage's reduce side can keep busy."""
         return self.executor.shape().cpus

@@ -9,15 +9,17 @@ own verdict: dedup drops the later copies as `exact_duplicate` (same URL and cap
 first in `match_key`. With `key_col` (the user's own keys), a key in two files is refused before
 anything downloads, naming the files and rows.
 
-Distributed: a task per key range reads the key column of every partition in that range (partitions
-are sorted by key, so Parquet statistics skip what lies outside it), finds keys in more than one
-file and writes its renames; a task per affected partition rewrites it. The driver sees counts.
+Distributed, as a shuffle through Ray's object store (Executor.shuffle): a task per partition reads
+its keys once and hands each key bucket (by the hash of the key's base) its piece; a task per
+bucket finds keys in more than one file and writes its renames; a task per affected partition
+rewrites it. Every key is read once, and nothing but the renames passes through the bucket. The
+driver sees counts.
 """
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from infra.errors import UserError
 
@@ -26,25 +28,33 @@ from .dataplane import PartResult, write_part
 RENAMES = "source/_work/renames"
 
 
-def key_ranges(n: int) -> list[tuple[str, str]]:
-    """n contiguous ranges over hash keys (`u` + hex): [(lo, hi)], the last open-ended."""
-    edges = [f"u{(i * 16 ** 4) // n:04x}" for i in range(n)] + ["\uffff"]
-    edges[0] = ""
-    return list(zip(edges[:-1], edges[1:]))
-
-
 def base_of(key: str) -> str:
     return key.split("_", 1)[0]
 
 
-def _range_task(storage, parts: list[tuple[str, str, int]], lo: str, hi: str, bucket: int, own_keys: bool):
-    """Ray task: keys in [lo, hi) of every partition; -> {partition: renames} (written to storage), or,
-    with the user's own keys, the repeats found (for a one-line refusal)."""
+PIECE_SCHEMA = pa.schema([("order", pa.int32()), ("part", pa.string()), ("key", pa.string()), ("detail", pa.string())])
+
+
+def _key_pieces(storage, part: str, file: str, order: int, n: int, own_keys: bool) -> list[pa.Table]:
+    """Ray task (a shuffle's map): one partition's keys, read once, split into `n` pieces by the hash
+    of each key's base (the user's key itself with key_col), so every copy of a row meets the others."""
+    from .dataplane import hash_buckets
+
+    t = storage.read_table(file, ["key", "detail"])
+    keys = t.column("key").to_pylist()
+    bucket = hash_buckets(keys if own_keys else [base_of(k) for k in keys], n)
+    t = pa.table({"order": pa.array(np.full(len(keys), order, np.int32)), "part": pa.array([part] * len(keys), pa.string()),
+                  "key": t.column("key"), "detail": t.column("detail")}, schema=PIECE_SCHEMA)
+    return [t.filter(pa.array(bucket == b)) for b in range(n)]
+
+
+def _bucket_task(storage, bucket: int, own_keys: bool, *pieces: pa.Table):
+    """Ray task (a shuffle's reduce): the keys of one bucket from every partition; -> {partition:
+    renames} (written to storage), or, with the user's own keys, the repeats found (for a one-line
+    refusal)."""
     seen: dict[str, list] = {}
-    for part, file, order in parts:
-        t = pq.read_table(storage.path(file), columns=["key", "detail"], filesystem=storage.fs,
-                          filters=[("key", ">=", lo), ("key", "<", hi)])
-        for key, detail in zip(t.column("key").to_pylist(), t.column("detail").to_pylist()):
+    for t in pieces:
+        for order, part, key, detail in zip(*(t.column(c).to_pylist() for c in PIECE_SCHEMA.names)):
             seen.setdefault(key if own_keys else base_of(key), []).append((order, part, key, detail))
     repeats = {b: rows for b, rows in seen.items() if len({r[0] for r in rows}) > 1}
     if own_keys:
@@ -91,10 +101,10 @@ def unique_across_files(ctx, parts: list[PartResult], file_of: dict[str, int], o
     """-> (the partitions, with those that held repeats rewritten; how many keys were renamed)."""
     if len(set(file_of.values())) < 2:
         return parts, 0       # one file: keyed_rows made its keys unique already
-    ranges = key_ranges(max(1, min(64, len(parts))))
-    listing = [(p.part, p.file, file_of[p.part]) for p in parts]
-    found = ctx.run(_range_task, [(ctx.storage, listing, lo, hi, b, own_keys) for b, (lo, hi) in enumerate(ranges)],
-                    "source: keys across files", num_cpus=0.5, unit="key ranges")
+    n = max(1, min(64, len(parts)))
+    found = ctx.shuffle(_key_pieces, [(ctx.storage, p.part, p.file, file_of[p.part], n, own_keys) for p in parts], n,
+                        _bucket_task, [(ctx.storage, b, own_keys) for b in range(n)], "source: keys across files",
+                        num_cpus=0.5)
     if own_keys:
         n = sum(f["n"] for f in found)
         if n:

@@ -249,3 +249,29 @@ def test_a_tar_member_with_a_negative_size_is_refused(tmp_path):
     (tmp_path / "bad.tar").write_bytes(bytes(data))
     with pytest.raises(UserError, match=r"bad.tar: member 'a.jpg' has a negative size"):
         list(tar_samples(tmp_path / "bad.tar"))
+
+
+
+@pytest.mark.slow   # starts Ray
+def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces_in_map_order(ray_local):
+    from pipeline.executor import Executor
+
+    # defined here: Ray pickles them by value (a test module is not importable in the workers)
+    def _split_by_parity(values, n):
+        return [[v for v in values if v % n == b] for b in range(n)]
+
+    def _gather(bucket, *pieces):
+        return bucket, list(pieces)
+
+    def _split_or_fail(values, n):
+        if 13 in values:
+            raise UserError("thirteen is not allowed here")
+        return [[v for v in values if v % n == b] for b in range(n)]
+
+    ex = Executor(log=lambda m: None)
+    calls = [([1, 2, 3, 4],), ([5, 6],), ([],), ([7, 8, 9],)]
+    out = ex.shuffle(lambda v: _split_by_parity(v, 3), calls, 3, _gather, [(b,) for b in range(3)], "parity")
+    assert out == [(b, [[v for v in c[0] if v % 3 == b] for c in calls]) for b in range(3)]
+    assert [r["what"] for r in ex.records[-2:]] == ["parity (map)", "parity"] and ex.records[-2]["tasks"] == 4
+    with pytest.raises(UserError, match=r"odd: map task 1: thirteen is not allowed here"):
+        ex.shuffle(lambda v: _split_or_fail(v, 2), [([1],), ([13],)], 2, _gather, [(0,), (1,)], "odd")

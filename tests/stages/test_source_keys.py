@@ -11,12 +11,18 @@ from infra.storage import Storage
 from pipeline.config import load_config
 from stages.base import read_ledger
 from stages.source import _read_file_task
-from stages.source_keys import key_ranges, unique_across_files
+from stages.source_keys import unique_across_files
 
 
 def _in_process(fn, calls, what, **_):
     """Our own logic, without a cluster: each call in this process, in order."""
     return [fn(*c) for c in calls]
+
+
+def _shuffle_in_process(map_fn, calls, n_out, reduce_fn, reduce_calls, what, **_):
+    """Executor.shuffle's contract without a cluster: every map's pieces, reducer b given the b-th."""
+    pieces = [list(map_fn(*c)) for c in calls]
+    return [reduce_fn(*reduce_calls[b], *[p[b] for p in pieces]) for b in range(n_out)]
 
 
 def _files(tmp_path, *contents):
@@ -34,19 +40,12 @@ def _run(tmp_path, paths, *overrides, rows_per_part=2):
     storage = Storage.local(tmp_path / "run")
     results = [_read_file_task(storage, str(p), cfg) for p in paths]
     parts = [p for r in results for p in r]
-    ctx = SimpleNamespace(run=_in_process, storage=storage)
+    ctx = SimpleNamespace(run=_in_process, shuffle=_shuffle_in_process, storage=storage)
     out, renamed = unique_across_files(ctx, parts, {p.part: i for i, r in enumerate(results) for p in r},
                                        own_keys=bool(cfg.key_col))
     (tmp_path / "run" / "source").mkdir(parents=True, exist_ok=True)
     (tmp_path / "run" / "source" / "parts.json").write_text(json.dumps([p.to_json() for p in out]))
     return out, renamed, read_ledger(storage, "source").to_pylist()
-
-
-def test_key_ranges_cover_every_key_once():
-    ranges = key_ranges(7)
-    assert ranges[0][0] == "" and ranges[-1][1] == "\uffff"
-    for key in ("u0000000000000000", "u7fff", "uffffffffffffffff_3", "a-user-key", "zz"):
-        assert sum(lo <= key < hi for lo, hi in ranges) == 1
 
 
 def test_rows_repeated_across_files_get_keys_as_if_the_files_were_one(tmp_path):
