@@ -327,6 +327,24 @@ class Storage:
             (Path(local_dir) / rel).write_bytes(data)
         return sha
 
+    def pin_copies(self, folder: str, paths: list, digests: list[str]) -> list[str | None]:
+        """Local files workers on other machines must read: copied into an object-store run folder
+        as `<folder>/<digest[:16]>-<name>`, each only if not there yet (named by its content, an
+        unchanged file is never uploaded again); copies in `folder` of files no longer given are
+        deleted together. -> each file's run-relative path, or None where workers reach the local
+        path as it is."""
+        from pathlib import Path
+
+        if self.is_local:
+            return [None] * len(paths)
+        rels = [f"{folder}/{d[:16]}-{Path(p).name}" for p, d in zip(paths, digests)]
+        have = set(self.list(folder))
+        for path, rel in zip(paths, rels):
+            if rel not in have:
+                self.write_file(rel, path)
+        self.delete_files(sorted(have - set(rels)))
+        return rels
+
     def local_dir(self, rel: str):
         """A folder of the run as a local path this process can open: itself for a local run folder,
         else a copy fetched once per process (for model folders: libraries that want a path)."""

@@ -563,20 +563,10 @@ INPUT = "source/input"     # the list files pinned in an object-store run folder
 
 
 def pin_inputs(storage, files: list[Path]) -> list[str | None]:
-    """Each list file's copy in the run folder's storage (None where workers read the local path):
-    `source/input/<sha256[:16]>-<name>`, uploaded only if not there yet; copies of files no longer
-    listed are deleted together."""
+    """Each list file's copy in the run folder's storage, by content (Storage.pin_copies)."""
     from infra.hashing import file_sha256
 
-    if storage.is_local:
-        return [None] * len(files)
-    rels = [f"{INPUT}/{file_sha256(f)[:16]}-{f.name}" for f in files]
-    have = set(storage.list(INPUT))
-    for f, rel in zip(files, rels):
-        if rel not in have:
-            storage.write_file(rel, f)
-    storage.delete_files(sorted(have - set(rels)))
-    return rels
+    return storage.pin_copies(INPUT, files, [file_sha256(f) for f in files])
 
 
 class SourceStage(Source):
