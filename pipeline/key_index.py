@@ -1,9 +1,11 @@
 """Each stage's key index: key -> the ledger file that holds it, so `capline explain` reads one small
 file per stage (and then that ledger file) instead of every ledger of every stage.
 
-Built by the runner when a stage finishes, before its `_SUCCESS`: a task per ledger file writes its
-(key, file) rows bucketed by the key's hash (infra/shuffle.py), a task per bucket writes
-`<stage>/keys/<bucket>.parquet` sorted by key, in row groups small enough that a lookup reads one.
+Built by the runner when a stage finishes, before its `_SUCCESS`. Up to ROWS_PER_BUCKET keys: one
+file, which a task updates from the ledgers that changed. Past it: a shuffle through Ray's object
+store (a task per ledger file hands each bucket its (key, file) rows by the key's hash, a task per
+bucket writes `<stage>/keys/<bucket>.parquet`). Either way sorted by key, in row groups small enough
+that a lookup reads one.
 `<stage>/keys/meta.json` says how many buckets. The driver sees counts only.
 """
 from __future__ import annotations
@@ -16,24 +18,22 @@ import pyarrow.parquet as pq
 KEYS = "keys"
 ROWS_PER_BUCKET = 2_000_000
 ROW_GROUP = 8192
-MAP_SCHEMA = pa.schema([("key", pa.string()), ("file", pa.string()), ("bucket", pa.int32())])
 
 
-def _map_task(storage, file: str, out: str, buckets: int) -> int:
-    from infra.shuffle import write_buckets
+def _map_task(storage, file: str, buckets: int) -> list[pa.Table]:
+    """A shuffle's map (Executor.shuffle): one ledger's (key, file) rows, a piece per index bucket."""
     from stages.dataplane import hash_buckets
 
-    keys = storage.read_table(file, ["key"]).column("key").to_pylist()
-    write_buckets(storage, out, pa.table({"key": keys, "file": [file] * len(keys),
-                                          "bucket": pa.array(hash_buckets(keys, buckets), pa.int32())},
-                                         schema=MAP_SCHEMA), "bucket")
-    return len(keys)
+    keys = storage.read_table(file, ["key"]).column("key")
+    table = pa.table({"key": keys, "file": pa.array([file] * len(keys), pa.string())})
+    bucket = hash_buckets(keys.to_pylist(), buckets)
+    return [table.filter(pa.array(bucket == b)) for b in range(buckets)]
 
 
-def _reduce_task(storage, bucket: int, maps: list[str], out: str, row_group: int) -> int:
-    from infra.shuffle import read_bucket
-
-    return _write_index(storage, read_bucket(storage, maps, "bucket", bucket, MAP_SCHEMA).select(["key", "file"]),
+def _reduce_task(storage, out: str, row_group: int, *pieces: pa.Table) -> int:
+    """A shuffle's reduce: one index bucket's rows from every ledger, written sorted by key."""
+    return _write_index(storage, pa.concat_tables(pieces) if pieces else pa.table({"key": pa.array([], pa.string()),
+                                                                                    "file": pa.array([], pa.string())}),
                         out, row_group)
 
 
@@ -77,7 +77,11 @@ def build(storage, executor, stage: str, files: dict[str, str], rows: int, in_dr
     if in_driver:
         from types import SimpleNamespace
 
-        executor = SimpleNamespace(run=lambda fn, calls, *a, **k: [fn(*c) for c in calls])
+        def shuffle(map_fn, calls, n, reduce_fn, reduce_calls, *a, **k):
+            pieces = [map_fn(*c) for c in calls]
+            return [reduce_fn(*reduce_calls[b], *[p[b] for p in pieces]) for b in range(n)]
+
+        executor = SimpleNamespace(run=lambda fn, calls, *a, **k: [fn(*c) for c in calls], shuffle=shuffle)
     folder = f"{stage}/{KEYS}"
     buckets = max(1, math.ceil(rows / ROWS_PER_BUCKET))
     before = storage.read_json(f"{folder}/meta.json") or {}
@@ -90,14 +94,11 @@ def build(storage, executor, stage: str, files: dict[str, str], rows: int, in_dr
         read = done["ledgers_read"]
         # buckets of an earlier, larger index: deleted together
         storage.delete_files([f for f in storage.list(folder) if f not in (index, f"{folder}/meta.json")])
-    else:
+    else:   # a shuffle through Ray's object store: the map pieces never touch the bucket
         storage.delete(folder)
-        maps = [f"{folder}/_map/{i:06d}.parquet" for i in range(len(files))]
-        executor.run(_map_task, [(storage, f, m, buckets) for f, m in zip(files, maps)], f"{stage} key index",
-                     num_cpus=0.25, quiet=True)
-        executor.run(_reduce_task, [(storage, b, maps, f"{folder}/{b:06d}.parquet", ROW_GROUP)
-                                    for b in range(buckets)], f"{stage} key index", num_cpus=0.25, quiet=True)
-        storage.delete(f"{folder}/_map")
+        executor.shuffle(_map_task, [(storage, f, buckets) for f in sorted(files)], buckets, _reduce_task,
+                         [(storage, f"{folder}/{b:06d}.parquet", ROW_GROUP) for b in range(buckets)],
+                         f"{stage} key index", num_cpus=0.25)
         read = len(files)
     meta = {"buckets": buckets, "rows": rows, **({"files": dict(sorted(files.items()))} if buckets == 1 else {})}
     storage.write_json(f"{folder}/meta.json", meta)
