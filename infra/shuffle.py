@@ -150,3 +150,14 @@ def merge_ranges(storage, files: list[str], rel: str, column: str, n: int) -> di
     t = pa.concat_tables(storage.read_tables(files))     # in parallel: on an object store latency bounds them
     write_ranges(storage, rel, t, column, n)
     return {"files": len(files), "rows": t.num_rows}
+
+
+def range_pieces(table: pa.Table, column: str, n: int) -> list[pa.Table]:
+    """`table`, sorted by its uint32 `column` (as `write_ranges` leaves a file), cut into its `n`
+    range buckets: zero-copy slices, for a shuffle through the object store."""
+    buckets = range_buckets(table.column(column).to_numpy(), n)
+    if len(buckets) > 1 and np.any(np.diff(buckets) < 0):
+        order = np.argsort(buckets, kind="stable")
+        table, buckets = table.take(order), buckets[order]
+    bounds = np.searchsorted(buckets, np.arange(n + 1), side="left")
+    return [table.slice(int(lo), int(hi - lo)) for lo, hi in zip(bounds[:-1], bounds[1:])]

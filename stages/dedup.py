@@ -2,20 +2,26 @@
 
 1. Each evaluation set in `eval_sets` gets a reference index (stages/eval_sets.py; built once and
    cached by content and parameters).
-2. A Ray task per partition reads its images through the sample index, describes each
-   (stages/imagehash.py), searches the evaluation indexes (loaded once per worker), writes the
-   descriptors to `_work/desc/<part>.parquet` and each sample's signatures into hash buckets
-   (`_work/sig/<part>.parquet`, a row group per bucket): its pixel hash, its URL+caption hash, and the bands of its
-   SimHash code (banded LSH, stages/lsh.py: bands wider and more of them as N grows, so a band value's
-   group stays small and a pair at the threshold is found with the same probability).
-3. A task per signature bucket (as many as the data and the cluster call for) groups the
-   signatures: equal pixels or URL+caption make `exact_duplicate` pairs; codes that share a band,
-   are within the Hamming radius the cosine threshold implies and agree in colour make candidate
-   pairs. It writes them to one file bucketed by pair, and the candidates' sides to one file
-   bucketed by partition group; a task per partition group reads each of its partitions'
-   descriptors once and sends the wanted ones on, bucketed by pair (a join); a task per pair bucket
-   checks its candidates by exact cosine and writes the edges (`_work/edges/`).
-4. One task joins the edges into clusters (its memory grows with the duplicates, not the data): of
+2. A Ray task per partition reads its images through the sample index, describes each once
+   (stages/imagehash.py), searches the evaluation indexes (one copy per node, in the object store)
+   and writes `described/<key>.desc.parquet`: descriptor, SimHash code, mean colour, pixel and
+   URL+caption hashes. Kept across runs by the partition's content and the config alone.
+3. A cheap task per partition makes its signatures for this run's band plan (banded LSH,
+   stages/lsh.py: bands wider and more of them as N grows, so a band value's group stays small and
+   a pair at the threshold is found with the same probability) from those descriptions: its pixel
+   hash, its URL+caption hash, a value per band, sorted into range buckets
+   (`signed/<key>.sig.parquet`, kept across runs per band plan).
+4. The group shuffle, through Ray's object store (Executor.shuffle): a task per partition reads its
+   signature file once and hands each signature bucket its piece; a task per bucket (as many as the
+   data and the cluster call for) groups them: equal pixels or URL+caption make `exact_duplicate`
+   pairs; codes that share a band, are within the Hamming radius the cosine threshold implies and
+   agree in colour make candidate pairs (exact copies in a large group pair with one
+   representative: a placeholder repeated 10^4 times costs linear work). It writes them to one file
+   bucketed by pair, and the candidates' sides to one file bucketed by partition group; a task per
+   partition group reads each of its partitions' descriptors once and sends the wanted ones on,
+   bucketed by pair (a join); a task per pair bucket checks its candidates by exact cosine and
+   writes the edges (`_work/edges/`).
+5. One task joins the edges into clusters (its memory grows with the duplicates, not the data): of
    each cluster the smallest key is kept, the rest name it in their detail `duplicate_of=<key>`.
    It writes the drops in one file, a row group per partition. A task per partition writes the
    verdicts, with a match at cosine >= `eval_threshold` dropped as `eval_duplicate` (the set in
@@ -44,7 +50,7 @@ from infra.configtools import join, require
 from infra.errors import UserError
 from infra.hashing import hash_file as file_sha256
 
-from infra.shuffle import merge_group, merge_ranges, read_bucket, read_range, write_buckets, write_ranges
+from infra.shuffle import range_pieces, read_bucket, read_range, write_buckets, write_ranges
 
 from .base import Decide, StageContext, StageResult
 from .dataplane import DROPPED, KEPT, PICTURE_COLUMNS, PartTask, by_location, hash_buckets, picture_batches, reused_or_run
@@ -57,9 +63,13 @@ from .neardup import NearDupIndex
 @dataclass
 class DedupConfig:
     # how the work is cut or run, never what is decided: left out of the fingerprint and the card
-    HOW: ClassVar[tuple] = ("bucket_rows", "shuffle_requests_per_sample", "merge_bytes", "cpus_per_worker", "cache_dir")
+    HOW: ClassVar[tuple] = ("bucket_rows", "cpus_per_worker", "cache_dir")
     REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs",
-                               "batch_size": "never read: tasks size their image batches by rows and bytes"}
+                               "batch_size": "never read: tasks size their image batches by rows and bytes",
+                               "shuffle_requests_per_sample": "signatures reach the group tasks through Ray's "
+                                                              "object store: nothing is merged",
+                               "merge_bytes": "signatures reach the group tasks through Ray's object store: "
+                                              "nothing is merged"}
     eval_sets: list[EvalSetConfig] = field(default_factory=list)  # evaluation sets no training image may match (name, kind builtin|folder|parquet|..., path)
     eval_threshold: float = 0.92       # cosine of thumbnail descriptors
     within_threshold: float = 0.97  # cosine of thumbnail descriptors above which two training images are one
@@ -78,10 +88,6 @@ class DedupConfig:
     # signature rows one group task takes on average (each ~100 bytes in memory): the number of
     # buckets grows with the data, never fewer than the cluster's CPUs can work on at once
     bucket_rows: int = 1_000_000
-    # the group tasks read a footer and a range of every signature file: more files than keep them
-    # under this many requests per sample are first merged, a group at a time, into fewer files
-    shuffle_requests_per_sample: float = 0.05
-    merge_bytes: int = 1_000_000_000   # the signature rows one merge task holds in memory
     cache_dir: str = "~/.cache/capline/eval-index"  # where evaluation-set indexes are kept between runs, by content
     def validate(self, prefix: str) -> None:
         for name in ("eval_threshold", "within_threshold", "encoder_threshold"):
@@ -90,8 +96,6 @@ class DedupConfig:
         require(0 < self.cpus_per_worker <= 64, join(prefix, "cpus_per_worker"), "must be in (0, 64]")
         require(self.bucket_rows >= 1000, join(prefix, "bucket_rows"), f"must be >= 1000, got {self.bucket_rows}")
         require(self.bits % 64 == 0 and self.bits > 0, join(prefix, "bits"), "must be a positive multiple of 64")
-        require(self.shuffle_requests_per_sample > 0, join(prefix, "shuffle_requests_per_sample"), "must be > 0")
-        require(self.merge_bytes >= 10_000_000, join(prefix, "merge_bytes"), "must be >= 10000000")
         names = [e.name for e in self.eval_sets]
         require(len(names) == len(set(names)), join(prefix, "eval_sets"), f"set names repeat: {names}")
         if self.encoder_checkpoint:
@@ -388,8 +392,6 @@ def _packed(column, width: int) -> np.ndarray:
 
 PAIR_DIR, EDGE_DIR, DECISIONS = "dedup/_work/pairs", "dedup/_work/edges", "dedup/_work/decisions.parquet"
 WANTED_DIR, VEC_DIR = "dedup/_work/wanted", "dedup/_work/vecs"
-SIG_MERGED = "dedup/_work/signatures"    # signature files merged for the group tasks (this run's work)
-SIG_ROW_BYTES = 128                      # a signature row in memory (code, colour, hashes, key, partition)
 # a near candidate's side: its descriptor is wanted by a pair bucket; fetched by the task of its partition's group
 WANTED_SCHEMA = pa.schema([("key", pa.string()), ("part", pa.string()), ("pair_bucket", pa.int32()),
                            ("fetch_bucket", pa.int32())])
@@ -404,12 +406,30 @@ def _pair_buckets(a: list[str], b: list[str], n: int) -> np.ndarray:
     return hash_buckets([f"{x}\0{y}" for x, y in zip(a, b)], n)
 
 
+def _sig_pieces(storage, file: str, n_buckets: int) -> list[pa.Table]:
+    """Ray task (the group shuffle's map): one partition's signature file, read once, cut into its
+    `n_buckets` range buckets for the group tasks (through the object store, not the bucket)."""
+    return range_pieces(storage.read_table(file), "h32", n_buckets)
+
+
+def _group_reduce(storage, bucket: int, cfg: DedupConfig, n_pair_buckets: int, *pieces: pa.Table) -> dict:
+    """Ray task (the group shuffle's reduce): one signature bucket's pieces from every partition."""
+    return _group_rows(storage, bucket, cfg, pa.concat_tables(pieces) if pieces else SIG_SCHEMA.empty_table(),
+                       n_pair_buckets)
+
+
 def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str], n_buckets: int, n_pair_buckets: int) -> dict:
-    """Ray task: one signature bucket -> its pairs (a < b, with their partitions and kind), written to
-    one file bucketed by pair (infra/shuffle.py); -> counts. Equal exact signatures pair every member
-    with the group's smallest key; equal band values pair the members whose codes are within the
-    Hamming radius and whose colours agree (stages/lsh.py), the whole group, never cut."""
-    t = read_range(storage, files, "h32", bucket, n_buckets, SIG_SCHEMA)
+    """One signature bucket read from the signature files themselves (`benchmarks/dedup_within.py`
+    runs the group step alone this way)."""
+    return _group_rows(storage, bucket, cfg, read_range(storage, files, "h32", bucket, n_buckets, SIG_SCHEMA),
+                       n_pair_buckets)
+
+
+def _group_rows(storage, bucket: int, cfg: DedupConfig, t: pa.Table, n_pair_buckets: int) -> dict:
+    """One signature bucket -> its pairs (a < b, with their partitions and kind), written to one file
+    bucketed by pair (infra/shuffle.py); -> counts. Equal exact signatures pair every member with the
+    group's smallest key; equal band values pair the members whose codes are within the Hamming
+    radius and whose colours agree (stages/lsh.py), the whole group, never cut."""
     t = t.sort_by([("sig_kind", "ascending"), ("sig_hi", "ascending"), ("sig_lo", "ascending"), ("key", "ascending")])
     kind, hi, lo = (t.column(c).to_numpy() for c in ("sig_kind", "sig_hi", "sig_lo"))
     starts, lengths = runs(kind, hi, lo)
@@ -734,12 +754,14 @@ class DedupStage(Decide):
             lambda u, out: (ctx.storage, u.part, f"{outs[u.part]}.desc.parquet", cfg, plan, n_buckets, out),
             "dedup sign", f"signed before for {plan.bands} bands of {plan.width} bits", "sign",
             num_cpus=cfg.cpus_per_worker)
-        sig_files = self._merged([f"{signed[u.part]}.sig.parquet" for u in upstream], ctx, cfg, samples, plan, n_buckets)
         # pairs are few next to signatures: fewer pair buckets, so the fetch and verify tasks each
         # open the group tasks' files n_buckets / PAIR_FAN_IN times fewer
         n_pairs = max(1, math.ceil(n_buckets / PAIR_FAN_IN))
-        found = ctx.run(_group_task, [(ctx.storage, b, cfg, sig_files, n_buckets, n_pairs) for b in range(n_buckets)],
-                        "dedup group", num_cpus=cfg.cpus_per_worker, unit="buckets")
+        # each partition's signatures read once and handed to the group tasks through Ray's object
+        # store: a group task opens no file (it opened every signature file, or merged copies of them)
+        found = ctx.shuffle(_sig_pieces, [(ctx.storage, f"{signed[u.part]}.sig.parquet", n_buckets) for u in upstream],
+                            n_buckets, _group_reduce, [(ctx.storage, b, cfg, n_pairs) for b in range(n_buckets)],
+                            "dedup group", num_cpus=cfg.cpus_per_worker)
         # only the files written (no empty ones): a reducer opens just those
         pair_files = [f"{PAIR_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f["pairs"]]
         wanted_files = [f"{WANTED_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f["wanted"]]
@@ -756,22 +778,6 @@ class DedupStage(Decide):
                           set_stats, max((f["largest_group"] for f in found), default=0), n_buckets,
                           plan.describe(cfg.within_threshold), desc,
                           {"group": n_buckets, "fetch": len(fetched), "verify": len(checked)})
-
-    def _merged(self, files: list[str], ctx: StageContext, cfg: DedupConfig, samples: int, plan: BandPlan,
-                n_buckets: int) -> list[str]:
-        """The partitions' signature files, merged a group at a time into fewer files when the group
-        tasks would otherwise make more than `shuffle_requests_per_sample` opening them all."""
-        rows = sigs_per_sample(plan) * samples
-        per = merge_group(len(files), n_buckets, samples, cfg.shuffle_requests_per_sample,
-                          SIG_ROW_BYTES * rows / max(1, len(files)), cfg.merge_bytes)
-        if per == 1:
-            return files
-        groups = [files[i:i + per] for i in range(0, len(files), per)]
-        merged = [f"{SIG_MERGED}/{i:06d}.parquet" for i in range(len(groups))]
-        ctx.run(merge_ranges, [(ctx.storage, g, m, "h32", n_buckets) for g, m in zip(groups, merged)],
-                "dedup merge signatures", num_cpus=cfg.cpus_per_worker, unit="merges")
-        ctx.log(f"dedup: {len(files)} signature files merged into {len(merged)} for {n_buckets} group tasks")
-        return merged
 
     def decide(self, ctx: StageContext, found: Candidates) -> dict:
         """Pairs joined into clusters, in a task; of each the smallest key is kept. -> counts per
