@@ -2,7 +2,10 @@
 
 Captions are sampled deterministically (the `max_sentences` keys first in sha256(seed:key) order,
 found by a threshold on that hash in a task per partition, never by sorting every key), training runs
-single-threaded in one Ray task, so the same captions and config give the same model bytes.
+in one Ray task with `threads` threads (and as many CPUs). SentencePiece's model depends on its
+thread count (measured: 1 and 2 threads give different bytes, 2 and 2 the same), so `threads` is a
+setting that decides the result, never the cluster's size: the same captions and config give the
+same model bytes.
 Ids: pad 0 (also the decoders' BOS), EOS 1, unknown 2, no BOS; byte fallback on, so nothing is ever
 unknown. `vocab_size` is a soft limit (a small corpus cannot fill 32k pieces): the model's real size
 is in stats.json and the manifest. Every sample is kept; this stage only learns from them.
@@ -28,6 +31,7 @@ class TokenizerConfig:
     lowercase: bool = True  # lowercase captions before training and encoding
     normalization: Literal["nmt_nfkc", "nfkc", "identity"] = "nmt_nfkc"  # SentencePiece's normalisation rule (nmt_nfkc, ...)
     max_sentences: int = 2_000_000  # captions sampled, by seeded order key, to train on
+    threads: int = 1  # SentencePiece's training threads (the task asks for as many CPUs); the model's bytes depend on it
     character_coverage: float = 0.9995  # share of characters the vocabulary covers (rare ones map to unknown)
     # keep the model the first run of this run folder trained for every later (scheduled) run: a
     # dataset line's fixed vocabulary, so models trained on its earlier shards stay compatible;
@@ -39,6 +43,7 @@ class TokenizerConfig:
                 f"must be >= 300 (256 byte pieces + specials), got {self.vocab_size}")
         require(self.max_sentences >= 10, join(prefix, "max_sentences"), "must be >= 10")
         require(0.9 <= self.character_coverage <= 1.0, join(prefix, "character_coverage"), "must be in [0.9, 1]")
+        require(1 <= self.threads <= 256, join(prefix, "threads"), f"must be in [1, 256], got {self.threads}")
 
 
 def train_sentencepiece(captions: list[str], cfg: TokenizerConfig) -> bytes:
@@ -49,7 +54,7 @@ def train_sentencepiece(captions: list[str], cfg: TokenizerConfig) -> bytes:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(captions), model_writer=buf, vocab_size=cfg.vocab_size,
         model_type=cfg.model_type, pad_id=0, eos_id=1, unk_id=2, bos_id=-1, byte_fallback=True,
-        normalization_rule_name=rule, hard_vocab_limit=False, num_threads=1,
+        normalization_rule_name=rule, hard_vocab_limit=False, num_threads=cfg.threads,
         shuffle_input_sentence=False, character_coverage=cfg.character_coverage, minloglevel=2)
     return buf.getvalue()
 
@@ -125,7 +130,8 @@ class TokenizerStage(Sink):
             ctx.log(f"tokenizer: the model of this dataset line ({info['sha256'][:12]}, {info['vocab_size']} pieces), "
                     "not trained again (stages.tokenizer.reuse; set it false to retrain)")
         else:
-            info = ctx.call(_train_task, ctx.storage, files, ctx.n_in, ctx.seed, cfg, what="tokenizer", num_cpus=1)
+            info = ctx.call(_train_task, ctx.storage, files, ctx.n_in, ctx.seed, cfg, what="tokenizer",
+                            num_cpus=cfg.threads, setting="stages.tokenizer.threads")
             ctx.log(f"tokenizer: trained a {cfg.model_type} model of {info['vocab_size']} pieces on "
                     f"{info['trained_on']} captions")
             if cfg.reuse:

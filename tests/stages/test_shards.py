@@ -32,6 +32,21 @@ def test_tokenizer_is_deterministic_with_fixed_special_ids():
     assert sp.decode(sp.encode("A LARGE Red")) == "a large red"   # lower-cased by config
 
 
+def test_tokenizer_threads_decide_the_model_bytes_and_are_a_setting():
+    """SentencePiece's model depends on its thread count: the same threads give the same bytes, so
+    `threads` is a setting in the stage's fingerprint, never taken from the cluster."""
+    from infra.errors import ConfigError
+    from pipeline.config import load_config
+    from stages.tokenizer import TokenizerStage
+
+    two = TokenizerConfig(vocab_size=600, threads=2)
+    assert train_sentencepiece(_captions(), two) == train_sentencepiece(_captions(), two)
+    fingerprint = lambda *extra: TokenizerStage().fingerprint(load_config(None, list(extra)))   # noqa: E731
+    assert fingerprint("stages.tokenizer.threads=2") != fingerprint()
+    with pytest.raises(ConfigError, match="stages.tokenizer.threads"):
+        load_config(None, ["stages.tokenizer.threads=0"])
+
+
 def test_bpe_by_config_and_order_is_seeded():
     sp = spm.SentencePieceProcessor(model_proto=train_sentencepiece(_captions(), TokenizerConfig(vocab_size=600, model_type="bpe")))
     assert sp.get_piece_size() > 259
