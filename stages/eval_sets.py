@@ -90,6 +90,10 @@ def iter_images(es: EvalSetConfig, run_dir: Path | None) -> Iterator[tuple[str, 
     elif es.kind == "parquet":
         import pyarrow.parquet as pq
 
+        from infra.bombs import check_parquet
+
+        check_parquet(Path(es.path), f"evaluation set {es.name}", "an evaluation set's values may decode to at most "
+                      "100 times its file's size (infra/bombs.py)")
         table = pq.read_table(es.path)
         if es.image_col not in table.column_names:
             raise UserError(f"evaluation set {es.name}: {es.path} has no column {es.image_col!r}")

@@ -28,11 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
+from infra.bombs import Counted, check_parquet, decoded_lengths, limit_for, text_columns
 from infra.configtools import join, require
 from infra.errors import UserError
 
@@ -87,6 +90,13 @@ class SourceConfig:
     # 1,000 characters are left out
     keep_columns: list[str | int] | None = None
     carried_bytes: int = 4096        # JSON a sample carries from its list's columns at most; the rest left out, counted
+    # a row with a field (URL, caption, any column) longer than this is set aside as
+    # malformed_row:field_too_large; a text list's line may be at most 4x this long
+    max_field_bytes: int = 1 << 20
+    # a list file whose text (decompressed) or decoded Parquet values pass this, or 100 times its
+    # size on disk (infra/bombs.py), is refused before a row is keyed: a compression or dictionary
+    # bomb is measured first (a pass that decodes nothing)
+    max_list_bytes: int = 8 << 30
     # bounds on the list's own numeric columns, each a declared threshold (LAION's recipe:
     # {punsafe: {max: 0.5}, pwatermark: {max: 0.8}, WIDTH: {min: 256}}): a row outside one, or without
     # a number there, is dropped as list_filter:<column>, naming the value and the bound
@@ -123,6 +133,9 @@ class SourceConfig:
         require(0 <= self.serve_port <= 65535, join(prefix, "serve_port"), f"must be 0..65535, got {self.serve_port}")
         require(self.rows_per_part >= 1, join(prefix, "rows_per_part"), f"must be >= 1, got {self.rows_per_part}")
         require(64 <= self.carried_bytes <= 65536, join(prefix, "carried_bytes"), f"must be 64..65536, got {self.carried_bytes}")
+        require(1024 <= self.max_field_bytes <= 1 << 28, join(prefix, "max_field_bytes"),
+                f"must be 1024..268435456, got {self.max_field_bytes}")
+        require(self.max_list_bytes >= 1 << 20, join(prefix, "max_list_bytes"), f"must be >= 1048576, got {self.max_list_bytes}")
         for name in ("url_col", "caption_col", "key_col"):
             v = getattr(self, name)
             require(not isinstance(v, int) or isinstance(v, bool) or v >= 0, join(prefix, name),
@@ -179,52 +192,113 @@ def _positional(table: pa.Table, header: bool, columns) -> pa.Table:
     return table.rename_columns([str(i) for i in range(table.num_columns)])
 
 
-def _read_table(path: Path, fmt: str, text_cols: tuple = (), header: bool = True,
-                columns=None) -> tuple[pa.Table, list[int] | None, list[dict]]:
-    """A URL list file -> (its rows, each row's 1-based line in the file (None for Parquet), the
-    lines that are not rows: [{line, expected, actual, text}]). A CSV/TSV line with too few or too
-    many columns (a URL without a caption, a tab inside a caption: real CC3M/CC12M lists have them)
-    is set aside with its line number, never a reason to refuse the whole list."""
+BATCH_ROWS = 65_536               # rows of a Parquet list decoded at once
+BATCH_BYTES = 256 << 20           # ... and at most this many bytes of their text values
+
+
+def iter_list(path: Path, fmt: str, text_cols: tuple = (), header: bool = True, columns=None,
+              max_field: int = 1 << 20, max_bytes: int = 64 << 30):
+    """A URL list file, a batch at a time (memory: a batch, whatever the file's size) -> (rows, each
+    row's 1-based line in the file or None for Parquet, the lines that are not rows: [{line,
+    expected, actual, text}]). A CSV/TSV line with too few or too many columns (a URL without a
+    caption, a tab inside a caption: real CC3M/CC12M lists have them) is set aside with its line
+    number, never a reason to refuse the whole list. Past `max_bytes` of text (decompressed) or of
+    decoded Parquet values, the file is refused; a line longer than 4 x `max_field` too."""
     fmt = _format(path, fmt)
     try:
         if fmt == "parquet":
-            return pq.read_table(path), None, []
-        if fmt == "jsonl":     # pyarrow's JSON reader does not decompress by suffix: a stream that does
-            with pa.input_stream(str(path), compression="detect") as stream:
-                table = pajson.read_json(stream)
-            return table, list(range(1, table.num_rows + 1)), []
-        # text columns as bytes, decoded per row (texts()): type inference would turn an invalid byte
-        # into a binary column, or a column of numbers-looking captions into floats
-        names = None if header or columns else _read_columns(path, fmt, header, columns)
-        wanted = {(f"f{names.index(c)}" if names is not None and c in names else c) for c in text_cols}
-        convert = pacsv.ConvertOptions(column_types={c: pa.binary() for c in wanted})
-        malformed: list[dict] = []
+            yield from _parquet_batches(path, max_bytes)
+            return
+        limit = limit_for(path, max_bytes) if path.suffix.lower() in COMPRESSED else max_bytes
+        what = (f"source.path {path}: {path.stat().st_size:,} bytes on disk (a compression bomb?); raise "
+                "source.max_list_bytes if the list is real")
+        if path.suffix.lower() in COMPRESSED:     # a bomb is measured before a row is keyed or written
+            with pa.input_stream(str(path), compression="detect") as raw:
+                counted = Counted(raw, limit, what)
+                while counted.read(16 << 20):
+                    pass
+        block = max(1 << 20, 4 * max_field)
+        with pa.input_stream(str(path), compression="detect") as raw:
+            stream = Counted(raw, limit, what)
+            if fmt == "jsonl":
+                reader = pajson.open_json(stream, read_options=pajson.ReadOptions(block_size=block, use_threads=False))
+                line = 1
+                for batch in reader:
+                    n = batch.num_rows
+                    yield pa.Table.from_batches([batch]), list(range(line, line + n)), []
+                    line += n
+                return
+            # text columns as bytes, decoded per row (texts()): type inference would turn an invalid
+            # byte into a binary column, or a column of numbers-looking captions into floats
+            names = None if header or columns else _read_columns(path, fmt, header, columns)
+            wanted = {(f"f{names.index(c)}" if names is not None and c in names else c) for c in text_cols}
+            convert = pacsv.ConvertOptions(column_types={c: pa.binary() for c in wanted})
+            malformed: list[dict] = []
 
-        def set_aside(row) -> str:
-            malformed.append({"line": row.number, "expected": row.expected_columns, "actual": row.actual_columns,
-                              "text": (row.text or "")[:200]})
-            return "skip"
+            def set_aside(row) -> str:
+                malformed.append({"line": row.number, "expected": row.expected_columns, "actual": row.actual_columns,
+                                  "text": (row.text or "")[:200]})
+                return "skip"
 
-        # one thread: only then does pyarrow know each bad line's number; empty lines kept as rows, so
-        # that rows and bad lines together are the file's lines (a caption quoted over several lines
-        # is the one case that shifts the numbers after it)
-        parse = pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",", invalid_row_handler=set_aside,
-                                   ignore_empty_lines=False)
-        options = _read_options(header, columns)
-        options.use_threads = False
-        table = _positional(pacsv.read_csv(path, read_options=options, parse_options=parse,
-                                           convert_options=convert), header, columns)
-        bad = {m["line"] for m in malformed}
-        lines, line = [], 2 if header and not columns else 1
-        for _ in range(table.num_rows):
-            while line in bad:
-                line += 1
-            lines.append(line)
-            line += 1
-        return table, lines, malformed
+            # one thread: only then does pyarrow know each bad line's number; empty lines kept as
+            # rows, so that rows and bad lines together are the file's lines (a caption quoted over
+            # several lines is the one case that shifts the numbers after it)
+            parse = pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",", invalid_row_handler=set_aside,
+                                       ignore_empty_lines=False)
+            options = _read_options(header, columns)
+            options.use_threads, options.block_size = False, block
+            reader = pacsv.open_csv(stream, read_options=options, parse_options=parse, convert_options=convert)
+            bad: set[int] = set()
+            line = 2 if header and not columns else 1
+            for batch in reader:
+                found, malformed[:] = list(malformed), []
+                bad |= {m["line"] for m in found}
+                lines = []
+                for _ in range(batch.num_rows):
+                    while line in bad:
+                        line += 1
+                    lines.append(line)
+                    line += 1
+                yield _positional(pa.Table.from_batches([batch]), header, columns), lines, found
+            if malformed:      # lines set aside after the last batch
+                yield None, [], list(malformed)
+    except UserError:
+        raise
     except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"source.path {path}: not a readable {fmt} URL list ({first})") from None
+        hint = (f"; a line is longer than {4 * max_field:,} bytes: raise source.max_field_bytes if it is real"
+                if "straddling" in first or "block size" in first else "")
+        raise UserError(f"source.path {path}: not a readable {fmt} URL list ({first}){hint}") from None
+
+
+def _parquet_batches(path: Path, max_bytes: int):
+    """A Parquet list's rows a batch at a time, its text columns read as dictionaries where the file
+    has them (a dictionary bomb, one long value repeated, stays small until a batch is decoded) and
+    each batch cut so that its decoded text stays under BATCH_BYTES; past `max_bytes` decoded in
+    all, the file is refused."""
+    check_parquet(path, "source.path", "raise source.max_list_bytes if the list is real", max_bytes)   # measured first
+    texty = text_columns(pq.ParquetFile(path).schema_arrow)
+    pf = pq.ParquetFile(path, read_dictionary=texty)
+    for batch in pf.iter_batches(batch_size=BATCH_ROWS):
+        sizes = np.zeros(batch.num_rows, np.int64)
+        for name in texty:
+            sizes += decoded_lengths(batch.column(name))
+        start = 0
+        while start < batch.num_rows:      # slices whose decoded text fits BATCH_BYTES (at least a row)
+            cum = np.cumsum(sizes[start:])
+            stop = start + max(1, int(np.searchsorted(cum, BATCH_BYTES, side="right")))
+            piece = pa.Table.from_batches([batch.slice(start, stop - start)])
+            yield _decoded(piece, texty), None, []
+            start = stop
+
+
+def _decoded(table: pa.Table, texty: list[str]) -> pa.Table:
+    """Dictionary columns back to plain values (one batch's worth)."""
+    for name in texty:
+        col = table.column(name)
+        if pa.types.is_dictionary(col.type):
+            table = table.set_column(table.column_names.index(name), name, col.cast(col.type.value_type))
+    return table
 
 
 def _read_columns(path: Path, fmt: str, header: bool = True, columns=None) -> list[str]:
@@ -367,8 +441,19 @@ def _ids(column: pa.ChunkedArray) -> list:
     return texts(column)
 
 
-def keyed_rows(table: pa.Table, cfg: SourceConfig, part: str, lines: list[int] | None = None,
-               malformed: list[dict] = ()) -> pa.Table:
+class KeyState:
+    """What keying a file's rows must remember across its batches: how often each key was seen (a
+    repeat gets `_1`, `_2`, ... in row order), the user's keys and where each was first, and how many
+    rows came before."""
+
+    def __init__(self):
+        self.seen: dict[str, int] = {}
+        self.first: dict[str, int] = {}
+        self.rows = 0
+
+
+def keyed_rows(table: pa.Table | None, cfg: SourceConfig, part: str, lines: list[int] | None = None,
+               malformed: list[dict] = (), state: KeyState | None = None) -> pa.Table:
     """A URL list file's rows -> key, url, caption, partition, verdict, reason, detail (one per row
     and one per malformed line). `lines`: each row's line in the file (details name it).
 
@@ -376,20 +461,41 @@ def keyed_rows(table: pa.Table, cfg: SourceConfig, part: str, lines: list[int] |
     too few or too many columns), are kept in the ledger as dropped with their reason
     (`malformed_row:*`) and line. With `key_col`, keys must be unique and usable as tar member names:
     the file is refused before anything downloads, naming the first offending rows."""
-    url_col, caption_col, key_col = (column_ref(c, table.column_names, w) for c, w in (
-        (cfg.url_col, "url_col"), (cfg.caption_col, "caption_col"), (cfg.key_col, "key_col")))
-    for c in (url_col, caption_col, key_col):
-        if c and c not in table.column_names:
-            raise UserError(f"source partition {part}: missing column {c}")
-    urls = texts(table.column(url_col))
-    caps = texts(table.column(caption_col))
-    ids = _ids(table.column(key_col)) if key_col else None
-    notes = _carried(table, cfg, part, {url_col, caption_col, key_col})
-    if ids is not None:
-        _check_keys(ids, key_col, part)
-    seen: dict[str, int] = {}
+    state = state or KeyState()
+    if table is None:       # only lines set aside (after a text list's last batch)
+        table = pa.table({})
+        urls = caps = []
+        ids, notes, too_long = None, [], np.zeros(0, bool)
+    else:
+        url_col, caption_col, key_col = (column_ref(c, table.column_names, w) for c, w in (
+            (cfg.url_col, "url_col"), (cfg.caption_col, "caption_col"), (cfg.key_col, "key_col")))
+        for c in (url_col, caption_col, key_col):
+            if c and c not in table.column_names:
+                raise UserError(f"source partition {part}: missing column {c}")
+        # a field over source.max_field_bytes: its row set aside, the field never decoded into text
+        too_long = _too_long(table, cfg.max_field_bytes)
+        if too_long.any():
+            keep = pa.array(~too_long)
+            table = pa.table({n: pc.if_else(keep, table.column(n), pa.scalar(None, table.column(n).type))
+                              for n in table.column_names})
+        urls = texts(table.column(url_col))
+        caps = texts(table.column(caption_col))
+        ids = _ids(table.column(key_col)) if key_col else None
+        notes = _carried(table, cfg, part, {url_col, caption_col, key_col})
+        if ids is not None:
+            _check_keys(ids, key_col, part, state)
+    seen = state.seen
     keys, out_urls, out_caps, verdicts, reasons, details = [], [], [], [], [], []
     for i, (url, cap) in enumerate(zip(urls, caps)):
+        if too_long[i]:
+            keys.append("m" + hashlib.sha1(f"{part}\0row\0{state.rows + i}".encode()).hexdigest()[:16])
+            out_urls.append(None)
+            out_caps.append("")
+            verdicts.append(DROPPED)
+            reasons.append("malformed_row:field_too_large")
+            where = f"{part} line {lines[i]}" if lines is not None else f"{part} row {state.rows + i + 1}"
+            details.append(f"{where}: a field longer than {cfg.max_field_bytes:,} bytes (source.max_field_bytes)")
+            continue
         bad = "url" if url is INVALID else "caption" if cap is INVALID else None
         url = url.strip() if isinstance(url, str) else None
         cap = cap if isinstance(cap, str) else ""
@@ -403,9 +509,10 @@ def keyed_rows(table: pa.Table, cfg: SourceConfig, part: str, lines: list[int] |
         out_caps.append(cap)
         verdicts.append(KEPT if ok else DROPPED)
         reasons.append("" if ok else "malformed_row:invalid_utf8" if bad else "malformed_row:missing_url")
-        where = f"{part} line {lines[i]}" if lines is not None else f"{part} row {i + 1}"
+        where = f"{part} line {lines[i]}" if lines is not None else f"{part} row {state.rows + i + 1}"
         details.append(where + (f": its {bad} is not UTF-8" if bad else ""))
-    for col, bounds in cfg.where.items():    # the list's own thresholds, in the ledger like any other
+    state.rows += len(urls)
+    for col, bounds in cfg.where.items() if len(urls) else ():   # the list's own thresholds, in the ledger like any other
         if col not in table.column_names:
             raise UserError(f"source.where.{col}: {part} has no column {col!r}")
         for i, v in enumerate(table.column(col).to_pylist()):
@@ -424,9 +531,21 @@ def keyed_rows(table: pa.Table, cfg: SourceConfig, part: str, lines: list[int] |
         details.append(f"{part} line {m['line']}: {m['actual']} columns where {m['expected']} were expected "
                        f"({m['text'][:120]!r})")
         notes.append(None)
-    return pa.table({"key": keys, "url": pa.array(out_urls, pa.string()), "caption": out_caps,
-                     "partition": [part] * len(keys), "verdict": verdicts, "reason": reasons, "detail": details,
-                     "notes": pa.array(notes, pa.string())})
+    text = lambda v: pa.array(v, pa.string())     # noqa: E731 - typed even when empty (batches concatenate)
+    return pa.table({"key": text(keys), "url": text(out_urls), "caption": text(out_caps),
+                     "partition": text([part] * len(keys)), "verdict": text(verdicts), "reason": text(reasons),
+                     "detail": text(details), "notes": text(notes)})
+
+
+def _too_long(table: pa.Table, limit: int) -> np.ndarray:
+    """Rows with a text or binary field longer than `limit` bytes."""
+    out = np.zeros(table.num_rows, bool)
+    for col in table.columns:
+        t = col.type
+        if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
+            lengths = pc.fill_null(pc.binary_length(col), 0).to_numpy(zero_copy_only=False)
+            out |= lengths > limit
+    return out
 
 
 MAX_CARRIED_CHARS = 1000
@@ -494,12 +613,14 @@ def _carried(table: pa.Table, cfg: SourceConfig, part: str, used: set) -> list[s
     return out
 
 
-def _check_keys(ids: list, column: str, part: str) -> None:
-    first: dict[str, int] = {}
+def _check_keys(ids: list, column: str, part: str, state: KeyState | None = None) -> None:
+    state = state or KeyState()
+    first = state.first
     dup, bad = [], []
-    for i, k in enumerate(ids):
+    for j, k in enumerate(ids):
+        i = state.rows + j
         if not isinstance(k, str) or not KEY_RE.fullmatch(k.replace(".", "_").replace("/", "_")):
-            bad.append(i)
+            bad.append((i, k))
             continue
         k = k.replace(".", "_").replace("/", "_")
         if k in first:
@@ -507,7 +628,7 @@ def _check_keys(ids: list, column: str, part: str) -> None:
         else:
             first[k] = i
     if bad:
-        shown = ", ".join(f"row {i} ({_show(ids[i])})" for i in bad[:5])
+        shown = ", ".join(f"row {i} ({_show(v)})" for i, v in bad[:5])
         raise UserError(f"source partition {part}: {len(bad)} {column} value(s) cannot be sample keys "
                         f"(1-90 characters of A-Z a-z 0-9 _ - + = , @ ~; they name tar members): {shown}")
     if dup:
@@ -522,6 +643,38 @@ def _show(v) -> str:
     if v is None:
         return "missing"
     return repr(v[:40] + ("..." if len(v) > 40 else ""))
+
+
+class PartitionWriter:
+    """A file's keyed rows, written as partitions `<name>-NNNNN` of `rows_per_part` as they come:
+    what a task holds is one partition's rows, whatever the file's size."""
+
+    def __init__(self, storage, name: str, rows_per_part: int):
+        self.storage, self.name, self.per = storage, name, rows_per_part
+        self.pending: list[pa.Table] = []
+        self.held = 0
+        self.out: list = []
+
+    def add(self, rows: pa.Table) -> None:
+        self.pending.append(rows)
+        self.held += rows.num_rows
+        while self.held >= self.per:
+            self._write(self.per)
+
+    def _write(self, n: int) -> None:
+        t = pa.concat_tables(self.pending) if self.pending else None
+        chunk, rest = (t.slice(0, n), t.slice(n)) if t is not None else (None, None)
+        self.pending, self.held = ([rest] if rest is not None and rest.num_rows else []), max(0, self.held - n)
+        part = f"{safe_name(self.name)}-{len(self.out):05d}"
+        if chunk is None:   # an empty file: one empty partition, of the rows' columns
+            chunk = pa.table({c: pa.array([], pa.string()) for c in
+                              ("key", "url", "caption", "partition", "verdict", "reason", "detail", "notes")})
+        self.out.append(write_part(self.storage, "source", part, None, chunk.column("key").to_pylist(), chunk))
+
+    def close(self) -> list:
+        if self.held or not self.out:      # the rest, or an empty file's one empty partition
+            self._write(self.held)
+        return self.out
 
 
 def write_partitions(storage, rows: pa.Table, name: str, rows_per_part: int) -> list[dict]:
@@ -546,9 +699,11 @@ def _read_file_task(storage, path: str, cfg: SourceConfig, pinned: str | None = 
         if pinned is not None:
             local = Path(tmp) / name
             storage.download(pinned, local)
-        table, lines, malformed = _read_table(local, cfg.format, _text_cols(cfg, local), cfg.header, cfg.columns)
-        rows = keyed_rows(table, cfg, name, lines, malformed)
-        return write_partitions(storage, rows, name, cfg.rows_per_part)
+        state, out = KeyState(), PartitionWriter(storage, name, cfg.rows_per_part)
+        for table, lines, malformed in iter_list(local, cfg.format, _text_cols(cfg, local), cfg.header, cfg.columns,
+                                                 cfg.max_field_bytes, cfg.max_list_bytes):
+            out.add(keyed_rows(table, cfg, name, lines, malformed, state))
+        return out.close()
 
 
 def _text_cols(cfg: SourceConfig, path: Path) -> tuple:

@@ -267,3 +267,89 @@ def test_parquet_image_paths_cannot_read_outside_their_folder(tmp_path):
     pq.write_table(pa.table({"image": ["../secret.png"], "label": ["a"]}), sub / "s.parquet")
     with pytest.raises(UserError, match="points outside"):
         load_classification(ClassificationSet(name="p", kind="parquet", path=str(sub / "s.parquet")), tmp_path)
+
+
+# ---- URL lists and evaluation Parquet: one reader, measured before it decodes ------------------------
+
+def _source(tmp_path, path, *extra):
+    from pipeline.config import load_config
+
+    return load_config(None, ["source.kind=urls", f"source.path={path}", *extra]).source
+
+
+def _read_list(tmp_path, path, *extra):
+    from infra.storage import Storage
+    from stages.base import read_ledger
+    from stages.source import _read_file_task
+
+    storage = Storage.local(tmp_path / "run")
+    parts = _read_file_task(storage, str(path), _source(tmp_path, path, *extra))
+    (tmp_path / "run" / "source").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "run" / "source" / "parts.json").write_text(json.dumps([p.to_json() for p in parts]))
+    return read_ledger(storage, "source").to_pylist()
+
+
+def test_a_gzip_bomb_url_list_is_refused_before_it_is_read(tmp_path):
+    """~200 KB of gzip that is 200 MB of text (the 852 KB .gz that took 4.47 GB): measured while
+    decompressing, a pass that keeps nothing, and refused naming the setting."""
+    path = tmp_path / "bomb.csv.gz"
+    line = b"http://x.example/a.jpg," + b"a" * 1000 + b"\n"
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(b"url,caption\n")
+        block = line * 1000
+        for _ in range(200):
+            f.write(block)
+    assert path.stat().st_size < 3 << 20
+    with pytest.raises(UserError, match=r"bomb.csv.gz: .*bytes on disk \(a compression bomb\?\); raise source.max_list_bytes"):
+        _read_list(tmp_path, path)
+
+
+def test_a_parquet_dictionary_bomb_is_refused_before_it_is_decoded(tmp_path):
+    """One 1 MB caption repeated 6,000 times, dictionary-encoded: a few KB on disk, 6 GB decoded
+    (the 83 KB list and the ~1 KB evaluation set that ended in a bare MemoryError)."""
+    def repeated(value, n=6000):     # the bomb itself, never decoded here either
+        return pa.DictionaryArray.from_arrays(pa.array([0] * n, pa.int32()), pa.array([value]))
+
+    table = pa.table({"url": repeated("http://x.example/a.jpg"), "caption": repeated("x" * 1_000_000),
+                      "image": repeated(b"\x89PNG" * 250_000)})
+    path = tmp_path / "bomb.parquet"
+    pq.write_table(table, path, compression="zstd")
+    del table
+    assert path.stat().st_size < 1 << 20
+    with pytest.raises(UserError, match=r"source.path: .*bomb.parquet holds more than .* bytes of values once decoded"):
+        _read_list(tmp_path, path)
+    with pytest.raises(UserError, match=r"evaluation set e: .*bomb.parquet holds more than .* dictionary bomb"):
+        load_classification(ClassificationSet(name="e", kind="parquet", path=str(path), image_col="image",
+                                              label_col="caption"), tmp_path)
+
+
+def test_one_field_over_the_cap_sets_its_row_aside_not_the_list(tmp_path):
+    """A 1.5 MiB caption (over source.max_field_bytes, 1 MiB): its row is set aside with its line as
+    malformed_row:field_too_large, the others read (one such field made the whole list unreadable:
+    pyarrow's 1 MiB block); with a smaller cap, the same."""
+    path = tmp_path / "long.csv"
+    path.write_text("url,caption\nhttp://x.example/1.jpg,one\nhttp://x.example/2.jpg," + "b" * (3 << 19)
+                    + "\nhttp://x.example/3.jpg,three\n")
+    rows = {r["detail"].split(":")[0]: r for r in _read_list(tmp_path, path)}
+    assert rows["long.csv line 3"]["reason"] == "malformed_row:field_too_large"
+    assert "source.max_field_bytes" in rows["long.csv line 3"]["detail"]
+    assert [rows[f"long.csv line {n}"]["verdict"] for n in (2, 4)] == ["kept", "kept"]
+    small = {r["detail"].split(":")[0]: r for r in _read_list(tmp_path / "small", path, "source.max_field_bytes=65536")}
+    assert [small[f"long.csv line {n}"]["reason"] for n in (2, 3, 4)] == ["", "malformed_row:field_too_large", ""]
+
+
+def test_a_large_text_list_is_keyed_a_batch_at_a_time(tmp_path):
+    """300,000 rows of gzip text: read and keyed in batches, written a partition at a time, in
+    bounded memory (the fixture: < 300 MB of new peak), every row a sample."""
+    path = tmp_path / "big.csv.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("url,caption\n")
+        for i in range(300_000):
+            f.write(f"http://x.example/{i}.jpg,caption number {i} of a long list\n")
+    from infra.storage import Storage
+    from stages.source import _read_file_task
+
+    parts = _read_file_task(Storage.local(tmp_path / "run"), str(path), _source(tmp_path, path, "source.rows_per_part=50000"))
+    assert [p.n_in for p in parts] == [50_000] * 6
+    keys = pa.concat_tables(pq.read_table(tmp_path / "run" / p.file, columns=["key"]) for p in parts).column("key")
+    assert len(keys) == len(keys.unique()) == 300_000

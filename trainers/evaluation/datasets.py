@@ -122,6 +122,10 @@ def load_classification(s: ClassificationSet, run_dir: Path) -> tuple[list[Image
 
     if not path.is_file():
         raise UserError(f"evaluation set {s.name}: {path} does not exist")
+    from infra.bombs import check_parquet
+
+    check_parquet(path, f"evaluation set {s.name}", "an evaluation set's values may decode to at most 100 times its "
+                  "file's size (infra/bombs.py)")
     t = pq.read_table(path)
     for col in (s.image_col, s.label_col):
         if col not in t.column_names:

@@ -1,0 +1,107 @@
+"""Compression and dictionary bombs: how many bytes a file's values become once read, measured
+before they are.
+
+A Parquet file stores a repeated value once (a dictionary) and a text list compresses a repeated
+line to nothing: 83 KB of Parquet became 5.9 GB in memory, 852 KB of gzip 4.5 GB. Every reader of
+a list or an evaluation set asks here first; the limit is what the file may become: `expansion`
+times its size on disk (a real list decodes to a few times its size; a bomb to thousands), at least
+FLOOR, at most `max_bytes`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from .errors import UserError
+
+FLOOR = 64 << 20           # any file may become this much
+EXPANSION = 100            # ... or this many times its size on disk
+
+
+def limit_for(path: Path, max_bytes: int | None = None, expansion: float = EXPANSION) -> int:
+    size = Path(path).stat().st_size
+    limit = max(FLOOR, int(expansion * size))
+    return min(limit, max_bytes) if max_bytes else limit
+
+
+def text_columns(schema: pa.Schema) -> list[str]:
+    """The columns of text or bytes (also those a writer stored as dictionaries of them)."""
+    def texty(t) -> bool:
+        t = t.value_type if pa.types.is_dictionary(t) else t
+        return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+    return [f.name for f in schema if texty(f.type)]
+
+
+def decoded_lengths(arr) -> np.ndarray:
+    """Each value's length in bytes (0 for null), without decoding a dictionary column."""
+    if pa.types.is_dictionary(arr.type):
+        lengths = pc.fill_null(pc.binary_length(arr.dictionary), 0).to_numpy(zero_copy_only=False)
+        idx = pc.fill_null(arr.indices, 0).to_numpy(zero_copy_only=False)
+        out = lengths[idx] if len(lengths) else np.zeros(len(arr), np.int64)
+        return np.where(arr.is_null().to_numpy(zero_copy_only=False), 0, out).astype(np.int64)
+    return pc.fill_null(pc.binary_length(arr), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def check_parquet(path: Path, what: str, setting: str, max_bytes: int | None = None,
+                  expansion: float = EXPANSION) -> int:
+    """Refuses (one line, naming the file and `setting`) a Parquet file whose text and binary values
+    pass `limit_for(path)` once decoded; reads them as dictionaries, a batch at a time, decoding
+    nothing. -> the decoded bytes."""
+    limit = limit_for(path, max_bytes, expansion)
+
+    def refuse():
+        raise UserError(f"{what}: {path} holds more than {limit:,} bytes of values once decoded, from "
+                        f"{Path(path).stat().st_size:,} bytes on disk (a dictionary bomb?); {setting}")
+
+    try:
+        pf = pq.ParquetFile(path)
+        # pages as stored, uncompressed: a value repeated and compressed away (what a writer does
+        # when a dictionary outgrows its page) shows here without reading a page
+        if sum(pf.metadata.row_group(i).total_byte_size for i in range(pf.metadata.num_row_groups)) > limit:
+            refuse()
+        texty = text_columns(pf.schema_arrow)
+        if not texty:
+            return 0
+        # a dictionary's values count once on disk and once per row in memory: summed from the
+        # dictionary and its indices, a small batch at a time, never decoded
+        pf = pq.ParquetFile(path, read_dictionary=texty)
+        total = 0
+        for batch in pf.iter_batches(batch_size=4096, columns=texty):
+            total += sum(int(decoded_lengths(batch.column(n)).sum()) for n in texty)
+            if total > limit:
+                refuse()
+        return total
+    except (pa.ArrowInvalid, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"{what}: {path} is not a readable Parquet file ({first})") from None
+
+
+class Counted:
+    """A readable stream that counts what passes and refuses past `limit` bytes (a compressed text
+    list, decompressed as it is read)."""
+
+    def __init__(self, raw, limit: int, what: str):
+        self.raw, self.limit, self.what, self.n = raw, limit, what, 0
+        self.closed = False
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.raw.read(size)
+        self.n += len(data)
+        if self.n > self.limit:
+            raise UserError(f"{self.what}: more than {self.limit:,} bytes once decompressed")
+        return data
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+        self.raw.close()
