@@ -437,27 +437,34 @@ def _cmd_verify(args) -> int:
 
 def _cmd_rebuild(args) -> int:
     import json
-    import shutil
 
     from infra.configtools import build
+    from infra.storage import is_uri
 
     from .config import RunConfig
     from infra.ray_runtime import ray_session
     from .runner import input_fingerprints, run_pipeline, select, stage_names
+    from .storage import RunStore
     from .verify import compare_runs, drift
 
-    path = Path(args.manifest)
-    path = path / "manifest.json" if path.is_dir() else path
-    if not path.is_file():
+    # the original: a run folder or its manifest, on a local disk or in a bucket
+    where = str(args.manifest)
+    where = where[: -len("/manifest.json")] if where.endswith("/manifest.json") else where
+    if not is_uri(where) and Path(where).is_file():
+        where = str(Path(where).parent)
+    old = RunStore(where)
+    old.check()
+    manifest = old.storage().read_json("manifest.json")
+    if manifest is None:
         raise UserError(f"{args.manifest}: no manifest.json there")
-    manifest = json.loads(path.read_text())
-    cfg = _no_foreign_address(build(RunConfig, manifest["config"]), str(path))
-    old_dir = path.parent
-    new_dir = Path(args.run_dir) if args.run_dir else old_dir.with_name(old_dir.name + "-rebuild")
-    if new_dir.resolve() == old_dir.resolve():
+    cfg = _no_foreign_address(build(RunConfig, manifest["config"]), str(args.manifest))
+    new = RunStore(args.run_dir or (where.rstrip("/") + "-rebuild"))
+    if str(new) == str(old) or (not new.uri and not old.uri and new.local.resolve() == old.local.resolve()):
         raise UserError("rebuild into another --run-dir: the rebuild is compared with the original")
+    new.check()
     if input_fingerprints(cfg) != manifest.get("inputs"):
-        raise UserError(f"the inputs changed since {path} was written: {input_fingerprints(cfg)} != {manifest.get('inputs')}")
+        raise UserError(f"the inputs changed since {args.manifest} was written: {input_fingerprints(cfg)} != "
+                        f"{manifest.get('inputs')}")
     # what the original ran, no more: a data build (`--until shard`) is rebuilt to its shards, not
     # trained and evaluated on the way
     names = stage_names()
@@ -465,34 +472,49 @@ def _cmd_rebuild(args) -> int:
     until = args.until or (finished[-1] if finished else None)
     select(until, None)                       # an unknown --until is named with the stages there are
     if "ingest" not in finished or (until is not None and names.index(until) < names.index("ingest")):
-        raise UserError(f"{path}: the original run did not finish downloading (ingest), so there is no drift to "
-                        "report; rebuild a run that did, or give --until ingest or a later stage")
-    print(f"capline: rebuilding {old_dir} into {new_dir}, up to {until}", flush=True)
+        raise UserError(f"{args.manifest}: the original run did not finish downloading (ingest), so there is no "
+                        "drift to report; rebuild a run that did, or give --until ingest or a later stage")
+    print(f"capline: rebuilding {old} into {new}, up to {until}", flush=True)
     from .lock import run_lock
 
-    with run_lock(new_dir, log=_say):
-        if (old_dir / "source" / "_SUCCESS").is_file() and not (new_dir / "source").exists():
-            shutil.copytree(old_dir / "source", new_dir / "source")  # the pinned URL list (and demo site)
+    new_dir = new.local
+    with run_lock(new_dir, log=_say, uri=new.uri):
+        src, dst = old.storage(), new.storage()
+        if src.exists("source/_SUCCESS") and not dst.exists("source/_SUCCESS"):
+            # the pinned URL list (and the demo's site), object by object: where the original lives
+            for rel in src.list("source", recursive=True):
+                dst.write_bytes(rel, src.read_bytes(rel))
+        new.pull(log=_say)
         with ray_session(cfg.ray, args.address, log=_say):
             from .executor import Executor
 
             # the drift is known once the downloads are: said and written then, whatever comes after
-            run_pipeline(cfg, new_dir, until="ingest", log=_say)
-            report = drift(old_dir, new_dir, Executor(log=_say))
+            run_pipeline(cfg, new_dir, until="ingest", log=_say, store=new)
+            report = drift(src, dst, Executor(log=_say))
+            new_dir.mkdir(parents=True, exist_ok=True)
             (new_dir / "drift.json").write_text(json.dumps(report, indent=1))
-            _say_drift(report, new_dir)
+            dst.write_json("drift.json", report)
+            _say_drift(report, new)
             if until != "ingest":
-                run_pipeline(cfg, new_dir, until=until, log=_say)
-    if (old_dir / "shard" / "shards.json").is_file() and (new_dir / "shard" / "shards.json").is_file():
-        lines = compare_runs(old_dir, new_dir)
-        print("shards: byte-identical to the original" if not lines else f"shards: {len(lines)} samples differ")
+                run_pipeline(cfg, new_dir, until=until, log=_say, store=new)
+        new.push_top()
+    a, b = (s.read_json("shard/shards.json") for s in (src, dst))
+    if a is not None and b is not None:
+        if old.uri or new.uri:     # in a bucket: the sha256 each shard stage recorded as it wrote
+            same = [(x["name"], x["sha256"]) for x in a] == [(x["name"], x["sha256"]) for x in b]
+            print("shards: byte-identical to the original (by the sha256 each run recorded)" if same
+                  else f"shards: they differ ({len(a)} in the original, {len(b)} rebuilt; `capline verify` names them)")
+        else:
+            lines = compare_runs(old.local, new.local)
+            print("shards: byte-identical to the original" if not lines else f"shards: {len(lines)} samples differ")
     return 0
 
 
-def _say_drift(report: dict, new_dir: Path) -> None:
+def _say_drift(report: dict, new) -> None:
     n = report["counts"]
     print(f"drift: {n['died']} URLs died, {n['changed']} changed content, {n['revived']} came back "
-          f"(the first {report['listed']} of each in {new_dir / 'drift.json'}, all in {report['all']})", flush=True)
+          f"(the first {report['listed']} of each in {new.storage().uri('drift.json')}, all in {report['all']})",
+          flush=True)
     for kind in ("died", "changed", "revived"):
         for key in report[kind][:50]:
             print(f"  {kind:<8} {key}", flush=True)
