@@ -476,6 +476,9 @@ def _group_rows(storage, bucket: int, cfg: DedupConfig, t: pa.Table, n_pair_buck
     return {"pairs": len(rows), "wanted": len(wanted), "largest_group": largest, "rows": t.num_rows}
 
 
+FETCH_AT_ONCE = 32     # descriptor files a fetch task reads at once (each waits on the store's latency)
+
+
 def _fetch_task(storage, bucket: int, files: list[str], desc: dict[str, str]) -> dict:
     """Ray task: the descriptors wanted of one group of partitions (each partition's file read once)
     -> one file bucketed by the pair bucket that wants each; -> counts."""
@@ -484,15 +487,17 @@ def _fetch_task(storage, bucket: int, files: list[str], desc: dict[str, str]) ->
     for k, part, pb in zip(*(t.column(c).to_pylist() for c in ("key", "part", "pair_bucket"))):
         by_part.setdefault(part, []).append((k, pb))
     out = {"key": [], "vec": [], "pair_bucket": []}
-    for part in sorted(by_part):
-        want = by_part[part]
-        d = storage.read_table(desc[part], ["key", "vec"])
-        d = d.filter(pc.is_in(d.column("key"), pa.array(sorted({k for k, _ in want}))))
-        vec = dict(zip(d.column("key").to_pylist(), d.column("vec").to_pylist()))
-        for k, pb in want:
-            out["key"].append(k)
-            out["vec"].append(vec[k])
-            out["pair_bucket"].append(pb)
+    parts = sorted(by_part)
+    for lo in range(0, len(parts), FETCH_AT_ONCE):     # read in parallel, a group at a time (memory: a group)
+        group = parts[lo:lo + FETCH_AT_ONCE]
+        for part, d in zip(group, storage.read_tables([desc[q] for q in group], ["key", "vec"])):
+            want = by_part[part]
+            d = d.filter(pc.is_in(d.column("key"), pa.array(sorted({k for k, _ in want}))))
+            vec = dict(zip(d.column("key").to_pylist(), d.column("vec").to_pylist()))
+            for k, pb in want:
+                out["key"].append(k)
+                out["vec"].append(vec[k])
+                out["pair_bucket"].append(pb)
     if out["key"]:
         write_buckets(storage, f"{VEC_DIR}/{bucket:06d}.parquet", pa.table(out, schema=VEC_SCHEMA), "pair_bucket")
     return {"partitions": len(by_part), "descriptors": len(out["key"])}
