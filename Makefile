@@ -35,7 +35,7 @@ NETNS_OK := $(shell unshare --net sh -c 'ip link set lo up' 2>/dev/null && echo 
 XDIST := $(if $(NETNS_OK),--tx '$(TEST_WORKERS)*popen//python=$(CURDIR)/tests/netns_python $(CURDIR)/$(BIN)/python' --dist loadfile --no-loadscope-reorder,)
 
 test: install
-	$(BIN)/python -m pytest $(XDIST) $(ARGS)
+	$(BIN)/python -m pytest $(XDIST) --durations=25 $(ARGS)
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow" $(ARGS)
