@@ -109,10 +109,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-@pytest.mark.slow
-def test_rate_limit_retry_after_and_robots_through_ingest(tmp_path, ray_local):
+def _ingest_list(tmp_path, server, lines: list[str], *settings: str) -> dict:
+    """The CSV `lines` as a URL list, through ingest against `server`; -> the run's summary."""
     from pipeline.config import load_config
     from pipeline.runner import run_pipeline
+
+    (tmp_path / "urls.csv").write_text("\n".join(lines) + "\n")
+    cfg = load_config(None, ["source.kind=urls", f"source.path={tmp_path / 'urls.csv'}",
+                             f"stages.ingest.allow_hosts=['127.0.0.1:{server.server_address[1]}']", *settings])
+    return run_pipeline(cfg, tmp_path / "run", until="ingest", log=lambda m: None)
+
+
+@pytest.mark.slow
+def test_rate_limit_retry_after_and_robots_through_ingest(tmp_path, ray_local):
     from stages import synthetic
     from stages.base import read_ledger
     from stages.source import DefectFractions
@@ -126,11 +135,7 @@ def test_rate_limit_retry_after_and_robots_through_ingest(tmp_path, ray_local):
         for i, r in enumerate(rows):
             folder = "private" if i < 6 else "img"
             lines.append(f"{server.base}/{folder}/{r['key']}.jpg,\"{r['caption']}\"")
-        (tmp_path / "urls.csv").write_text("\n".join(lines) + "\n")
-        cfg = load_config(None, ["source.kind=urls", f"source.path={tmp_path / 'urls.csv'}",
-                                 f"stages.ingest.allow_hosts=['127.0.0.1:{server.server_address[1]}']",
-                                 "stages.ingest.samples_per_shard=12", "stages.ingest.host_rate=6"])
-        summary = run_pipeline(cfg, tmp_path / "run", until="ingest", log=lambda m: None)
+        summary = _ingest_list(tmp_path, server, lines, "stages.ingest.samples_per_shard=12", "stages.ingest.host_rate=6")
     finally:
         server.shutdown()
     ledger = {r["url"]: r for r in read_ledger(tmp_path / "run", "ingest").to_pylist()}
@@ -158,8 +163,6 @@ def test_a_url_repeated_200_times_is_downloaded_once(tmp_path, ray_local):
     """A list that names one image 200 times (half with other captions: other keys) among 10 other
     URLs: the host is asked for it once, every row gets the verdict and the image of that one
     download, and nothing is lost."""
-    from pipeline.config import load_config
-    from pipeline.runner import run_pipeline
     from stages import synthetic
     from stages.base import read_ledger
     from stages.source import DefectFractions
@@ -172,11 +175,7 @@ def test_a_url_repeated_200_times_is_downloaded_once(tmp_path, ray_local):
         name = next(f"{r['key']}.jpg" for r in rows if hash(f"{r['key']}.jpg") % 3)    # never answered 429
         lines = ["url,caption"] + [f"{server.base}/img/{name},\"a caption {i % 100}\"" for i in range(200)]
         lines += [f"{server.base}/img/{r['key']}.jpg,\"{r['caption']}\"" for r in rows[:10] if f"{r['key']}.jpg" != name]
-        (tmp_path / "urls.csv").write_text("\n".join(lines) + "\n")
-        cfg = load_config(None, ["source.kind=urls", f"source.path={tmp_path / 'urls.csv'}",
-                                 f"stages.ingest.allow_hosts=['127.0.0.1:{server.server_address[1]}']",
-                                 "stages.ingest.samples_per_shard=300", "stages.ingest.host_rate=50"])
-        summary = run_pipeline(cfg, tmp_path / "run", until="ingest", log=lambda m: None)
+        summary = _ingest_list(tmp_path, server, lines, "stages.ingest.samples_per_shard=300", "stages.ingest.host_rate=50")
     finally:
         server.shutdown()
     assert server.asked[f"/img/{name}"] == 1
