@@ -315,14 +315,16 @@ def _sign_task(storage, part: str, desc: str, cfg: DedupConfig, plan: BandPlan, 
 # How a partition's own images are described: the thumbnail of the picture without a `border`
 # resize's bars (dataplane.pictures), codes and hashes kept for the sign step. Part of each
 # partition's reuse key, so a partition described by an earlier version is described again.
-WITHIN_DESCRIPTOR = "thumb16-unpadded-v3"
+WITHIN_DESCRIPTOR = "thumb16-unpadded"
+DESCRIBED_LAYOUT = 3        # what a description file holds (3: codes, colours and hashes for the sign step)
 
 
 def _described_key(fingerprint: str, u) -> str:
     """What decides a partition's descriptions: the stage's fingerprint (config, evaluation sets),
-    how images are described, the partition's content. Not the run's size: a dataset line that
-    doubles keeps every description (only the cheap signatures follow the band plan)."""
-    text = json.dumps([fingerprint, WITHIN_DESCRIPTOR, u.part, u.sha256])
+    how images are described and what the file holds, the partition's content. Not the run's size:
+    a dataset line that doubles keeps every description (only the cheap signatures follow the band
+    plan)."""
+    text = json.dumps([fingerprint, WITHIN_DESCRIPTOR, DESCRIBED_LAYOUT, u.part, u.sha256])
     return f"{u.part}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
