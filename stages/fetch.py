@@ -520,9 +520,57 @@ class _Finished:
 _finished = _Finished()
 
 
+class _Repeats:
+    """URLs a shard names more than once: the first row's download (its bytes or its failure) is
+    every such row's, and the host is asked once. The shard task says which URLs repeat before it
+    downloads (`expect`) and forgets them after (`clear`), so only their results are held."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.urls: frozenset = frozenset()
+        self.done: dict[str, tuple] = {}        # url -> (bytes or None, error)
+        self.busy: dict[str, threading.Event] = {}
+
+    def expect(self, urls) -> None:
+        with self.lock:
+            self.urls, self.done, self.busy = frozenset(urls), {}, {}
+
+    def clear(self) -> None:
+        self.expect(())
+
+    def fetch(self, row, fetch):
+        key, url = row
+        if url not in self.urls:
+            return fetch(row)
+        while True:
+            with self.lock:
+                if url in self.done:
+                    data, err = self.done[url]
+                    return key, (io.BytesIO(data) if data is not None else None), err
+                event = self.busy.get(url)
+                if event is None:
+                    event = self.busy[url] = threading.Event()
+                    break
+            event.wait()           # another thread is fetching it: its result is this row's
+        try:
+            got_key, stream, err = fetch(row)
+            data = stream.getvalue() if stream is not None else None
+            with self.lock:
+                self.done[url] = (data, err)
+            return got_key, (io.BytesIO(data) if data is not None else None), err
+        finally:
+            with self.lock:
+                self.busy.pop(url, None)
+            event.set()
+
+
+repeats = _Repeats()
+
+
 def safe_download_image_with_retry(row, timeout, retries, user_agent_token, disallowed_header_directives):
     try:
-        return _download_with_retry(row, timeout, retries, user_agent_token, disallowed_header_directives)
+        return repeats.fetch(row, lambda r: _download_with_retry(r, timeout, retries, user_agent_token,
+                                                                 disallowed_header_directives))
     finally:
         _finished.one()
 

@@ -177,17 +177,7 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server, progress=
 
     rows = read_kept(storage, job.source_file).slice(job.start, job.stop - job.start)
     keys = rows.column("key").to_pylist()
-    # every URL is fetched (caption and image-size drops are the basic stage's), each once: a URL
-    # repeated in the shard is downloaded for its first row, and its other rows share that verdict
-    # and that image (dedup then drops them as exact duplicates, as it would two downloads)
-    first_of: dict[str, int] = {}
-    copies: dict[str, list[str]] = {}
-    for i, u in enumerate(rows.column("url").to_pylist()):
-        if u in first_of:
-            copies.setdefault(keys[first_of[u]], []).append(keys[i])
-        else:
-            first_of[u] = i
-    todo = rows.take(sorted(first_of.values())) if copies else rows
+    todo = rows   # every URL is fetched: caption and image-size drops are the basic stage's
     name = f"{job.shard:05d}"
     unit = f"{PARTS}/{job.unit}"
     verdicts: dict[str, list] = {c: [] for c in ("key", "verdict", "reason", "detail", "tar", "member", "offset",
@@ -212,7 +202,16 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server, progress=
         d = copy.copy(downloader)
         d.output_folder = str(out)
         if todo.num_rows:
-            d.download_shard((job.shard, str(feather)))
+            # a URL the shard names more than once is asked of its host once, every row given that
+            # download (dedup then drops the copies as exact duplicates, as before)
+            from collections import Counter
+
+            named = Counter(u for u in todo.column("url").to_pylist() if u)
+            fetch.repeats.expect({u.replace(SERVER_PLACEHOLDER, base) for u, n in named.items() if n > 1})
+            try:
+                d.download_shard((job.shard, str(feather)))
+            finally:
+                fetch.repeats.clear()
             if server is not None and not _alive(*server):
                 raise RuntimeError(f"shard {name}: the loopback server (pid {server[1]}) went away mid-download")
             tar_local, meta = out / f"{name}.tar", pq.read_table(out / f"{name}.parquet")
@@ -236,15 +235,6 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server, progress=
 
                     failure = failure_of(r["status"], r["error_message"])
                     add(r["uid"], DROPPED, failure.reason, failure.detail, url=r["url"])
-    row_of = {k: i for i, k in enumerate(verdicts["key"])} if copies else {}
-    for first, later in copies.items():
-        if first not in row_of:
-            continue        # img2dataset lost the row: write_part names the missing keys
-        i = row_of[first]
-        for key in later:
-            for col, values in verdicts.items():
-                values.append(key if col == "key" else
-                              f"{values[i]} (the same URL as {first}, downloaded once)" if col == "detail" else values[i])
     table = pa.table({c: pa.array(v, SAMPLE_SCHEMA.field(c).type) for c, v in verdicts.items()})
     # the shard's failures by host, for the ingest report, stay beside it: its result (what the
     # driver holds for every shard) carries counts only
