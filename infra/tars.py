@@ -54,6 +54,28 @@ def sample_key(name: str) -> tuple[str, str]:
     return (f"{folder}/{stem}" if folder else stem), ext
 
 
+# gzip, bzip2 (with its first block's magic: a member may be named "BZh..."), xz, zstd: none can
+# start a tar header, whose first bytes are a member's printable name
+COMPRESSED_MAGIC = (b"\x1f\x8b", *(b"BZh%d1AY&SY" % level for level in range(1, 10)), b"\xfd7zXZ\x00",
+                    b"\x28\xb5\x2f\xfd")
+
+
+class _Prefixed:
+    """A stream whose first bytes were read already (to look at them): those, then the rest."""
+
+    def __init__(self, head: bytes, rest):
+        self.head, self.rest = head, rest
+
+    def read(self, size: int = -1) -> bytes:
+        if not self.head:
+            return self.rest.read(size)
+        if size is None or size < 0:
+            out, self.head = self.head + self.rest.read(), b""
+            return out
+        out, self.head = self.head[:size], self.head[size:]
+        return out + (self.rest.read(size - len(out)) if len(out) < size else b"")
+
+
 def tar_samples(path, where=None):
     """(key, {extension: bytes}) for each sample of a WebDataset tar at `path` (a local path, a URI,
     or a readable file object holding part of a tar from a member's header on), streamed in order;
@@ -64,6 +86,13 @@ def tar_samples(path, where=None):
 
     opened = contextlib.nullcontext(path) if hasattr(path, "read") else open_input(path)
     with opened as stream:
+        head = stream.read(10)
+        if any(head.startswith(magic) for magic in COMPRESSED_MAGIC):
+            # checked by its bytes, not left to the tar parser: a gzip header's bytes pass as a tar
+            # header's checksum for about 1 in 400 timestamps, and the rest would be read as members
+            raise UserError(f"{where or path}: not an uncompressed tar (it starts as a compressed file does); "
+                            "capline reads dataset tars uncompressed, so decompress it first")
+        stream = _Prefixed(head, stream)
         try:
             tar = tarfile.open(fileobj=stream, mode="r|")
         except tarfile.ReadError as err:
