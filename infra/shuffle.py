@@ -144,14 +144,6 @@ def read_range(storage, files: list[str], column: str, bucket: int, n: int, sche
     return _read_span(storage, files, column, *range_of(bucket, n), schema, counter)
 
 
-def merge_ranges(storage, files: list[str], rel: str, column: str, n: int) -> dict:
-    """Range-bucketed map files read whole (a few large requests each) and written back as one file
-    of `n` range buckets: the reducers open one file where there were len(files)."""
-    t = pa.concat_tables(storage.read_tables(files))     # in parallel: on an object store latency bounds them
-    write_ranges(storage, rel, t, column, n)
-    return {"files": len(files), "rows": t.num_rows}
-
-
 def range_pieces(table: pa.Table, column: str, n: int) -> list[pa.Table]:
     """`table`, sorted by its uint32 `column` (as `write_ranges` leaves a file), cut into its `n`
     range buckets: zero-copy slices, for a shuffle through the object store."""

@@ -193,12 +193,7 @@ class Storage:
     def read_tables(self, rels: list[str], columns=None) -> list[pa.Table]:
         """`read_table` of each, 32 at a time (a task that reads thousands of small ledgers would
         otherwise wait out each read's latency in turn)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        if len(rels) < 2:
-            return [self.read_table(r, columns) for r in rels]
-        with ThreadPoolExecutor(min(32, len(rels))) as pool:
-            return list(pool.map(lambda r: self.read_table(r, columns), rels))
+        return _in_parallel(lambda r: self.read_table(r, columns), rels)
 
     def exists(self, rel: str) -> bool:
         import pyarrow.fs as pafs
@@ -285,12 +280,7 @@ class Storage:
 
     def read_jsons(self, rels: list[str], default=None) -> list:
         """`read_json` of each, 32 at a time (on an object store each read waits on latency)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        if len(rels) < 2:
-            return [self.read_json(r, default) for r in rels]
-        with ThreadPoolExecutor(min(32, len(rels))) as pool:
-            return list(pool.map(lambda r: self.read_json(r, default), rels))
+        return _in_parallel(lambda r: self.read_json(r, default), rels)
 
     def read_json(self, rel: str, default=None):
         """The JSON at rel; `default` if there is none or it is not whole JSON (a torn write). One
@@ -382,6 +372,16 @@ def _fetched(storage: "Storage", rel: str):
 
 # -- paths that may be URIs ------------------------------------------------------------------------
 SCHEMES = ("s3://", "gs://")
+
+
+def _in_parallel(read, rels: list[str], at_once: int = 32) -> list:
+    """`read(rel)` of each, in order, `at_once` at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if len(rels) < 2:
+        return [read(r) for r in rels]
+    with ThreadPoolExecutor(min(at_once, len(rels))) as pool:
+        return list(pool.map(read, rels))
 
 
 def is_uri(path) -> bool:

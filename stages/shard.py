@@ -44,7 +44,7 @@ from infra.errors import UserError
 
 from .base import KEPT, Sink, StageContext, StageResult
 from .dataplane import PartResult, by_location, image_batches, read_kept, write_part
-from .line import (LINE, PUBLISHED, PUBLISHED_SCHEMA, RECORD, published_all, published_file, published_parts, published_rows,
+from .line import (LINE, PUBLISHED, PUBLISHED_SCHEMA, RECORD, published_all, published_file, published_parts,
                    published_state, read_line)
 from infra.hashing import order_key
 from infra.shuffle import BucketWriter, merge_group, read_bucket
@@ -98,11 +98,15 @@ def write_shard(path: Path, samples: list[dict]) -> dict:
     return {"offsets": offsets}
 
 
-def _new_rows(storage, t: pa.Table, part: str, line_shards: frozenset | None) -> tuple[pa.Table, pa.Table]:
-    """-> (the rows of t not yet in a shard of the line, the partition's published (key, shard) rows)."""
+def _new_rows(storage, t: pa.Table, part: str, line_shards: frozenset | None,
+              record: pa.Table | None = None) -> tuple[pa.Table, pa.Table]:
+    """-> (the rows of t not yet in a shard of the line, the partition's published (key, shard) rows).
+    `record`: the partition's published record, if the caller read it already."""
     if line_shards is None:
         return t, PUBLISHED_SCHEMA.empty_table()
-    published = published_rows(storage, part, line_shards)
+    if record is None:
+        record = published_all(storage, part)
+    published = record.filter(pc.is_in(record.column("shard"), pa.array(sorted(line_shards), pa.string())))
     return t.filter(pc.invert(pc.is_in(t.column("key"), published.column("key")))), published
 
 
@@ -112,12 +116,10 @@ def _plan_task(storage, part: str, file: str, line_shards: frozenset | None) -> 
     the shards its published record names that the line's record does not list (a stale or
     crafted line.json: going on would write new shards over them)."""
     t = read_kept(storage, file, ["key", "size", "caption"])
-    new, published = _new_rows(storage, t, part, line_shards)
+    record = published_all(storage, part) if line_shards is not None else None
+    new, published = _new_rows(storage, t, part, line_shards, record)
     gone = published.filter(pc.invert(pc.is_in(published.column("key"), t.column("key")))).column("key")
-    unlisted = []
-    if line_shards is not None:
-        named = published_all(storage, part).column("shard")
-        unlisted = sorted(set(pc.unique(named).to_pylist()) - line_shards)[:3]
+    unlisted = sorted(set(pc.unique(record.column("shard")).to_pylist()) - line_shards)[:3] if record is not None else []
     return {"samples": new.num_rows, "bytes": int(pc.sum(new.column("size")).as_py() or 0) + 1600 * new.num_rows,
             "withdrawn": len(gone), "first_withdrawn": pc.min(gone).as_py(), "unlisted": unlisted}
 

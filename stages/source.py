@@ -91,7 +91,7 @@ class SourceConfig:
     keep_columns: list[str | int] | None = None
     carried_bytes: int = 4096        # JSON a sample carries from its list's columns at most; the rest left out, counted
     # a row with a field (URL, caption, any column) longer than this is set aside as
-    # malformed_row:field_too_large; a text list's line may be at most 4x this long
+    # malformed_row:field_too_large
     max_field_bytes: int = 1 << 20
     # a list file whose text (decompressed) or decoded Parquet values pass this, or 100 times its
     # size on disk (infra/bombs.py), is refused before a row is keyed: a compression or dictionary
@@ -203,7 +203,8 @@ def iter_list(path: Path, fmt: str, text_cols: tuple = (), header: bool = True, 
     expected, actual, text}]). A CSV/TSV line with too few or too many columns (a URL without a
     caption, a tab inside a caption: real CC3M/CC12M lists have them) is set aside with its line
     number, never a reason to refuse the whole list. Past `max_bytes` of text (decompressed) or of
-    decoded Parquet values, the file is refused; a line longer than 4 x `max_field` too."""
+    decoded Parquet values, the file is refused; a row with a field over `max_field` is set aside
+    (keyed_rows)."""
     fmt = _format(path, fmt)
     try:
         if fmt == "parquet":
@@ -266,9 +267,7 @@ def iter_list(path: Path, fmt: str, text_cols: tuple = (), header: bool = True, 
         raise
     except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        hint = (f"; a line is longer than {4 * max_field:,} bytes: raise source.max_field_bytes if it is real"
-                if "straddling" in first or "block size" in first else "")
-        raise UserError(f"source.path {path}: not a readable {fmt} URL list ({first}){hint}") from None
+        raise UserError(f"source.path {path}: not a readable {fmt} URL list ({first})") from None
 
 
 def _parquet_batches(path: Path, max_bytes: int):
@@ -679,13 +678,9 @@ class PartitionWriter:
 
 def write_partitions(storage, rows: pa.Table, name: str, rows_per_part: int) -> list[dict]:
     """Split one source file's keyed rows into partitions `<name>-NNNNN` and write them."""
-    out = []
-    n = rows.num_rows
-    for i, start in enumerate(range(0, max(n, 1), rows_per_part)):
-        chunk = rows.slice(start, rows_per_part)
-        part = f"{safe_name(name)}-{i:05d}"
-        out.append(write_part(storage, "source", part, None, chunk.column("key").to_pylist(), chunk))
-    return out
+    out = PartitionWriter(storage, name, rows_per_part)
+    out.add(rows)
+    return out.close()
 
 
 def _read_file_task(storage, path: str, cfg: SourceConfig, pinned: str | None = None) -> list[dict]:
