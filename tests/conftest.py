@@ -12,10 +12,13 @@ from pathlib import Path
 
 import pytest
 
-# One log for the whole session, whatever imports this module: the check below must read the very
-# file that child processes write to.
+# One log per test process, whatever imports this module: the check below must read the very file
+# that child processes write to, and no other worker's (test_netguard writes a line on purpose and
+# takes it back; another worker's check reading between the two failed a test that did nothing)
 _GUARD_LOG = Path(os.environ.get("CAPLINE_TEST_GUARD_LOG")
                   or Path(tempfile.mkdtemp(prefix="capline-netguard-")) / "refused.log")
+if os.environ.get("PYTEST_XDIST_WORKER") and not _GUARD_LOG.stem.endswith(os.environ["PYTEST_XDIST_WORKER"]):
+    _GUARD_LOG = _GUARD_LOG.with_name(f"{_GUARD_LOG.stem}-{os.environ['PYTEST_XDIST_WORKER']}.log")
 os.environ["CAPLINE_TEST_GUARD_LOG"] = str(_GUARD_LOG)
 
 from infra import offline  # noqa: E402
