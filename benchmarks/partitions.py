@@ -135,7 +135,10 @@ def run(args) -> dict:
                 first = len(proxy.entries)
                 refused0 = proxy.slowdowns
                 t0 = time.time()
-                proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+                run_cmd = cmd
+                if args.profile and name == "append":   # where the driver's own time goes, by function
+                    run_cmd = [cmd[0], "-m", "cProfile", "-o", str(RESULTS / f"partitions-{args.label}-append.prof"), *cmd[1:]]
+                proc = subprocess.run(run_cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
                 wall = time.time() - t0
                 log = proc.stdout + proc.stderr
                 (RESULTS / f"partitions-{args.label}-{name}.log").write_text(log)
@@ -204,6 +207,8 @@ def main():
     p.add_argument("--append", type=float, default=0.01, help="the second run's extra URLs, as a share of the first's")
     p.add_argument("--timeout", type=float, default=4 * 3600)
     p.add_argument("--label", default="current")
+    p.add_argument("--profile", action="store_true",
+                   help="run the append's driver under cProfile (benchmarks/results/partitions-LABEL-append.prof)")
     args = p.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     result = run(args)
