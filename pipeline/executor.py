@@ -274,7 +274,8 @@ class Executor:
         keys = [reuse_key(ctx.fingerprint, t) for t in tasks]
         # the earlier runs' records in one read (the folder's summary), listed and read only for
         # keys it lacks: never a request per partition on the driver
-        found = records.find(ctx.storage, {k: f"{folder}/{k}.json" for k in keys if k})
+        previous = records.read_summary(ctx.storage, folder)
+        found = records.find(ctx.storage, {k: f"{folder}/{k}.json" for k in keys if k}, summaries={folder: previous})
         results: list = [None] * len(tasks)
         calls, where = [], []
         for i, (t, key) in enumerate(zip(tasks, keys)):
@@ -293,7 +294,7 @@ class Executor:
         records.write_summary(ctx.storage, folder, {f"{folder}/{k}.json": r.to_json() for k, r in zip(keys, results) if k})
         used = {f"{folder}/{k}.{suffix}" for k in keys if k for suffix in ("json", "parquet")}
         # partitions no later run can match (the source lost them): deleted together
-        ctx.storage.delete_files(records.stale_files(ctx.storage, folder, used))
+        ctx.storage.delete_files(records.stale_files(ctx.storage, folder, used, previous))
         return results
 
 

@@ -412,7 +412,8 @@ def reused_or_run(ctx, fn: Callable, folder: str, key_of: Callable, call_of: Cal
     upstream = items if items is not None else ctx.upstream or []
     outs = {u.part: f"{folder}/{key_of(u)}" for u in upstream}
     # earlier runs' results in one read (the folder's summary; records.py), not one per partition
-    found = records.find(ctx.storage, {u.part: f"{outs[u.part]}.json" for u in upstream})
+    previous = records.read_summary(ctx.storage, folder)
+    found = records.find(ctx.storage, {u.part: f"{outs[u.part]}.json" for u in upstream}, summaries={folder: previous})
     done = [u.part for u in upstream if u.part in found]
     todo = [u for u in upstream if u.part not in found]
     if done:
@@ -423,6 +424,7 @@ def reused_or_run(ctx, fn: Callable, folder: str, key_of: Callable, call_of: Cal
     records.write_summary(ctx.storage, folder, {f"{outs[p]}.json": r for p, r in results.items()})
     keep = set(outs.values())           # partition names hold no "." (ingest names them)
     # partitions gone from the input, or made under another config: deleted together
-    ctx.storage.delete_files([f for f in records.stale_files(ctx.storage, folder, set())
-                              if f"{folder}/{f.rsplit('/', 1)[-1].split('.', 1)[0]}" not in keep])
+    ctx.storage.delete_files(records.stale_files(
+        ctx.storage, folder, {f"{o}.json" for o in keep}, previous,
+        keep=lambda f: f"{folder}/{f.rsplit('/', 1)[-1].split('.', 1)[0]}" in keep))
     return [results[u.part] for u in upstream], outs

@@ -5,9 +5,11 @@ A task that finishes a partition writes its record (`<folder>/<key>.json`, small
 checksums, digests) last, after its outputs: a record found means whole outputs, so a run killed
 mid-stage resumes from what its tasks finished. Once the stage has its results, the driver writes
 them all as one table (`<folder>/_summary.parquet`: each record's path, and the record as JSON). The next run reads that
-table in one request; it lists a folder (1,000 keys a request) only where it wants a key the
-summary lacks (new partitions, or tasks that finished after the last summary), and reads those
-records in parallel. Nothing on the driver reads partitions' records one by one.
+table in one request. Keys the summary lacks (new partitions, or tasks that finished after the last
+summary) are read directly, 32 at a time, when they are few beside the summary (a 1 % append:
+requests grow with what changed, not with the line); many of them, or no summary at all, and the
+folder is listed (1,000 keys a request) to read only those there. Nothing on the driver reads
+partitions' records one by one.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import posixpath
 import pyarrow as pa
 
 SUMMARY = "_summary.parquet"
+DIRECT_READS = 32         # records read at once (Storage.read_jsons)
+LIST_PAGE = 1000          # keys an object store lists per request
 
 
 def summary_path(folder: str) -> str:
@@ -50,15 +54,30 @@ def find(storage, wanted: dict[str, str], summaries: dict[str, dict] | None = No
     found: dict[str, dict] = {}
     known = {rel: r for s in (summaries or {}).values() for rel, r in s.items()}
     lacking: dict[str, dict[str, str]] = {}
+    read_summary_cache: dict[str, dict] = {}
     for folder, keys in by_folder.items():
-        summary = read_summary(storage, folder) if summaries is None else known
+        if summaries is None:
+            summary = read_summary_cache[folder] = read_summary(storage, folder)
+        else:
+            summary = known
         found.update({k: summary[rel] for k, rel in keys.items() if rel in summary})
         missing = {k: rel for k, rel in keys.items() if k not in found}
         if missing:
             lacking[folder] = missing
-    # written since the last summary? a listing of each such folder says which exist (16 at once)
+    # written since the last summary? read directly when few beside what the summary holds (rounds
+    # of 32 parallel reads no more than the pages a listing of the folder takes), else listed
+    from collections import Counter
+
+    held = Counter(posixpath.dirname(rel) for s in ([known] if summaries is not None else read_summary_cache.values())
+                   for rel in s)
     to_read: list[tuple[str, str]] = []
-    for folder, listed in zip(lacking, _listings(storage, list(lacking))):
+    listed_folders = []
+    for folder, keys in lacking.items():
+        if held[folder] and len(keys) <= DIRECT_READS * max(1, -(-held[folder] // LIST_PAGE)):
+            to_read += list(keys.items())
+        else:
+            listed_folders.append(folder)
+    for folder, listed in zip(listed_folders, _listings(storage, listed_folders)):
         to_read += [(k, rel) for k, rel in lacking[folder].items() if rel in listed]
     for (k, _), record in zip(to_read, storage.read_jsons([rel for _, rel in to_read])):
         if record is not None:
@@ -75,7 +94,12 @@ def _listings(storage, folders: list[str]) -> list[set[str]]:
         return list(pool.map(lambda f: set(storage.list(f, ".json")), folders))
 
 
-def stale_files(storage, folder: str, used: set[str]) -> list[str]:
-    """Files in `folder` (recursively) that are neither in `used` nor its summary: outputs of
-    partitions no current input maps to. One listing."""
-    return [f for f in storage.list(folder, recursive=True) if f not in used and f != summary_path(folder)]
+def stale_files(storage, folder: str, used: set[str], previous: dict | None = None, keep=None) -> list[str]:
+    """Files in `folder` (recursively) that are neither in `used` (nor kept by `keep(path)`) nor its
+    summary: outputs of partitions no current input maps to. One listing; none when `previous` (the
+    folder's summary before this run) names only records still used: then every file there is one
+    of theirs or of a partition this run added (a dataset line's append lists nothing)."""
+    if previous and all(rel in used for rel in previous):
+        return []
+    return [f for f in storage.list(folder, recursive=True)
+            if f not in used and f != summary_path(folder) and not (keep and keep(f))]

@@ -1,0 +1,67 @@
+"""The per-partition records' summary: what reuse costs on the driver grows with what changed, not
+with how many partitions the line holds."""
+from infra.storage import Storage
+from stages import records
+
+
+class Counting:
+    """A local Storage that counts the listings and reads the driver asks for."""
+
+    def __init__(self, root):
+        self.inner = Storage.local(root)
+        self.listings, self.reads = 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def list(self, *a, **k):
+        self.listings += 1
+        return self.inner.list(*a, **k)
+
+    def read_jsons(self, rels, default=None):
+        self.reads += len(rels)
+        return self.inner.read_jsons(rels, default)
+
+
+def _line(tmp_path, n: int):
+    s = Counting(tmp_path)
+    recs = {f"reuse/p{i:05d}.json": {"part": i} for i in range(n)}
+    for rel, r in recs.items():
+        s.inner.write_json(rel, r)
+    records.write_summary(s.inner, "reuse", recs)
+    return s, recs
+
+
+def test_a_few_new_records_are_read_directly_and_nothing_is_listed(tmp_path):
+    s, recs = _line(tmp_path, 3000)
+    for i in range(3000, 3030):                      # a 1 % append: 30 partitions done since the summary
+        s.inner.write_json(f"reuse/p{i:05d}.json", {"part": i})
+    wanted = {i: f"reuse/p{i:05d}.json" for i in range(3040)}     # and 10 nobody has computed
+    previous = records.read_summary(s, "reuse")
+    found = records.find(s, wanted, summaries={"reuse": previous})
+    assert sorted(found) == list(range(3030)) and found[3010] == {"part": 3010}
+    assert s.listings == 0 and s.reads == 40         # the 40 the summary lacks, no more
+    used = set(wanted.values())
+    assert records.stale_files(s, "reuse", used, previous) == [] and s.listings == 0
+
+
+def test_many_lacking_or_no_summary_lists_the_folder_once(tmp_path):
+    s, recs = _line(tmp_path, 20)
+    for i in range(20, 200):
+        s.inner.write_json(f"reuse/p{i:05d}.json", {"part": i})
+    wanted = {i: f"reuse/p{i:05d}.json" for i in range(300)}
+    found = records.find(s, wanted, summaries={"reuse": records.read_summary(s, "reuse")})
+    assert sorted(found) == list(range(200))
+    assert s.listings == 1 and s.reads == 180        # only those the listing showed
+    s.listings = s.reads = 0
+    (tmp_path / "reuse" / records.SUMMARY).unlink()
+    assert len(records.find(s, wanted)) == 200 and s.listings == 1
+
+
+def test_a_record_no_longer_used_makes_the_folder_listed_and_its_files_stale(tmp_path):
+    s, recs = _line(tmp_path, 10)
+    s.inner.write_bytes("reuse/p00003.parquet", b"x")
+    previous = records.read_summary(s, "reuse")
+    used = {rel for rel in recs if rel != "reuse/p00003.json"}
+    stale = records.stale_files(s, "reuse", used, previous)
+    assert sorted(stale) == ["reuse/p00003.json", "reuse/p00003.parquet"] and s.listings == 1
