@@ -116,6 +116,7 @@ def tar_samples(path, where=None):
 
 MAX_GAP = 8 << 20      # read through up to 8 MiB of other members rather than issue another request
 MAX_SPAN = 256 << 20   # but hold no more than this in memory for one request
+IN_FLIGHT_BYTES = 512 << 20   # spans of several tars read at once, up to this much together
 
 
 def plan_spans(offsets: list[int], sizes: list[int], max_gap: int = MAX_GAP,
@@ -141,14 +142,40 @@ def read_members(storage, tars: list, offsets: list, sizes: list, counter: dict 
     for i, t in enumerate(tars):
         if t is not None and offsets[i] is not None:
             by_tar.setdefault(t, []).append(i)
-    for t, rows in by_tar.items():
-        spans = plan_spans([offsets[i] for i in rows], [sizes[i] for i in rows], max_gap, max_span)
-        # a ranged read per span (on an object store a GET each, several at once, no HEAD)
+    planned = {t: plan_spans([offsets[i] for i in rows], [sizes[i] for i in rows], max_gap, max_span)
+               for t, rows in by_tar.items()}
+
+    def read(t):
+        """One tar's spans, a ranged read each (on an object store a GET, no HEAD), cut into its rows'
+        members in this thread, so no more than the spans in flight are held beside the members."""
+        spans = planned[t]
+        rows = by_tar[t]
+        got = []
         for (start, _, members), data in zip(spans, storage.read_ranges(t, [(s, e - s) for s, e, _ in spans])):
-            if counter is not None:
-                counter["requests"] = counter.get("requests", 0) + 1
-                counter["bytes"] = counter.get("bytes", 0) + len(data)
+            got.append(len(data))
             for j in members:
                 i = rows[j]
                 out[i] = data[offsets[i] - start: offsets[i] - start + sizes[i]]
+        return got
+
+    # several tars at once (picks spread over many small shards are as many requests, never one
+    # after another), in waves of at most IN_FLIGHT_BYTES of planned spans
+    from concurrent.futures import ThreadPoolExecutor
+
+    waves, wave, held = [], [], 0
+    for t in planned:
+        size = sum(e - s for s, e, _ in planned[t])
+        if wave and (held + size > IN_FLIGHT_BYTES or len(wave) >= 16):
+            waves.append(wave)
+            wave, held = [], 0
+        wave.append(t)
+        held += size
+    if wave:
+        waves.append(wave)
+    with ThreadPoolExecutor(16) as pool:
+        for wave in waves:
+            for lengths in pool.map(read, wave):
+                if counter is not None:
+                    counter["requests"] = counter.get("requests", 0) + len(lengths)
+                    counter["bytes"] = counter.get("bytes", 0) + sum(lengths)
     return out
