@@ -445,7 +445,7 @@ def _cmd_rebuild(args) -> int:
     from infra.ray_runtime import ray_session
     from .runner import input_fingerprints, run_pipeline, select, stage_names
     from .storage import RunStore
-    from .verify import compare_runs, drift
+    from .verify import drift
 
     # the original: a run folder or its manifest, on a local disk or in a bucket
     where = str(args.manifest)
@@ -491,23 +491,61 @@ def _cmd_rebuild(args) -> int:
             # the drift is known once the downloads are: said and written then, whatever comes after
             run_pipeline(cfg, new_dir, until="ingest", log=_say, store=new)
             report = drift(src, dst, Executor(log=_say))
-            new_dir.mkdir(parents=True, exist_ok=True)
-            (new_dir / "drift.json").write_text(json.dumps(report, indent=1))
-            dst.write_json("drift.json", report)
+            report["original"] = str(old)
+            dst.write_both(new_dir, "drift.json", json.dumps(report, indent=1).encode())
             _say_drift(report, new)
+            # the card and the MLflow data-build run name what this rebuilt and its drift
+            _record_rebuild(new_dir, old, manifest, report)
+            shard_at = names.index("shard")
             if until != "ingest":
+                run_pipeline(cfg, new_dir, until=until if names.index(until) <= shard_at else "shard", log=_say,
+                             store=new)
+            # the shards compared as soon as they exist, whatever comes after
+            a, b = (s.read_json("shard/shards.json") for s in (src, dst))
+            if a is not None and b is not None:
+                report["shards"] = _compare_shards(a, b, src, dst, Executor(log=_say))
+                dst.write_both(new_dir, "drift.json", json.dumps(report, indent=1).encode())
+            if names.index(until) > shard_at:
                 run_pipeline(cfg, new_dir, until=until, log=_say, store=new)
         new.push_top()
-    a, b = (s.read_json("shard/shards.json") for s in (src, dst))
-    if a is not None and b is not None:
-        if old.uri or new.uri:     # in a bucket: the sha256 each shard stage recorded as it wrote
-            same = [(x["name"], x["sha256"]) for x in a] == [(x["name"], x["sha256"]) for x in b]
-            print("shards: byte-identical to the original (by the sha256 each run recorded)" if same
-                  else f"shards: they differ ({len(a)} in the original, {len(b)} rebuilt; `capline verify` names them)")
-        else:
-            lines = compare_runs(old.local, new.local)
-            print("shards: byte-identical to the original" if not lines else f"shards: {len(lines)} samples differ")
     return 0
+
+
+def _record_rebuild(new_dir: Path, old, original: dict, report: dict) -> None:
+    """The rebuild's origin and drift in its manifest, read by the dataset card and the MLflow
+    data-build run when the shards are written."""
+    import time
+
+    from .manifest import Manifest
+    import json
+
+    path = new_dir / "manifest.json"
+    m = Manifest(path, json.loads(path.read_text()))
+    m.data["rebuild"] = {"of": str(old), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                         "original_digest": original.get("stages", {}).get("shard", {}).get("output_digest"),
+                         "drift": report["counts"]}
+    m.save()
+
+
+def _compare_shards(a: list[dict], b: list[dict], src, dst, executor) -> dict:
+    """Byte-identical shard files (by the sha256 each run recorded), else the samples compared one by
+    one: a dataset line's appends sit in shards of their own, the rebuild lays the line out afresh."""
+    from .verify import compare_samples
+
+    if [(x["name"], x["sha256"]) for x in a] == [(x["name"], x["sha256"]) for x in b]:
+        print("shards: byte-identical to the original (by the sha256 each run recorded)", flush=True)
+        return {"byte_identical": True, "identical": True}
+    got = compare_samples(src, dst, executor)
+    if got["identical"]:
+        print(f"shards: identical to the original sample by sample ({got['samples']} samples, the same bytes; "
+              f"{len(a)} shards there, {len(b)} here)", flush=True)
+    else:
+        print(f"shards: {got['only_in_original'] + got['only_in_rebuild'] + got['changed']} samples differ "
+              f"({got['only_in_original']} only in the original, {got['only_in_rebuild']} only in the rebuild, "
+              f"{got['changed']} changed):", flush=True)
+        for line in got["first"]:
+            print(f"  {line}", flush=True)
+    return {"byte_identical": False, **got}
 
 
 def _say_drift(report: dict, new) -> None:

@@ -104,6 +104,13 @@ def log_data_build(run_dir: Path, manifest, summary: dict, cfg, log=print, shard
             run_id = start_run(uri, run_dir, EXPERIMENT, f"{cfg.name}-data-{digest[:8]}", _params(manifest, cfg),
                                {"capline.dataset_digest": digest, **_tags(run_dir, manifest)}, start_time=began)
         metrics = [m for stage, stats in summary.items() if stats for m in _stage_metrics(stage, stats, now)]
+        rebuilt = manifest.data.get("rebuild")
+        if rebuilt:     # a rebuild names what it rebuilt and what had drifted on the web since
+            from mlflow.entities import Metric
+
+            c.set_tag(run_id, "capline.rebuild_of", str(rebuilt.get("of")))
+            c.set_tag(run_id, "capline.rebuild_original_digest", str(rebuilt.get("original_digest")))
+            metrics += [Metric(f"drift.{k}", v, now, 0) for k, v in sorted(rebuilt.get("drift", {}).items())]
         for i in range(0, len(metrics), 900):
             c.log_batch(run_id, metrics=metrics[i:i + 900])
         log_dataset(uri, run_id, name=f"{Path(run_dir).name}-shards", digest=digest,

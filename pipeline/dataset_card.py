@@ -82,6 +82,14 @@ def card(manifest: dict, summary: dict, cfg) -> str:
         pct = f"{100 * st['kept'] / st['in']:.1f}" if st.get("in") else "-"
         reasons = ", ".join(f"{md_text(k)}={v}" for k, v in sorted(st["dropped"].items(), key=lambda kv: -kv[1])) or "-"
         lines.append(f"| {stage} | {st['in']} | {st['kept']} | {pct} | {st.get('wall_seconds', 0):.1f} | {reasons} |")
+    rebuilt = manifest.get("rebuild")
+    if rebuilt:
+        d = rebuilt.get("drift", {})
+        lines += ["", "## Rebuild", "",
+                  f"Rebuilt on {md_text(rebuilt.get('at'))} from {md_code(rebuilt.get('of'))} (its shard digest "
+                  f"`{rebuilt.get('original_digest')}`). Drift since the original downloads: {d.get('died', 0)} URLs died, "
+                  f"{d.get('changed', 0)} changed content, {d.get('revived', 0)} came back (`drift.json`, every URL in "
+                  "`drift/`)."]
     lines += ["", "## Filters and thresholds", ""]
     for name, section in thresholds(cfg).items():
         if name == "dedup":

@@ -150,10 +150,9 @@ def compare_runs(a: Path, b: Path) -> list[str]:
     return lines
 
 
-DRIFT_LISTED = 1000            # keys of each kind drift.json lists (all of them: the Parquet files in drift/)
+DRIFT_LISTED = 1000            # URLs of each kind drift.json lists (all of them: the Parquet files in drift/)
 DRIFT_ROWS_PER_BUCKET = 2_000_000
-DRIFT_SCHEMA = pa.schema([("key", pa.string()), ("verdict", pa.string()), ("sha256", pa.string()),
-                          ("bucket", pa.int32())])
+DRIFT_KINDS = ("died", "changed", "revived")
 
 
 def _ingest_files(storage) -> list[str]:
@@ -163,44 +162,46 @@ def _ingest_files(storage) -> list[str]:
     return [p["file"] for p in parts]
 
 
-def _drift_map(src, file: str, dst, rel: str, buckets: int) -> int:
-    """Ray task: one ingest partition's (key, verdict, sha256), bucketed by key, into one file."""
-    from infra.shuffle import write_buckets
+def _drift_pieces(storage, file: str, buckets: int) -> list[pa.Table]:
+    """Ray task (the drift shuffle's map): one ingest partition's (key, verdict, sha256, url), cut by
+    key into `buckets` pieces for the compare tasks (through Ray's object store, not the bucket)."""
     from stages.dataplane import hash_buckets
 
-    t = src.read_table(file, ["key", "verdict", "sha256"])
-    write_buckets(dst, rel, t.append_column("bucket", pa.array(hash_buckets(t.column("key").to_pylist(), buckets))),
-                  "bucket")
-    return t.num_rows
+    t = storage.read_table(file, ["key", "verdict", "sha256", "url"])
+    b = hash_buckets(t.column("key").to_pylist(), buckets)
+    return [t.filter(pa.array(b == i)) for i in range(buckets)]
 
 
-def _drift_reduce(storage, bucket: int, old_files: list[str], new_files: list[str]) -> dict:
-    """Ray task: one key bucket of both runs -> its died / changed / revived keys, written to
-    drift/<bucket>.parquet; -> counts and the first DRIFT_LISTED keys of each kind."""
-    from infra.shuffle import read_bucket
+def _drift_reduce(storage, bucket: int, n_old: int, *pieces: pa.Table) -> dict:
+    """Ray task (the drift shuffle's reduce): one key bucket of both runs (the original's pieces
+    first) -> its died / changed / revived URLs, written to drift/<bucket>.parquet; -> counts and
+    the first DRIFT_LISTED URLs of each kind."""
+    def load(tables):
+        out = {}
+        for t in tables:
+            for k, v, h, u in zip(*(t.column(c).to_pylist() for c in ("key", "verdict", "sha256", "url"))):
+                out[k] = ("success" if v == "kept" else "failed", h, u)
+        return out
 
-    def load(files):
-        t = read_bucket(storage, files, "bucket", bucket, DRIFT_SCHEMA)
-        return {k: ("success" if v == "kept" else "failed", h)
-                for k, v, h in zip(*(t.column(c).to_pylist() for c in ("key", "verdict", "sha256")))}
-
-    old, new = load(old_files), load(new_files)
+    old, new = load(pieces[:n_old]), load(pieces[n_old:])
     found = {
-        "died": sorted(k for k, (s, _) in old.items() if s == "success" and new.get(k, ("missing", None))[0] != "success"),
-        "changed": sorted(k for k, (s, h) in old.items()
-                          if s == "success" and new.get(k, ("", None))[0] == "success" and new[k][1] != h),
-        "revived": sorted(k for k, (s, _) in old.items() if s != "success" and new.get(k, ("", None))[0] == "success")}
-    rows = sorted((k, kind) for kind, keys in found.items() for k in keys)
-    storage.write_table(f"drift/{bucket:06d}.parquet", pa.table({"key": [r[0] for r in rows], "drift": [r[1] for r in rows]},
-                                                              schema=pa.schema([("key", pa.string()), ("drift", pa.string())])))
-    return {kind: {"count": len(keys), "first": keys[:DRIFT_LISTED]} for kind, keys in found.items()}
+        "died": sorted(k for k, (s, _, _) in old.items() if s == "success" and new.get(k, ("missing",))[0] != "success"),
+        "changed": sorted(k for k, (s, h, _) in old.items()
+                          if s == "success" and new.get(k, ("",))[0] == "success" and new[k][1] != h),
+        "revived": sorted(k for k, (s, _, _) in old.items() if s != "success" and new.get(k, ("",))[0] == "success")}
+    rows = sorted((old[k][2] or "", k, kind) for kind, keys in found.items() for k in keys)
+    storage.write_table(f"drift/{bucket:06d}.parquet",
+                        pa.table({"url": [r[0] for r in rows], "key": [r[1] for r in rows], "drift": [r[2] for r in rows]},
+                                 schema=pa.schema([("url", pa.string()), ("key", pa.string()), ("drift", pa.string())])))
+    return {kind: {"count": len(keys), "first": sorted(old[k][2] or k for k in keys)[:DRIFT_LISTED]}
+            for kind, keys in found.items()}
 
 
 def drift(old_run, new_run, executor) -> dict:
     """URLs that died, URLs whose content changed and URLs that came back between two runs'
-    downloads: both ingest ledgers bucketed by key in Ray tasks, a task per bucket compares them and
-    writes its keys to the new run's drift/ (Parquet); the driver gets counts and the first
-    DRIFT_LISTED keys of each kind, never every key."""
+    downloads: both ingest ledgers cut by key in Ray tasks and handed through Ray's object store to
+    a task per key bucket, which compares them and writes its URLs to the new run's drift/
+    (Parquet); the driver gets counts and the first DRIFT_LISTED URLs of each kind, never every one."""
     import heapq
 
     from infra.storage import Storage
@@ -210,15 +211,75 @@ def drift(old_run, new_run, executor) -> dict:
     rows = sum(p.get("in", 0) for p in old_s.read_json("ingest/parts.json") + new_s.read_json("ingest/parts.json"))
     buckets = max(1, math.ceil(rows / DRIFT_ROWS_PER_BUCKET), min(int(executor.shape().cpus), rows // 1000))
     new_s.delete("drift")
-    maps = [(src, f, new_s, f"drift/_work/{side}/{i:06d}.parquet", buckets)
-            for side, src, files in (("old", old_s, old_files), ("new", new_s, new_files)) for i, f in enumerate(files)]
-    executor.run(_drift_map, maps, "drift: ledgers by key", num_cpus=0.5, quiet=True)
-    got = executor.run(_drift_reduce, [(new_s, b, [m[3] for m in maps if "/old/" in m[3]],
-                                        [m[3] for m in maps if "/new/" in m[3]]) for b in range(buckets)],
-                       "drift: compare", num_cpus=0.5, unit="buckets")
-    new_s.delete("drift/_work")
-    out = {"counts": {k: sum(g[k]["count"] for g in got) for k in ("died", "changed", "revived")},
+    maps = [(old_s, f, buckets) for f in old_files] + [(new_s, f, buckets) for f in new_files]
+    got = executor.shuffle(_drift_pieces, maps, buckets, _drift_reduce,
+                           [(new_s, b, len(old_files)) for b in range(buckets)], "drift: compare", num_cpus=0.5)
+    out = {"counts": {k: sum(g[k]["count"] for g in got) for k in DRIFT_KINDS},
            "listed": DRIFT_LISTED, "all": new_s.uri("drift")}
-    for kind in ("died", "changed", "revived"):
+    for kind in DRIFT_KINDS:
         out[kind] = list(heapq.merge(*(g[kind]["first"] for g in got)))[:DRIFT_LISTED]
+    return out
+
+
+SAMPLES_PER_BUCKET = 2_000_000
+COMPARE_LISTED = 50            # samples of each kind a comparison names
+
+
+def _shard_names(storage) -> list[dict]:
+    return storage.read_json("shard/shards.json") or []
+
+
+def _sample_pieces(storage, rel: str, buckets: int) -> list[pa.Table]:
+    """Ray task (the sample comparison's map): one shard's samples as (key, members), where members
+    says each member's extension and sha256, cut by key into `buckets` pieces."""
+    from infra.tars import tar_samples
+    from stages.dataplane import hash_buckets
+
+    keys, members = [], []
+    for key, parts in tar_samples(storage.uri(rel), where=rel):
+        keys.append(key)
+        members.append(",".join(f"{ext}={hashlib.sha256(data).hexdigest()}" for ext, data in sorted(parts.items())))
+    t = pa.table({"key": pa.array(keys, pa.string()), "members": pa.array(members, pa.string())})
+    b = hash_buckets(keys, buckets)
+    return [t.filter(pa.array(b == i)) for i in range(buckets)]
+
+
+def _sample_reduce(n_old: int, *pieces: pa.Table) -> dict:
+    """Ray task (the sample comparison's reduce): one key bucket of both runs' shards (the
+    original's pieces first) -> counts and the first COMPARE_LISTED keys of each kind of difference."""
+    def load(tables):
+        return {k: m for t in tables for k, m in zip(t.column("key").to_pylist(), t.column("members").to_pylist())}
+
+    old, new = load(pieces[:n_old]), load(pieces[n_old:])
+    changed = []
+    for k in sorted(set(old) & set(new)):
+        if old[k] != new[k]:
+            a, b = (dict(p.split("=", 1) for p in m.split(",") if p) for m in (old[k], new[k]))
+            changed.append(f"{k}: {', '.join(sorted(e for e in set(a) | set(b) if a.get(e) != b.get(e)))} differ")
+    only_old, only_new = sorted(set(old) - set(new)), sorted(set(new) - set(old))
+    return {"samples": len(old), "rebuilt": len(new), "only_in_original": len(only_old), "only_in_rebuild": len(only_new),
+            "changed": len(changed),
+            "first": sorted([f"{k}: only in the original" for k in only_old[:COMPARE_LISTED]]
+                            + [f"{k}: only in the rebuild" for k in only_new[:COMPARE_LISTED]] + changed[:COMPARE_LISTED])}
+
+
+def compare_samples(old_run, new_run, executor) -> dict:
+    """Two runs' published shards, sample by sample: the same keys with the same member bytes,
+    whatever shards they sit in (a dataset line publishes its appends in shards of their own, a
+    rebuild of the whole line lays the same samples out afresh). Each shard is read once in a Ray
+    task; its (key, digests) go through Ray's object store to a task per key bucket. -> counts and
+    the first differences; `identical` when no sample differs."""
+    from infra.storage import Storage
+
+    old_s, new_s = Storage.of(old_run), Storage.of(new_run)
+    old_shards, new_shards = _shard_names(old_s), _shard_names(new_s)
+    total = sum(s.get("samples", 0) for s in old_shards + new_shards)
+    buckets = max(1, math.ceil(total / SAMPLES_PER_BUCKET), min(int(executor.shape().cpus), total // 2000))
+    maps = ([(old_s, f"shard/shards/{s['name']}", buckets) for s in old_shards]
+            + [(new_s, f"shard/shards/{s['name']}", buckets) for s in new_shards])
+    got = executor.shuffle(_sample_pieces, maps, buckets, _sample_reduce, [(len(old_shards),)] * buckets,
+                           "shards: compare sample by sample", num_cpus=0.5)
+    out = {k: sum(g[k] for g in got) for k in ("samples", "rebuilt", "only_in_original", "only_in_rebuild", "changed")}
+    out["identical"] = not (out["only_in_original"] or out["only_in_rebuild"] or out["changed"])
+    out["first"] = sorted(line for g in got for line in g["first"])[:COMPARE_LISTED]
     return out

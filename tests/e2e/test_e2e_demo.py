@@ -204,9 +204,14 @@ def test_rebuild_names_died_and_changed_urls(reference_run, tmp_path):
     out = capline("rebuild", str(old / "manifest.json"), "--run-dir", str(tmp_path / "new"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "new" / "drift.json").read_text())
-    assert report["died"] == sorted(removed)
-    assert report["changed"] == sorted(changed)
+    # named by URL (a key is capline's), printed and in drift.json
+    name = lambda urls: [u.rsplit("/", 1)[1].removesuffix(".jpg") for u in urls]   # noqa: E731
+    assert name(report["died"]) == sorted(removed) and name(report["changed"]) == sorted(changed)
     assert "2 URLs died, 3 changed content" in out.stdout
+    assert all(u in out.stdout for u in report["died"] + report["changed"])
+    # and the shards compared sample by sample: the removed samples are only in the original
+    assert not report["shards"]["identical"] and report["shards"]["only_in_original"] >= 2
+    assert "samples differ" in out.stdout
 
 
 def _open_clip_dataset_size(pattern: str) -> int:

@@ -165,7 +165,8 @@ def test_drift_compares_two_runs_ledgers_in_tasks_bucketed_by_key(tmp_path, ray_
         for i in range(0, len(rows), per_part):
             rel = f"ingest/ledger/p{i}.parquet"
             chunk = rows[i:i + per_part]
-            storage.write_table(rel, pa.table({c: [r[j] for r in chunk] for j, c in enumerate(("key", "verdict", "sha256"))}))
+            storage.write_table(rel, pa.table({**{c: [r[j] for r in chunk] for j, c in enumerate(("key", "verdict", "sha256"))},
+                                               "url": [f"http://site.test/{r[0]}.jpg" for r in chunk]}))
             parts.append({"file": rel, "in": len(chunk)})
         storage.write_json("ingest/parts.json", parts)
         return tmp_path / folder
@@ -186,10 +187,13 @@ def test_drift_compares_two_runs_ledgers_in_tasks_bucketed_by_key(tmp_path, ray_
     monkeypatch.setattr(verify, "DRIFT_LISTED", 50)
     report = verify.drift(run("old", old, 300), run("new", sorted(new.values(), reverse=True), 700), Executor(log=lambda m: None))
     assert report["counts"] == {"died": len(died), "changed": len(changed), "revived": len(revived)}
-    assert report["died"] == died[:50] and report["changed"] == changed[:50] and report["revived"] == revived
+    url = lambda keys: [f"http://site.test/{k}.jpg" for k in keys]   # noqa: E731
+    assert report["died"] == url(died[:50]) and report["changed"] == url(changed[:50]) and report["revived"] == url(revived)
     everything = pq.read_table(tmp_path / "new" / "drift").to_pylist()
     assert sorted(r["key"] for r in everything if r["drift"] == "died") == died
-    assert not (tmp_path / "new" / "drift" / "_work").exists()
+    assert sorted(r["url"] for r in everything if r["drift"] == "changed") == url(changed)
+    # compared through Ray's object store: nothing but the results in the run folder
+    assert all(p.is_file() and p.stem.isdigit() for p in (tmp_path / "new" / "drift").iterdir())
 
 
 @pytest.mark.slow   # Ray tasks
