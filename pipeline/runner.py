@@ -185,6 +185,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     manifest = Manifest.open(run_dir, cfg.to_dict(), cfg.digest(), cfg.seed, input_fingerprints(cfg, stages))
+    # what this command asked for (a rebuild runs what the original ran, no more)
+    manifest.data["selected"] = {"until": until, "only": only, "stages": [s.name for s in stages if s.name in wanted]}
     # workers read and write the run folder's storage itself: a bucket for an s3:// run folder
     storage = Storage.from_uri(store.uri) if store is not None and store.uri else Storage.local(run_dir)
     controls = Controls(storage, run_dir)

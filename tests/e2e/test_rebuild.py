@@ -90,6 +90,7 @@ def test_a_dataset_line_is_rebuilt_to_its_shards_identical_then_names_what_chang
             made = capline("run", config, "--run-dir", str(run), "--until", "shard", timeout=900)
             assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
         assert len(json.loads((run / "shard" / "shards.json").read_text())) >= 3     # each run of the line adds its own
+        assert json.loads((run / "manifest.json").read_text())["selected"]["until"] == "shard"
         out = capline("rebuild", str(run), "--run-dir", str(again), timeout=900)
         text = out.stdout + out.stderr
         assert out.returncode == 0, text[-3000:]
