@@ -146,6 +146,32 @@ def _parser() -> argparse.ArgumentParser:
                          "build made with `--until shard` is rebuilt to its shards, never trained)")
     rb.add_argument("--address", help="Ray cluster to join (as for run)")
 
+    rm = sub.add_parser("remove", help="take items out of a published dataset line (takedowns, safety lists, opt-outs)",
+                        description="Remove the samples a list names from a dataset line (a run with "
+                                    "stages.shard.append: true): by URL, key, sha256 of the image bytes, or an image "
+                                    "whose near copies go too. Only the shards holding a match are rewritten, the old "
+                                    "ones kept under shard/line/versions/N/; the line, the manifest, the card and the "
+                                    "MLflow data-build run record what went, why and when; every later run of the "
+                                    "line drops what the list names before publishing.")
+    rm.add_argument("run_dir", metavar="RUN_DIR", help="the dataset line's run folder (local or s3://)")
+    rm.add_argument("--list", required=True, type=Path, metavar="FILE",
+                    help="one entry a line: a URL, a key, a sha256, or an image path (relative to FILE); "
+                         "`url `, `key `, `sha256 ` or `image ` before it says which; # starts a comment")
+    rm.add_argument("--reason", required=True, help="why (recorded with every item removed)")
+    rm.add_argument("--threshold", type=float, default=None,
+                    help="cosine of thumbnail descriptors above which an image entry matches a sample "
+                         "(default: the run's stages.dedup.within_threshold)")
+    rm.add_argument("--address", help="Ray cluster to join (as for run)")
+
+    rc = sub.add_parser("recheck", help="ask a dataset line's URLs again (robots.txt, X-Robots-Tag) and remove what opted out",
+                        description="Every URL a dataset line published, asked again as politely as a download "
+                                    "(robots.txt once per host, then a HEAD whose X-Robots-Tag is read, within each "
+                                    "host's rate; hosts in parallel): those that opt out now are removed from the "
+                                    "line (as `capline remove` does, with that reason); a URL that does not answer "
+                                    "is counted, not removed. The report by host: shard/line/rechecks/N.json.")
+    rc.add_argument("run_dir", metavar="RUN_DIR", help="the dataset line's run folder (local or s3://)")
+    rc.add_argument("--address", help="Ray cluster to join (as for run)")
+
     ry = sub.add_parser("ray", help="start a Ray node for capline: `ray start` with capline's quiet, "
                                     "guarded process environment and token authentication",
                         description="capline ray start [RAY START OPTIONS]: runs `ray start` with capline's "
@@ -417,6 +443,8 @@ def _cmd_verify(args) -> int:
     if not args.other:
         if not problems:
             print(f"{run_dir}: {n} shards match manifest.json")
+            for line in _line_status(run_dir):
+                print(line)
         return 1 if problems else 0
     other = Path(args.other)
     problems_b, _ = verify_run(other)
@@ -548,6 +576,48 @@ def _compare_shards(a: list[dict], b: list[dict], src, dst, executor) -> dict:
     return {"byte_identical": False, **got}
 
 
+def _line_status(storage) -> list[str]:
+    """A dataset line's shards, runs and removals, for status and verify."""
+    from infra.storage import Storage
+    from stages.line import read_line
+
+    line = read_line(Storage.of(storage))
+    if not line:
+        return []
+    out = [f"dataset line: {len(line.get('shards', []))} shards from {len(line.get('runs', []))} runs"]
+    for r in line.get("removals") or []:
+        out.append(f"  removal {r['removal']} at {r['at']}: {r['removed']} samples ({_redact(r['reason'])[:120]}); "
+                   f"shards rewritten: {', '.join(r['shards']) or 'none'}; as they were: {r['versions']}/")
+    return out
+
+
+def _cmd_remove(args) -> int:
+    from .remove import remove
+
+    r = remove(str(args.run_dir), args.list, args.reason, args.threshold, args.address, log=_say)
+    print(f"removal {r['removal']}: {r['removed']} samples removed ({', '.join(f'{n} {k}' for k, n in r['entries'].items() if n)} "
+          f"entries); shards rewritten: {', '.join(r['shards']) or 'none'} (as they were: {r['versions']}/); "
+          "later runs of the line drop what the list names", flush=True)
+    for key in r["keys"][:50]:
+        print(f"  removed {key}", flush=True)
+    return 0
+
+
+def _cmd_recheck(args) -> int:
+    from .remove import recheck_line
+
+    r = recheck_line(str(args.run_dir), args.address, log=_say)
+    removed = (f"removed as removal {r['removal']} ({r['removed']} samples)" if r["removal"] else "nothing removed")
+    print(f"recheck {r['recheck']}: {r['checked']} URLs on {len(r['hosts'])} hosts; {r['opted_out']} opt out now, "
+          f"{removed}; {r['unreachable']} did not answer (kept)", flush=True)
+    for host, c in sorted(r["hosts"].items(), key=lambda kv: -kv[1]["opted_out"])[:20]:
+        print(f"  {host:<40} {c['checked']:>8} checked {c['opted_out']:>6} opted out {c['unreachable']:>6} no answer",
+              flush=True)
+    for url, why in list(r["urls"].items())[:50]:
+        print(f"  {why:<40} {url}", flush=True)
+    return 0
+
+
 def _say_drift(report: dict, new) -> None:
     n = report["counts"]
     print(f"drift: {n['died']} URLs died, {n['changed']} changed content, {n['revived']} came back "
@@ -595,8 +665,12 @@ def _main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             from .inspect_run import format_status, status_rows
 
-            rows = status_rows(_run_storage(args.run_dir))
+            storage = _run_storage(args.run_dir)
+            rows = status_rows(storage)
             print(json.dumps(rows, indent=1) if args.json else format_status(rows))
+            if not args.json:
+                for line in _line_status(storage):
+                    print(line)
             return 0
         if args.command == "report":
             from .report import write_report
@@ -656,6 +730,10 @@ def _main(argv: list[str] | None = None) -> int:
             return _cmd_verify(args)
         if args.command == "rebuild":
             return _cmd_rebuild(args)
+        if args.command == "remove":
+            return _cmd_remove(args)
+        if args.command == "recheck":
+            return _cmd_recheck(args)
         if args.command == "ray":
             return _cmd_ray(args)
         if args.command == "config":

@@ -90,6 +90,15 @@ def card(manifest: dict, summary: dict, cfg) -> str:
                   f"`{rebuilt.get('original_digest')}`). Drift since the original downloads: {d.get('died', 0)} URLs died, "
                   f"{d.get('changed', 0)} changed content, {d.get('revived', 0)} came back (`drift.json`, every URL in "
                   "`drift/`)."]
+    removals = manifest.get("removals") or []
+    if removals:
+        lines += ["", "## Removals", "", "Samples taken out of this dataset line after it was published "
+                  "(`capline remove`); later runs drop what each list names, near copies included.", "",
+                  "| removal | at | reason | entries | samples removed | shards rewritten |", "|---:|---|---|---|---:|---|"]
+        for r in removals:
+            entries = ", ".join(f"{n} {k}" for k, n in r.get("entries", {}).items() if n)
+            lines.append(f"| {r.get('removal')} | {md_text(r.get('at'))} | {md_text(r.get('reason'))} | {entries} | "
+                         f"{r.get('removed')} | {md_text(', '.join(r.get('shards', [])) or '-')} |")
     lines += ["", "## Filters and thresholds", ""]
     for name, section in thresholds(cfg).items():
         if name == "dedup":

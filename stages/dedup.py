@@ -633,10 +633,17 @@ def _components_task(storage, files: list[str], parts: list[str], shown_per_reas
 
 
 def _verdicts(table: pa.Table, part: str, index: int, has_decisions: bool, cfg: DedupConfig,
-              storage=None, desc: str = "") -> tuple[pa.Table, dict]:
-    """A partition's verdicts: undecodable, evaluation-set matches, then its within-data duplicates
-    (its row group of the components task's file)."""
-    desc = storage.read_table(desc, ["key", "ok", "eval_set", "eval_id", "eval_sim"])
+              storage=None, desc: str = "", removals: str | None = None) -> tuple[pa.Table, dict]:
+    """A partition's verdicts: undecodable, removed from the dataset line (`removals`: the line
+    records some), evaluation-set matches, then its within-data duplicates (its row group of the
+    components task's file)."""
+    desc = storage.read_table(desc, ["key", "ok", "eval_set", "eval_id", "eval_sim"] + (["vec"] if removals else []))
+    removed = {}
+    if removals:
+        from pipeline.remove import blocked
+
+        removed = blocked(storage, table, dict(zip(desc.column("key").to_pylist(), desc.column("vec").to_pylist())))
+        desc = desc.drop_columns(["vec"])
     info = {k: (o, s, i, sim) for k, o, s, i, sim in zip(*(desc.column(c).to_pylist() for c in desc.column_names))}
     decisions = {}
     if has_decisions:
@@ -654,6 +661,8 @@ def _verdicts(table: pa.Table, part: str, index: int, has_decisions: bool, cfg: 
         ok, set_kind, eval_id, sim = info[k]
         if not ok:
             add(k, DROPPED, "undecodable_image", d="could not be described")
+        elif k in removed:
+            add(k, DROPPED, "removed", d=removed[k], match_set="removal")
         elif _eval_hit(set_kind, sim, cfg):
             name, kind = set_kind.split("|")
             add(k, DROPPED, "eval_duplicate", float(sim), f"matches {name}:{eval_id} ({kind})", name, str(eval_id))
@@ -687,7 +696,7 @@ class Candidates:
 class DedupStage(Decide):
     name = "dedup"
     config_key, config_class = "dedup", DedupConfig
-    reasons = ("exact_duplicate", "near_duplicate", "eval_duplicate", "undecodable_image")
+    reasons = ("exact_duplicate", "near_duplicate", "eval_duplicate", "undecodable_image", "removed")
     report = "dedup/report.html"
     # partitions described, and examples picked, before: by what decided them (a scheduled run's reuse)
     preserve = ("described", "signed", "examples", "reuse")
@@ -806,12 +815,20 @@ class DedupStage(Decide):
         return out
 
     def apply(self, ctx: StageContext, found: Candidates, decisions: dict) -> StageResult:
+        from pipeline.remove import DESCRIPTIONS, removal_digest
+
         cfg: DedupConfig = ctx.cfg
         index = {p: i for i, p in enumerate(sorted(u.part for u in ctx.upstream or []))}
+        # where each partition's descriptions are: `capline remove` matches images against them
+        ctx.storage.write_json(DESCRIPTIONS, dict(sorted(found.desc.items())))
+        # a dataset line's removals: what they name never comes back (pipeline/remove.py)
+        removals = removal_digest(ctx.storage)
         tasks = [PartTask(u.part, u.file, u.part,
                           kwargs={"part": u.part, "index": index[u.part], "has_decisions": u.part in decisions["per_part"],
-                                  "cfg": cfg, "storage": ctx.storage, "desc": found.desc[u.part]},
-                          input_sha=u.sha256, depends=f"{found.desc[u.part]}:{decisions['digests'].get(u.part, '')}")
+                                  "cfg": cfg, "storage": ctx.storage, "desc": found.desc[u.part],
+                                  "removals": removals},
+                          input_sha=u.sha256, depends=f"{found.desc[u.part]}:{decisions['digests'].get(u.part, '')}"
+                                                      + (f":{removals}" if removals else ""))
                  for u in ctx.upstream or []]
         parts = ctx.map_parts(_verdicts, tasks, num_cpus=0.5, reuse=True)
         from .dedup_report import write_report

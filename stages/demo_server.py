@@ -1,7 +1,9 @@
 """A loopback HTTP server for the demo source: real downloads without the internet.
 
-Routes: /img/NAME serves www/img/NAME; /status/404/NAME and /status/500/NAME answer with that
-status; /slow/NAME waits `slow_seconds` before answering (longer than ingest's timeout). It binds
+Routes: /img/NAME serves www/img/NAME; /robots.txt serves www/robots.txt when there is one (else
+404: everything allowed); /status/404/NAME and /status/500/NAME answer with that status; /slow/NAME
+waits `slow_seconds` before answering (longer than ingest's timeout). HEAD answers as GET does,
+without the body. It binds
 127.0.0.1 on a free port, runs in a daemon thread, and is a context manager so it always stops.
 """
 from __future__ import annotations
@@ -20,8 +22,17 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):  # the demo makes thousands of requests; keep the terminal readable
         pass
 
+    head = False
+
+    def do_HEAD(self):
+        self.head = True
+        self.do_GET()
+
     def do_GET(self):
         parts = self.path.lstrip("/").split("/")
+        if parts == ["robots.txt"] and (self.root / "robots.txt").is_file():
+            self._send(200, (self.root / "robots.txt").read_bytes(), "text/plain")
+            return
         if parts[0] == "status" and len(parts) == 3:
             self._send(int(parts[1]), b"error", "text/plain")
             return
@@ -45,7 +56,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            if not self.head:
+                self.wfile.write(body)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client gave up (a timeout): expected for /slow
 

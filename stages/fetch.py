@@ -636,3 +636,66 @@ def reason_of(status: str, error: str | None) -> str:
     if "decoding error" in low:
         return "undecodable_image"
     return "download_error"
+
+
+def recheck(urls: list[str], policy: FetchPolicy, token: str, directives: tuple[str, ...], timeout: float,
+            threads: int = 16) -> dict[str, str]:
+    """Each URL asked again whether it may be used, as politely as a download: robots.txt once per
+    host (RFC 9309: unreachable means disallow), then a HEAD whose X-Robots-Tag is read, within the
+    host's rate and concurrency; hosts in parallel. -> url -> why it opts out now, or "" when it
+    does not (a URL that does not answer is no opt-out: `unreachable: ...`, recorded, not removed)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    global _policy, _budget, _hosts
+    if _policy != policy:
+        _policy, _budget = policy, PixelBudget(policy.pixels_in_flight)
+    _hosts = Hosts(policy.manners)
+
+    def one(url: str) -> str:
+        try:
+            check_url(url, _policy)
+        except Refused as err:
+            _pinned().clear()
+            return f"unreachable: {err}"
+        parts = urllib.parse.urlsplit(url)
+        host = _hosts.get(parts.netloc)
+        allowed, why = _hosts.robots_allow(host, parts.scheme, parts.netloc, url, lambda u: _fetch_small(u, timeout))
+        if not allowed:
+            return f"robots_disallowed: {why}"
+        host.take_slot()
+        _pins.sockets = []
+        ticket = _watchdog.watch(time.monotonic() + _policy.deadline, _pins.sockets)
+        try:
+            check_url(url, _policy)
+            request = urllib.request.Request(url, method="HEAD", headers={"User-Agent": _policy.manners.user_agent})
+            with _opener.open(request, timeout=timeout) as r:
+                if directives and _i2d.is_disallowed(r.headers, token, list(directives)):
+                    return "robots_disallowed: X-Robots-Tag"
+            return ""
+        except urllib.error.HTTPError as err:
+            if err.code in (401, 403, 404, 410, 451) and directives and _i2d.is_disallowed(err.headers, token, list(directives)):
+                return "robots_disallowed: X-Robots-Tag"
+            return f"unreachable: HTTP {err.code}"
+        except Exception as err:  # noqa: BLE001 - no answer is not an opt-out
+            return f"unreachable: {type(err).__name__}"
+        finally:
+            _watchdog.release(ticket)
+            _pins.sockets = None
+            _pinned().clear()
+            host.give_slot()
+
+    by_host: dict[str, list[str]] = {}
+    for u in urls:
+        by_host.setdefault(urllib.parse.urlsplit(u).netloc, []).append(u)
+    # URLs interleaved across hosts: every thread busy while each host's own limits hold
+    order = [u for group in _interleave(list(by_host.values())) for u in group]
+    with ThreadPoolExecutor(max(1, min(threads, len(order)))) as pool:
+        return dict(zip(order, pool.map(one, order)))
+
+
+def _interleave(groups: list[list[str]]) -> list[list[str]]:
+    out, i = [], 0
+    while any(i < len(g) for g in groups):
+        out.append([g[i] for g in groups if i < len(g)])
+        i += 1
+    return out

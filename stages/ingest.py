@@ -551,17 +551,29 @@ def _compact_task(storage, files: list[str], shas: list[str], name: str, rel: st
     return result
 
 
-def _downloader(cfg: IngestConfig, allow: tuple, at_once: int = 1, own: tuple = ()):
-    from img2dataset.resizer import Resizer
-    from img2dataset.writer import WebDatasetSampleWriter
+HEADER_DIRECTIVES = ("noai", "noimageai", "noindex", "noimageindex")    # X-Robots-Tag values that opt out
 
-    from .fetch import FetchPolicy, SafeDownloader
+
+def fetch_policy(cfg: IngestConfig, allow: tuple, at_once: int = 1, own: tuple = ()):
+    """What every fetch of the run obeys: the safe fetcher's limits and the per-host manners, each
+    host's rate and concurrency shared out among `at_once` tasks that may ask it at once."""
+    from .fetch import FetchPolicy
     from .polite import Manners
 
     manners = Manners(token=cfg.user_agent_token, rate=cfg.host_rate / at_once,
                       concurrency=max(1, cfg.host_concurrency // at_once), robots=cfg.respect_robots,
                       max_wait=cfg.max_retry_after, retries=cfg.rate_limit_retries,
                       breaker_failures=cfg.breaker_failures, contact=cfg.contact, wait_budget=cfg.host_wait_budget)
+    return FetchPolicy(allow_hosts=allow, max_bytes=cfg.max_bytes, max_pixels=cfg.max_pixels,
+                       deadline=cfg.deadline, formats=tuple(cfg.formats),
+                       pixels_in_flight=cfg.pixels_in_flight, manners=manners, own_hosts=own)
+
+
+def _downloader(cfg: IngestConfig, allow: tuple, at_once: int = 1, own: tuple = ()):
+    from img2dataset.resizer import Resizer
+    from img2dataset.writer import WebDatasetSampleWriter
+
+    from .fetch import SafeDownloader
 
     resizer = Resizer(image_size=cfg.image_size, resize_mode=cfg.resize_mode,
                       resize_only_if_bigger=False, encode_quality=cfg.encode_quality,
@@ -573,7 +585,4 @@ def _downloader(cfg: IngestConfig, allow: tuple, at_once: int = 1, own: tuple = 
         number_sample_per_shard=cfg.samples_per_shard, oom_shard_count=5, compute_hash="sha256",
         verify_hash_type=None, encode_format=cfg.encode_format, retries=cfg.retries,
         user_agent_token=cfg.user_agent_token,
-        disallowed_header_directives=["noai", "noimageai", "noindex", "noimageindex"],
-        policy=FetchPolicy(allow_hosts=allow, max_bytes=cfg.max_bytes, max_pixels=cfg.max_pixels,
-                           deadline=cfg.deadline, formats=tuple(cfg.formats),
-                           pixels_in_flight=cfg.pixels_in_flight, manners=manners, own_hosts=own))
+        disallowed_header_directives=list(HEADER_DIRECTIVES), policy=fetch_policy(cfg, allow, at_once, own))

@@ -213,7 +213,13 @@ def _merge_task(storage, files: list[str], rel_out: str) -> dict:
 
 def _reduce_task(storage, shard: int, maps: list[str]) -> dict:
     """Ray task: one output shard from the map files' row groups: the tar, its index, its ledger partition."""
-    t = read_bucket(storage, maps, "shard", shard, MAP_SCHEMA).sort_by("order")
+    return write_shard_table(storage, shard, read_bucket(storage, maps, "shard", shard, MAP_SCHEMA).sort_by("order"))
+
+
+def write_shard_table(storage, shard: int, t: pa.Table):
+    """Shard `shard` from its samples in order (key, image, ext, caption, meta): the tar, its index
+    and its ledger partition; -> the ledger's PartResult, the tar's name, samples, bytes, sha256 and
+    md5 in its extra. The one tar writer of the stage and of removals (pipeline/remove.py)."""
     name = f"{shard:06d}.tar"
     buf = io.BytesIO()
     offsets = []
@@ -408,7 +414,8 @@ class ShardStage(Sink):
         runs = (line or {}).get("runs", []) + [{"run": run, "added": added,
                                                  "samples": n_new,
                                                  "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]
-        ctx.storage.write_json(RECORD, {"shards": shards, "runs": runs})
+        # everything else the line records (its removals) stays as it is
+        ctx.storage.write_json(RECORD, {**(line or {}), "shards": shards, "runs": runs})
 
 
 def _publish_task(storage, part: str, state: dict) -> None:

@@ -1,0 +1,475 @@
+"""`capline remove RUN --list FILE --reason TEXT`: take items out of a published dataset line.
+
+A takedown request, a hash match against a safety list, a site that opted out after the crawl: the
+items named in FILE leave the line, and never come back.
+
+- FILE has one entry a line (`#` starts a comment): a URL, a sample key, the sha256 of the image
+  bytes as downloaded, or the path of an image (relative to FILE's folder) whose re-encoded, resized
+  or recompressed copies are removed too (thumbnail descriptors within `--threshold` cosine). A
+  prefix `url `, `key `, `sha256 ` or `image ` says which where it could be read otherwise.
+- Matches are found in Ray tasks, one per input partition the line published from: its published
+  keys, its ingest ledger's URL and sha256, and (for image entries) dedup's descriptions of it. No
+  shard is read to find them.
+- Only the shards that hold a match are rewritten (a task each, by the shard stage's own tar
+  writer, so what stays keeps its bytes), as removal N of the line: the shard as it was is kept at
+  `shard/line/versions/<N>/<name>` until the user deletes it; every other shard stays byte-identical.
+  The line's record, the shard lists beside the tars (sizes.json, shardindex.json), the manifest,
+  the dataset card and the MLflow data-build run name the removal: what, why, when, which shards.
+- `shard/line/removed.parquet` holds every entry and every sample removed, with its descriptor:
+  the dedup stage of every later run drops a sample that matches one (key, URL, sha256, or a near
+  copy of a removed image), with reason `removed`, before anything is published.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from infra.errors import UserError
+from stages.line import LINE, RECORD, published_all, published_file, read_line
+
+REMOVED = f"{LINE}/removed.parquet"
+VERSIONS = f"{LINE}/versions"
+DESCRIPTIONS = "dedup/descriptions.json"      # partition -> its description file (written by dedup)
+KINDS = ("url", "key", "sha256", "image")
+REMOVED_SCHEMA = pa.schema([("removal", pa.int32()), ("kind", pa.string()), ("value", pa.string()),
+                            ("key", pa.string()), ("url", pa.string()), ("sha256", pa.string()),
+                            ("vec", pa.binary()), ("threshold", pa.float64()), ("reason", pa.string())])
+KEY_LIKE = re.compile(r"u[0-9a-f]{16}")
+SHA_LIKE = re.compile(r"[0-9a-fA-F]{64}")
+
+
+@dataclass
+class Entry:
+    kind: str
+    value: str
+    line: int
+
+
+def parse_list(path: Path) -> list[Entry]:
+    """The entries of a removal list; a line that is none of the kinds is a UserError naming it."""
+    if not path.is_file():
+        raise UserError(f"--list {path}: no such file")
+    out = []
+    for n, raw in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        text = raw.split("#", 1)[0].strip() if not raw.lstrip().startswith(("http://", "https://")) else raw.strip()
+        if not text:
+            continue
+        head, _, rest = text.partition(" ")
+        if head in KINDS and rest.strip():
+            kind, value = head, rest.strip()
+        elif re.match(r"^https?://", text, re.I):
+            kind, value = "url", text
+        elif KEY_LIKE.fullmatch(text):
+            kind, value = "key", text
+        elif SHA_LIKE.fullmatch(text):
+            kind, value = "sha256", text.lower()
+        elif (path.parent / text).is_file():
+            kind, value = "image", text
+        else:
+            raise UserError(f"--list {path}:{n}: {text[:80]!r} is not a URL, a key (u + 16 hex digits), a sha256 "
+                            "(64 hex digits) or an image file; prefix it with url, key, sha256 or image")
+        if kind == "image" and not (path.parent / value).is_file():
+            raise UserError(f"--list {path}:{n}: image {value} does not exist (paths are relative to the list's folder)")
+        out.append(Entry(kind, value, n))
+    if not out:
+        raise UserError(f"--list {path}: no entries (one URL, key, sha256 or image path a line)")
+    return out
+
+
+def image_vectors(entries: list[Entry], base: Path) -> np.ndarray:
+    """(k, 768) float32 thumbnail descriptors of the image entries (dedup's within-data descriptor)."""
+    from stages.imagehash import describe
+
+    vecs = []
+    for e in entries:
+        try:
+            vecs.append(describe((base / e.value).read_bytes())[0])
+        except Exception as err:  # noqa: BLE001 - an image we cannot read is the list's fault: said with its line
+            raise UserError(f"--list line {e.line}: image {e.value} could not be read ({type(err).__name__}: {err})") from None
+    return np.stack(vecs) if vecs else np.zeros((0, 768), np.float32)
+
+
+def _unit_rows(blob: list[bytes]) -> np.ndarray:
+    v = np.frombuffer(b"".join(blob), np.float16).reshape(len(blob), -1).astype(np.float32) if blob else np.zeros((0, 768), np.float32)
+    return v / (np.linalg.norm(v, axis=1, keepdims=True) + 1e-6)
+
+
+def _match_task(storage, part: str, ingest_file: str, desc_file: str | None, keys: frozenset, urls: frozenset,
+                shas: frozenset, vecs: np.ndarray, threshold: float) -> list[dict]:
+    """Ray task: the published samples of one input partition that an entry names: -> rows of (key,
+    shard, how, url, sha256, vec). Reads the partition's published keys, its ingest ledger's URL and
+    sha256 columns, and its descriptions only where image entries were given."""
+    pub = published_all(storage, part)
+    if not pub.num_rows:
+        return []
+    led = storage.read_table(ingest_file, ["key", "url", "sha256"])
+    led = led.filter(pc.is_in(led.column("key"), pub.column("key")))
+    info = {k: (u, s) for k, u, s in zip(*(led.column(c).to_pylist() for c in ("key", "url", "sha256")))}
+    vec_of: dict[str, bytes] = {}
+    if desc_file:
+        d = storage.read_table(desc_file, ["key", "vec"])
+        d = d.filter(pc.is_in(d.column("key"), pub.column("key")))
+        vec_of = dict(zip(d.column("key").to_pylist(), d.column("vec").to_pylist()))
+    near = {}
+    if len(vecs) and vec_of:
+        names = list(vec_of)
+        sims = _unit_rows([vec_of[k] for k in names]) @ vecs.T
+        near = {k: float(s) for k, s in zip(names, sims.max(axis=1)) if s >= threshold}
+    out = []
+    for key, shard in zip(pub.column("key").to_pylist(), pub.column("shard").to_pylist()):
+        url, sha = info.get(key, (None, None))
+        how = ("key" if key in keys else "url" if url in urls else "sha256" if sha in shas
+               else f"image (cosine {near[key]:.3f})" if key in near else None)
+        if how:
+            out.append({"key": key, "shard": shard, "part": part, "how": how, "url": url, "sha256": sha,
+                        "vec": vec_of.get(key)})
+    return out
+
+
+def _rewrite_task(storage, name: str, removed: frozenset, old_copy: str):
+    """Ray task: shard `name` without the removed samples, by the shard stage's tar writer (what
+    stays keeps its bytes, order and headers); the shard as it was copied to `old_copy` first."""
+    from infra.tars import tar_samples
+    from stages.shard import write_shard_table
+
+    data = storage.read_bytes(f"shard/shards/{name}")
+    storage.write_bytes(old_copy, data)          # the old version stays readable until pruned
+    cols = {c: [] for c in ("key", "image", "ext", "caption", "meta")}
+    gone = 0
+    for key, parts in tar_samples(io.BytesIO(data), where=name):
+        if key in removed:
+            gone += 1
+            continue
+        ext = next(e for e in parts if e not in ("txt", "json"))
+        for c, v in zip(cols, (key, parts[ext], ext, parts.get("txt", b"").decode("utf-8"),
+                               parts.get("json", b"{}").decode("utf-8"))):
+            cols[c].append(v)
+    t = pa.table({"key": pa.array(cols["key"], pa.string()), "image": pa.array(cols["image"], pa.binary()),
+                  "ext": pa.array(cols["ext"], pa.string()), "caption": pa.array(cols["caption"], pa.string()),
+                  "meta": pa.array(cols["meta"], pa.string())})
+    result = write_shard_table(storage, int(name[:6]), t)
+    result.extra["removed"] = gone
+    return result
+
+
+def _unpublish_task(storage, part: str, removed: frozenset) -> int:
+    """Ray task: the partition's published record without the removed keys."""
+    t = published_all(storage, part)
+    keep = t.filter(pc.invert(pc.is_in(t.column("key"), pa.array(sorted(removed), pa.string()))))
+    storage.write_table(published_file(part), keep)
+    return t.num_rows - keep.num_rows
+
+
+def removal_digest(storage) -> str | None:
+    """What later runs' dedup verdicts depend on: the removals the line records (None: none)."""
+    line = read_line(storage)
+    removals = (line or {}).get("removals") or []
+    return hashlib.sha256(json.dumps(removals, sort_keys=True).encode()).hexdigest()[:16] if removals else None
+
+
+def remove(where: str, list_path: Path, reason: str, threshold: float | None, address: str | None, log=print) -> dict:
+    """Remove the list's items from the dataset line at `where`; -> the removal's record."""
+    from infra.ray_runtime import ray_session
+    from infra.configtools import build
+
+    from .config import RunConfig
+    from .executor import Executor
+    from .lock import run_lock
+    from .storage import RunStore
+
+    if not reason.strip():
+        raise UserError("--reason: say why these items are removed (it is recorded with them)")
+    entries = parse_list(list_path)
+    store = RunStore(where)
+    store.check()
+    storage = store.storage()
+    manifest = storage.read_json("manifest.json")
+    if manifest is None:
+        raise UserError(f"{where}: not a capline run folder (no manifest.json)")
+    line = read_line(storage)
+    if line is None:
+        raise UserError(f"{where}: no dataset line here (shard/line/line.json); `capline remove` takes items out of a "
+                        "line a run with stages.shard.append: true published")
+    cfg = build(RunConfig, manifest["config"])
+    threshold = threshold if threshold is not None else cfg.stages.dedup.within_threshold
+    if not 0 < threshold <= 1:
+        raise UserError(f"--threshold {threshold}: a cosine in (0, 1]")
+    by_kind = {k: [e for e in entries if e.kind == k] for k in KINDS}
+    vecs = image_vectors(by_kind["image"], list_path.parent)
+    number = len(line.get("removals") or []) + 1
+    with run_lock(store.local, log=log, uri=store.uri):
+        store.pull(log=log)
+        with ray_session(cfg.ray, address, log=log):
+            ex = Executor(log=log)
+            parts = {p["part"]: p["file"] for p in storage.read_json("ingest/parts.json") or []}
+            published = sorted({f.rsplit("/", 1)[-1][:-len(".parquet")] for f in storage.list(f"{LINE}/published", ".parquet")})
+            desc = storage.read_json(DESCRIPTIONS) or {} if len(vecs) else {}
+            if len(vecs) and not desc:
+                raise UserError(f"{where}: this line's dedup stage did not record where its descriptions are "
+                                f"({DESCRIPTIONS}); run `capline run` on it once, then remove by image")
+            found = ex.run(_match_task, [(storage, p, parts[p], desc.get(p), frozenset(e.value for e in by_kind["key"]),
+                                          frozenset(e.value for e in by_kind["url"]),
+                                          frozenset(e.value for e in by_kind["sha256"]), vecs, threshold)
+                                         for p in published if p in parts],
+                           "remove: find matches", num_cpus=0.5, unit="partitions")
+            matches = sorted((m for got in found for m in got), key=lambda m: m["key"])
+            removed = frozenset(m["key"] for m in matches)
+            shards = sorted({m["shard"] for m in matches})
+            listed = {s["name"]: s for s in line["shards"]}
+            stray = [s for s in shards if s not in listed]
+            if stray:
+                raise UserError(f"the line's published records name shard(s) {', '.join(stray[:3])} that line.json does not "
+                                "list; `capline verify` the line before removing from it")
+            rewritten = ex.run(_rewrite_task, [(storage, s, removed, f"{VERSIONS}/{number}/{s}") for s in shards],
+                               "remove: rewrite shards", num_cpus=1, unit="shards")
+            ex.run(_unpublish_task, [(storage, p, removed) for p in sorted({m["part"] for m in matches})],
+                   "remove: published records", num_cpus=0.25, unit="partitions", quiet=True)
+        record = _record(storage, line, number, reason, entries, matches, rewritten, threshold, list_path)
+        _update_lists(storage, store, manifest, line, record)
+        store.push_top()
+    return record
+
+
+def _record(storage, line: dict, number: int, reason: str, entries: list[Entry], matches: list[dict],
+            rewritten: list, threshold: float, list_path: Path) -> dict:
+    """removed.parquet gains the entries and the samples removed; line.json the removal and the
+    rewritten shards (its last write: the removal is done once the line lists it)."""
+    at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    base = list_path.parent
+    rows = {c: [] for c in REMOVED_SCHEMA.names}
+
+    def add(kind, value, key=None, url=None, sha=None, vec=None):
+        for c, v in zip(rows, (number, kind, value, key, url, sha, vec, threshold, reason)):
+            rows[c].append(v)
+
+    for e in entries:
+        vec = None
+        if e.kind == "image":
+            vec = image_vectors([e], base)[0].astype(np.float16).tobytes()
+        add(e.kind, e.value, vec=vec)
+    for m in matches:
+        add("sample", m["how"], m["key"], m["url"], m["sha256"], m["vec"])
+    new = pa.table(rows, schema=REMOVED_SCHEMA)
+    try:
+        old = storage.read_table(REMOVED)
+        new = pa.concat_tables([old.cast(REMOVED_SCHEMA), new])
+    except (FileNotFoundError, OSError):
+        pass
+    storage.write_table(REMOVED, new)
+    results = {r.extra["name"]: r for r in rewritten}
+    shards = []
+    for s in line["shards"]:
+        r = results.get(s["name"])
+        shards.append(s if r is None else {**{k: r.extra[k] for k in ("name", "samples", "bytes", "sha256", "md5")},
+                                           "result": r.to_json()})
+    record = {"removal": number, "at": at, "reason": reason, "list": list_path.name,
+              "list_sha256": hashlib.sha256(list_path.read_bytes()).hexdigest(),
+              "entries": {k: sum(1 for e in entries if e.kind == k) for k in KINDS},
+              "removed": len(matches), "keys": [m["key"] for m in matches][:1000],
+              "shards": sorted(results), "threshold": threshold, "versions": f"{VERSIONS}/{number}"}
+    storage.write_json(RECORD, {**line, "shards": shards, "removals": (line.get("removals") or []) + [record]})
+    line["shards"] = shards
+    return record
+
+
+def _update_lists(storage, store, manifest: dict, line: dict, record: dict) -> None:
+    """The shard lists users' readers take (sizes.json, shardindex.json, shards.json), the manifest's
+    shard list (what `capline verify` checks), the card and the MLflow data-build run."""
+    from .manifest import Manifest
+
+    shards = line["shards"]
+    listed = [{k: s[k] for k in ("name", "samples", "bytes", "sha256")} for s in shards]
+    index = storage.read_json("shard/shards/shardindex.json") or {"__kind__": "wids-shard-index-v1", "wids_version": 1}
+    index["shardlist"] = [{"url": s["name"], "nsamples": s["samples"], "filesize": s["bytes"], "md5sum": s["md5"]}
+                          for s in shards]
+    for rel, obj in (("shard/shards/sizes.json", {s["name"]: s["samples"] for s in listed}),
+                     ("shard/shards/shardindex.json", index), ("shard/shards.json", listed)):
+        storage.write_both(store.local, rel, json.dumps(obj, indent=1).encode())
+    path = store.local / "manifest.json"
+    m = Manifest(path, json.loads(path.read_text()) if path.is_file() else manifest)
+    m.data["artifacts"].setdefault("shard", {})["shards"] = listed
+    m.data.setdefault("removals", []).append({k: v for k, v in record.items() if k != "keys"})
+    m.save()       # pushed with the run's top files (RunStore.push_top)
+    _card(storage, store, m)
+    _mlflow(store, m, record)
+
+
+def _card(storage, store, manifest) -> None:
+    from infra.configtools import build
+
+    from .config import RunConfig
+    from .dataset_card import card
+    from stages.registry import STAGES
+
+    if "shard" not in manifest.data.get("stages", {}):
+        return
+    cfg = build(RunConfig, manifest.data["config"])
+    summary = {s.name: storage.read_json(f"{s.name}/stats.json") for s in STAGES}
+    text = card(manifest.data, {k: v for k, v in summary.items() if v}, cfg)
+    storage.write_both(store.local, "shard/README.md", text.encode())
+
+
+def _mlflow(store, manifest, record: dict, log=print) -> None:
+    run_id = manifest.data.get("mlflow_runs", {}).get("data")
+    if not run_id:
+        return
+    from infra.tracking import client, redact, tracking_uri
+
+    uri = tracking_uri(store.local)
+    try:
+        from mlflow.entities import Metric
+
+        c = client(uri)
+        now = int(time.time() * 1000)
+        c.set_tag(run_id, f"capline.removal.{record['removal']}",
+                  f"{record['removed']} samples, shards {', '.join(record['shards']) or 'none'}: {record['reason']}"[:500])
+        c.log_batch(run_id, metrics=[Metric("removed_samples", sum(r["removed"] for r in manifest.data["removals"]),
+                                            now, record["removal"])])
+    except Exception as err:  # noqa: BLE001 - tracking is not the data
+        log(f"mlflow: could not record the removal on the data-build run at {redact(uri)} ({type(err).__name__})")
+
+
+def blocked(storage, table: pa.Table, vecs: dict[str, bytes]) -> dict[str, str]:
+    """For the dedup stage of a later run: key -> why, for the samples of `table` (key, url, sha256)
+    that a removal names, or that are near copies of a removed image or sample (`vecs`: key -> the
+    sample's descriptor)."""
+    try:
+        r = storage.read_table(REMOVED)
+    except (FileNotFoundError, OSError):
+        return {}
+    kinds, values = r.column("kind").to_pylist(), r.column("value").to_pylist()
+    nums, reasons = r.column("removal").to_pylist(), r.column("reason").to_pylist()
+    rkeys, rurls, rshas = (r.column(c).to_pylist() for c in ("key", "url", "sha256"))
+    by = {"key": {}, "url": {}, "sha256": {}}
+    for kind, value, key, url, sha, n, why in zip(kinds, values, rkeys, rurls, rshas, nums, reasons):
+        if kind in by:
+            by[kind].setdefault(value, (n, why))
+        elif kind == "sample":
+            for col, v in (("key", key), ("url", url), ("sha256", sha)):
+                if v:
+                    by[col].setdefault(v, (n, why))
+    out = {}
+    cols = {c: table.column(c).to_pylist() if c in table.column_names else [None] * table.num_rows
+            for c in ("key", "url", "sha256")}
+    for i, key in enumerate(cols["key"]):
+        for col in ("key", "url", "sha256"):
+            hit = by[col].get(cols[col][i])
+            if hit:
+                out[key] = f"removal {hit[0]} ({col}): {hit[1]}"
+                break
+    have = [i for i, v in enumerate(r.column("vec").to_pylist()) if v]
+    todo = [k for k in cols["key"] if k not in out and vecs.get(k)]
+    if have and todo:
+        rv = _unit_rows([r.column("vec")[i].as_py() for i in have])
+        thr = np.array([r.column("threshold")[i].as_py() for i in have])
+        sims = _unit_rows([vecs[k] for k in todo]) @ rv.T
+        for k, row in zip(todo, sims):
+            j = int(np.argmax(row - thr))
+            if row[j] >= thr[j]:
+                i = have[j]
+                out[k] = (f"removal {nums[i]} (near copy of {rkeys[i] or values[i]}, cosine {row[j]:.3f}): "
+                          f"{reasons[i]}")
+    return out
+
+
+RECHECKS = f"{LINE}/rechecks"
+
+
+def _host_pieces(storage, part: str, ingest_file: str, buckets: int) -> list[list[str]]:
+    """Ray task (the recheck shuffle's map): a partition's published URLs, cut by host into `buckets`."""
+    import urllib.parse
+
+    from stages.dataplane import hash_buckets
+
+    pub = published_all(storage, part)
+    led = storage.read_table(ingest_file, ["key", "url"])
+    urls = [u for u in led.filter(pc.is_in(led.column("key"), pub.column("key"))).column("url").to_pylist() if u]
+    b = hash_buckets([urllib.parse.urlsplit(u).netloc for u in urls], buckets)
+    out = [[] for _ in range(buckets)]
+    for u, i in zip(urls, b):
+        out[int(i)].append(u)
+    return out
+
+
+def _recheck_reduce(policy, token: str, directives: tuple, timeout: float, *pieces: list[str]) -> dict:
+    """Ray task (the recheck shuffle's reduce): every URL of its hosts asked again (stages/fetch.py:
+    recheck): -> the URLs that opt out now, with why, and counts per host."""
+    import urllib.parse
+
+    from stages.fetch import recheck
+
+    urls = sorted({u for p in pieces for u in p})
+    got = recheck(urls, policy, token, directives, timeout)
+    hosts: dict[str, dict[str, int]] = {}
+    for u, why in got.items():
+        h = hosts.setdefault(urllib.parse.urlsplit(u).netloc, {"checked": 0, "opted_out": 0, "unreachable": 0})
+        h["checked"] += 1
+        if why.startswith("robots_disallowed"):
+            h["opted_out"] += 1
+        elif why:
+            h["unreachable"] += 1
+    return {"opted_out": {u: why for u, why in got.items() if why.startswith("robots_disallowed")},
+            "unreachable": sum(1 for why in got.values() if why.startswith("unreachable")), "hosts": hosts}
+
+
+def recheck_line(where: str, address: str | None, log=print) -> dict:
+    """Ask every URL a dataset line published whether it still may be used (robots.txt and
+    X-Robots-Tag, politely, hosts in parallel); remove those that opted out since, as a removal whose
+    reason says so. -> the report (also in shard/line/rechecks/<n>.json)."""
+    import tempfile
+
+    from infra.configtools import build
+    from infra.ray_runtime import ray_session
+    from stages.ingest import HEADER_DIRECTIVES, fetch_policy
+
+    from .config import RunConfig
+    from .executor import Executor
+    from .storage import RunStore
+
+    store = RunStore(where)
+    store.check()
+    storage = store.storage()
+    manifest = storage.read_json("manifest.json")
+    if manifest is None:
+        raise UserError(f"{where}: not a capline run folder (no manifest.json)")
+    if read_line(storage) is None:
+        raise UserError(f"{where}: no dataset line here (shard/line/line.json); `capline recheck` asks again the URLs "
+                        "a line (stages.shard.append: true) published")
+    cfg = build(RunConfig, manifest["config"])
+    ing = cfg.stages.ingest
+    parts = {p["part"]: p["file"] for p in storage.read_json("ingest/parts.json") or []}
+    published = sorted({f.rsplit("/", 1)[-1][:-len(".parquet")] for f in storage.list(f"{LINE}/published", ".parquet")})
+    with ray_session(cfg.ray, address, log=log):
+        ex = Executor(log=log)
+        buckets = max(1, int(ex.shape().cpus))
+        # a host's URLs all in one task: its rate and concurrency hold whole there, hosts in parallel
+        policy = fetch_policy(ing, tuple(ing.allow_hosts), at_once=1)
+        got = ex.shuffle(_host_pieces, [(storage, p, parts[p], buckets) for p in published if p in parts], buckets,
+                         _recheck_reduce, [(policy, ing.user_agent_token, HEADER_DIRECTIVES, ing.timeout)] * buckets,
+                         "recheck: robots.txt and headers", num_cpus=1)
+    opted = dict(sorted((u, why) for g in got for u, why in g["opted_out"].items()))
+    hosts = {h: c for g in got for h, c in g["hosts"].items()}
+    number = len(storage.list(RECHECKS, ".json")) + 1
+    report = {"recheck": number, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "checked": sum(c["checked"] for c in hosts.values()), "opted_out": len(opted),
+              "unreachable": sum(g["unreachable"] for g in got), "hosts": dict(sorted(hosts.items())),
+              "urls": opted, "removal": None}
+    if opted:
+        with tempfile.TemporaryDirectory(prefix="capline-recheck-") as tmp:
+            listed = Path(tmp) / f"recheck-{number}.txt"
+            listed.write_text("".join(f"url {u}\n" for u in opted))
+            removal = remove(where, listed, f"opted out since publication (capline recheck {number}: robots.txt or "
+                                            "X-Robots-Tag)", None, address, log=log)
+        report["removal"] = removal["removal"]
+        report["removed"] = removal["removed"]
+    storage.write_json(f"{RECHECKS}/{number:04d}.json", report)
+    return report
