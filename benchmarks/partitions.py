@@ -94,6 +94,7 @@ def _shard_digests(client) -> dict[str, str]:
 def run(args) -> dict:
     from helpers import CountingProxy, moto_s3, synthetic_rows
     from stages.demo_server import DemoServer
+    from stages.synthetic import SERVER_PLACEHOLDER
 
     tmp = Path(tempfile.mkdtemp(prefix="capline-partitions-bench-"))
     n_fresh = args.partitions * args.per_shard
@@ -163,6 +164,25 @@ def run(args) -> dict:
                 if name == "fresh":
                     shards_before = _shard_digests(client)
             shards_after = _shard_digests(client)
+            if args.remove:     # a takedown of a few URLs from the grown line: what it costs
+                listed = tmp / "takedown.txt"
+                picked = rows[: n_fresh: max(1, n_fresh // args.remove)][: args.remove]
+                listed.write_text("".join(f"url {r['url'].replace(SERVER_PLACEHOLDER, server.base_url)}\n" for r in picked))
+                first = len(proxy.entries)
+                t0 = time.time()
+                proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "remove", f"s3://{BUCKET}/{PREFIX}", "--list",
+                                       str(listed), "--reason", "benchmark takedown"], cwd=ROOT, env=env,
+                                      capture_output=True, text=True, timeout=args.timeout)
+                log = proc.stdout + proc.stderr
+                (RESULTS / f"partitions-{args.label}-remove.log").write_text(log)
+                if proc.returncode != 0:
+                    print(log[-4000:])
+                    raise SystemExit(f"capline remove failed ({proc.returncode}); log in benchmarks/results/")
+                after_removal = _shard_digests(client)
+                out["removal"] = {"urls": len(picked), "wall_seconds": round(time.time() - t0, 1),
+                                  "traffic": _traffic(proxy.entries[first:], 0, BUCKET),
+                                  "shards_rewritten": sum(1 for k in shards_after if after_removal.get(k) != shards_after[k]),
+                                  "shards": len(shards_after), "said": log.strip().splitlines()[-1 - min(len(picked), 50)][:300]}
     finally:
         proxy.shutdown()
         try:
@@ -192,6 +212,11 @@ def table(r: dict) -> str:
         f, a = r["runs"]["fresh"]["stages"][s], r["runs"]["append"]["stages"][s]
         lines.append(f"  {s:<11}{f['wall_seconds']:>9.1f}{f['driver_seconds_outside_tasks']:>9.1f}"
                      f"{a['wall_seconds']:>9.1f}{a['driver_seconds_outside_tasks']:>9.1f}{share:>7.3f}")
+    if r.get("removal"):
+        m = r["removal"]
+        lines.append(f"  remove {m['urls']} URLs: {m['wall_seconds']} s, {m['traffic']['requests']} requests "
+                     f"({m['traffic']['object_reads']} reads, {m['traffic']['object_writes']} writes, "
+                     f"{m['traffic']['listings']} listings); {m['shards_rewritten']} of {m['shards']} shards rewritten")
     lines.append(f"  whole command: append {r['append_share']['command']} of the fresh run; first run's shards "
                  f"byte-identical: {r['first_shards_byte_identical']} ({r['shards']})")
     return "\n".join(lines)
@@ -207,6 +232,7 @@ def main():
     p.add_argument("--append", type=float, default=0.01, help="the second run's extra URLs, as a share of the first's")
     p.add_argument("--timeout", type=float, default=4 * 3600)
     p.add_argument("--label", default="current")
+    p.add_argument("--remove", type=int, default=10, help="URLs a takedown then removes from the line (0: none)")
     p.add_argument("--profile", action="store_true",
                    help="run the append's driver under cProfile (benchmarks/results/partitions-LABEL-append.prof)")
     args = p.parse_args()
