@@ -84,6 +84,12 @@ class DedupConfig:
     encoder_sha256: str | None = None
     encoder_threshold: float = 0.95  # cosine of encoder embeddings above which an image matches
     encoder_image_size: int = 224  # pixels the encoder is fed (shortest side resized, centre crop)
+    # evaluation captions in alt-text (stages/caption_match.py): drop the sample, flag it (kept, its
+    # ledger row naming the caption), or off; matched: a whole caption of >= caption_min_words words
+    # inside the alt-text, or a run of caption_ngram words in common
+    caption_match: str = "drop"
+    caption_ngram: int = 10
+    caption_min_words: int = 6
     cpus_per_worker: float = 0.75      # < 1 leaves room for Ray Data's read tasks on small machines
     # signature rows one group task takes on average (each ~100 bytes in memory): the number of
     # buckets grows with the data, never fewer than the cluster's CPUs can work on at once
@@ -93,6 +99,11 @@ class DedupConfig:
         for name in ("eval_threshold", "within_threshold", "encoder_threshold"):
             v = getattr(self, name)
             require(0 < v <= 1, join(prefix, name), f"a cosine threshold in (0, 1], got {v}")
+        require(self.caption_match in ("drop", "flag", "off"), join(prefix, "caption_match"),
+                f"drop, flag or off, got {self.caption_match!r}")
+        require(4 <= self.caption_ngram <= 64, join(prefix, "caption_ngram"), f"must be 4..64 words, got {self.caption_ngram}")
+        require(2 <= self.caption_min_words <= 64, join(prefix, "caption_min_words"),
+                f"must be 2..64 words, got {self.caption_min_words}")
         require(0 < self.cpus_per_worker <= 64, join(prefix, "cpus_per_worker"), "must be in (0, 64]")
         require(self.bucket_rows >= 1000, join(prefix, "bucket_rows"), f"must be >= 1000, got {self.bucket_rows}")
         require(self.bits % 64 == 0 and self.bits > 0, join(prefix, "bits"), "must be a positive multiple of 64")
@@ -632,8 +643,37 @@ def _components_task(storage, files: list[str], parts: list[str], shown_per_reas
             "published_kept": int((published & (roots != np.arange(n))).sum())}
 
 
+CAPTIONS = "dedup/eval_captions.parquet"    # the evaluation sets' captions, for the verdict tasks
+
+
+def _eval_captions(storage, cfg: DedupConfig) -> tuple[str, str, int] | None:
+    """The evaluation sets' captions in one file the verdict tasks read: -> (its path, digest, how
+    many), or None when no set has captions or matching is off."""
+    from .eval_sets import iter_captions
+
+    if cfg.caption_match == "off":
+        return None
+    rows = [(es.name, i, c) for es in cfg.eval_sets for i, c in iter_captions(es)]
+    if not rows:
+        return None
+    t = pa.table({"set": [r[0] for r in rows], "id": [r[1] for r in rows], "caption": [r[2] for r in rows]})
+    digest = storage.write_table(CAPTIONS, t)[0][:16]
+    return CAPTIONS, digest, len(rows)
+
+
+def _caption_index(storage, captions: tuple, cfg: DedupConfig):
+    from .caption_match import CaptionIndex
+
+    index = CaptionIndex(ngram=cfg.caption_ngram, min_words=cfg.caption_min_words)
+    t = storage.read_table(captions[0])
+    for s, i, c in zip(*(t.column(x).to_pylist() for x in ("set", "id", "caption"))):
+        index.add(s, i, c)
+    return index
+
+
 def _verdicts(table: pa.Table, part: str, index: int, has_decisions: bool, cfg: DedupConfig,
-              storage=None, desc: str = "", removals: str | None = None) -> tuple[pa.Table, dict]:
+              storage=None, desc: str = "", removals: str | None = None,
+              captions: tuple | None = None) -> tuple[pa.Table, dict]:
     """A partition's verdicts: undecodable, removed from the dataset line (`removals`: the line
     records some), evaluation-set matches, then its within-data duplicates (its row group of the
     components task's file)."""
@@ -657,8 +697,14 @@ def _verdicts(table: pa.Table, part: str, index: int, has_decisions: bool, cfg: 
         for c, x in zip(out, (k, v, r, s, d, match_set, match_key)):
             out[c].append(x)
 
-    for k in table.column("key").to_pylist():
+    matcher = _caption_index(storage, captions, cfg) if captions else None
+    alt = table.column("caption").to_pylist() if matcher and "caption" in table.column_names else None
+    hits: dict[str, int] = {}
+    for n, k in enumerate(table.column("key").to_pylist()):
         ok, set_kind, eval_id, sim = info[k]
+        said = matcher.match(alt[n]) if alt is not None else None
+        if said:
+            hits[said[0]] = hits.get(said[0], 0) + 1
         if not ok:
             add(k, DROPPED, "undecodable_image", d="could not be described")
         elif k in removed:
@@ -667,14 +713,21 @@ def _verdicts(table: pa.Table, part: str, index: int, has_decisions: bool, cfg: 
             name, kind = set_kind.split("|")
             add(k, DROPPED, "eval_duplicate", float(sim), f"matches {name}:{eval_id} ({kind})", name, str(eval_id))
             evals[name] = evals.get(name, 0) + 1
+        elif said and cfg.caption_match == "drop":
+            add(k, DROPPED, "eval_caption", d=f"alt-text holds {said[0]}:{said[1]}'s caption ({said[2]})",
+                match_set=said[0], match_key=said[1])
         elif k in decisions:
             reason, score, root = decisions[k]
             add(k, DROPPED, reason, score, f"duplicate_of={root}", match_key=root)
+        elif said:      # flagged: kept, its row naming the caption
+            add(k, KEPT, d=f"flag: alt-text holds {said[0]}:{said[1]}'s caption ({said[2]})",
+                match_set=said[0], match_key=said[1])
         else:
             add(k, KEPT)
     return pa.table(out, schema=pa.schema([("key", pa.string()), ("verdict", pa.string()), ("reason", pa.string()),
                                            ("score", pa.float64()), ("detail", pa.string()), ("match_set", pa.string()),
-                                           ("match_key", pa.string())])), {"eval_matches": evals}
+                                           ("match_key", pa.string())])), {"eval_matches": evals,
+                                                                           **({"caption_matches": hits} if hits else {})}
 
 
 @dataclass
@@ -696,7 +749,7 @@ class Candidates:
 class DedupStage(Decide):
     name = "dedup"
     config_key, config_class = "dedup", DedupConfig
-    reasons = ("exact_duplicate", "near_duplicate", "eval_duplicate", "undecodable_image", "removed")
+    reasons = ("exact_duplicate", "near_duplicate", "eval_duplicate", "undecodable_image", "removed", "eval_caption")
     report = "dedup/report.html"
     # partitions described, and examples picked, before: by what decided them (a scheduled run's reuse)
     preserve = ("described", "signed", "examples", "reuse")
@@ -823,22 +876,29 @@ class DedupStage(Decide):
         ctx.storage.write_json(DESCRIPTIONS, dict(sorted(found.desc.items())))
         # a dataset line's removals: what they name never comes back (pipeline/remove.py)
         removals = removal_digest(ctx.storage)
+        captions = _eval_captions(ctx.storage, cfg)
         tasks = [PartTask(u.part, u.file, u.part,
                           kwargs={"part": u.part, "index": index[u.part], "has_decisions": u.part in decisions["per_part"],
                                   "cfg": cfg, "storage": ctx.storage, "desc": found.desc[u.part],
-                                  "removals": removals},
+                                  "removals": removals, "captions": captions},
                           input_sha=u.sha256, depends=f"{found.desc[u.part]}:{decisions['digests'].get(u.part, '')}"
-                                                      + (f":{removals}" if removals else ""))
+                                                      + (f":{removals}" if removals else "")
+                                                      + (f":{captions[1]}" if captions else ""))
                  for u in ctx.upstream or []]
         parts = ctx.map_parts(_verdicts, tasks, num_cpus=0.5, reuse=True)
         from .dedup_report import write_report
 
         ctx.log(f"dedup: pairs side by side in {write_report(ctx, decisions['shown'], parts)}")
         evals: dict[str, int] = {}
+        caption_hits: dict[str, int] = {}
         for p in parts:
             for name, c in p.extra.get("eval_matches", {}).items():
                 evals[name] = evals.get(name, 0) + c
+            for name, c in p.extra.get("caption_matches", {}).items():
+                caption_hits[name] = caption_hits.get(name, 0) + c
         return StageResult(parts, {"eval_sets": found.set_stats, "eval_matches": evals,
+                                   "caption_matches": {"mode": cfg.caption_match, "captions": captions[2] if captions else 0,
+                                                       "by_set": caption_hits},
                                    "largest_lsh_group": found.largest_group,
                                    "reduce_tasks": found.reduce_tasks,
                                    "published_kept": decisions.get("published_kept", 0),

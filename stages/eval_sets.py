@@ -39,6 +39,10 @@ class EvalSetConfig:
     path: str = ""          # a folder / shard path or glob / parquet file; for builtin: its name
     image_col: str = "image"
     id_col: str | None = None
+    # the set's captions, matched against alt-text (stages/caption_match.py): a parquet set's column
+    # of captions (a string, or a list of strings, per image); a webdataset set's .txt members are
+    # its captions without this
+    caption_col: str | None = None
 
     def validate(self, prefix: str) -> None:
         require(bool(self.name) and ":" not in self.name, join(prefix, "name"),
@@ -115,6 +119,33 @@ def iter_images(es: EvalSetConfig, run_dir: Path | None) -> Iterator[tuple[str, 
     elif es.path == "digits":
         for i, img in enumerate(digits()[0]):
             yield f"digit{i:04d}", img
+
+
+def iter_captions(es: EvalSetConfig) -> Iterator[tuple[str, str]]:
+    """(image id, caption) of a set that has captions: a parquet set's `caption_col`, a webdataset
+    set's .txt members. Builtin sets give none: the demo's held-out captions come from the same
+    small grammar as its training captions (2.4 % of clean demo captions contain a whole held-out
+    caption), the others are class labels."""
+    if es.kind == "parquet" and es.caption_col:
+        import pyarrow.parquet as pq
+
+        have = pq.read_schema(es.path).names
+        if es.caption_col not in have:
+            raise UserError(f"evaluation set {es.name}: {es.path} has no column {es.caption_col!r} "
+                            f"(stages.dedup.eval_sets caption_col; its columns: {', '.join(have[:10])})")
+        table = pq.read_table(es.path, columns=[c for c in (es.caption_col, es.id_col) if c])
+        ids = table.column(es.id_col).to_pylist() if es.id_col else range(table.num_rows)
+        for i, cell in zip(ids, table.column(es.caption_col).to_pylist()):
+            for c in (cell if isinstance(cell, list) else [cell]):
+                if isinstance(c, str) and c.strip():
+                    yield str(i), c
+    elif es.kind == "webdataset":
+        from infra.tars import tar_samples
+
+        for shard in _shard_paths(es.path):
+            for key, parts in tar_samples(shard, f"evaluation set {es.name}: {shard}"):
+                if "txt" in parts:
+                    yield f"{Path(shard).stem}/{key.rpartition('/')[-1]}", parts["txt"].decode("utf-8", "replace")
 
 
 def stat_fingerprint(es: EvalSetConfig) -> str:
