@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from infra.errors import UserError
-from stages.line import LINE, RECORD, published_all, published_file, read_line
+from stages.line import LINE, RECORD, published_all, published_file, published_parts, read_line
 
 REMOVED = f"{LINE}/removed.parquet"
 VERSIONS = f"{LINE}/versions"
@@ -211,7 +211,7 @@ def remove(where: str, list_path: Path, reason: str, threshold: float | None, ad
         with ray_session(cfg.ray, address, log=log):
             ex = Executor(log=log)
             parts = {p["part"]: p["file"] for p in storage.read_json("ingest/parts.json") or []}
-            published = sorted({f.rsplit("/", 1)[-1][:-len(".parquet")] for f in storage.list(f"{LINE}/published", ".parquet")})
+            published = sorted(published_parts(storage))
             desc = storage.read_json(DESCRIPTIONS) or {} if len(vecs) else {}
             if len(vecs) and not desc:
                 raise UserError(f"{where}: this line's dedup stage did not record where its descriptions are "
@@ -447,7 +447,7 @@ def recheck_line(where: str, address: str | None, log=print) -> dict:
     cfg = build(RunConfig, manifest["config"])
     ing = cfg.stages.ingest
     parts = {p["part"]: p["file"] for p in storage.read_json("ingest/parts.json") or []}
-    published = sorted({f.rsplit("/", 1)[-1][:-len(".parquet")] for f in storage.list(f"{LINE}/published", ".parquet")})
+    published = sorted(published_parts(storage))
     with ray_session(cfg.ray, address, log=log):
         ex = Executor(log=log)
         buckets = max(1, int(ex.shape().cpus))

@@ -6,9 +6,11 @@ after run, kept in the run folder across runs (ShardStage.preserve).
   published once it is listed here.
 - `shard/line/published/<partition>.parquet`: per input partition of the shard stage, its keys that
   are in a shard, and which shard. A key whose shard is not listed in line.json (a run that stopped
-  before it wrote line.json) is not published. Beside it `<partition>.json`: how many samples the
-  partition kept then, their key-set checksum and the run: a later run that finds the partition
-  keeping the same samples has nothing to place from it.
+  before it wrote line.json) is not published. `published/_states.parquet`: per partition, how many
+  samples it kept when the line last published from it, their key-set checksum and the run (one
+  table, read in one request: a later run that finds a partition keeping the same samples has
+  nothing to place from it). Lines published before the table read `<partition>.json` beside
+  each partition's keys instead.
 
 The shard stage reads it to place only new samples in new shards; dedup reads it to keep a
 published sample over a new duplicate of it (so no published sample is dropped later).
@@ -41,9 +43,36 @@ def published_state(part: str) -> str:
     return f"{PUBLISHED}/{part}.json"
 
 
-def published_parts(storage) -> set[str]:
-    """The input partitions that have published keys."""
-    return {f.rsplit("/", 1)[-1][:-len(".parquet")] for f in storage.list(PUBLISHED, ".parquet")}
+STATES = f"{PUBLISHED}/_states.parquet"
+STATES_SCHEMA = pa.schema([("part", pa.string()), ("kept", pa.int64()), ("kept_sum", pa.string()), ("run", pa.int64())])
+
+
+def read_states(storage) -> dict[str, dict] | None:
+    """partition -> {kept, kept_sum, run} when the line last published from it, from the one table;
+    None for a line published before there was one."""
+    try:
+        t = storage.read_table(STATES)
+    except (FileNotFoundError, OSError):
+        return None
+    return {p: {"kept": k, "kept_sum": s, "run": r}
+            for p, k, s, r in zip(*(t.column(c).to_pylist() for c in STATES_SCHEMA.names))}
+
+
+def write_states(storage, states: dict[str, dict]) -> None:
+    parts = sorted(states)
+    storage.write_table(STATES, pa.table({"part": parts, "kept": [states[p]["kept"] for p in parts],
+                                          "kept_sum": [str(states[p]["kept_sum"]) for p in parts],
+                                          "run": [states[p]["run"] for p in parts]}, schema=STATES_SCHEMA))
+
+
+def published_parts(storage, states: dict | None = None) -> set[str]:
+    """The input partitions that have published keys: the states table's (one read), or a listing
+    for a line published before it."""
+    states = read_states(storage) if states is None else states
+    if states is not None:
+        return set(states)
+    return {f.rsplit("/", 1)[-1][:-len(".parquet")] for f in storage.list(PUBLISHED, ".parquet")
+            if not f.endswith(STATES)}
 
 
 def published_all(storage, part: str) -> pa.Table:

@@ -45,7 +45,7 @@ from infra.errors import UserError
 from .base import KEPT, Sink, StageContext, StageResult
 from .dataplane import PartResult, by_location, image_batches, read_kept, write_part
 from .line import (LINE, PUBLISHED, PUBLISHED_SCHEMA, RECORD, published_all, published_file, published_parts,
-                   published_state, read_line)
+                   published_state, read_line, read_states, write_states)
 from infra.hashing import order_key
 from infra.shuffle import BucketWriter, merge_group, read_bucket
 
@@ -271,7 +271,8 @@ class ShardStage(Sink):
         line = self._line(ctx)
         old = line["shards"] if line else []
         line_shards = frozenset(s["name"] for s in old) if cfg.append else None
-        published = published_parts(ctx.storage) if line else set()
+        states = read_states(ctx.storage) if line else None
+        published = published_parts(ctx.storage, states) if line else set()
         gone = sorted(published - {u.part for u in ctx.upstream or []})
         if gone:
             raise UserError(f"stages.shard.append: {len(gone)} input partition(s) that earlier runs of this dataset "
@@ -281,7 +282,9 @@ class ShardStage(Sink):
         upstream = [u for u in ctx.upstream or [] if u.kept or u.part in published]
         # a partition that kept the same samples when the line last published from it has nothing new
         runs = {r["run"] for r in line["runs"]} if line else set()
-        seen = dict(zip(published, ctx.storage.read_jsons([published_state(p) for p in published])))
+        # one table (a line published before it: a record per partition, read 32 at a time)
+        seen = states if states is not None else dict(zip(published, ctx.storage.read_jsons(
+            [published_state(p) for p in sorted(published)])))
         same = {u.part for u in upstream if (seen.get(u.part) or {}).get("run") in runs
                 and (seen[u.part]["kept"], seen[u.part]["kept_sum"]) == (u.kept, u.kept_sum)}
         if same:
@@ -318,7 +321,8 @@ class ShardStage(Sink):
                          "result": p.to_json()} for p in added]
         self._delete_stale(ctx, {s["name"] for s in shards})
         if cfg.append:      # the new shards are published once the line lists them: last
-            self._publish(ctx, line, [u for u, _ in todo], shards, [s["name"] for s in shards[len(old):]], n_new)
+            self._publish(ctx, line, [u for u, _ in todo], shards, [s["name"] for s in shards[len(old):]], n_new,
+                          {p: seen[p] for p in published if seen.get(p)})
         ctx.storage.delete("shard/_work")
         listed = [{k: s[k] for k in ("name", "samples", "bytes", "sha256")} for s in shards]
         files = {f"shard/shards/{s['name']}": s["sha256"] for s in listed}
@@ -406,11 +410,13 @@ class ShardStage(Sink):
                                       if stale.rsplit("/", 1)[-1][:-len(suffix)] + ".tar" not in names])
 
     def _publish(self, ctx: StageContext, line: dict | None, mapped: list, shards: list[dict], added: list[str],
-                 n_new: int) -> None:
-        """The partitions' published keys, then the line's record (its last write: what it lists is published)."""
+                 n_new: int, seen: dict[str, dict]) -> None:
+        """The partitions' published keys, their states in one table, then the line's record (its last
+        write: what it lists is published)."""
         run = len((line or {}).get("runs", [])) + 1
-        ctx.run(_publish_task, [(ctx.storage, u.part, {"kept": u.kept, "kept_sum": u.kept_sum, "run": run})
-                                for u in mapped], "shard publish", num_cpus=0.25, quiet=True)
+        ctx.run(_publish_task, [(ctx.storage, u.part) for u in mapped], "shard publish", num_cpus=0.25, quiet=True)
+        write_states(ctx.storage, {**seen, **{u.part: {"kept": u.kept, "kept_sum": u.kept_sum, "run": run}
+                                              for u in mapped}})
         runs = (line or {}).get("runs", []) + [{"run": run, "added": added,
                                                  "samples": n_new,
                                                  "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]
@@ -418,11 +424,9 @@ class ShardStage(Sink):
         ctx.storage.write_json(RECORD, {**(line or {}), "shards": shards, "runs": runs})
 
 
-def _publish_task(storage, part: str, state: dict) -> None:
-    """Ray task: a partition's published keys after this run, where the line keeps them, then what
-    the partition kept then (`state`: a later run with the same kept samples skips it)."""
+def _publish_task(storage, part: str) -> None:
+    """Ray task: a partition's published keys after this run, where the line keeps them."""
     storage.write_bytes(published_file(part), storage.read_bytes(f"{PUBLISHING}/{part}.parquet"))
-    storage.write_json(published_state(part), state)
 
 
 def check_line_settings(config) -> None:
