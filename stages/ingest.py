@@ -174,6 +174,7 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server, progress=
     from . import fetch   # installs the safe fetcher in this worker
 
     fetch._finished.report_to(progress)
+    downloader = _built(downloader)
 
     rows = read_kept(storage, job.source_file).slice(job.start, job.stop - job.start)
     keys = rows.column("key").to_pylist()
@@ -469,7 +470,8 @@ class IngestStage(Source):
                     alive = (socket.gethostname(), os.getpid(), psutil.Process().create_time())
                 # the cluster-wide per-host manners, shared out among the tasks that run at once
                 at_once = max(1, min(len(jobs), int(ctx.executor.shape().cpus)))
-                downloader = _downloader(cfg, allow, at_once, own=(server.netloc,) if served else ())
+                # built in the workers (img2dataset's import is seconds the driver need not spend)
+                downloader = (cfg, allow, at_once, (server.netloc,) if served else ())
                 start = time.time()
                 results = ctx.run(_shard_task, [(ctx.storage, j, downloader, base, alive) for j in jobs], "ingest",
                                   num_cpus=1, max_retries=cfg.task_retries,
@@ -567,6 +569,23 @@ def fetch_policy(cfg: IngestConfig, allow: tuple, at_once: int = 1, own: tuple =
     return FetchPolicy(allow_hosts=allow, max_bytes=cfg.max_bytes, max_pixels=cfg.max_pixels,
                        deadline=cfg.deadline, formats=tuple(cfg.formats),
                        pixels_in_flight=cfg.pixels_in_flight, manners=manners, own_hosts=own)
+
+
+_BUILT: dict[str, object] = {}
+
+
+def _built(spec):
+    """The downloader of `spec` (_downloader's arguments), built once per worker process."""
+    import pickle
+
+    if not isinstance(spec, tuple):
+        return spec
+    key = hashlib.sha256(pickle.dumps(spec)).hexdigest()
+    if key not in _BUILT:
+        _BUILT.clear()
+        cfg, allow, at_once, own = spec
+        _BUILT[key] = _downloader(cfg, allow, at_once, own=own)
+    return _BUILT[key]
 
 
 def _downloader(cfg: IngestConfig, allow: tuple, at_once: int = 1, own: tuple = ()):
