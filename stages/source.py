@@ -43,7 +43,7 @@ from . import openclipart, synthetic
 from infra.hashing import file_sha256
 
 from .base import Source, StageContext, StageResult
-from .dataplane import DROPPED, KEPT, write_part
+from .dataplane import DROPPED, KEPT, PartResult, write_part
 
 
 @dataclass
@@ -646,10 +646,11 @@ def _show(v) -> str:
 
 class PartitionWriter:
     """A file's keyed rows, written as partitions `<name>-NNNNN` of `rows_per_part` as they come:
-    what a task holds is one partition's rows, whatever the file's size."""
+    what a task holds is one partition's rows, whatever the file's size. `folder`: where their
+    ledgers go (default: the stage's ledger folder)."""
 
-    def __init__(self, storage, name: str, rows_per_part: int):
-        self.storage, self.name, self.per = storage, name, rows_per_part
+    def __init__(self, storage, name: str, rows_per_part: int, folder: str | None = None):
+        self.storage, self.name, self.per, self.folder = storage, name, rows_per_part, folder
         self.pending: list[pa.Table] = []
         self.held = 0
         self.out: list = []
@@ -668,7 +669,8 @@ class PartitionWriter:
         if chunk is None:   # an empty file: one empty partition, of the rows' columns
             chunk = pa.table({c: pa.array([], pa.string()) for c in
                               ("key", "url", "caption", "partition", "verdict", "reason", "detail", "notes")})
-        self.out.append(write_part(self.storage, "source", part, None, chunk.column("key").to_pylist(), chunk))
+        self.out.append(write_part(self.storage, "source", part, None, chunk.column("key").to_pylist(), chunk,
+                                   rel=f"{self.folder}/{part}.parquet" if self.folder else None))
 
     def close(self) -> list:
         if self.held or not self.out:      # the rest, or an empty file's one empty partition
@@ -683,9 +685,12 @@ def write_partitions(storage, rows: pa.Table, name: str, rows_per_part: int) -> 
     return out.close()
 
 
-def _read_file_task(storage, path: str, cfg: SourceConfig, pinned: str | None = None) -> list[dict]:
+def _read_file_task(storage, path: str, cfg: SourceConfig, pinned: str | None = None,
+                    folder: str | None = None) -> list[dict]:
     """Ray task: read one URL list file, key its rows, write its partitions. `pinned`: the file's copy
-    in the run folder's storage, for a worker that cannot see the driver's disk."""
+    in the run folder's storage, for a worker that cannot see the driver's disk. `folder`: where
+    the partitions go, with the record that lets a later run take them as they are (`folder.json`,
+    written last: a record found means whole partitions)."""
     import tempfile
 
     name = Path(path).name
@@ -694,11 +699,40 @@ def _read_file_task(storage, path: str, cfg: SourceConfig, pinned: str | None = 
         if pinned is not None:
             local = Path(tmp) / name
             storage.download(pinned, local)
-        state, out = KeyState(), PartitionWriter(storage, name, cfg.rows_per_part)
+        state, out = KeyState(), PartitionWriter(storage, name, cfg.rows_per_part, folder)
         for table, lines, malformed in iter_list(local, cfg.format, _text_cols(cfg, local), cfg.header, cfg.columns,
                                                  cfg.max_field_bytes, cfg.max_list_bytes):
             out.add(keyed_rows(table, cfg, name, lines, malformed, state))
-        return out.close()
+        parts = out.close()
+        if folder:
+            storage.write_json(f"{folder}.json", {"parts": [p.to_json() for p in parts]})
+        return parts
+
+
+KEYED = "source/keyed"     # each list file's keyed partitions, by its content and the keying config (preserved)
+
+
+def keyed_folder(f: Path, sha: str, cfg: SourceConfig) -> str:
+    """Where a list file's partitions are kept: by its content, its name (the partitions' names come
+    from it) and the settings that key and filter rows (not the list's path)."""
+    import dataclasses
+
+    how = hashlib.sha256(json.dumps({k: v for k, v in dataclasses.asdict(cfg).items() if k != "path"},
+                                    sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"{KEYED}/{safe_name(f.name)}-{sha[:16]}-{how}"
+
+
+_SHA_MEMO: dict[tuple, str] = {}
+
+
+def list_sha256(f: Path) -> str:
+    """A list file's sha256, computed once per process while its size and mtime stay (the stage's
+    fingerprint, the pinned copy and the keyed partitions all name the file by it)."""
+    st = f.stat()
+    memo = (str(f.resolve()), st.st_size, st.st_mtime_ns)
+    if memo not in _SHA_MEMO:
+        _SHA_MEMO[memo] = file_sha256(f)
+    return _SHA_MEMO[memo]
 
 
 def _text_cols(cfg: SourceConfig, path: Path) -> tuple:
@@ -714,14 +748,12 @@ INPUT = "source/input"     # the list files pinned in an object-store run folder
 
 def pin_inputs(storage, files: list[Path]) -> list[str | None]:
     """Each list file's copy in the run folder's storage, by content (Storage.pin_copies)."""
-    from infra.hashing import file_sha256
-
-    return storage.pin_copies(INPUT, files, [file_sha256(f) for f in files])
+    return storage.pin_copies(INPUT, files, [list_sha256(f) for f in files])
 
 
 class SourceStage(Source):
     name = "source"
-    preserve = ("input",)
+    preserve = ("input", "keyed")
     reasons = ("malformed_row", "missing_url", "invalid_url", "duplicate_key", "list_filter")
 
     def section(self, config) -> SourceConfig:
@@ -738,7 +770,7 @@ class SourceStage(Source):
         cfg = config.source
         if cfg.kind == "urls":
             return {"kind": "urls", "path": str(cfg.path),
-                    "files": {f.name: file_sha256(f) for f in partition_files(cfg)}}
+                    "files": {f.name: list_sha256(f) for f in partition_files(cfg)}}
         if cfg.kind == "openclipart":
             root = openclipart.svg_root(cfg.path)
             files = openclipart.list_svgs(root)
@@ -775,8 +807,23 @@ class SourceStage(Source):
         # a run folder in object storage means nodes that share no disk: the list travels through it,
         # each file once: named by its content, a file an earlier run pinned is not uploaded again
         pinned = pin_inputs(ctx.storage, files)
-        results = ctx.run(_read_file_task, [(ctx.storage, str(f), cfg, p) for f, p in zip(files, pinned)], "source",
-                          num_cpus=1, describe=lambda c: f"URL list file {Path(c[1]).name}", unit="files")
+        # a file keyed before, with the same content and settings, is taken as it is (its record, read
+        # with the others 32 at a time): an append reads and keys only the files it added
+        folders = [keyed_folder(f, list_sha256(f), cfg) for f in files]
+        records = ctx.storage.read_jsons([f"{d}.json" for d in folders])
+        todo = [i for i, r in enumerate(records) if not (isinstance(r, dict) and isinstance(r.get("parts"), list))]
+        if len(todo) < len(files):
+            ctx.log(f"source: {len(files) - len(todo)} URL list file(s) keyed before with the same content, reused; "
+                    f"{len(todo)} to read")
+        ran = ctx.run(_read_file_task, [(ctx.storage, str(files[i]), cfg, pinned[i], folders[i]) for i in todo],
+                      "source", num_cpus=1, describe=lambda c: f"URL list file {Path(c[1]).name}", unit="files")
+        results = [[PartResult.from_json(p) for p in r["parts"]] if i not in todo else None
+                   for i, r in enumerate(records)]
+        for i, r in zip(todo, ran):
+            results[i] = r
+        keep = {d.rsplit("/", 1)[-1] for d in folders}
+        stale = [d for d in ctx.storage.list_dirs(KEYED) if d not in keep]
+        ctx.storage.delete_all([f"{KEYED}/{d}" for d in stale] + [f"{KEYED}/{d}.json" for d in stale])
         parts = [p for r in results for p in r]
         from .source_keys import unique_across_files
 

@@ -107,3 +107,39 @@ def test_two_url_files_sharing_rows_run_to_shards_and_every_copy_has_a_verdict(t
     assert len(dedup) == 50 and len(repeats) == 10                # every copy got a verdict
     assert all(r["reason"] == "exact_duplicate" and r["key"] == r["match_key"] + "_1" for r in repeats)
     assert summary["shard"]["kept"] == 40
+
+
+def test_an_append_keys_only_the_list_files_it_added(tmp_path):
+    """The source stage takes a file keyed before with the same content and settings as it is: the
+    second run (a file added) reads and keys that file alone, and the first files' partitions are
+    the same files; a changed file is keyed again, one no longer listed is deleted."""
+    from stages.source import KEYED, SourceStage
+
+    urls = tmp_path / "urls"
+    urls.mkdir()
+    cfg = load_config(None, ["source.kind=urls", f"source.path={urls}", "source.rows_per_part=2"]).source
+    storage = Storage.local(tmp_path / "run")
+    read = []
+
+    def run(fn, calls, what, **_):
+        read.extend(c[1] for c in calls if fn.__name__ == "_read_file_task")
+        return _in_process(fn, calls, what)
+
+    ctx = SimpleNamespace(cfg=cfg, storage=storage, run=run, shuffle=_shuffle_in_process, log=lambda m: None,
+                          stage_dir=tmp_path / "run" / "source")
+    _files(urls, [("http://x/1.jpg", "one"), ("http://x/2.jpg", "two"), ("http://x/3.jpg", "three")],
+           [("http://x/4.jpg", "four")])
+    first = SourceStage().run(ctx).parts
+    assert sorted(p.rsplit("/", 1)[-1] for p in read) == ["list0.csv", "list1.csv"]
+    read.clear()
+    (urls / "list2.csv").write_text("url,caption\nhttp://x/5.jpg,five\nhttp://x/1.jpg,one\n")
+    second = SourceStage().run(ctx).parts
+    assert [p.rsplit("/", 1)[-1] for p in read] == ["list2.csv"]
+    assert [(p.file, p.sha256) for p in second[:len(first)]] == [(p.file, p.sha256) for p in first]
+    assert second[-1].n_in == 2 and len({p.part for p in second}) == len(second)
+    read.clear()
+    (urls / "list0.csv").write_text("url,caption\nhttp://x/9.jpg,nine\n")
+    (urls / "list1.csv").unlink()
+    third = SourceStage().run(ctx).parts
+    assert [p.rsplit("/", 1)[-1] for p in read] == ["list0.csv"]
+    assert len(storage.list_dirs(KEYED)) == 2 and sum(p.n_in for p in third) == 3
