@@ -641,9 +641,9 @@ def reason_of(status: str, error: str | None) -> str:
 def recheck(urls: list[str], policy: FetchPolicy, token: str, directives: tuple[str, ...], timeout: float,
             threads: int = 16) -> dict[str, str]:
     """Each URL asked again whether it may be used, as politely as a download: robots.txt once per
-    host (RFC 9309: unreachable means disallow), then a HEAD whose X-Robots-Tag is read, within the
-    host's rate and concurrency; hosts in parallel. -> url -> why it opts out now, or "" when it
-    does not (a URL that does not answer is no opt-out: `unreachable: ...`, recorded, not removed)."""
+    host, then a HEAD whose X-Robots-Tag is read, within the host's rate and concurrency; hosts in
+    parallel. -> url -> why it opts out now, or "" when it does not (a URL or robots.txt that does
+    not answer is no opt-out: `unreachable: ...`, recorded, not removed)."""
     from concurrent.futures import ThreadPoolExecutor
 
     global _policy, _budget, _hosts
@@ -661,7 +661,9 @@ def recheck(urls: list[str], policy: FetchPolicy, token: str, directives: tuple[
         host = _hosts.get(parts.netloc)
         allowed, why = _hosts.robots_allow(host, parts.scheme, parts.netloc, url, lambda u: _fetch_small(u, timeout))
         if not allowed:
-            return f"robots_disallowed: {why}"
+            # a robots.txt that did not answer stops a crawl (RFC 9309), but says nothing of what a
+            # site wants taken out of published data: counted, never removed for it
+            return f"unreachable: {why}" if getattr(host, "robots_note", None) else f"robots_disallowed: {why}"
         host.take_slot()
         _pins.sockets = []
         ticket = _watchdog.watch(time.monotonic() + _policy.deadline, _pins.sockets)

@@ -242,3 +242,57 @@ def test_a_host_that_always_says_later_costs_a_bounded_time_and_opens_its_breake
     assert took < 8, took                                      # the budget (2.5 s), not 16 x 4 waits
     assert "host_wait_budget 2.5s" in got[-1][2] and _AlwaysLater.asked <= 5
     assert fetch._hosts.get(where).failures >= 1               # counted toward the breaker
+
+
+def test_a_recheck_finds_what_opted_out_since_and_never_takes_silence_for_an_opt_out():
+    """`capline recheck`'s asking (stages/fetch.py: recheck): a path robots.txt now disallows, and a
+    HEAD answered with X-Robots-Tag: noai, opt out; a plain image does not; a host whose robots.txt
+    answers 500, and a URL that is gone, are counted unreachable, not opt-outs."""
+    from stages.fetch import FetchPolicy, recheck
+
+    asked = Counter()
+
+    class Site(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_HEAD(self):
+            asked[self.command, self.path] += 1
+            if self.path == "/robots.txt":
+                self.send_response(200)
+                self.end_headers()
+                return
+            self.send_response(404 if self.path == "/gone.jpg" else 200)
+            if self.path == "/tagged.jpg":
+                self.send_header("X-Robots-Tag", "noai, noimageai")
+            self.end_headers()
+
+        def do_GET(self):
+            asked[self.command, self.path] += 1
+            body = b"User-agent: *\nDisallow: /blocked\n" if self.server.robots_ok else b"down"
+            self.send_response(200 if self.server.robots_ok else 500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    servers = []
+    for ok in (True, False):
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Site)
+        srv.robots_ok = ok
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+    try:
+        a, b = (f"127.0.0.1:{s.server_address[1]}" for s in servers)
+        policy = FetchPolicy(allow_hosts=(a, b), deadline=10, manners=Manners(rate=50, concurrency=4))
+        urls = [f"http://{a}/blocked/1.jpg", f"http://{a}/tagged.jpg", f"http://{a}/fine.jpg", f"http://{a}/gone.jpg",
+                f"http://{b}/fine.jpg"]
+        got = recheck(urls, policy, "capline", ("noai", "noimageai", "noindex", "noimageindex"), timeout=5)
+    finally:
+        for s in servers:
+            s.shutdown()
+    assert got[urls[0]].startswith("robots_disallowed: robots.txt disallows")
+    assert got[urls[1]] == "robots_disallowed: X-Robots-Tag"
+    assert got[urls[2]] == ""
+    assert got[urls[3]] == "unreachable: HTTP 404" and got[urls[4]].startswith("unreachable: robots.txt answered HTTP 500")
+    assert asked["GET", "/robots.txt"] == 2                         # once per host
+    assert ("HEAD", "/blocked/1.jpg") not in asked                 # disallowed: never asked
