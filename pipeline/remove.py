@@ -176,19 +176,11 @@ def removal_digest(storage) -> str | None:
     return hashlib.sha256(json.dumps(removals, sort_keys=True).encode()).hexdigest()[:16] if removals else None
 
 
-def remove(where: str, list_path: Path, reason: str, threshold: float | None, address: str | None, log=print) -> dict:
-    """Remove the list's items from the dataset line at `where`; -> the removal's record."""
-    from infra.ray_runtime import ray_session
-    from infra.configtools import build
-
-    from .config import RunConfig
-    from .executor import Executor
-    from .lock import run_lock
+def open_line(where: str, what: str):
+    """A dataset line's run folder, local or in a bucket: -> (RunStore, Storage, manifest, line
+    record); one-line errors when it is not a run folder or holds no line."""
     from .storage import RunStore
 
-    if not reason.strip():
-        raise UserError("--reason: say why these items are removed (it is recorded with them)")
-    entries = parse_list(list_path)
     store = RunStore(where)
     store.check()
     storage = store.storage()
@@ -197,8 +189,24 @@ def remove(where: str, list_path: Path, reason: str, threshold: float | None, ad
         raise UserError(f"{where}: not a capline run folder (no manifest.json)")
     line = read_line(storage)
     if line is None:
-        raise UserError(f"{where}: no dataset line here (shard/line/line.json); `capline remove` takes items out of a "
-                        "line a run with stages.shard.append: true published")
+        raise UserError(f"{where}: no dataset line here (shard/line/line.json); {what} a line a run with "
+                        "stages.shard.append: true published")
+    return store, storage, manifest, line
+
+
+def remove(where: str, list_path: Path, reason: str, threshold: float | None, address: str | None, log=print) -> dict:
+    """Remove the list's items from the dataset line at `where`; -> the removal's record."""
+    from infra.ray_runtime import ray_session
+    from infra.configtools import build
+
+    from .config import RunConfig
+    from .executor import Executor
+    from .lock import run_lock
+
+    if not reason.strip():
+        raise UserError("--reason: say why these items are removed (it is recorded with them)")
+    entries = parse_list(list_path)
+    store, storage, manifest, line = open_line(where, "`capline remove` takes items out of")
     cfg = build(RunConfig, manifest["config"])
     threshold = threshold if threshold is not None else cfg.stages.dedup.within_threshold
     if not 0 < threshold <= 1:
@@ -433,17 +441,8 @@ def recheck_line(where: str, address: str | None, log=print) -> dict:
 
     from .config import RunConfig
     from .executor import Executor
-    from .storage import RunStore
 
-    store = RunStore(where)
-    store.check()
-    storage = store.storage()
-    manifest = storage.read_json("manifest.json")
-    if manifest is None:
-        raise UserError(f"{where}: not a capline run folder (no manifest.json)")
-    if read_line(storage) is None:
-        raise UserError(f"{where}: no dataset line here (shard/line/line.json); `capline recheck` asks again the URLs "
-                        "a line (stages.shard.append: true) published")
+    store, storage, manifest, _ = open_line(where, "`capline recheck` asks again the URLs of")
     cfg = build(RunConfig, manifest["config"])
     ing = cfg.stages.ingest
     parts = {p["part"]: p["file"] for p in storage.read_json("ingest/parts.json") or []}
