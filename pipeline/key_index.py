@@ -22,12 +22,11 @@ ROW_GROUP = 8192
 
 def _map_task(storage, file: str, buckets: int) -> list[pa.Table]:
     """A shuffle's map (Executor.shuffle): one ledger's (key, file) rows, a piece per index bucket."""
-    from stages.dataplane import hash_buckets
+    from stages.dataplane import hash_pieces
 
     keys = storage.read_table(file, ["key"]).column("key")
     table = pa.table({"key": keys, "file": pa.array([file] * len(keys), pa.string())})
-    bucket = hash_buckets(keys.to_pylist(), buckets)
-    return [table.filter(pa.array(bucket == b)) for b in range(buckets)]
+    return hash_pieces(table, keys.to_pylist(), buckets)
 
 
 def _reduce_task(storage, out: str, row_group: int, *pieces: pa.Table) -> int:

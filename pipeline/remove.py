@@ -321,7 +321,8 @@ def _card(storage, store, manifest) -> None:
     if "shard" not in manifest.data.get("stages", {}):
         return
     cfg = build(RunConfig, manifest.data["config"])
-    summary = {s.name: storage.read_json(f"{s.name}/stats.json") for s in STAGES}
+    names = [s.name for s in STAGES]
+    summary = dict(zip(names, storage.read_jsons([f"{n}/stats.json" for n in names])))   # at once, not in turn
     text = card(manifest.data, {k: v for k, v in summary.items() if v}, cfg)
     storage.write_both(store.local, "shard/README.md", text.encode())
 
@@ -374,11 +375,12 @@ def blocked(storage, table: pa.Table, vecs: dict[str, bytes]) -> dict[str, str]:
             if hit:
                 out[key] = f"removal {hit[0]} ({col}): {hit[1]}"
                 break
-    have = [i for i, v in enumerate(r.column("vec").to_pylist()) if v]
+    have = np.flatnonzero(pc.is_valid(r.column("vec")).to_numpy(zero_copy_only=False)).tolist()
     todo = [k for k in cols["key"] if k not in out and vecs.get(k)]
     if have and todo:
-        rv = _unit_rows([r.column("vec")[i].as_py() for i in have])
-        thr = np.array([r.column("threshold")[i].as_py() for i in have])
+        described = r.take(pa.array(have, pa.int64()))
+        rv = _unit_rows(described.column("vec").to_pylist())
+        thr = described.column("threshold").to_numpy(zero_copy_only=False)
         sims = _unit_rows([vecs[k] for k in todo]) @ rv.T
         for k, row in zip(todo, sims):
             j = int(np.argmax(row - thr))

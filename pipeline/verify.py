@@ -165,11 +165,10 @@ def _ingest_files(storage) -> list[str]:
 def _drift_pieces(storage, file: str, buckets: int) -> list[pa.Table]:
     """Ray task (the drift shuffle's map): one ingest partition's (key, verdict, sha256, url), cut by
     key into `buckets` pieces for the compare tasks (through Ray's object store, not the bucket)."""
-    from stages.dataplane import hash_buckets
+    from stages.dataplane import hash_pieces
 
     t = storage.read_table(file, ["key", "verdict", "sha256", "url"])
-    b = hash_buckets(t.column("key").to_pylist(), buckets)
-    return [t.filter(pa.array(b == i)) for i in range(buckets)]
+    return hash_pieces(t, t.column("key").to_pylist(), buckets)
 
 
 def _drift_reduce(storage, bucket: int, n_old: int, *pieces: pa.Table) -> dict:
@@ -233,15 +232,14 @@ def _sample_pieces(storage, rel: str, buckets: int) -> list[pa.Table]:
     """Ray task (the sample comparison's map): one shard's samples as (key, members), where members
     says each member's extension and sha256, cut by key into `buckets` pieces."""
     from infra.tars import tar_samples
-    from stages.dataplane import hash_buckets
+    from stages.dataplane import hash_pieces
 
     keys, members = [], []
     for key, parts in tar_samples(storage.uri(rel), where=rel):
         keys.append(key)
         members.append(",".join(f"{ext}={hashlib.sha256(data).hexdigest()}" for ext, data in sorted(parts.items())))
     t = pa.table({"key": pa.array(keys, pa.string()), "members": pa.array(members, pa.string())})
-    b = hash_buckets(keys, buckets)
-    return [t.filter(pa.array(b == i)) for i in range(buckets)]
+    return hash_pieces(t, keys, buckets)
 
 
 def _sample_reduce(n_old: int, *pieces: pa.Table) -> dict:

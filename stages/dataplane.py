@@ -71,6 +71,16 @@ def hash_buckets(values, n: int) -> np.ndarray:
     return (key_hashes(values) % np.uint64(n)).astype(np.int32) if len(values) else np.zeros(0, np.int32)
 
 
+def hash_pieces(table: pa.Table, values, n: int) -> list[pa.Table]:
+    """`table` cut into `n` pieces by each row's `hash_buckets` of `values` (a shuffle's map output),
+    rows keeping their order within a piece: one stable sort and n slices, not n filters."""
+    buckets = hash_buckets(values, n)
+    order = np.argsort(buckets, kind="stable")
+    ends = np.searchsorted(buckets[order], np.arange(n + 1))
+    ordered = table.take(pa.array(order)) if len(order) else table
+    return [ordered.slice(int(ends[b]), int(ends[b + 1] - ends[b])) for b in range(n)]
+
+
 def keyset_sum(keys) -> int:
     """Order-independent checksum of a set of keys: the sum mod 2^64 of their hashes."""
     h = key_hashes(keys)

@@ -38,14 +38,13 @@ PIECE_SCHEMA = pa.schema([("order", pa.int32()), ("part", pa.string()), ("key", 
 def _key_pieces(storage, part: str, file: str, order: int, n: int, own_keys: bool) -> list[pa.Table]:
     """Ray task (a shuffle's map): one partition's keys, read once, split into `n` pieces by the hash
     of each key's base (the user's key itself with key_col), so every copy of a row meets the others."""
-    from .dataplane import hash_buckets
+    from .dataplane import hash_pieces
 
     t = storage.read_table(file, ["key", "detail"])
     keys = t.column("key").to_pylist()
-    bucket = hash_buckets(keys if own_keys else [base_of(k) for k in keys], n)
     t = pa.table({"order": pa.array(np.full(len(keys), order, np.int32)), "part": pa.array([part] * len(keys), pa.string()),
                   "key": t.column("key"), "detail": t.column("detail")}, schema=PIECE_SCHEMA)
-    return [t.filter(pa.array(bucket == b)) for b in range(n)]
+    return hash_pieces(t, keys if own_keys else [base_of(k) for k in keys], n)
 
 
 def _bucket_task(storage, bucket: int, own_keys: bool, *pieces: pa.Table):
