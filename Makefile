@@ -37,8 +37,9 @@ XDIST := $(if $(NETNS_OK),--tx '$(TEST_WORKERS)*popen//python=$(CURDIR)/tests/ne
 test: install
 	$(BIN)/python -m pytest $(XDIST) --durations=25 $(ARGS)
 
+# The fast set on the same workers: serially it had grown to a minute (collection alone is 7 s).
 test-fast: install
-	$(BIN)/python -m pytest -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest -m "not slow" $(XDIST) $(ARGS)
 
 # short non-English text for benchmarks/language_threshold.py
 BENCH_DEBS := fortunes-de fortunes-es fortunes-it fortunes-br fortunes-pl fortunes-cs

@@ -155,13 +155,13 @@ def _training(run_dir: Path, manifest: dict) -> str:
 
 
 def _evaluation(run_dir: Path) -> str:
-    from trainers.evaluation.run import eval_rows
-
     found = sorted((run_dir / "eval").glob("*.json")) if (run_dir / "eval").is_dir() else []
     results = [json.loads(p.read_text()) for p in found if p.name not in ("stats.json", "parts.json")]
     results = [r for r in results if isinstance(r, dict) and "model" in r]
     if not results:
         return "<p>No evaluation in this run folder.</p>"
+    from trainers.evaluation.run import eval_rows   # imports torch (~3 s): only for a run that has results
+
     out = []
     for res in results:
         rows = eval_rows(res)

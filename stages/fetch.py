@@ -24,6 +24,7 @@ in its per-shard parquet and the ingest stage turns into a ledger reason.
 """
 from __future__ import annotations
 
+import functools
 import http.client
 import io
 import ipaddress
@@ -523,23 +524,54 @@ _finished = _Finished()
 class _Repeats:
     """URLs a shard names more than once: the first row's download (its bytes or its failure) is
     every such row's, and the host is asked once. The shard task says which URLs repeat before it
-    downloads (`expect`) and forgets them after (`clear`), so only their results are held."""
+    downloads (`expect`) and forgets them after (`clear`), so only their results are held.
+
+    `shared`: URLs other shards of the run name too (stages/shared_urls.py): the thread that fetches
+    one for this shard first claims it from the run's `registry`; if another shard's thread holds it,
+    this one waits (up to `wait_s`) for that result instead of asking the host again."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.urls: frozenset = frozenset()
         self.done: dict[str, tuple] = {}        # url -> (bytes or None, error)
         self.busy: dict[str, threading.Event] = {}
+        self.shared: frozenset = frozenset()
+        self.registry = None
+        self.wait_s = 0.0
 
-    def expect(self, urls) -> None:
+    def expect(self, urls, shared=(), registry=None, wait_s: float = 0.0) -> None:
         with self.lock:
             self.urls, self.done, self.busy = frozenset(urls), {}, {}
+            self.shared, self.registry, self.wait_s = frozenset(shared), registry, wait_s
 
     def clear(self) -> None:
         self.expect(())
 
+    def _across(self, row, fetch):
+        """A URL other shards name: another thread's result if one is (being) fetched, else ours, told."""
+        import ray
+
+        key, url = row
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            state, ref = ray.get(self.registry.claim.remote(url))
+            if state == "done":
+                data, err = ray.get(ref[0])
+                return key, (io.BytesIO(data) if data is not None else None), err
+            if state == "mine":
+                break
+            if time.monotonic() > deadline:      # its claimant went quiet (a worker gone): fetch it here
+                return fetch(row)
+            time.sleep(0.2)
+        got_key, stream, err = fetch(row)
+        data = stream.getvalue() if stream is not None else None
+        ray.get(self.registry.finish.remote(url, data, err))
+        return got_key, (io.BytesIO(data) if data is not None else None), err
+
     def fetch(self, row, fetch):
         key, url = row
+        if url in self.shared and self.registry is not None:
+            fetch = functools.partial(self._across, fetch=fetch)
         if url not in self.urls:
             return fetch(row)
         while True:

@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 from infra.configtools import join, require
 
-from . import records
+from . import records, shared_urls
 from .base import Source, StageContext, StageResult
 from .dataplane import DROPPED, KEPT, SAMPLE_SCHEMA, PartResult, read_kept, write_part
 from .source import safe_name
@@ -158,13 +158,15 @@ class ShardJob:
     stop: int
 
 
-def _shard_task(storage, job: ShardJob, downloader, base: str, server, progress=None) -> dict:
+def _shard_task(storage, job: ShardJob, downloader, base: str, server, shared=None, progress=None) -> dict:
     """Ray task: download one shard in a local temporary folder, move it into the run folder, index it.
 
     `server`: (host, pid, start time) of the process serving a served source over loopback (the
     driver). If it died while this shard downloaded, the failures recorded are its death, not the
-    URLs': the shard is discarded, and a resumed run downloads it again. `progress`: the run's URL
-    counter (Executor.run's items), told of each URL as it finishes.
+    URLs': the shard is discarded, and a resumed run downloads it again. `shared`: (the run's registry
+    of URLs other shards name too, seconds to wait for another shard's fetch of one) or None
+    (stages/shared_urls.py). `progress`: the run's URL counter (Executor.run's items), told of each
+    URL as it finishes.
     """
     import copy
     import tempfile
@@ -208,7 +210,12 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server, progress=
             from collections import Counter
 
             named = Counter(u for u in todo.column("url").to_pylist() if u)
-            fetch.repeats.expect({u.replace(SERVER_PLACEHOLDER, base) for u, n in named.items() if n > 1})
+            registry, wait_s = shared or (None, 0.0)
+            # ... and a URL other shards name too, once for the whole run (stages/shared_urls.py)
+            across = ray.get(registry.which.remote(list(named))) if registry is not None else []
+            fetch.repeats.expect({u.replace(SERVER_PLACEHOLDER, base) for u, n in named.items() if n > 1},
+                                 shared={u.replace(SERVER_PLACEHOLDER, base) for u in across},
+                                 registry=registry, wait_s=wait_s)
             try:
                 d.download_shard((job.shard, str(feather)))
             finally:
@@ -454,7 +461,7 @@ class IngestStage(Source):
         ctx.storage.delete_all([f"{PARTS}/{stale}" for stale in gone])   # partitions no longer in the source
         if reused:
             ctx.log(f"ingest: {len(reused)} shards downloaded before, reused; {len(jobs)} to download")
-        results = []
+        results, across = [], {"urls": 0, "fetched": 0, "served": 0}
         if jobs:
             server = (DemoServer(ctx.run_dir / site["folder"], site["slow_seconds"], site["port"], log=ctx.log)
                       if served else nullcontext())
@@ -472,12 +479,22 @@ class IngestStage(Source):
                 at_once = max(1, min(len(jobs), int(ctx.executor.shape().cpus)))
                 # built in the workers (img2dataset's import is seconds the driver need not spend)
                 downloader = (cfg, allow, at_once, (server.netloc,) if served else ())
+                registry = shared_urls.find(ctx, jobs)
+                # a claimant's fetch of a shared URL is waited for this long before asking the host again
+                shared = (registry, 2 * cfg.deadline + 10) if registry is not None else None
                 start = time.time()
-                results = ctx.run(_shard_task, [(ctx.storage, j, downloader, base, alive) for j in jobs], "ingest",
-                                  num_cpus=1, max_retries=cfg.task_retries,
-                                  describe=lambda c: f"shard {c[1].unit}/{c[1].shard:05d}", unit="shards",
-                                  items=[j.stop - j.start for j in jobs])      # progress in URLs, not shards
+                try:
+                    results = ctx.run(_shard_task, [(ctx.storage, j, downloader, base, alive, shared) for j in jobs],
+                                      "ingest",
+                                      num_cpus=1, max_retries=cfg.task_retries,
+                                      describe=lambda c: f"shard {c[1].unit}/{c[1].shard:05d}", unit="shards",
+                                      items=[j.stop - j.start for j in jobs])      # progress in URLs, not shards
+                finally:
+                    across = shared_urls.close(registry)
                 elapsed = time.time() - start
+                if across["urls"]:
+                    ctx.log(f"ingest: {across['urls']} URLs named by several shards, fetched {across['fetched']} "
+                            f"times; {across['served']} times a shard took another shard's download instead of asking")
         shards = reused + results
         by_unit: dict[str, list[str]] = {}
         for job in wanted:
@@ -492,7 +509,8 @@ class IngestStage(Source):
         ok = sum(p.extra["successes"] for p in results)
         nodes = sorted({p.extra["node"] for p in results if p.extra.get("node")})
         return StageResult(parts, {"shards": len(shards), "partitions": len(units), "compacted_to": len(parts), "nodes": nodes,
-                                   "images_per_second": (ok / elapsed) if results and elapsed > 0 else None},
+                                   "images_per_second": (ok / elapsed) if results and elapsed > 0 else None,
+                                   "urls_in_several_shards": across["urls"], "downloads_shared_across_shards": across["served"]},
                            artifacts={"ledger": "ingest/parts.json", "report": "ingest/report.html"})
 
 

@@ -77,23 +77,33 @@ def defaults(root: Path) -> tuple[str, str]:
     return f"sqlite:///{root / 'mlflow.db'}", str(root / "artifacts")
 
 
-def wait_ready(url: str, timeout: float = 90.0, proc: subprocess.Popen | None = None) -> None:
+# Idle, a fresh server answers in ~10 s (most of it creating the SQLite schema); on two loaded cores
+# beside a Ray run, CI saw more than 90 s. Waiting is cheap; a server that has died is caught at once.
+START_TIMEOUT = 300.0
+
+
+def wait_ready(url: str, timeout: float = START_TIMEOUT, proc: subprocess.Popen | None = None,
+               log_file: Path | None = None) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"mlflow server exited with code {proc.returncode} before it was ready")
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
                 if r.status == 200:
                     return
         except OSError:
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"mlflow server at {url} not ready after {timeout:.0f}s")
+    tail = ""
+    if log_file is not None and Path(log_file).is_file():
+        tail = "; its log ends: " + " | ".join(Path(log_file).read_text(errors="replace").splitlines()[-5:])
+    raise TimeoutError(f"mlflow server at {url} not ready after {timeout:.0f}s{tail}")
 
 
 def start(root: Path, port: int, host: str = "127.0.0.1", backend_uri: str | None = None,
-          artifacts: str | None = None, log_file: Path | None = None) -> tuple[subprocess.Popen, str]:
+          artifacts: str | None = None, log_file: Path | None = None,
+          timeout: float = START_TIMEOUT) -> tuple[subprocess.Popen, str]:
     """Start the server in its own process group; -> (process, tracking URI) once /health answers."""
     from infra import offline
 
@@ -103,7 +113,7 @@ def start(root: Path, port: int, host: str = "127.0.0.1", backend_uri: str | Non
     proc = subprocess.Popen(command(artifacts or a, host, port), stdout=out, stderr=subprocess.STDOUT,
                             env=server_env(backend_uri or b), start_new_session=True)
     url = f"http://{host}:{port}"
-    wait_ready(url, proc=proc)
+    wait_ready(url, timeout, proc=proc, log_file=log_file)
     return proc, url
 
 

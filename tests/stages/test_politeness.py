@@ -2,6 +2,7 @@
 robots.txt: the per-host rate holds, every URL ends with a verdict saying why, robots.txt is
 honoured for capline's token, and the ingest report names the host that asked to slow down."""
 import email.utils
+import io
 import http.server
 import threading
 import time
@@ -161,9 +162,10 @@ def test_rate_limit_retry_after_and_robots_through_ingest(tmp_path, ray_local):
 @pytest.mark.slow
 def test_a_url_repeated_200_times_is_downloaded_once(tmp_path, ray_local):
     """A list that names one image 200 times (half with other captions: other keys) among 10 other
-    URLs: the host is asked for it once, every row gets the verdict and the bytes of that one
-    download, and nothing is lost (each row keeps its own member, as before: the shards and ledgers
-    of a list without repeats do not change)."""
+    URLs, in shards of 20 URLs: the host is asked for it once for the whole run (within a shard and
+    across the 11 shards, stages/shared_urls.py), every row gets the verdict and the bytes of that
+    one download, and nothing is lost (each row keeps its own member, as before: the shards and
+    ledgers of a list without repeats do not change)."""
     from stages import synthetic
     from stages.base import read_ledger
     from stages.source import DefectFractions
@@ -176,7 +178,7 @@ def test_a_url_repeated_200_times_is_downloaded_once(tmp_path, ray_local):
         name = next(f"{r['key']}.jpg" for r in rows if hash(f"{r['key']}.jpg") % 3)    # never answered 429
         lines = ["url,caption"] + [f"{server.base}/img/{name},\"a caption {i % 100}\"" for i in range(200)]
         lines += [f"{server.base}/img/{r['key']}.jpg,\"{r['caption']}\"" for r in rows[:10] if f"{r['key']}.jpg" != name]
-        summary = _ingest_list(tmp_path, server, lines, "stages.ingest.samples_per_shard=300", "stages.ingest.host_rate=50")
+        summary = _ingest_list(tmp_path, server, lines, "stages.ingest.samples_per_shard=20", "stages.ingest.host_rate=50")
     finally:
         server.shutdown()
     assert server.asked[f"/img/{name}"] == 1
@@ -185,6 +187,10 @@ def test_a_url_repeated_200_times_is_downloaded_once(tmp_path, ray_local):
     same = [r for r in ledger if r["url"].endswith(f"/img/{name}")]
     assert len(same) == 200 and all(r["verdict"] == "kept" for r in same)
     assert len({r["sha256"] for r in same}) == 1 and len({r["member"] for r in same}) == 200
+    shards = len({r["tar"] for r in same})
+    assert shards >= 10                                                  # 210 rows in shards of 20
+    assert summary["ingest"]["urls_in_several_shards"] == 1, summary["ingest"]
+    assert summary["ingest"]["downloads_shared_across_shards"] == shards - 1   # one shard asked the host
 
 
 def test_the_user_agent_carries_the_package_version_and_the_configured_contact():
@@ -296,3 +302,39 @@ def test_a_recheck_finds_what_opted_out_since_and_never_takes_silence_for_an_opt
     assert got[urls[3]] == "unreachable: HTTP 404" and got[urls[4]].startswith("unreachable: robots.txt answered HTTP 500")
     assert asked["GET", "/robots.txt"] == 2                         # once per host
     assert ("HEAD", "/blocked/1.jpg") not in asked                 # disallowed: never asked
+
+
+@pytest.mark.slow
+def test_a_shared_url_is_taken_from_the_registry_and_refetched_when_its_claimant_goes_quiet(ray_local):
+    """The cross-shard path of fetch.repeats with the real registry actor: a URL another shard
+    fetched is that result, the host not asked; one another shard claimed and never finished is
+    fetched here after the wait, not waited on forever."""
+    import ray
+
+    from stages.fetch import _Repeats
+    from stages.shared_urls import UrlRegistry
+
+    registry = ray.remote(num_cpus=0)(UrlRegistry).remote()
+    try:
+        ray.get(registry.add.remote(["http://h/done.jpg", "http://h/stuck.jpg"]))
+        assert ray.get(registry.which.remote(["http://h/done.jpg", "http://h/other.jpg"])) == ["http://h/done.jpg"]
+        assert ray.get(registry.claim.remote("http://h/done.jpg"))[0] == "mine"       # another shard's thread
+        ray.get(registry.finish.remote("http://h/done.jpg", b"bytes", None))
+        assert ray.get(registry.claim.remote("http://h/stuck.jpg"))[0] == "mine"      # ... and one that dies
+        asked = []
+
+        def fetch(row):
+            asked.append(row[1])
+            return row[0], io.BytesIO(b"fetched here"), None
+
+        rep = _Repeats()
+        rep.expect((), shared={"http://h/done.jpg", "http://h/stuck.jpg"}, registry=registry, wait_s=1.0)
+        key, stream, err = rep.fetch(("k1", "http://h/done.jpg"), fetch)
+        assert (key, stream.getvalue(), err, asked) == ("k1", b"bytes", None, [])
+        t0 = time.monotonic()
+        key, stream, err = rep.fetch(("k2", "http://h/stuck.jpg"), fetch)
+        assert stream.getvalue() == b"fetched here" and asked == ["http://h/stuck.jpg"]
+        assert 1.0 <= time.monotonic() - t0 < 30
+        assert ray.get(registry.counts.remote()) == {"urls": 2, "fetched": 1, "served": 1}
+    finally:
+        ray.kill(registry)

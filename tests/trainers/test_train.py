@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 DATA = ["source.num_samples=500", "source.eval_size=30", "source.slow_seconds=3", "stages.ingest.timeout=2",
         "stages.shard.samples_per_shard=100", "train.model_args={width: 64, depth: 2, heads: 2, mlp: 128, patch: 8}",
         "train.image_size=32", "train.max_len=24", "train.global_batch=32", "train.num_workers=2",
-        "train.loader_workers=1", "train.optim.warmup_steps=10"]
+        "train.loader_workers=1", "train.optim.warmup_steps=10", "stages.clip_score.bootstrap.steps=30"]
 
 
 @pytest.fixture(scope="module")
