@@ -2,12 +2,12 @@
 row groups are its rows per bucket (sorted by bucket), and a reduce task reads, from every map file,
 only the row groups of its bucket, found through the file's footer (the min and max of the bucket
 column). Objects written: one per map task, never one per (map, bucket); requests per reduce: two
-per map file (footer, row groups), several files at once. Used by the shard stage (bucket: output shard) and dedup (bucket:
-signature bucket).
+per map file (footer, row groups), several files at once. Used by dedup for its pairs, wanted
+descriptors and decisions (the shard stage and dedup's signatures shuffle through Ray's object
+store: pipeline/executor.py `Executor.shuffle`).
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pyarrow as pa
@@ -37,46 +37,6 @@ def _write_grouped(storage, rel: str, table: pa.Table, groups: np.ndarray) -> st
         if table.num_rows == 0:
             writer.write_table(table)
     return storage.write_bytes(rel, sink.getvalue().to_pybytes())   # whole or not at all: the map is done
-
-
-class BucketWriter:
-    """`write_buckets` a piece at a time: each `write(table)` adds its rows as row groups by bucket,
-    so a map task holds one piece, not its whole partition (a bucket may then have several row
-    groups in a file; `read_bucket` reads each). The file grows in a local temporary folder and is
-    put in the run folder whole on `close()`."""
-
-    def __init__(self, storage, rel: str, schema: pa.Schema, column: str):
-        import tempfile
-
-        self.storage, self.rel, self.column = storage, rel, column
-        self.tmp = tempfile.TemporaryDirectory(prefix="capline-shuffle-")
-        self.local = f"{self.tmp.name}/map.parquet"
-        self.writer = pq.ParquetWriter(self.local, schema, compression="zstd")
-        self.rows = 0
-
-    def write(self, table: pa.Table) -> None:
-        table = table.take(pc.sort_indices(table, [(self.column, "ascending")]))
-        _row_groups(self.writer, table, table.column(self.column).to_numpy())
-        self.rows += table.num_rows
-
-    def close(self) -> str:
-        try:
-            if self.rows == 0:
-                self.writer.write_table(self.writer.schema.empty_table())
-            self.writer.close()
-            return self.storage.write_file(self.rel, self.local)
-        finally:
-            self.tmp.cleanup()
-
-
-def merge_group(files: int, reducers: int, samples: int, requests_per_sample: float, file_bytes: float,
-                hold_bytes: float) -> int:
-    """How many map files one merged file joins: enough that the reducers' requests (a footer and a
-    range of each file, for every reducer) stay under `requests_per_sample`, within what one merge
-    task may hold (`hold_bytes`). 1: no merge (small data)."""
-    need = math.ceil(2 * files * reducers / max(1.0, samples * requests_per_sample))
-    fits = max(1, int(hold_bytes // max(1.0, file_bytes)))
-    return max(1, min(need, fits, files))
 
 
 READ_THREADS = 16    # map files read at once by one reduce task: on an object store each read waits on latency

@@ -2,9 +2,12 @@
 
 Order: a global shuffle by sha256(seed:key), independent of arrival order and worker count: a
 sample goes to output shard (that hash mod the number of shards), and each shard holds its samples
-in hash order. A map task per input partition reads its images once through the sample index and
-writes them to their shards' buckets; a reduce task per output shard writes the tar, its index and
-its ledger partition, and records the tar's sha256. The driver only counts.
+in hash order. The shuffle goes through Ray's object store (Executor.shuffle), never the run
+folder: a map task per slice of an input partition (at most `map_bytes` of images, in tar order)
+reads its images once through the sample index and hands each reducer its piece; a reduce task per
+group of consecutive output shards (a shard each, unless maps x shards would pass `shuffle_pieces`
+objects) writes each shard's tar, its index and its ledger partition, and records the tar's sha256.
+The driver only counts and holds references.
 Each sample is `<key>.jpg` (the bytes ingest stored), `<key>.txt` (the caption) and `<key>.json`:
 img2dataset's fields (key, url as fetched, caption, status, error_message, width and height as
 stored, original_width/original_height, sha256 of the bytes downloaded) plus what every filter
@@ -47,21 +50,23 @@ from .dataplane import PartResult, by_location, image_batches, read_kept, write_
 from .line import (LINE, PUBLISHED, PUBLISHED_SCHEMA, RECORD, published_all, published_file, published_parts,
                    published_state, read_line, read_states, write_states)
 from infra.hashing import order_key
-from infra.shuffle import BucketWriter, merge_group, read_bucket
 
 
 @dataclass
 class ShardConfig:
     # how the work is cut or run, never what is decided: left out of the fingerprint and the card
-    HOW: ClassVar[tuple] = ("shuffle_requests_per_sample", "merge_bytes")
-    REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs"}
+    HOW: ClassVar[tuple] = ("map_bytes", "shuffle_pieces")
+    REMOVED: ClassVar[dict] = {"num_workers": "the executor sizes parallelism from the cluster's CPUs",
+                               "shuffle_requests_per_sample": "the shuffle goes through Ray's object store: "
+                                                              "no map file is merged or read back",
+                               "merge_bytes": "the shuffle goes through Ray's object store: no map file is merged"}
     samples_per_shard: int = 10_000  # samples per final WebDataset shard
     max_shard_bytes: int = 1_000_000_000  # a shard is closed before it grows past this many bytes
     min_shards: int = 4              # small data still makes this many shards: one per training worker (up to 4)
-    # the reducers read a footer and a range of every map file: more map files than keep them under
-    # this many requests per sample are first merged, a group at a time, into fewer files
-    shuffle_requests_per_sample: float = 0.05
-    merge_bytes: int = 4_000_000_000     # the map files one merge task holds on its local disk
+    map_bytes: int = 256 * 2**20     # image bytes one map task reads and holds (a partition is cut in slices of this)
+    # objects the shuffle makes (map slices x reducers): past this, a reducer writes several
+    # consecutive shards, so Ray (and the driver, which holds a reference to each) keeps fewer
+    shuffle_pieces: int = 1_000_000
     # a dataset line that only grows (scheduled runs over an appended URL list): the shards earlier
     # runs published stay as they are, byte for byte, and only samples not in them go to new shards,
     # numbered after them; the manifest names the shards each run added (stages/line.py).
@@ -72,8 +77,8 @@ class ShardConfig:
         require(self.samples_per_shard >= 1, join(prefix, "samples_per_shard"), "must be >= 1")
         require(self.max_shard_bytes >= 10_000, join(prefix, "max_shard_bytes"), "must be >= 10000")
         require(self.min_shards >= 1, join(prefix, "min_shards"), "must be >= 1")
-        require(self.shuffle_requests_per_sample > 0, join(prefix, "shuffle_requests_per_sample"), "must be > 0")
-        require(self.merge_bytes >= 10_000_000, join(prefix, "merge_bytes"), "must be >= 10000000")
+        require(self.map_bytes >= 65536, join(prefix, "map_bytes"), "must be >= 65536")
+        require(self.shuffle_pieces >= 1, join(prefix, "shuffle_pieces"), "must be >= 1")
 
 
 def _member(name: str, data: bytes) -> tuple[tarfile.TarInfo, io.BytesIO]:
@@ -135,25 +140,32 @@ def _stored_size(data: bytes) -> tuple[int | None, int | None]:
         return None, None
 
 
-def _map_task(storage, part: str, file: str, seed: int, n_out: int, first: int = 0,
-              line_shards: frozenset | None = None) -> dict:
-    """Ray task: one input partition's samples, images read once, into their output shards' buckets
-    (shards first .. first + n_out - 1), a batch of images at a time (memory: a batch, whatever the
-    partition's size). In a dataset line, only the samples not yet published, and the partition's
-    published keys after this run go to shard/_work/published (the line takes them once the shards
-    are written)."""
+def _placement(seed: int, keys: list[str], first: int, n_out: int) -> tuple[list[str], np.ndarray]:
+    """Each key's order (sha256 of seed:key) and output shard: from the key alone."""
+    order = [order_key(seed, k) for k in keys]
+    return order, np.array([first + int(o[:16], 16) % n_out for o in order], np.int64)
+
+
+def _map_pieces(storage, part: str, file: str, seed: int, first: int, n_out: int, per_group: int, groups: int,
+                lo: int, hi: int, line_shards: frozenset | None = None) -> list[pa.Table]:
+    """Ray task (the shuffle's map): rows [lo, hi) of one partition's samples to place, in tar order,
+    images read once, a batch at a time, cut into `groups` pieces (reducer g takes shards first +
+    g*per_group ...). In a dataset line only the samples not yet published; the slice that starts
+    at row 0 writes the partition's published keys after this run to shard/_work/published (the line
+    takes them once the shards are written)."""
     rows = read_kept(storage, file, ["key", "url", "caption", "notes", "tar", "member", "offset", "size",
                                      "sha256", "width", "height"])
     rows, published = _new_rows(storage, rows, part, line_shards)
     rows = by_location(rows)
-    placed = [published]        # a dataset line's (key, shard) rows of this partition after this run
-    # one object per map task (infra/shuffle.py), not one per (partition, shard): about one per sample at scale
-    out = BucketWriter(storage, f"{MAP_DIR}/{part}.parquet", MAP_SCHEMA, "shard")
-    for batch, images in image_batches(storage, rows):
+    if line_shards is not None and lo == 0 and rows.num_rows:    # the placement needs no image
+        keys = rows.column("key").to_pylist()
+        _, shard = _placement(seed, keys, first, n_out)
+        storage.write_table(f"{PUBLISHING}/{part}.parquet", pa.concat_tables(
+            [published, pa.table({"key": keys, "shard": [f"{s:06d}.tar" for s in shard]}, schema=PUBLISHED_SCHEMA)]))
+    pieces: list[list[pa.Table]] = [[] for _ in range(groups)]
+    for batch, images in image_batches(storage, rows.slice(lo, hi - lo)):
         keys = batch.column("key").to_pylist()
-        order = [order_key(seed, k) for k in keys]
-        shard = np.array([first + int(o[:16], 16) % n_out for o in order], np.int64)
-        placed.append(pa.table({"key": keys, "shard": [f"{s:06d}.tar" for s in shard]}, schema=PUBLISHED_SCHEMA))
+        order, shard = _placement(seed, keys, first, n_out)
         meta = []
         cols = (batch.column(x).to_pylist() for x in ("url", "caption", "notes", "sha256", "width", "height"))
         for k, img, (u, c, n, sha, ow, oh) in zip(keys, images, zip(*cols)):
@@ -163,57 +175,33 @@ def _map_task(storage, part: str, file: str, seed: int, n_out: int, first: int =
                                     "sha256": sha, **(json.loads(n) if n else {})},
                                    sort_keys=True, ensure_ascii=False))
         ext = [(m or "x.jpg").rsplit(".", 1)[-1] for m in batch.column("member").to_pylist()]
-        out.write(pa.table({"shard": pa.array(shard, pa.int32()), "key": keys, "order": order,
-                            "image": pa.array(images, pa.binary()), "ext": ext, "caption": batch.column("caption"),
-                            "meta": meta}, schema=MAP_SCHEMA))
-    if line_shards is not None and rows.num_rows:     # before the map file: a map file means a finished map
-        storage.write_table(f"{PUBLISHING}/{part}.parquet", pa.concat_tables(placed))
-    out.close()
-    return {"part": part, "samples": rows.num_rows}
+        t = pa.table({"shard": pa.array(shard, pa.int32()), "key": keys, "order": order,
+                      "image": pa.array(images, pa.binary()), "ext": ext, "caption": batch.column("caption"),
+                      "meta": meta}, schema=MAP_SCHEMA)
+        group = (shard - first) // per_group
+        idx = np.argsort(group, kind="stable")
+        ends = np.searchsorted(group[idx], np.arange(groups + 1))
+        t = t.take(pa.array(idx))
+        for g in range(groups):
+            if ends[g + 1] > ends[g]:
+                pieces[g].append(t.slice(int(ends[g]), int(ends[g + 1] - ends[g])))
+    return [pa.concat_tables(p) if p else MAP_SCHEMA.empty_table() for p in pieces]
 
 
-MAP_DIR = "shard/_work/map"
 PUBLISHING = "shard/_work/published"   # a partition's published keys once this run's shards are written
 MAP_SCHEMA = pa.schema([("shard", pa.int32()), ("key", pa.string()), ("order", pa.string()), ("image", pa.binary()),
                         ("ext", pa.string()), ("caption", pa.string()), ("meta", pa.string())])
 
 
-MERGE_DIR = "shard/_work/merged"
-
-
-def _merge_task(storage, files: list[str], rel_out: str) -> dict:
-    """Ray task: map files read whole (one stream each, not a range per shard) into a local folder,
-    written back as one file with a row group per output shard: the reducers open one file where
-    there were len(files). Rows keep the files' order within a shard (the reducer sorts anyway)."""
-    import tempfile
-
-    import pyarrow.parquet as pq
-
-    with tempfile.TemporaryDirectory(prefix="capline-merge-") as tmp:
-        local = []
-        for i, rel in enumerate(files):
-            path = Path(tmp) / f"{i:05d}.parquet"
-            storage.download(rel, path)
-            local.append(pq.ParquetFile(path))
-        groups: dict[int, list[tuple[int, int]]] = {}
-        for i, pf in enumerate(local):          # each row group holds one shard (infra/shuffle.py)
-            col = pf.schema_arrow.get_field_index("shard")
-            for g in range(pf.metadata.num_row_groups):
-                st = pf.metadata.row_group(g).column(col).statistics
-                if st is not None and st.has_min_max:
-                    groups.setdefault(st.min, []).append((i, g))
-        out, rows = BucketWriter(storage, rel_out, MAP_SCHEMA, "shard"), 0
-        for shard in sorted(groups):
-            t = pa.concat_tables([local[i].read_row_group(g) for i, g in groups[shard]])
-            out.write(t)                 # one shard: one row group
-            rows += t.num_rows
-        out.close()
-    return {"files": len(files), "rows": rows}
-
-
-def _reduce_task(storage, shard: int, maps: list[str]) -> dict:
-    """Ray task: one output shard from the map files' row groups: the tar, its index, its ledger partition."""
-    return write_shard_table(storage, shard, read_bucket(storage, maps, "shard", shard, MAP_SCHEMA).sort_by("order"))
+def _reduce_group(storage, shards: list[int], *pieces: pa.Table) -> list:
+    """Ray task (the shuffle's reduce): consecutive output shards from their pieces of every map, each
+    in hash order: the tars, their indexes and ledger partitions."""
+    t = pa.concat_tables(pieces) if pieces else MAP_SCHEMA.empty_table()
+    t = t.sort_by([("shard", "ascending"), ("order", "ascending")])
+    col = t.column("shard").to_numpy()
+    ends = np.searchsorted(col, np.array(shards + [shards[-1] + 1]))
+    return [write_shard_table(storage, s, t.slice(int(ends[i]), int(ends[i + 1] - ends[i])))
+            for i, s in enumerate(shards)]
 
 
 def write_shard_table(storage, shard: int, t: pa.Table):
@@ -312,8 +300,7 @@ class ShardStage(Sink):
         first = next_shard(old)
         parts = [PartResult.from_json(s["result"]) for s in old]
         if n_new:
-            parts += self._write(ctx, cfg, [u for u, _ in todo], n_new, sum(p["bytes"] for _, p in todo), first,
-                                 line_shards)
+            parts += self._write(ctx, cfg, todo, n_new, sum(p["bytes"] for _, p in todo), first, line_shards)
         elif old:
             ctx.log(f"shard: every kept sample is in this dataset line's {len(old)} shards already; no shard added")
         added = parts[len(old):]
@@ -378,30 +365,30 @@ class ShardStage(Sink):
 
     def _write(self, ctx: StageContext, cfg: ShardConfig, upstream: list, n: int, nbytes: int, first: int,
                line_shards: frozenset | None) -> list[PartResult]:
-        """Map, merge, reduce: n samples (nbytes) of these partitions into new shards numbered from first."""
+        """The shuffle: n samples (nbytes) of these (partition, plan) pairs into new shards numbered from first."""
         n_out = max(1, math.ceil(n / cfg.samples_per_shard), math.ceil(nbytes / (0.9 * cfg.max_shard_bytes)))
         if n_out < cfg.min_shards and not first:   # small data: each training worker still gets a shard of its own
             ctx.log(f"shard: {n} samples make {n_out} shard(s) of {cfg.samples_per_shard}; writing "
                     f"{min(cfg.min_shards, n)} (stages.shard.min_shards), one per training worker")
             n_out = max(n_out, min(cfg.min_shards, n))
-        maps = {u.part: f"{MAP_DIR}/{u.part}.parquet" for u in upstream}
-        done = set(ctx.storage.list(MAP_DIR, ".parquet"))     # written whole: a map file is a finished map
-        todo = [u for u in upstream if maps[u.part] not in done]
-        ctx.run(_map_task, [(ctx.storage, u.part, u.file, ctx.seed, n_out, first, line_shards) for u in todo],
-                "shard map", num_cpus=1, describe=lambda c: f"partition {c[1]}")
-        map_files = sorted(maps.values())
-        per = merge_group(len(map_files), n_out, n, cfg.shuffle_requests_per_sample, nbytes / max(1, len(map_files)),
-                          cfg.merge_bytes)
-        if per > 1:     # many map files: fewer, larger files for the reducers to open
-            groups = [map_files[i:i + per] for i in range(0, len(map_files), per)]
-            merged = [f"{MERGE_DIR}/{i:06d}.parquet" for i in range(len(groups))]
-            have = set(ctx.storage.list(MERGE_DIR, ".parquet"))
-            ctx.run(_merge_task, [(ctx.storage, g, m) for g, m in zip(groups, merged) if m not in have],
-                    "shard merge", num_cpus=1, unit="merges")
-            ctx.log(f"shard: {len(map_files)} map files merged into {len(merged)} for {n_out} reducers")
-            map_files = merged
-        return ctx.run(_reduce_task, [(ctx.storage, i, map_files) for i in range(first, first + n_out)],
-                       "shard write", num_cpus=1, describe=lambda c: f"shard {c[1]:06d}", unit="shards")
+        # map slices of at most map_bytes of images each: (partition, first row, end row)
+        slices = []
+        for u, p in upstream:
+            k = max(1, math.ceil(p["bytes"] / cfg.map_bytes))
+            step = math.ceil(p["samples"] / k)
+            slices += [(u, lo, min(p["samples"], lo + step)) for lo in range(0, p["samples"], step)]
+        per_group = max(1, math.ceil(len(slices) * n_out / cfg.shuffle_pieces))
+        groups = math.ceil(n_out / per_group)
+        if per_group > 1:
+            ctx.log(f"shard: {len(slices)} map slices x {n_out} shards would be over stages.shard.shuffle_pieces "
+                    f"({cfg.shuffle_pieces}) objects: each reducer writes {per_group} consecutive shards")
+        reducers = [[s for s in range(first + g * per_group, min(first + n_out, first + (g + 1) * per_group))]
+                    for g in range(groups)]
+        made = ctx.shuffle(_map_pieces, [(ctx.storage, u.part, u.file, ctx.seed, first, n_out, per_group, groups,
+                                          lo, hi, line_shards) for u, lo, hi in slices],
+                           groups, _reduce_group, [(ctx.storage, r) for r in reducers], "shard write",
+                           num_cpus=1, unit="reducers")
+        return [p for group in made for p in group]
 
     def _delete_stale(self, ctx: StageContext, names: set[str]) -> None:
         """Shards and indexes of an earlier, larger plan (not this run's or the line's)."""

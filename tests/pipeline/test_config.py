@@ -147,14 +147,14 @@ def test_how_the_work_runs_is_neither_fingerprinted_nor_on_the_card():
 
     plain = load_config(None, [])
     cut = load_config(None, ["stages.dedup.bucket_rows=5000", "stages.dedup.cpus_per_worker=2",
-                             "stages.shard.merge_bytes=100000000", "stages.ingest.compact_rows=500"])
+                             "stages.shard.map_bytes=100000000", "stages.ingest.compact_rows=500"])
     assert all(s.fingerprint(plain) == s.fingerprint(cut) for s in STAGES)
     decides = load_config(None, ["stages.dedup.within_threshold=0.9"])
     assert any(s.fingerprint(plain) != s.fingerprint(decides) for s in STAGES)
     card = thresholds(plain)
-    assert "within_threshold" in card["dedup"] and "bucket_rows" not in card["dedup"] and "merge_bytes" not in card["dedup"]
+    assert "within_threshold" in card["dedup"] and "bucket_rows" not in card["dedup"] and "map_bytes" not in card.get("shard", {})
     marked = {k for k, _, m in describe_settings(RunConfig) if m.startswith("[how")}
-    assert {"stages.dedup.bucket_rows", "stages.ingest.compact_rows", "stages.shard.merge_bytes"} <= marked
+    assert {"stages.dedup.bucket_rows", "stages.ingest.compact_rows", "stages.shard.map_bytes"} <= marked
     assert "stages.dedup.within_threshold" not in marked
 
 

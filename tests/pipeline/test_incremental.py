@@ -50,11 +50,12 @@ def test_appending_a_partition(tmp_path, ray_local):
         assert sorted(p.stat().st_mtime_ns for p in (part_a / "shards").glob("*.tar")) == stamp
         _write_partition(one / "a.csv", rows[:150], server.base_url)
         _write_partition(one / "b.csv", rows[150:], server.base_url)
-        # the single run merges its shard map files before the reducers read them (as a run with many
-        # partitions would): the same shards, byte for byte
-        merged = []
-        run_pipeline(cfg(one, "stages.shard.shuffle_requests_per_sample=0.0001"), tmp_path / "one", log=merged.append)
-    assert any("map files merged into 1 for" in m for m in merged), merged
+        # the single run cuts its partitions into map slices of 64 KiB of images and lets each reducer
+        # write several shards (as a run with many partitions would): the same shards, byte for byte
+        grouped = []
+        run_pipeline(cfg(one, "stages.shard.map_bytes=65536", "stages.shard.shuffle_pieces=4"), tmp_path / "one",
+                     log=grouped.append)
+    assert any("each reducer writes" in m and "consecutive shards" in m for m in grouped), grouped
     a, b = sample_digests(tmp_path / "inc"), sample_digests(tmp_path / "one")
     assert len(a) > 150
     assert a == b

@@ -7,7 +7,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from infra.shuffle import BucketWriter, read_bucket
 from infra.storage import Storage
 from stages.dataplane import by_location, image_batches
 from stages.ingest import IngestConfig, shards_per_partition
@@ -51,23 +50,6 @@ def test_image_batches_bound_what_a_task_holds_and_read_each_tar_in_order(tmp_pa
     assert [b.num_rows for b, _ in by_bytes] == [25, 25, 25, 25]
 
 
-def test_a_bucket_writer_writes_pieces_that_read_bucket_joins(tmp_path):
-    storage = Storage.local(tmp_path)
-    schema = pa.schema([("shard", pa.int32()), ("v", pa.int64())])
-    w = BucketWriter(storage, "map/0.parquet", schema, "shard")
-    rng = np.random.default_rng(0)
-    pieces = [rng.integers(0, 4, 50).astype(np.int32) for _ in range(3)]
-    for i, p in enumerate(pieces):
-        w.write(pa.table({"shard": p, "v": np.arange(50) + 100 * i}, schema=schema))
-    w.close()
-    assert pq.ParquetFile(tmp_path / "map/0.parquet").metadata.num_row_groups == 12    # 4 buckets x 3 pieces
-    for b in range(4):
-        got = read_bucket(storage, ["map/0.parquet"], "shard", b, schema).column("v").to_pylist()
-        assert got == [100 * i + j for i, p in enumerate(pieces) for j in np.flatnonzero(p == b)]
-    empty = BucketWriter(storage, "map/1.parquet", schema, "shard")
-    assert empty.close() and read_bucket(storage, ["map/1.parquet"], "shard", 0, schema).num_rows == 0
-
-
 def test_range_buckets_written_for_one_count_serve_another(tmp_path):
     """A map file written for 7 buckets (an earlier, smaller run) read as 9 or 3: every row once,
     each in the bucket its hash says, a reducer reading only the row groups its range overlaps."""
@@ -86,16 +68,3 @@ def test_range_buckets_written_for_one_count_serve_another(tmp_path):
         assert counter["groups"] == most_groups
 
 
-def test_map_files_are_merged_only_when_the_reducers_would_make_too_many_requests():
-    from infra.shuffle import merge_group
-    from stages.shard import ShardConfig
-
-    cfg = ShardConfig()
-    group = lambda files, shards, samples, size, c=cfg: merge_group(   # noqa: E731
-        files, shards, samples, c.shuffle_requests_per_sample, size, c.merge_bytes)
-    assert group(2, 4, 1473, 3e6) == 1                                 # the demo: no merge
-    # 10^8 URLs on 100 nodes: 6,250 map files of ~250 MB, 5,000 shards of 10^4 of 5*10^7 samples
-    per = group(6250, 5000, 5 * 10**7, 2.5e8)
-    assert per == 16                                                     # as many as fit in merge_bytes
-    assert 2 * -(-6250 // per) * 5000 / 5e7 < 0.1                        # reducers: < 0.1 requests per sample
-    assert group(6250, 5000, 5 * 10**7, 2.5e8, ShardConfig(merge_bytes=10**11)) == 25   # the budget itself
