@@ -72,6 +72,25 @@ def _traffic(entries: list, refused: int, bucket: str) -> dict:
             "slowdowns_answered": refused}
 
 
+def _shuffle_traffic(entries: list, samples: dict[str, int]) -> dict:
+    """Requests on a stage's shuffle intermediates (`<stage>/_work/` in the run folder) per sample
+    the stage took in (goal <= 0.01): what still goes through the bucket rather than Ray's object store."""
+    out = {}
+    for stage in ("dedup", "shard"):
+        n = sum(1 for e in entries if f"/{PREFIX}/{stage}/_work/" in e[2])
+        out[stage] = {"requests": n, "per_sample": round(n / samples[stage], 4) if samples.get(stage) else None}
+    return out
+
+
+def _objects(client) -> dict:
+    """The run folder's objects after a run, by top folder: what the bucket holds."""
+    from helpers import bucket_keys
+
+    keys = bucket_keys(client, BUCKET, f"{PREFIX}/")
+    by = Counter(k[len(PREFIX) + 1:].split("/", 1)[0] for k in keys)
+    return {"total": len(keys), "by_folder": dict(by.most_common())}
+
+
 def _stage_stats(client) -> dict[str, dict]:
     """Each finished stage's stats.json from the bucket."""
     out = {}
@@ -159,6 +178,9 @@ def run(args) -> dict:
                               "report_seconds": float(report.group(1)) if report else None,
                               "traffic": _traffic(proxy.entries[first:], proxy.slowdowns - refused0, BUCKET),
                               "listed_urls": sum(1 for _ in rows[:n_fresh + (n_more if name == "append" else 0)])}
+                runs[name]["shuffle_requests"] = _shuffle_traffic(
+                    proxy.entries[first:], {st: (stages.get(st) or {}).get("in") or 0 for st in ("dedup", "shard")})
+                runs[name]["bucket_objects"] = _objects(client)
                 src = stages.get("source", {})
                 runs[name]["every_url_accounted_for"] = src.get("in") == runs[name]["listed_urls"]
                 if name == "fresh":
@@ -207,6 +229,11 @@ def table(r: dict) -> str:
                      f"(goal <= 1.5), {t['requests_per_object_read']} per object read (goal <= 2); "
                      f"{t['slowdowns_answered']} SlowDowns answered; every URL accounted for: {run['every_url_accounted_for']}; "
                      f"report {run['report_seconds']} s")
+        if run.get("shuffle_requests"):
+            sh = run["shuffle_requests"]
+            lines.append(f"    shuffle requests per sample (goal <= 0.01): dedup {sh['dedup']['per_sample']} "
+                         f"({sh['dedup']['requests']}), shard {sh['shard']['per_sample']} ({sh['shard']['requests']}); "
+                         f"objects in the run folder after it: {run['bucket_objects']['total']}")
     lines.append(f"  {'stage':<11}{'fresh s':>9}{'driver s':>9}{'append s':>9}{'driver s':>9}{'share':>7}  (goal <= 0.05)")
     for s, share in r["append_share"]["stages"].items():
         f, a = r["runs"]["fresh"]["stages"][s], r["runs"]["append"]["stages"][s]
