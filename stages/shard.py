@@ -150,18 +150,11 @@ def _map_pieces(storage, part: str, file: str, seed: int, first: int, n_out: int
                 lo: int, hi: int, line_shards: frozenset | None = None) -> list[pa.Table]:
     """Ray task (the shuffle's map): rows [lo, hi) of one partition's samples to place, in tar order,
     images read once, a batch at a time, cut into `groups` pieces (reducer g takes shards first +
-    g*per_group ...). In a dataset line only the samples not yet published; the slice that starts
-    at row 0 writes the partition's published keys after this run to shard/_work/published (the line
-    takes them once the shards are written)."""
+    g*per_group ...). In a dataset line only the samples not yet published (`_publish_task` records
+    where they went once the shards are written)."""
     rows = read_kept(storage, file, ["key", "url", "caption", "notes", "tar", "member", "offset", "size",
                                      "sha256", "width", "height"])
-    rows, published = _new_rows(storage, rows, part, line_shards)
-    rows = by_location(rows)
-    if line_shards is not None and lo == 0 and rows.num_rows:    # the placement needs no image
-        keys = rows.column("key").to_pylist()
-        _, shard = _placement(seed, keys, first, n_out)
-        storage.write_table(f"{PUBLISHING}/{part}.parquet", pa.concat_tables(
-            [published, pa.table({"key": keys, "shard": [f"{s:06d}.tar" for s in shard]}, schema=PUBLISHED_SCHEMA)]))
+    rows = by_location(_new_rows(storage, rows, part, line_shards)[0])
     pieces: list[list[pa.Table]] = [[] for _ in range(groups)]
     for batch, images in image_batches(storage, rows.slice(lo, hi - lo)):
         keys = batch.column("key").to_pylist()
@@ -188,7 +181,6 @@ def _map_pieces(storage, part: str, file: str, seed: int, first: int, n_out: int
     return [pa.concat_tables(p) if p else MAP_SCHEMA.empty_table() for p in pieces]
 
 
-PUBLISHING = "shard/_work/published"   # a partition's published keys once this run's shards are written
 MAP_SCHEMA = pa.schema([("shard", pa.int32()), ("key", pa.string()), ("order", pa.string()), ("image", pa.binary()),
                         ("ext", pa.string()), ("caption", pa.string()), ("meta", pa.string())])
 
@@ -299,8 +291,10 @@ class ShardStage(Sink):
         n_new = sum(p["samples"] for _, p in todo)
         first = next_shard(old)
         parts = [PartResult.from_json(s["result"]) for s in old]
+        n_out = 0
         if n_new:
-            parts += self._write(ctx, cfg, todo, n_new, sum(p["bytes"] for _, p in todo), first, line_shards)
+            made, n_out = self._write(ctx, cfg, todo, n_new, sum(p["bytes"] for _, p in todo), first, line_shards)
+            parts += made
         elif old:
             ctx.log(f"shard: every kept sample is in this dataset line's {len(old)} shards already; no shard added")
         added = parts[len(old):]
@@ -309,7 +303,7 @@ class ShardStage(Sink):
         self._delete_stale(ctx, {s["name"] for s in shards})
         if cfg.append:      # the new shards are published once the line lists them: last
             self._publish(ctx, line, [u for u, _ in todo], shards, [s["name"] for s in shards[len(old):]], n_new,
-                          {p: seen[p] for p in published if seen.get(p)})
+                          {p: seen[p] for p in published if seen.get(p)}, (first, n_out, line_shards))
         ctx.storage.delete("shard/_work")
         listed = [{k: s[k] for k in ("name", "samples", "bytes", "sha256")} for s in shards]
         files = {f"shard/shards/{s['name']}": s["sha256"] for s in listed}
@@ -364,8 +358,9 @@ class ShardStage(Sink):
         return None
 
     def _write(self, ctx: StageContext, cfg: ShardConfig, upstream: list, n: int, nbytes: int, first: int,
-               line_shards: frozenset | None) -> list[PartResult]:
-        """The shuffle: n samples (nbytes) of these (partition, plan) pairs into new shards numbered from first."""
+               line_shards: frozenset | None) -> tuple[list[PartResult], int]:
+        """The shuffle: n samples (nbytes) of these (partition, plan) pairs into new shards numbered
+        from first; -> (the shards' ledger partitions, how many shards)."""
         n_out = max(1, math.ceil(n / cfg.samples_per_shard), math.ceil(nbytes / (0.9 * cfg.max_shard_bytes)))
         if n_out < cfg.min_shards and not first:   # small data: each training worker still gets a shard of its own
             ctx.log(f"shard: {n} samples make {n_out} shard(s) of {cfg.samples_per_shard}; writing "
@@ -388,7 +383,7 @@ class ShardStage(Sink):
                                           lo, hi, line_shards) for u, lo, hi in slices],
                            groups, _reduce_group, [(ctx.storage, r) for r in reducers], "shard write",
                            num_cpus=1, unit="reducers")
-        return [p for group in made for p in group]
+        return [p for group in made for p in group], n_out
 
     def _delete_stale(self, ctx: StageContext, names: set[str]) -> None:
         """Shards and indexes of an earlier, larger plan (not this run's or the line's)."""
@@ -397,11 +392,14 @@ class ShardStage(Sink):
                                       if stale.rsplit("/", 1)[-1][:-len(suffix)] + ".tar" not in names])
 
     def _publish(self, ctx: StageContext, line: dict | None, mapped: list, shards: list[dict], added: list[str],
-                 n_new: int, seen: dict[str, dict]) -> None:
+                 n_new: int, seen: dict[str, dict], placed: tuple) -> None:
         """The partitions' published keys, their states in one table, then the line's record (its last
-        write: what it lists is published)."""
+        write: what it lists is published). `placed`: (first new shard, new shards, the line's shards
+        before), as the shuffle placed the new samples."""
         run = len((line or {}).get("runs", [])) + 1
-        ctx.run(_publish_task, [(ctx.storage, u.part) for u in mapped], "shard publish", num_cpus=0.25, quiet=True)
+        first, n_out, line_shards = placed
+        ctx.run(_publish_task, [(ctx.storage, u.part, u.file, ctx.seed, first, n_out, line_shards)
+                                for u in mapped], "shard publish", num_cpus=0.25, quiet=True)
         write_states(ctx.storage, {**seen, **{u.part: {"kept": u.kept, "kept_sum": u.kept_sum, "run": run}
                                               for u in mapped}})
         runs = (line or {}).get("runs", []) + [{"run": run, "added": added,
@@ -411,9 +409,14 @@ class ShardStage(Sink):
         ctx.storage.write_json(RECORD, {**(line or {}), "shards": shards, "runs": runs})
 
 
-def _publish_task(storage, part: str) -> None:
-    """Ray task: a partition's published keys after this run, where the line keeps them."""
-    storage.write_bytes(published_file(part), storage.read_bytes(f"{PUBLISHING}/{part}.parquet"))
+def _publish_task(storage, part: str, file: str, seed: int, first: int, n_out: int, line_shards: frozenset) -> None:
+    """Ray task: a partition's published keys after this run, where the line keeps them: what it had
+    published and where this run placed the rest (from the keys alone, as the shuffle placed them)."""
+    new, published = _new_rows(storage, read_kept(storage, file, ["key", "tar", "offset"]), part, line_shards)
+    keys = by_location(new).column("key").to_pylist()
+    _, shard = _placement(seed, keys, first, n_out)
+    storage.write_table(published_file(part), pa.concat_tables(
+        [published, pa.table({"key": keys, "shard": [f"{s:06d}.tar" for s in shard]}, schema=PUBLISHED_SCHEMA)]))
 
 
 def check_line_settings(config) -> None:
