@@ -7,9 +7,11 @@ items named in FILE leave the line, and never come back.
   bytes as downloaded, or the path of an image (relative to FILE's folder) whose re-encoded, resized
   or recompressed copies are removed too (thumbnail descriptors within `--threshold` cosine). A
   prefix `url `, `key `, `sha256 ` or `image ` says which where it could be read otherwise.
-- Matches are found in Ray tasks, one per input partition the line published from: its published
-  keys, its ingest ledger's URL and sha256, and (for image entries) dedup's descriptions of it. No
-  shard is read to find them.
+- Matches are found in Ray tasks, one per input partition that may hold one: its published keys,
+  its ingest ledger's URL and sha256, and (for image entries) dedup's descriptions of it. Without
+  image entries the line's lookup (stages/line_lookup.py) names those partitions in a read per
+  run and bucket, so the cost grows with the matches, not the line; an image entry, or a line
+  published before the lookup existed, checks every partition. No shard is read to find them.
 - Only the shards that hold a match are rewritten (a task each, by the shard stage's own tar
   writer, so what stays keeps its bytes), as removal N of the line: the shard as it was is kept at
   `shard/line/versions/<N>/<name>` until the user deletes it; every other shard stays byte-identical.
@@ -34,6 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from infra.errors import UserError
+from stages import line_lookup
 from stages.line import LINE, RECORD, published_all, published_file, published_parts, read_line
 
 REMOVED = f"{LINE}/removed.parquet"
@@ -224,9 +227,14 @@ def remove(where: str, list_path: Path, reason: str, threshold: float | None, ad
             if len(vecs) and not desc:
                 raise UserError(f"{where}: this line's dedup stage did not record where its descriptions are "
                                 f"({DESCRIPTIONS}); run `capline run` on it once, then remove by image")
-            found = ex.run(_match_task, [(storage, p, parts[p], desc.get(p), frozenset(e.value for e in by_kind["key"]),
-                                          frozenset(e.value for e in by_kind["url"]),
-                                          frozenset(e.value for e in by_kind["sha256"]), vecs, threshold)
+            named = {k: [e.value for e in by_kind[k]] for k in line_lookup.KINDS}
+            if not len(vecs) and line_lookup.complete(line.get("runs") or []):
+                # the line's lookup: the partitions that hold a candidate, found in a few reads
+                hits = ex.call(line_lookup.find, storage, line["runs"], named, what="remove: lookup", num_cpus=0.25)
+                published = sorted(set(hits.column("part").to_pylist()) & set(published))
+                log(f"remove: the line's lookup names {len(published)} partition(s) to check")
+            found = ex.run(_match_task, [(storage, p, parts[p], desc.get(p), frozenset(named["key"]),
+                                          frozenset(named["url"]), frozenset(named["sha256"]), vecs, threshold)
                                          for p in published if p in parts],
                            "remove: find matches", num_cpus=0.5, unit="partitions")
             matches = sorted((m for got in found for m in got), key=lambda m: m["key"])

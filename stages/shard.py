@@ -45,6 +45,7 @@ import pyarrow.compute as pc
 from infra.configtools import join, require
 from infra.errors import UserError
 
+from . import line_lookup
 from .base import KEPT, Sink, StageContext, StageResult
 from .dataplane import PartResult, by_location, image_batches, read_kept, write_part
 from .line import (LINE, PUBLISHED, PUBLISHED_SCHEMA, RECORD, published_all, published_file, published_parts,
@@ -398,25 +399,36 @@ class ShardStage(Sink):
         before), as the shuffle placed the new samples."""
         run = len((line or {}).get("runs", [])) + 1
         first, n_out, line_shards = placed
-        ctx.run(_publish_task, [(ctx.storage, u.part, u.file, ctx.seed, first, n_out, line_shards)
-                                for u in mapped], "shard publish", num_cpus=0.25, quiet=True)
+        # the published records, and this run's lookup of what it added (stages/line_lookup.py)
+        buckets = line_lookup.buckets_for(n_new)
+        ctx.shuffle(_publish_task, [(ctx.storage, u.part, u.file, ctx.seed, first, n_out, line_shards, buckets)
+                                    for u in mapped], buckets, line_lookup.write_bucket,
+                    [(ctx.storage, line_lookup.bucket_file(run, b)) for b in range(buckets)], "shard publish",
+                    num_cpus=0.25, unit="buckets")
         write_states(ctx.storage, {**seen, **{u.part: {"kept": u.kept, "kept_sum": u.kept_sum, "run": run}
                                               for u in mapped}})
         runs = (line or {}).get("runs", []) + [{"run": run, "added": added,
-                                                 "samples": n_new,
+                                                 "samples": n_new, "lookup": buckets,
                                                  "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]
         # everything else the line records (its removals) stays as it is
         ctx.storage.write_json(RECORD, {**(line or {}), "shards": shards, "runs": runs})
 
 
-def _publish_task(storage, part: str, file: str, seed: int, first: int, n_out: int, line_shards: frozenset) -> None:
-    """Ray task: a partition's published keys after this run, where the line keeps them: what it had
-    published and where this run placed the rest (from the keys alone, as the shuffle placed them)."""
-    new, published = _new_rows(storage, read_kept(storage, file, ["key", "tar", "offset"]), part, line_shards)
-    keys = by_location(new).column("key").to_pylist()
+def _publish_task(storage, part: str, file: str, seed: int, first: int, n_out: int, line_shards: frozenset,
+                  buckets: int) -> list[pa.Table]:
+    """Ray task (the publish shuffle's map): a partition's published keys after this run, where the
+    line keeps them: what it had published and where this run placed the rest (from the keys alone,
+    as the shuffle placed them); -> the lookup rows of what it added, in `buckets` pieces."""
+    new, published = _new_rows(storage, read_kept(storage, file, ["key", "url", "sha256", "tar", "offset"]), part,
+                               line_shards)
+    new = by_location(new)
+    keys = new.column("key").to_pylist()
     _, shard = _placement(seed, keys, first, n_out)
+    names = [f"{s:06d}.tar" for s in shard]
     storage.write_table(published_file(part), pa.concat_tables(
-        [published, pa.table({"key": keys, "shard": [f"{s:06d}.tar" for s in shard]}, schema=PUBLISHED_SCHEMA)]))
+        [published, pa.table({"key": keys, "shard": names}, schema=PUBLISHED_SCHEMA)]))
+    return line_lookup.pieces(part, keys, new.column("url").to_pylist(), new.column("sha256").to_pylist(), names,
+                              buckets)
 
 
 def check_line_settings(config) -> None:

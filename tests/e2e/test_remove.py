@@ -5,6 +5,7 @@ site's robots.txt opts out of two images: `capline recheck` removes those and no
 import hashlib
 import io
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -131,6 +132,9 @@ def test_removals_leave_the_line_only_where_they_were_and_never_come_back(tmp_pa
         rechecked = capline("recheck", str(run), timeout=900)
         assert rechecked.returncode == 0, rechecked.stdout[-3000:] + rechecked.stderr[-3000:]
         assert f"{len(final)} URLs on 1 hosts; 2 opt out now, removed as removal 2 (2 samples)" in rechecked.stdout
+        # by URL only: the line's lookup named the partitions to check, not every one the line holds
+        checked = re.search(r"remove: the line's lookup names (\d+) partition\(s\) to check", rechecked.stdout)
+        assert checked and 1 <= int(checked.group(1)) <= 2, rechecked.stdout[-2000:]
         report = json.loads(sorted((run / "shard" / "line" / "rechecks").glob("*.json"))[-1].read_text())
         assert sorted(report["urls"]) == sorted(urls_now[k] for k in out_keys) and report["unreachable"] == 0
         assert set(_samples(run)) == set(final) - set(out_keys)

@@ -66,3 +66,30 @@ def test_a_later_sample_is_blocked_by_key_url_hash_or_as_a_near_copy(tmp_path):
     assert "near copy of p.png" in got["k5"] and "safety list" in got["k5"]
     assert "near copy of ugone" in got["k7"]
     assert remove.blocked(Storage.local(tmp_path / "none"), table, vecs) == {}
+
+
+def test_the_lookup_finds_entries_in_the_buckets_they_hash_to_over_every_run(tmp_path):
+    """Two runs' lookups (3 and 1 buckets): a URL, a key and a sha256 are found in whichever run added
+    them, by reading only the bucket files they hash to; a value nobody published finds nothing."""
+    from stages import line_lookup as lk
+
+    storage = Storage.local(tmp_path)
+    runs = []
+    for run, (n, part, base) in enumerate([(3, "p0", 0), (1, "p1", 100)], start=1):
+        keys = [f"u{base + i:016x}" for i in range(40)]
+        urls = [f"https://h/{base + i}.jpg" for i in range(40)]
+        shas = [f"{base + i:064x}" for i in range(39)] + [None]        # a sample with no sha is left out
+        names = [f"{(base + i) % 5:06d}.tar" for i in range(40)]
+        pieces = lk.pieces(part, keys, urls, shas, names, n)
+        assert len(pieces) == n and sum(p.num_rows for p in pieces) == 40 * 3 - 1
+        for b in range(n):
+            assert lk.write_bucket(storage, lk.bucket_file(run, b), pieces[b]) == pieces[b].num_rows
+        runs.append({"run": run, "lookup": n})
+    assert lk.complete(runs) and not lk.complete(runs + [{"run": 3}]) and not lk.complete([])
+    got = lk.find(storage, runs, {"url": ["https://h/7.jpg", "https://h/nowhere.jpg"], "key": [f"u{101:016x}"],
+                                  "sha256": [f"{38:064x}"]})
+    rows = sorted((r["kind"], r["key"], r["part"], r["shard"]) for r in got.to_pylist())
+    assert rows == [("key", f"u{101:016x}", "p1", "000001.tar"), ("sha256", f"u{38:016x}", "p0", "000003.tar"),
+                    ("url", f"u{7:016x}", "p0", "000002.tar")]
+    assert lk.find(storage, runs, {"url": []}).num_rows == 0
+    assert lk.buckets_for(10) == 1 and lk.buckets_for(10**6) == 3
