@@ -28,6 +28,14 @@ TRICKY = {
     "A woman in a t-shirt holds a 2x4 board next to her kids' bikes.":
         "a woman in a t-shirt holds a 2x4 board next to her kids ' bikes .",
     "The cat--sleeping--lies on the sofa`s edge.": "the cat -- sleeping -- lies on the sofa ` s edge .",
+    # letters of any script, curly quotes, multi-word splits, normalised characters (CoreNLP 3.4.1, by hand)
+    "The naïve señor's piñata in São Paulo.": "the naïve señor 's piñata in são paulo .",
+    "\u201cA dog\u201d on a \u2018mat\u2019, it\u2019s a dog\u2019s toy; don\u2019t stop":
+        "`` a dog '' on a ` mat ' , it 's a dog 's toy ; do n't stop",
+    "We're gonna eat, cannot stop; gotta wanna lemme see": "we 're gon na eat , can not stop ; got ta wan na lem me see",
+    "Déjà vu \u2014 again\u2026 £5 and €3, 10\u00a2, ½ cup": "déjà vu -- again ... # 5 and $ 3 , 10 cents , 1/2 cup",
+    "A kitchen stove.and white cabinets near 22 3/4 st. and \"lincoln av e.\" 'Tis y'all":
+        "a kitchen stove.and white cabinets near 22\u00a03/4 st. and `` lincoln av e. '' 't is y' all",
 }
 JAR = next((j for d in importlib.util.find_spec("pycocoevalcap.tokenizer").submodule_search_locations
             for j in glob.glob(f"{d}/*.jar")), None)
