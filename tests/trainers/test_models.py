@@ -280,12 +280,38 @@ def test_coca_text_halves_are_as_deep_as_open_clips_configs():
         m = build_model(ModelConfig(family="coca", size="b16", vocab_size=32000))
     assert len(m.encoder.blocks) == 12 and len(m.unimodal.blocks) == 12 and len(m.multimodal.blocks) == 12
     assert m.multimodal.pos is None and not any("multimodal.pos" in n for n, _ in m.named_parameters())
+    # coca_ViT-L-14: a 1024-wide, 24-layer ViT; 12 + 12 text layers 768 wide, embeddings of 768
+    with torch.device("meta"):
+        big = build_model(ModelConfig(family="coca", size="l14", vocab_size=32000))
+    assert len(big.encoder.blocks) == 24 and len(big.unimodal.blocks) == 12 and len(big.multimodal.blocks) == 12
+    assert big.unimodal.embed.weight.shape == (32001, 768) and big.multimodal.head.weight.shape == (32000, 768)
+    assert big.cap_pool.attn.k.weight.shape == (768, 1024) and big.cap_pool.probe.shape == (1, 256, 768)
+    assert big.image_proj.weight.shape == (768, 1024) and big.text_proj.weight.shape == (768, 768)
+    assert big.unimodal.blocks[0].attn.heads == 12
+
+
+def test_a_coca_text_tower_narrower_than_its_encoder_trains_and_decodes():
+    import torch
+
+    from trainers.models import build_model
+    from trainers.models.config import ModelConfig
+
+    torch.manual_seed(0)
+    m = build_model(ModelConfig(family="coca", size="tiny", vocab_size=50, max_len=8, image_size=16, patch=8,
+                                text_width=64, text_heads=2, text_mlp=128, caption_queries=4))
+    images, labels = torch.randn(3, 3, 16, 16), torch.randint(3, 50, (3, 8))
+    logits, zimg, ztxt = m(images, labels)
+    assert logits.shape == (3, 8, 50) and zimg.shape == ztxt.shape == (3, 64)
+    loss, _ = m.loss(images, labels)
+    loss.backward()
+    assert m.cap_pool.attn.k.weight.grad.shape == (64, 128)
+    assert m.score(images, labels).shape == (3, 3) and m.score_ar(images, labels).shape == (3, 3)
 
 
 def test_initialisation_and_biases_are_big_visions():
     """At B/16 width: xavier blocks in the ViT (0.0361 for q, 0.0228 for the MLP, where PyTorch's
     default gives 0.0208 and 0.0104), lecun-normal patch kernel and decoder attention, positions
-    N(0, 1/D), biases in the encoder and none in CapPa's decoder."""
+    N(0, 1/D), biases in the encoder and none in CapPa's decoder blocks."""
     import torch
 
     from trainers.models import build_model
@@ -302,3 +328,29 @@ def test_initialisation_and_biases_are_big_visions():
     assert float(m.decoder.blocks[0].attn.q.weight.detach().std()) == pytest.approx(768 ** -0.5, rel=0.03)
     assert blk.attn.q.bias is not None and blk.mlp[0].bias is not None and blk.ln1.bias is not None
     assert m.decoder.blocks[0].attn.q.bias is None and m.decoder.blocks[0].mlp[0].bias is None
+    assert m.decoder.ln.bias is not None                    # the final LayerNorm keeps flax's default bias
+
+
+def test_a_checkpoint_from_before_the_final_layernorm_bias_still_loads(tmp_path):
+    """Models saved before the decoder's final LayerNorm had a bias load with it at zero (the same
+    function); any other missing weight is still refused."""
+    import pytest
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from infra.errors import UserError
+    from trainers.models import build_model
+    from trainers.models.checkpoint import load_model, save_model
+    from trainers.models.config import ModelConfig
+
+    cfg = ModelConfig(family="cappa", size="tiny", vocab_size=50, max_len=8, image_size=16, patch=8, depth=1)
+    save_model(build_model(cfg), cfg, tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    del state["decoder.ln.bias"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    model, _ = load_model(tmp_path)
+    assert torch.count_nonzero(model.decoder.ln.bias) == 0
+    del state["decoder.ln.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(UserError, match="decoder.ln.weight"):
+        load_model(tmp_path)

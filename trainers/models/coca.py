@@ -1,11 +1,12 @@
 """CoCa (Yu et al. 2022): contrastive + captioning with one image encoder and a split text decoder.
 
-Shape key: B batch, S image side, N image tokens, Q caption queries, D width, L text positions,
+Shape key: B batch, S image side, N image tokens, Q caption queries, D image width, T text width
+(D unless the size's open_clip config narrows it: L/14 has D 1024, T 768), L text positions,
 V vocabulary, E embedding.
 
 images -> ViT tokens (B, N, D) -> contrastive pooler (1 query) -> (B, E) image embedding
-                                -> caption pooler (Q queries) -> (B, Q, D), all Q seen by the decoder
-labels (B, L) -> inputs [BOS, l1 .. l(L-1)] + [CLS] -> unimodal half (causal, no cross-attention)
+                                -> caption pooler (Q queries of width T) -> (B, Q, T), all Q seen by the decoder
+labels (B, L) -> inputs [BOS, l1 .. l(L-1)] + [CLS] -> unimodal half (causal, no cross-attention, width T)
    the CLS position (which attends to every real token) -> (B, E) text embedding
    positions 0..L-1 -> multimodal half (causal + cross-attention) -> logits (B, L, V)
 
@@ -15,6 +16,7 @@ poolers are separate so the decoder sees all Q caption tokens, and padding is ma
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -33,19 +35,22 @@ class CoCa(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        # each text half as deep as the encoder (decoder_depth overrides both), as open_clip's CoCa
-        # configs have it: B/16 has 12 unimodal and 12 multimodal layers
-        d, half = cfg.dim, cfg.decoder_depth or cfg.num_layers
+        # the text tower as open_clip's CoCa configs have it (ModelConfig.coca_text): B/16 12 + 12
+        # layers as wide as the encoder, L/14 12 + 12 layers 768 wide beside a 1024-wide ViT
+        # (decoder_depth overrides both halves)
+        d = cfg.dim
+        tw, th, tm, half = cfg.coca_text()
+        text = dataclasses.replace(cfg, width=tw, heads=th, mlp=tm)
         self.encoder = ViT(cfg, pool="gap")
         self.con_pool = MAPHead(d, cfg.num_heads, cfg.mlp_dim, queries=1, bias=cfg.bias)
-        self.cap_pool = MAPHead(d, cfg.num_heads, cfg.mlp_dim, queries=cfg.caption_queries, bias=cfg.bias)
-        self.cap_ln = layer_norm(d, cfg.bias)
+        self.cap_pool = MAPHead(tw, th, tm, queries=cfg.caption_queries, bias=cfg.bias, kv_dim=d)
+        self.cap_ln = layer_norm(tw, cfg.bias)
         self.image_proj = nn.Linear(d, cfg.out_dim, bias=False)
         # unimodal: embeddings (V+1 rows: id V is [CLS]) and causal blocks, positions for L + 1
-        self.unimodal = TextDecoder(cfg, half, cross=False, max_len=cfg.max_len + 1, head=False)
-        self.text_proj = nn.Linear(d, cfg.out_dim, bias=False)
+        self.unimodal = TextDecoder(text, half, cross=False, max_len=cfg.max_len + 1, head=False)
+        self.text_proj = nn.Linear(tw, cfg.out_dim, bias=False)
         # no positions of its own: they are already in the unimodal output
-        self.multimodal = TextDecoder(cfg, half, cross=True, embed=False, positions=False)
+        self.multimodal = TextDecoder(text, half, cross=True, embed=False, positions=False)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
 
     def _image(self, images):

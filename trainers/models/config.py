@@ -19,6 +19,13 @@ SIZES = {
     "l14": (1024, 24, 16, 4096, 14),
 }
 
+# CoCa's text tower where open_clip's config makes it narrower than the encoder: coca_ViT-L-14 has
+# a 1024-wide, 24-layer ViT and 12 + 12 text layers 768 wide (12 heads); other sizes: as the encoder
+COCA_TEXT = {
+    #        width heads  mlp depth (each half)
+    "l14": (768, 12, 3072, 12),
+}
+
 FAMILIES = ("cap", "cappa", "clip", "siglip", "coca", "clipcap")
 PAD_ID, EOS_ID = 0, 1
 
@@ -44,6 +51,9 @@ class ModelConfig:
     embed_dim: int | None = None         # contrastive embedding (default: width)
     # CoCa
     caption_queries: int = 256           # attentional pooler queries the decoder cross-attends to
+    text_width: int | None = None        # CoCa's text halves (null: COCA_TEXT for the size, else the encoder's)
+    text_heads: int | None = None
+    text_mlp: int | None = None
     contrastive_weight: float = 1.0
     caption_weight: float = 2.0
     # ClipCap
@@ -64,6 +74,9 @@ class ModelConfig:
         p = self.pa_prob
         require(0.0 <= p <= 1.0, join(prefix, "masked_pred_prob"), f"must be in [0, 1], got {p}")
         require(self.prefix_len is None or self.prefix_len >= 1, join(prefix, "prefix_len"), "must be >= 1 or null")
+        if self.family == "coca":
+            tw, th, _, _ = self.coca_text()
+            require(tw % th == 0, join(prefix, "text_heads"), f"text width {tw} is not divisible by {th} heads")
 
     # resolved values
     @property
@@ -86,6 +99,13 @@ class ModelConfig:
     def patch_size(self) -> int:
         return self.patch or SIZES[self.size][4]
 
+    def coca_text(self) -> tuple[int, int, int, int]:
+        """CoCa's text tower: (width, heads, MLP width, layers of each half)."""
+        w, h, m, n = COCA_TEXT.get(self.size, (self.dim, self.num_heads, self.mlp_dim, self.num_layers))
+        if self.width is not None and self.size in COCA_TEXT and self.text_width is None:
+            w, h, m = self.dim, self.num_heads, self.mlp_dim      # a width override keeps one width for all
+        return (self.text_width or w, self.text_heads or h, self.text_mlp or m, self.decoder_depth or n)
+
     @property
     def dec_layers(self) -> int:
         return self.decoder_depth or max(1, self.num_layers // 2)
@@ -100,6 +120,8 @@ class ModelConfig:
 
     @property
     def out_dim(self) -> int:
+        if self.embed_dim is None and self.family == "coca":
+            return self.coca_text()[0]          # open_clip's CoCa embeds in its text width (768 at L/14)
         return self.embed_dim or self.dim
 
     @property

@@ -40,13 +40,13 @@ class Attention(nn.Module):
     memory's keys/values once and reuses them.
     """
 
-    def __init__(self, d: int, heads: int, bias: bool = False, init: str = "xavier"):
+    def __init__(self, d: int, heads: int, bias: bool = False, init: str = "xavier", kv_dim: int | None = None):
         super().__init__()
         assert d % heads == 0, f"width {d} is not divisible by {heads} heads"
         self.heads = heads
         self.q = nn.Linear(d, d, bias=bias)
-        self.k = nn.Linear(d, d, bias=bias)
-        self.v = nn.Linear(d, d, bias=bias)
+        self.k = nn.Linear(kv_dim or d, d, bias=bias)       # kv_dim: keys and values from a wider (image) side
+        self.v = nn.Linear(kv_dim or d, d, bias=bias)
         self.out = nn.Linear(d, d, bias=bias)
         for layer in (self.q, self.k, self.v, self.out):
             init_linear(layer, init)
@@ -107,14 +107,14 @@ class Block(nn.Module):
 class MAPHead(nn.Module):
     """Multihead attention pooling: `queries` learned probes attend to the tokens, then a residual MLP.
 
-    (B, N, D) -> (B, queries, D)
+    (B, N, K) -> (B, queries, D), K = kv_dim (default D)
     """
 
-    def __init__(self, d: int, heads: int, mlp: int, queries: int = 1, bias: bool = False):
+    def __init__(self, d: int, heads: int, mlp: int, queries: int = 1, bias: bool = False, kv_dim: int | None = None):
         super().__init__()
         # big_vision: xavier_uniform over a (1, 1, D) probe, i.e. U(+-sqrt(6 / (1 + D)))
         self.probe = nn.Parameter(torch.empty(1, queries, d).uniform_(-(6 / (1 + d)) ** 0.5, (6 / (1 + d)) ** 0.5))
-        self.attn = Attention(d, heads, bias)
+        self.attn = Attention(d, heads, bias, kv_dim=kv_dim)
         self.ln = layer_norm(d, bias)
         self.mlp = MLP(d, mlp, bias)
 

@@ -24,7 +24,9 @@ class TextDecoder(nn.Module):
         self.pos = nn.Parameter(torch.randn(1, max_len or cfg.max_len, d) * d ** -0.5) if positions else None
         self.blocks = nn.ModuleList(Block(d, cfg.num_heads, cfg.mlp_dim, cross=cross, bias=cfg.bias, attn_init="lecun")
                                     for _ in range(layers))
-        self.ln = layer_norm(d, cfg.bias)
+        # big_vision's decoder ends in a LayerNorm with its bias (flax's default) even where the
+        # blocks have none (decoder_bias off)
+        self.ln = layer_norm(d, True)
         self.head = nn.Linear(d, cfg.vocab_size) if head else None
         if self.head is not None:
             nn.init.zeros_(self.head.weight)
