@@ -90,6 +90,7 @@ def train_loop_per_worker(config: dict) -> None:
     task = make_task(mc, str(storage.local_dir(encoder)) if encoder else None,
                      str(storage.local_dir(lm)) if lm else None)
     model = task.build()
+    model.train()       # a pretrained LM loads in eval mode: training starts in train mode (dropout), not after the first sample log
     opt = build_optimizer(model, tc.optim)
     sched = build_schedule(opt, tc.optim, tc.steps)
     step, state = 0, LoaderState()

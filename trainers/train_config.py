@@ -40,8 +40,10 @@ RECIPES = {
     # decay 1e-4 on every kernel, cosine with linear warmup (10k of 650k steps at batch 8k)
     "paper": {"optim": {"name": "adafactor", "lr": 1e-3, "weight_decay": 1e-4, "beta1": 0.9, "beta2": 0.999,
                         "schedule": "cosine", "clip": 1.0}},
-    # Mokady et al. 2021: AdamW, lr 2e-5, 5,000 warmup steps, then linear decay; batch 40
-    "clipcap": {"global_batch": 40, "optim": {"name": "adamw", "lr": 2e-5, "warmup_steps": 5000, "schedule": "linear"}},
+    # Mokady et al. 2021: AdamW (transformers', no weight decay), lr 2e-5, 5,000 warmup steps, then
+    # linear decay; batch 40; no gradient clipping
+    "clipcap": {"global_batch": 40, "optim": {"name": "adamw", "lr": 2e-5, "warmup_steps": 5000, "schedule": "linear",
+                                              "weight_decay": 0.0, "clip": 0.0}},
 }
 
 

@@ -64,6 +64,22 @@ def test_train_config_refuses_the_transformer_mapper_without_an_lm(tmp_path):
     cfg = load_config(plain, ["train.optim.lr=0.0001"])
     assert (cfg.train.global_batch, cfg.train.optim.warmup_steps, cfg.train.optim.schedule) == (40, 5000, "linear")
     assert cfg.train.optim.lr == 1e-4            # what the config sets wins over the recipe
+    assert (cfg.train.optim.weight_decay, cfg.train.optim.clip) == (0.0, 0.0)   # the reference uses neither
+
+
+def test_a_frozen_lm_never_trains_with_dropout_and_a_trained_one_does():
+    """As the reference's ClipCaptionPrefix: switching the model to train mode (the training loop,
+    and again after each sample log) leaves a frozen LM and the image encoder in eval mode."""
+    enc = build_model(tiny("clip"))
+    frozen = build_model(tiny("clipcap", image_embed_dim=32, mapper="transformer", lm_frozen=True), image_encoder=enc)
+    frozen.train()
+    assert frozen.mapper.training and not frozen.lm.training and not any(m.training for m in frozen.lm.modules())
+    assert not frozen.image_encoder.training
+    frozen.eval()
+    frozen.train()
+    assert not frozen.lm.training
+    tuned = build_model(tiny("clipcap", image_embed_dim=32, mapper="mlp"), image_encoder=enc).train()
+    assert tuned.lm.training and tuned.mapper.training and not tuned.image_encoder.training
 
 
 def test_a_clipcap_checkpoint_holds_its_image_encoder(tmp_path):

@@ -103,6 +103,17 @@ class ClipCap(nn.Module):
             for p in self.lm.parameters():
                 p.requires_grad_(False)
 
+    def train(self, mode: bool = True):
+        """As the reference's ClipCaptionPrefix: a frozen LM stays in eval mode (no dropout) whatever
+        the model is switched to, the frozen image encoder too; a trained LM follows `mode` (dropout
+        while training, none while sampling)."""
+        super().train(mode)
+        if self.image_encoder is not None:
+            self.image_encoder.eval()
+        if self.cfg.frozen_lm:
+            self.lm.eval()
+        return self
+
     def load_lm(self, directory) -> None:
         """The LM's weights from a capline checkpoint that has one (a ClipCap model's `lm.*`)."""
         from pathlib import Path
