@@ -553,19 +553,25 @@ class _Repeats:
 
         key, url = row
         deadline = time.monotonic() + self.wait_s
-        while True:
-            state, ref = ray.get(self.registry.claim.remote(url))
-            if state == "done":
-                data, err = ray.get(ref[0])
-                return key, (io.BytesIO(data) if data is not None else None), err
-            if state == "mine":
-                break
-            if time.monotonic() > deadline:      # its claimant went quiet (a worker gone): fetch it here
-                return fetch(row)
-            time.sleep(0.2)
+        try:
+            while True:
+                state, ref = ray.get(self.registry.claim.remote(url))
+                if state == "done":
+                    data, err = ray.get(ref[0])
+                    return key, (io.BytesIO(data) if data is not None else None), err
+                if state == "mine":
+                    break
+                if time.monotonic() > deadline:      # its claimant went quiet (a worker gone): fetch it here
+                    return fetch(row)
+                time.sleep(0.2)
+        except ray.exceptions.RayError:     # the registry is gone (its node with it): fetch it here
+            return fetch(row)
         got_key, stream, err = fetch(row)
         data = stream.getvalue() if stream is not None else None
-        ray.get(self.registry.finish.remote(url, data, err))
+        try:
+            ray.get(self.registry.finish.remote(url, data, err))
+        except ray.exceptions.RayError:
+            pass
         return got_key, (io.BytesIO(data) if data is not None else None), err
 
     def fetch(self, row, fetch):

@@ -212,7 +212,10 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server, shared=No
             named = Counter(u for u in todo.column("url").to_pylist() if u)
             registry, wait_s = shared or (None, 0.0)
             # ... and a URL other shards name too, once for the whole run (stages/shared_urls.py)
-            across = ray.get(registry.which.remote(list(named))) if registry is not None else []
+            try:
+                across = ray.get(registry.which.remote(list(named))) if registry is not None else []
+            except ray.exceptions.RayError:   # the registry is gone: this shard fetches its own URLs
+                across = []
             fetch.repeats.expect({u.replace(SERVER_PLACEHOLDER, base) for u, n in named.items() if n > 1},
                                  shared={u.replace(SERVER_PLACEHOLDER, base) for u in across},
                                  registry=registry, wait_s=wait_s)

@@ -105,7 +105,12 @@ def find(ctx, jobs: list) -> object | None:
         by_file.setdefault(j.source_file, []).append((i, j.start, j.stop))
     rows = sum(j.stop - j.start for j in jobs)
     n = max(1, math.ceil(rows / URL_ROWS_PER_BUCKET))
-    registry = ray.remote(num_cpus=0)(UrlRegistry).remote()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # on the driver's node: a worker node lost mid-run does not take it along (and if it goes, the
+    # shards fetch their URLs themselves: stages/fetch.py)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    registry = ray.remote(num_cpus=0, scheduling_strategy=here)(UrlRegistry).remote()
     found = ctx.shuffle(_url_pieces, [(ctx.storage, f, r, n) for f, r in by_file.items()], n, _shared_reduce,
                         [(registry,)] * n, "ingest shared URLs", num_cpus=0.5, unit="buckets")
     if not sum(found):
@@ -122,6 +127,8 @@ def close(registry) -> dict:
     if registry is None:
         return {"urls": 0, "fetched": 0, "served": 0}
     try:
-        return ray.get(registry.counts.remote())
+        return ray.get(registry.counts.remote(), timeout=60)
+    except Exception:  # noqa: BLE001 - a registry lost with its node: the counts are gone, the downloads are not
+        return {"urls": 0, "fetched": 0, "served": 0}
     finally:
         ray.kill(registry)
