@@ -339,6 +339,7 @@ def test_one_field_over_the_cap_sets_its_row_aside_not_the_list(tmp_path):
     assert [small[f"long.csv line {n}"]["reason"] for n in (2, 3, 4)] == ["", "malformed_row:field_too_large", ""]
 
 
+@pytest.mark.slow   # 1.6-5.5 s: kept out of the fast set (under a minute)
 def test_a_large_text_list_is_keyed_a_batch_at_a_time(tmp_path):
     """300,000 rows of gzip text: read and keyed in batches, written a partition at a time, in
     bounded memory (the fixture: < 300 MB of new peak), every row a sample."""

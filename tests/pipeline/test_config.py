@@ -117,6 +117,7 @@ def test_dataset_line_is_one_switch_for_the_four_settings_a_line_needs():
         load_config(None, ["dataset_line=true", "stages.tokenizer.reuse=false"])
 
 
+@pytest.mark.slow   # 1.6-5.5 s: kept out of the fast set (under a minute)
 def test_capline_config_lists_every_setting_with_its_default_and_meaning():
     from helpers import capline
     from infra.configtools import describe_settings
@@ -158,6 +159,7 @@ def test_how_the_work_runs_is_neither_fingerprinted_nor_on_the_card():
     assert "stages.dedup.within_threshold" not in marked
 
 
+@pytest.mark.slow   # 1.6-5.5 s: kept out of the fast set (under a minute)
 def test_no_numeric_setting_takes_a_negative_nan_or_infinite_value():
     """Every count, size, time, rate and share: -1, .nan and .inf are refused with the key named
     (stages.ingest.task_retries=-1 was infinite retries in Ray)."""

@@ -109,6 +109,7 @@ def test_real_photos_near_copies_caught_and_others_not(tmp_path):
         assert s < THRESHOLD, (m, s)
 
 
+@pytest.mark.slow   # 1.6-5.5 s: kept out of the fast set (under a minute)
 def test_bad_evaluation_sets(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         build_reference(EvalSetConfig(name="x", kind="folder", path=str(tmp_path / "nope")), None, tmp_path, PARAMS)

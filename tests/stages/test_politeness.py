@@ -41,6 +41,7 @@ def test_robots_txt_unreachable_means_disallowed_and_a_404_allows_everything():
                                                       lambda u: (200, rules))[0] is True
 
 
+@pytest.mark.slow   # 1-1.3 s: kept out of the fast set (under a minute)
 def test_a_hosts_slots_keep_its_rate_across_threads():
     host = Host(Manners(rate=20.0, concurrency=2))
     times = []
@@ -223,6 +224,7 @@ class _AlwaysLater(http.server.BaseHTTPRequestHandler):
         self.end_headers()
 
 
+@pytest.mark.slow   # 1.6-5.5 s: kept out of the fast set (under a minute)
 def test_a_host_that_always_says_later_costs_a_bounded_time_and_opens_its_breaker(monkeypatch):
     """16 URLs of a host answering only 429 (Retry-After: 1) cost time linear in its URLs (75 s with
     Retry-After 5 in the report): now the task's wait budget for the host bounds it, and the storm
@@ -250,6 +252,7 @@ def test_a_host_that_always_says_later_costs_a_bounded_time_and_opens_its_breake
     assert fetch._hosts.get(where).failures >= 1               # counted toward the breaker
 
 
+@pytest.mark.slow   # 1-1.3 s: kept out of the fast set (under a minute)
 def test_a_recheck_finds_what_opted_out_since_and_never_takes_silence_for_an_opt_out():
     """`capline recheck`'s asking (stages/fetch.py: recheck): a path robots.txt now disallows, and a
     HEAD answered with X-Robots-Tag: noai, opt out; a plain image does not; a host whose robots.txt

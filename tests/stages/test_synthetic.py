@@ -3,6 +3,7 @@ import hashlib
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
 from stages import synthetic
 from stages.source import DefectFractions
@@ -28,6 +29,7 @@ def test_same_seed_same_bytes_other_seed_differs(tmp_path):
     assert _digest(a) != _digest(c)
 
 
+@pytest.mark.slow   # 1-1.3 s: kept out of the fast set (under a minute)
 def test_defects_planted_at_configured_counts(tmp_path):
     counts = _gen(tmp_path, n=1000)
     f = DefectFractions()

@@ -225,6 +225,7 @@ def test_a_float_id_column_keeps_integer_ids(tmp_path):
     assert rows["0"]["key"] == "1000056" and rows["1"]["key"] == "7_5"
 
 
+@pytest.mark.slow   # 1.6-5.5 s: kept out of the fast set (under a minute)
 def test_capline_check_names_each_mistake_before_anything_downloads(tmp_path):
     """A misspelled score column, a URL in allow_hosts, an unpinned TorchScript descriptor: each a
     one-line error naming the setting and the value to use; the corrected config passes."""
@@ -258,6 +259,7 @@ def test_two_lists_that_differ_only_in_compression_get_two_runs_and_a_batch_that
     assert "--batch-size 256 " in open_clip_example(shards(10**6))
 
 
+@pytest.mark.slow   # 1.6-5.5 s: kept out of the fast set (under a minute)
 def test_init_writes_a_data_build_that_says_why_and_leaves_private_hosts_to_the_user(tmp_path):
     path = tmp_path / "mixed.tsv"
     path.write_text("url\tcaption\nhttp://127.0.0.1:8600/a.jpg\ta photo of a cat\nhttp://example.com/b.jpg\ta dog on grass\n")

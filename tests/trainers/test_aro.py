@@ -44,6 +44,7 @@ def test_tagger_agrees_with_hand_labels_on_captions():
     assert tuned >= 0.97 and held >= 0.95
 
 
+@pytest.mark.slow   # 1-1.3 s: kept out of the fast set (under a minute)
 @needs_wordnet
 def test_aro_perturbs_every_real_coco_caption_without_a_crash():
     """ARO's four perturbations over all 4,000 real COCO captions (29 of them crashed the tagger:

@@ -50,6 +50,7 @@ def test_few_shot_tests_on_one_held_out_split_never_drawn_from():
             assert not set(tr) & set(test) and not set(rest) & set(test) and len(tr) == 4 * k
 
 
+@pytest.mark.slow   # 1.6-5.5 s: kept out of the fast set (under a minute)
 def test_map_probe_sweep_picks_its_setting_on_validation():
     import torch
 
