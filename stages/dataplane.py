@@ -72,9 +72,13 @@ def hash_buckets(values, n: int) -> np.ndarray:
 
 
 def hash_pieces(table: pa.Table, values, n: int) -> list[pa.Table]:
-    """`table` cut into `n` pieces by each row's `hash_buckets` of `values` (a shuffle's map output),
-    rows keeping their order within a piece: one stable sort and n slices, not n filters."""
-    buckets = hash_buckets(values, n)
+    """`table` cut into `n` pieces by each row's `hash_buckets` of `values` (a shuffle's map output)."""
+    return bucket_pieces(table, hash_buckets(values, n), n)
+
+
+def bucket_pieces(table: pa.Table, buckets: np.ndarray, n: int) -> list[pa.Table]:
+    """`table` cut into `n` pieces by each row's bucket (0..n-1), rows keeping their order within a
+    piece: one stable sort and n slices, not n filters."""
     order = np.argsort(buckets, kind="stable")
     ends = np.searchsorted(buckets[order], np.arange(n + 1))
     ordered = table.take(pa.array(order)) if len(order) else table

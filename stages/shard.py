@@ -47,7 +47,7 @@ from infra.errors import UserError
 
 from . import line_lookup
 from .base import KEPT, Sink, StageContext, StageResult
-from .dataplane import PartResult, by_location, image_batches, read_kept, write_part
+from .dataplane import PartResult, bucket_pieces, by_location, image_batches, read_kept, write_part
 from .line import (LINE, PUBLISHED, PUBLISHED_SCHEMA, RECORD, published_all, published_file, published_parts,
                    published_state, read_line, read_states, write_states)
 from infra.hashing import order_key
@@ -156,7 +156,7 @@ def _map_pieces(storage, part: str, file: str, seed: int, first: int, n_out: int
     rows = read_kept(storage, file, ["key", "url", "caption", "notes", "tar", "member", "offset", "size",
                                      "sha256", "width", "height"])
     rows = by_location(_new_rows(storage, rows, part, line_shards)[0])
-    pieces: list[list[pa.Table]] = [[] for _ in range(groups)]
+    pieces: list[list[pa.Table]] = [[] for _ in range(groups)]      # per reducer, a piece per batch
     for batch, images in image_batches(storage, rows.slice(lo, hi - lo)):
         keys = batch.column("key").to_pylist()
         order, shard = _placement(seed, keys, first, n_out)
@@ -172,13 +172,9 @@ def _map_pieces(storage, part: str, file: str, seed: int, first: int, n_out: int
         t = pa.table({"shard": pa.array(shard, pa.int32()), "key": keys, "order": order,
                       "image": pa.array(images, pa.binary()), "ext": ext, "caption": batch.column("caption"),
                       "meta": meta}, schema=MAP_SCHEMA)
-        group = (shard - first) // per_group
-        idx = np.argsort(group, kind="stable")
-        ends = np.searchsorted(group[idx], np.arange(groups + 1))
-        t = t.take(pa.array(idx))
-        for g in range(groups):
-            if ends[g + 1] > ends[g]:
-                pieces[g].append(t.slice(int(ends[g]), int(ends[g + 1] - ends[g])))
+        for g, piece in enumerate(bucket_pieces(t, (shard - first) // per_group, groups)):
+            if piece.num_rows:
+                pieces[g].append(piece)
     return [pa.concat_tables(p) if p else MAP_SCHEMA.empty_table() for p in pieces]
 
 
