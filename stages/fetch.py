@@ -38,11 +38,13 @@ import urllib.request
 import warnings
 from dataclasses import dataclass
 
-import img2dataset.downloader as _i2d
-
 from infra.media import FORMATS, ImageRefused, _failure, open_checked
 
+from .img2dataset_parts import lazy_package
 from .polite import Hosts, Manners, retry_after
+
+lazy_package("img2dataset")   # its downloader without its command's imports (img2dataset_parts.py)
+import img2dataset.downloader as _i2d  # noqa: E402
 
 METADATA_HOSTS = {"metadata.google.internal", "metadata", "instance-data"}
 # special-purpose blocks refused whole (Python's is_global leaves a few of their addresses global;

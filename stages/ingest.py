@@ -1,9 +1,9 @@
 """The ingest stage: download the URL list with img2dataset into WebDataset shards, and index them.
 
 Each shard is one Ray task: it reads its slice of a source partition from the run folder's storage,
-downloads it with img2dataset's own pieces (Downloader with a thread pool, Resizer re-encodes,
-WebDatasetSampleWriter writes tar + parquet) into the worker's own temporary folder, moves the
-files into the run folder, and writes the shard's ledger partition, which is also the sample index:
+downloads it with img2dataset's own pieces (Downloader with a thread pool, Resizer re-encodes; the
+tar + parquet in img2dataset's layout by stages/img2dataset_parts.py) into the worker's own
+temporary folder, moves the files into the run folder, and writes the shard's ledger partition, which is also the sample index:
 key -> (tar, member, byte offset, size, sha256, original width and height) that every later stage
 reaches images by. The driver gets counts back. capline adds:
 
@@ -610,16 +610,16 @@ def _built(spec):
 
 
 def _downloader(cfg: IngestConfig, allow: tuple, at_once: int = 1, own: tuple = ()):
-    from img2dataset.resizer import Resizer
-    from img2dataset.writer import WebDatasetSampleWriter
-
     from .fetch import SafeDownloader
+    from .img2dataset_parts import TarSampleWriter, downloader_classes
+
+    _, Resizer = downloader_classes()
 
     resizer = Resizer(image_size=cfg.image_size, resize_mode=cfg.resize_mode,
                       resize_only_if_bigger=False, encode_quality=cfg.encode_quality,
                       encode_format=cfg.encode_format, min_image_size=0, max_aspect_ratio=float("inf"))
     return SafeDownloader(
-        sample_writer_class=WebDatasetSampleWriter, resizer=resizer, thread_count=cfg.thread_count,
+        sample_writer_class=TarSampleWriter, resizer=resizer, thread_count=cfg.thread_count,
         save_caption=True, extract_exif=False, output_folder="/nonexistent",
         column_list=["uid", "caption", "url"], timeout=cfg.timeout,
         number_sample_per_shard=cfg.samples_per_shard, oom_shard_count=5, compute_hash="sha256",
