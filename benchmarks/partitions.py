@@ -64,10 +64,21 @@ def _traffic(entries: list, refused: int, bucket: str) -> dict:
     reads = [e for e in objects if e[1] in ("GET", "HEAD")]
     bucket_level = Counter(e[1] for e in entries if e[2].strip("/") == bucket)
     written, read = len({e[2] for e in writes}), len({e[2] for e in reads})
+    heads = sum(1 for e in reads if e[1] == "HEAD")
+    # a read is one GET (of a whole object or a byte range); what a read costs beyond it is HEADs.
+    # An object read by several stages (an ingest tar: dedup, clip_score, shard) is read each time:
+    # reads per object by folder say where
+    by_folder: dict[str, list] = {}
+    for e in reads:
+        if e[1] == "GET":
+            folder = e[2].split("/")[3] if e[2].count("/") > 3 else "(top)"
+            by_folder.setdefault(folder, []).append(e[2])
     return {"requests": len(entries) + refused, "object_writes": len(writes), "objects_written": written,
             "requests_per_object_written": round((len(writes) + refused) / written, 3) if written else None,
-            "object_reads": len(reads), "objects_read": read,
+            "object_reads": len(reads), "objects_read": read, "head_requests": heads,
             "requests_per_object_read": round(len(reads) / read, 3) if read else None,
+            "requests_per_read": round(len(reads) / (len(reads) - heads), 3) if len(reads) > heads else None,
+            "reads_per_object_by_folder": {f: [len(g), round(len(g) / len(set(g)), 2)] for f, g in sorted(by_folder.items())},
             "listings": bucket_level.get("GET", 0), "batched_deletes": bucket_level.get("POST", 0),
             "slowdowns_answered": refused}
 
@@ -226,9 +237,13 @@ def table(r: dict) -> str:
     for name, run in r["runs"].items():
         t = run["traffic"]
         lines.append(f"  {name}: {run['wall_seconds']} s; {t['requests_per_object_written']} requests per object written "
-                     f"(goal <= 1.5), {t['requests_per_object_read']} per object read (goal <= 2); "
+                     f"(goal <= 1.5), {t['requests_per_object_read']} per object read (goal <= 2), "
+                     f"{t.get('requests_per_read')} per read ({t.get('head_requests')} HEADs); "
                      f"{t['slowdowns_answered']} SlowDowns answered; every URL accounted for: {run['every_url_accounted_for']}; "
                      f"report {run['report_seconds']} s")
+        if t.get("reads_per_object_by_folder"):
+            lines.append("    reads (GETs, per distinct object) by folder: " + ", ".join(
+                f"{f} {n} ({per})" for f, (n, per) in t["reads_per_object_by_folder"].items()))
         if run.get("shuffle_requests"):
             sh = run["shuffle_requests"]
             lines.append(f"    shuffle requests per sample (goal <= 0.01): dedup {sh['dedup']['per_sample']} "

@@ -50,7 +50,7 @@ from infra.configtools import join, require
 from infra.errors import UserError
 from infra.hashing import hash_file as file_sha256
 
-from infra.shuffle import range_pieces, read_bucket, read_range, write_buckets, write_ranges
+from infra.shuffle import map_groups, range_pieces, read_bucket, read_range, write_buckets, write_ranges
 
 from .base import Decide, StageContext, StageResult
 from .dataplane import DROPPED, KEPT, PICTURE_COLUMNS, PartTask, by_location, hash_buckets, picture_batches, reused_or_run
@@ -419,10 +419,11 @@ def _pair_buckets(a: list[str], b: list[str], n: int) -> np.ndarray:
     return hash_buckets([f"{x}\0{y}" for x, y in zip(a, b)], n)
 
 
-def _sig_pieces(storage, file: str, n_buckets: int) -> list[pa.Table]:
-    """Ray task (the group shuffle's map): one partition's signature file, read once, cut into its
-    `n_buckets` range buckets for the group tasks (through the object store, not the bucket)."""
-    return range_pieces(storage.read_table(file), "h32", n_buckets)
+def _sig_pieces(storage, files: list[str], n_buckets: int) -> list[pa.Table]:
+    """Ray task (the group shuffle's map): a few partitions' signature files, each read once (in
+    parallel), cut into the `n_buckets` range buckets for the group tasks (through the object store,
+    not the bucket)."""
+    return range_pieces(pa.concat_tables(storage.read_tables(files)), "h32", n_buckets)
 
 
 def _group_reduce(storage, bucket: int, cfg: DedupConfig, n_pair_buckets: int, *pieces: pa.Table) -> dict:
@@ -489,6 +490,7 @@ def _group_rows(storage, bucket: int, cfg: DedupConfig, t: pa.Table, n_pair_buck
     return {"pairs": len(rows), "wanted": len(wanted), "largest_group": largest, "rows": t.num_rows}
 
 
+MAP_SIGNATURES = 2_000_000   # signature rows a group map task holds (~70 bytes each)
 FETCH_AT_ONCE = 32     # descriptor files a fetch task reads at once (each waits on the store's latency)
 
 
@@ -827,8 +829,11 @@ class DedupStage(Decide):
         # open the group tasks' files n_buckets / PAIR_FAN_IN times fewer
         n_pairs = max(1, math.ceil(n_buckets / PAIR_FAN_IN))
         # each partition's signatures read once and handed to the group tasks through Ray's object
-        # store: a group task opens no file (it opened every signature file, or merged copies of them)
-        found = ctx.shuffle(_sig_pieces, [(ctx.storage, f"{signed[u.part]}.sig.parquet", n_buckets) for u in upstream],
+        # store: a group task opens no file (it opened every signature file, or merged copies of them);
+        # a map task reads several partitions' files, up to MAP_SIGNATURES rows
+        files = [f"{signed[u.part]}.sig.parquet" for u in upstream]
+        maps = map_groups([u.kept * sigs_per_sample(plan) for u in upstream], MAP_SIGNATURES, int(ctx.cluster_cpus()))
+        found = ctx.shuffle(_sig_pieces, [(ctx.storage, [files[i] for i in g], n_buckets) for g in maps],
                             n_buckets, _group_reduce, [(ctx.storage, b, cfg, n_pairs) for b in range(n_buckets)],
                             "dedup group", num_cpus=cfg.cpus_per_worker)
         # only the files written (no empty ones): a reducer opens just those

@@ -68,3 +68,20 @@ def test_range_buckets_written_for_one_count_serve_another(tmp_path):
         assert counter["groups"] == most_groups
 
 
+
+
+def test_map_groups_gather_small_partitions_into_few_map_tasks_and_bound_each():
+    """2,000 partitions of 36 signature rows on 16 CPUs: 16 map tasks of consecutive partitions,
+    not 2,000; a budget smaller than that splits further; a partition above the budget stands
+    alone; every partition in exactly one group, in order."""
+    from infra.shuffle import map_groups
+
+    groups = map_groups([36] * 2000, 2_000_000, 16)
+    assert len(groups) == 16
+    assert [i for g in groups for i in g] == list(range(2000))
+    groups = map_groups([36] * 2000, 1000, 16)
+    assert all(36 * len(g) <= 1000 for g in groups) and len(groups) == -(-2000 // (1000 // 36))   # 27 a group
+    groups = map_groups([10, 5000, 10, 10], 100, 2)
+    assert groups == [[0], [1], [2, 3]]
+    assert map_groups([3, 3], 100, 16) == [[0], [1]]
+    assert map_groups([], 100, 16) == []
