@@ -426,10 +426,11 @@ def _sig_pieces(storage, files: list[str], n_buckets: int) -> list[pa.Table]:
     return range_pieces(pa.concat_tables(storage.read_tables(files)), "h32", n_buckets)
 
 
-def _group_reduce(storage, bucket: int, cfg: DedupConfig, n_pair_buckets: int, *pieces: pa.Table) -> dict:
+def _group_reduce(storage, bucket: int, cfg: DedupConfig, n_pair_buckets: int, n_fetch: int,
+                  *pieces: pa.Table) -> dict:
     """Ray task (the group shuffle's reduce): one signature bucket's pieces from every partition."""
     return _group_rows(storage, bucket, cfg, pa.concat_tables(pieces) if pieces else SIG_SCHEMA.empty_table(),
-                       n_pair_buckets)
+                       n_pair_buckets, n_fetch)
 
 
 def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str], n_buckets: int, n_pair_buckets: int) -> dict:
@@ -439,7 +440,8 @@ def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str], n_buck
                        n_pair_buckets)
 
 
-def _group_rows(storage, bucket: int, cfg: DedupConfig, t: pa.Table, n_pair_buckets: int) -> dict:
+def _group_rows(storage, bucket: int, cfg: DedupConfig, t: pa.Table, n_pair_buckets: int,
+                n_fetch: int | None = None) -> dict:
     """One signature bucket -> its pairs (a < b, with their partitions and kind), written to one file
     bucketed by pair (infra/shuffle.py); -> counts. Equal exact signatures pair every member with the
     group's smallest key; equal band values pair the members whose codes are within the Hamming
@@ -485,12 +487,13 @@ def _group_rows(storage, bucket: int, cfg: DedupConfig, t: pa.Table, n_pair_buck
     if wanted:
         write_buckets(storage, f"{WANTED_DIR}/{bucket:06d}.parquet", pa.table({
             "key": [w[0] for w in wanted], "part": [w[1] for w in wanted], "pair_bucket": pa.array([w[2] for w in wanted], pa.int32()),
-            "fetch_bucket": pa.array(hash_buckets([w[1] for w in wanted], n_pair_buckets))},
+            "fetch_bucket": pa.array(hash_buckets([w[1] for w in wanted], n_fetch or n_pair_buckets))},
             schema=WANTED_SCHEMA), "fetch_bucket")
     return {"pairs": len(rows), "wanted": len(wanted), "largest_group": largest, "rows": t.num_rows}
 
 
 MAP_SIGNATURES = 2_000_000   # signature rows a group map task holds (~70 bytes each)
+FETCH_PARTS = 128      # partitions whose descriptors one fetch task reads, at most, where CPUs allow
 FETCH_AT_ONCE = 32     # descriptor files a fetch task reads at once (each waits on the store's latency)
 
 
@@ -828,19 +831,22 @@ class DedupStage(Decide):
         # pairs are few next to signatures: fewer pair buckets, so the fetch and verify tasks each
         # open the group tasks' files n_buckets / PAIR_FAN_IN times fewer
         n_pairs = max(1, math.ceil(n_buckets / PAIR_FAN_IN))
+        # the near candidates' descriptors are fetched by partition: a task per FETCH_PARTS
+        # partitions at least (one task reading 2,000 partitions' files took 11 s of an append)
+        n_fetch = max(n_pairs, min(int(ctx.cluster_cpus()), math.ceil(len(upstream) / FETCH_PARTS)))
         # each partition's signatures read once and handed to the group tasks through Ray's object
         # store: a group task opens no file (it opened every signature file, or merged copies of them);
         # a map task reads several partitions' files, up to MAP_SIGNATURES rows
         files = [f"{signed[u.part]}.sig.parquet" for u in upstream]
         maps = map_groups([u.kept * sigs_per_sample(plan) for u in upstream], MAP_SIGNATURES, int(ctx.cluster_cpus()))
         found = ctx.shuffle(_sig_pieces, [(ctx.storage, [files[i] for i in g], n_buckets) for g in maps],
-                            n_buckets, _group_reduce, [(ctx.storage, b, cfg, n_pairs) for b in range(n_buckets)],
+                            n_buckets, _group_reduce, [(ctx.storage, b, cfg, n_pairs, n_fetch) for b in range(n_buckets)],
                             "dedup group", num_cpus=cfg.cpus_per_worker)
         # only the files written (no empty ones): a reducer opens just those
         pair_files = [f"{PAIR_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f["pairs"]]
         wanted_files = [f"{WANTED_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f["wanted"]]
         desc = {p: f"{o}.desc.parquet" for p, o in outs.items()}
-        fetched = ctx.run(_fetch_task, [(ctx.storage, b, wanted_files, desc) for b in range(n_pairs)] if wanted_files
+        fetched = ctx.run(_fetch_task, [(ctx.storage, b, wanted_files, desc) for b in range(n_fetch)] if wanted_files
                           else [], "dedup fetch descriptors", num_cpus=cfg.cpus_per_worker, unit="buckets")
         vec_files = [f"{VEC_DIR}/{b:06d}.parquet" for b, f in enumerate(fetched) if f["descriptors"]]
         checked = ctx.run(_verify_task, [(ctx.storage, b, pair_files, vec_files, cfg.within_threshold)
