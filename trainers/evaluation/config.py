@@ -5,8 +5,8 @@ Paths are absolute or relative to the run folder (the demo's held-out split is
 `source/eval/...`, written by the source stage as ordinary files of these kinds).
 
     eval:
-      fewshot:      [{name, kind: builtin|folder|parquet, path, image_col, label_col}]
-      captioning:   [{name, kind: coco|webdataset, path, images}]
+      fewshot:      [{name, kind: builtin|folder|parquet, path, image_col, label_col, split_col, limit}]
+      captioning:   [{name, kind: coco|karpathy|webdataset, path, images, split, limit}]
       zeroshot:     [{name, kind: builtin|folder|parquet, path, label_col, templates}]
       wordorder:    [{name, kind: pairs|aro, path | from}]
       shots: [1, 5, 10, 25]
@@ -33,7 +33,11 @@ class ClassificationSet:
     path: str = ""                 # builtin: digits | fashion_mnist; folder: class subfolders; parquet file
     image_col: str = "image"       # parquet: image bytes, or a path relative to the file
     label_col: str = "label"
-    limit: int | None = 2000       # at most this many images (the first ones)
+    # the official split: parquet, a column of "train"/"test"; folder, train/ and test/ subfolders
+    # (found by themselves); builtin fashion_mnist, its train and t10k files. Shots are drawn from
+    # train and scored on test; a set without one holds out eval.holdout of each class
+    split_col: str = ""
+    limit: int | None = None       # null: the whole set; n: n images of each split, every class kept (seeded)
     templates: list[str] = field(default_factory=lambda: ["a photo of a {}."])   # zero-shot only
 
     def validate(self, prefix: str) -> None:
@@ -45,22 +49,29 @@ class ClassificationSet:
             require(bool(self.path), join(prefix, "path"), f"kind {self.kind} needs a path")
         require(bool(self.templates) and all("{}" in t for t in self.templates), join(prefix, "templates"),
                 "each template needs a {} for the class name, e.g. 'a photo of a {}.'")
-        require(self.limit is None or self.limit >= 2, join(prefix, "limit"), "must be >= 2 or null")
+        require(self.limit is None or self.limit >= 2, join(prefix, "limit"), "must be >= 2 or null (the whole set)")
+        require(not self.split_col or self.kind == "parquet", join(prefix, "split_col"),
+                "only a parquet set names its split column; a folder set has train/ and test/ subfolders")
 
 
 @dataclass
 class CaptionSet:
+    """`coco`: a COCO captions JSON and its image folder; `karpathy`: a Karpathy-style JSON
+    (dataset_coco.json: images with filepath, filename, split, sentences[].raw), the images of
+    `split` only; `webdataset`: .tar shards with .txt captions."""
     name: str = ""
-    kind: Literal["coco", "webdataset"] = "coco"
-    path: str = ""                 # coco: the captions JSON; webdataset: a .tar, a folder of them or a glob
-    images: str = ""               # coco: the folder the JSON's file_name values are relative to
-    limit: int | None = 500
+    kind: Literal["coco", "karpathy", "webdataset"] = "coco"
+    path: str = ""                 # the captions JSON; webdataset: a .tar, a folder of them or a glob
+    images: str = ""               # coco, karpathy: the folder the JSON's image names are relative to
+    split: str = "test"            # karpathy: the split scored (train, restval, val, test)
+    limit: int | None = None       # null: the whole set; n: its first n images
 
     def validate(self, prefix: str) -> None:
         require(bool(self.name), join(prefix, "name"), "every evaluation set needs a name")
         require(bool(self.path), join(prefix, "path"), f"kind {self.kind} needs a path")
-        require(self.kind != "coco" or bool(self.images), join(prefix, "images"),
-                "a coco captions file needs the folder of its images (images: ...)")
+        require(self.kind == "webdataset" or bool(self.images), join(prefix, "images"),
+                f"a {self.kind} captions file needs the folder of its images (images: ...)")
+        require(self.limit is None or self.limit >= 1, join(prefix, "limit"), "must be >= 1 or null (the whole set)")
 
 
 @dataclass
@@ -123,7 +134,7 @@ class EvalConfig:
     lit_decoder: Budget = field(default_factory=Budget)
     lit: Budget = field(default_factory=lambda: Budget(steps=300, batch_size=64))
     map_probe: MapProbe = field(default_factory=MapProbe)
-    holdout: float = 0.5           # share of each few-shot set's classes held out as its test split
+    holdout: float = 0.5           # share of each class held out as the test split of a set without an official one
 
     def validate(self, prefix: str) -> None:
         require(0 < self.holdout < 1, join(prefix, "holdout"), f"a share between 0 and 1, got {self.holdout}")

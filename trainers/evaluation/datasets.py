@@ -13,7 +13,9 @@ import gzip
 import json
 import random
 import stat
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from PIL import Image
@@ -81,43 +83,111 @@ def digits() -> tuple[np.ndarray, np.ndarray]:
     return (d.images * (255 / 16)).astype(np.uint8), d.target
 
 
-def fashion_mnist_labels() -> np.ndarray:
-    with gzip.open(FASHION_MNIST.with_name("t10k-labels-idx1-ubyte.gz")) as f:
-        return np.frombuffer(f.read(), np.uint8, offset=8).astype(np.int64)
-
-
-def fashion_mnist_images() -> np.ndarray:
-    with gzip.open(FASHION_MNIST) as f:
+def _idx(path: Path) -> np.ndarray:
+    """An IDX file (MNIST's format): its array."""
+    with gzip.open(path) as f:
         raw = f.read()
-    n, rows, cols = (int.from_bytes(raw[i:i + 4], "big") for i in (4, 8, 12))
-    return np.frombuffer(raw, np.uint8, offset=16).reshape(n, rows, cols)
+    dims = raw[3]
+    shape = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(dims))
+    return np.frombuffer(raw, np.uint8, offset=4 + 4 * dims).reshape(shape)
 
 
-def load_classification(s: ClassificationSet, run_dir: Path) -> tuple[list[Image.Image], list[str]]:
-    """-> (images, class names per image)."""
-    limit = s.limit or None
+def fashion_mnist_labels(split: str = "t10k") -> np.ndarray:
+    return _idx(FASHION_MNIST.with_name(f"{split}-labels-idx1-ubyte.gz")).astype(np.int64)
+
+
+def fashion_mnist_images(split: str = "t10k") -> np.ndarray:
+    return _idx(FASHION_MNIST.with_name(f"{split}-images-idx3-ubyte.gz"))
+
+
+@dataclass
+class LabelledSet:
+    """A classification set with its images read on demand (`image(i)`: a probe draws its shots
+    from a 60,000-image train split without decoding it). `split[i]`: "train" or "test" where the
+    set has an official split, else None (eval.holdout of each class is held out). `selected`: the
+    indices within `limit` (every index when there is none)."""
+    name: str
+    labels: list[str]
+    split: list[str] | None
+    read: Callable[[int], Image.Image]
+    limit: int | None = None
+    selected: list[int] = field(default_factory=list)
+
+    def image(self, i: int) -> Image.Image:
+        return self.read(i)
+
+    def describe(self) -> dict:
+        """What the result JSON records of the set: its size per split, what the limit kept."""
+        def per_split(idx):
+            out: dict[str, int] = {}
+            for i in idx:
+                key = self.split[i] if self.split else "all"
+                out[key] = out.get(key, 0) + 1
+            return dict(sorted(out.items()))
+        return {"split": "official" if self.split else "held out (eval.holdout of each class)",
+                "images": per_split(self.selected), "of": per_split(range(len(self.labels))), "limit": self.limit,
+                "classes": len(set(self.labels))}
+
+
+def _within_limit(labels: list[str], split: list[str] | None, limit: int | None) -> list[int]:
+    """At most `limit` indices of each split, every class kept: a seeded shuffle, then classes taken
+    in turn (the n-th image of every class before any class's n+1-th)."""
+    if not limit:
+        return list(range(len(labels)))
+    groups: dict[str, list[int]] = {}
+    for i in range(len(labels)):
+        groups.setdefault(split[i] if split else "all", []).append(i)
+    kept = []
+    for name, idx in sorted(groups.items()):
+        rng = random.Random(f"{name}:0")
+        rng.shuffle(idx)
+        rank, seen = {}, {}
+        for i in idx:
+            rank[i] = seen.get(labels[i], 0)
+            seen[labels[i]] = rank[i] + 1
+        kept += sorted(idx, key=lambda i: (rank[i], labels[i]))[:limit]
+    return sorted(kept)
+
+
+def labelled_set(s: ClassificationSet, run_dir: Path) -> LabelledSet:
+    """A classification set's labels and official split, its images readable one by one."""
+    def done(labels, split, read) -> LabelledSet:
+        labels = [str(x) for x in labels]
+        if not labels:
+            raise UserError(f"evaluation set {s.name}: no labelled images")
+        return LabelledSet(s.name, labels, split, read, s.limit, _within_limit(labels, split, s.limit))
+
     if s.kind == "builtin" and s.path == "digits":
-        images, target = digits()
-        return [Image.fromarray(im).convert("RGB") for im in images[:limit]], [str(int(t)) for t in target[:limit]]
-    if s.kind == "builtin":   # fashion_mnist
+        images, target = digits()     # no official split: 1,797 images
+        return done([int(t) for t in target], None, lambda i: Image.fromarray(images[i]).convert("RGB"))
+    if s.kind == "builtin":   # fashion_mnist: its official train (60,000) and test (t10k, 10,000) files
         if not FASHION_MNIST.is_file():
             raise UserError(f"evaluation set {s.name}: {FASHION_MNIST} not found; install the Debian package "
                             "dataset-fashion-mnist (make install does where apt is available)")
-        imgs = [Image.fromarray(a).convert("RGB") for a in fashion_mnist_images()[:limit]]
-        return imgs, [FASHION_CLASSES[int(t)] for t in fashion_mnist_labels()[:limit]]
+        parts = [p for p in ("train", "t10k") if FASHION_MNIST.with_name(f"{p}-images-idx3-ubyte.gz").is_file()]
+        arrays = [fashion_mnist_images(p) for p in parts]
+        labels = [FASHION_CLASSES[int(t)] for p in parts for t in fashion_mnist_labels(p)]
+        split = [("test" if p == "t10k" else "train") for p, a in zip(parts, arrays) for _ in range(len(a))]
+        offsets = np.cumsum([0] + [len(a) for a in arrays])
+
+        def read(i):
+            k = int(np.searchsorted(offsets, i, side="right")) - 1
+            return Image.fromarray(arrays[k][i - offsets[k]]).convert("RGB")
+        return done(labels, split if len(parts) == 2 else None, read)
     path = resolve(s.path, run_dir)
     if s.kind == "folder":
         if not path.is_dir():
             raise UserError(f"evaluation set {s.name}: {path} is not a folder of class subfolders")
-        files = [(c.name, f) for c in sorted(p for p in path.iterdir() if p.is_dir() and not p.is_symlink())
+        official = (path / "train").is_dir() and (path / "test").is_dir()
+        roots = [("train", path / "train"), ("test", path / "test")] if official else [(None, path)]
+        files = [(part, c.name, f) for part, root in roots
+                 for c in sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink())
                  for f in sorted(c.iterdir()) if f.suffix.lower() in IMAGE_SUFFIXES]
-        if limit:   # every class, not the first classes only
-            rng = random.Random(0)
-            rng.shuffle(files)
-            files = sorted(files[:limit], key=lambda x: (x[0], x[1].name))
         if not files:
-            raise UserError(f"evaluation set {s.name}: no images in class subfolders of {path}")
-        return [_open(read_regular(f, s.name), str(f)) for _, f in files], [c for c, _ in files]
+            raise UserError(f"evaluation set {s.name}: no images in class subfolders of {path}"
+                            + (" (train/ and test/)" if official else ""))
+        return done([c for _, c, _ in files], [p for p, _, _ in files] if official else None,
+                    lambda i: _open(read_regular(files[i][2], s.name), str(files[i][2])))
     import pyarrow.parquet as pq
 
     if not path.is_file():
@@ -127,18 +197,32 @@ def load_classification(s: ClassificationSet, run_dir: Path) -> tuple[list[Image
     check_parquet(path, f"evaluation set {s.name}", "an evaluation set's values may decode to at most 100 times its "
                   "file's size (infra/bombs.py)")
     t = pq.read_table(path)
-    for col in (s.image_col, s.label_col):
-        if col not in t.column_names:
+    for col in (s.image_col, s.label_col, s.split_col):
+        if col and col not in t.column_names:
             raise UserError(f"evaluation set {s.name}: {path} has no column {col!r} (columns: {', '.join(t.column_names)})")
-    cells, labels = t.column(s.image_col).to_pylist()[:limit], t.column(s.label_col).to_pylist()[:limit]
-    imgs = []
-    for i, cell in enumerate(cells):
+    split = None
+    if s.split_col:
+        split = [str(x).strip().lower() for x in t.column(s.split_col).to_pylist()]
+        odd = sorted(set(split) - {"train", "test"})
+        if odd or "train" not in split or "test" not in split:
+            raise UserError(f"evaluation set {s.name}: split_col {s.split_col!r} must hold train and test rows"
+                            + (f"; it also holds {', '.join(odd[:5])}" if odd else ""))
+    cells = t.column(s.image_col).to_pylist()
+
+    def read(i):
+        cell = cells[i]
         if isinstance(cell, dict):   # HF-style {"bytes": ..., "path": ...}
             cell = cell.get("bytes")
         if isinstance(cell, str):    # a path relative to the Parquet file
             cell = read_regular(inside(path.parent, cell, f"evaluation set {s.name}, row {i}"), s.name)
-        imgs.append(_open(cell, f"evaluation set {s.name}, row {i}"))
-    return imgs, [str(x) for x in labels]
+        return _open(cell, f"evaluation set {s.name}, row {i}")
+    return done(t.column(s.label_col).to_pylist(), split, read)
+
+
+def load_classification(s: ClassificationSet, run_dir: Path) -> tuple[list[Image.Image], list[str]]:
+    """-> (images, class names per image) of the set within its limit, every split."""
+    data = labelled_set(s, run_dir)
+    return [data.image(i) for i in data.selected], [data.labels[i] for i in data.selected]
 
 
 def load_captions(s: CaptionSet, run_dir: Path) -> list[tuple[str, Image.Image, list[str]]]:
@@ -158,11 +242,28 @@ def load_captions(s: CaptionSet, run_dir: Path) -> list[tuple[str, Image.Image, 
             raise UserError(f"captioning set {s.name}: {path} is not a COCO captions file "
                             f"(images with id and file_name, annotations with image_id and caption): {err}") from None
         root = resolve(s.images, run_dir)
-        for image_id in list(files)[: s.limit or None]:
-            if image_id not in refs:
-                continue
+        for image_id in [i for i in files if i in refs][: s.limit or None]:
             f = inside(root, files[image_id], f"captioning set {s.name}, image {image_id}")
             out.append((str(image_id), _open(read_regular(f, s.name), str(f)), refs[image_id]))
+    elif s.kind == "karpathy":
+        if not path.is_file():
+            raise UserError(f"captioning set {s.name}: {path} does not exist")
+        try:
+            doc = json.loads(path.read_text())
+            rows = [(str(im.get("cocoid", im.get("imgid", n))), str(Path(im.get("filepath", "")) / im["filename"]),
+                     [x["raw"] for x in im["sentences"]], im["split"]) for n, im in enumerate(doc["images"])]
+        except (ValueError, KeyError, TypeError) as err:
+            raise UserError(f"captioning set {s.name}: {path} is not a Karpathy-style captions file (images with "
+                            f"filename, split and sentences[].raw, as dataset_coco.json): {err}") from None
+        chosen = [r for r in rows if r[3] == s.split]
+        if not chosen:
+            have = sorted({r[3] for r in rows})
+            raise UserError(f"captioning set {s.name}: no images of split {s.split!r} in {path} (it has "
+                            f"{', '.join(have) or 'none'}); set eval.captioning split")
+        root = resolve(s.images, run_dir)
+        for image_id, name, refs_, _ in chosen[: s.limit or None]:
+            f = inside(root, name, f"captioning set {s.name}, image {image_id}")
+            out.append((image_id, _open(read_regular(f, s.name), str(f)), refs_))
     else:
         from infra.tars import tar_samples
 

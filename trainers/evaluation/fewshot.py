@@ -2,9 +2,9 @@
 few-shot set's own mean and std, a constant bias feature, targets 2*onehot-1, closed-form ridge
 regression (lambda 2**10), accuracy of the argmax. Shots per class, several seeds, mean and spread.
 
-The test images are a held-out split: a fixed share of each class (`holdout_split`, the same for
-every seed and shot count), never among the images the shots are drawn from, as the paper evaluates
-on a test split its few-shot examples never come from.
+Shots are drawn from a set's official train split and scored on its test split, as big_vision
+does; a set without one holds out a fixed share of each class (`holdout_split`, the same for every
+seed and shot count), never among the images the shots are drawn from.
 """
 from __future__ import annotations
 
@@ -48,10 +48,15 @@ def holdout_split(labels: np.ndarray, share: float) -> tuple[np.ndarray, np.ndar
     return np.setdiff1d(np.arange(len(labels)), test), test
 
 
+def fewest_in(labels: np.ndarray, pool: np.ndarray) -> int:
+    """The fewest images of any class in `pool` (the train split, or what the holdout leaves): the
+    most shots (plus validation) a set can serve. A class absent from the pool counts 0."""
+    return min(int((labels[pool] == c).sum()) for c in np.unique(labels))
+
+
 def pool_sizes(labels: np.ndarray, share: float) -> int:
-    """The fewest pool images of any class: the most shots (plus validation) a set can serve."""
-    pool, _ = holdout_split(labels, share)
-    return min(int((labels[pool] == c).sum()) for c in np.unique(labels))     # a class all held out counts 0
+    """`fewest_in` the pool `holdout_split` leaves."""
+    return fewest_in(labels, holdout_split(labels, share)[0])
 
 
 def few_shot_split(labels: np.ndarray, shots: int, seed: int, pool: np.ndarray | None = None,
@@ -72,11 +77,14 @@ def few_shot_split(labels: np.ndarray, shots: int, seed: int, pool: np.ndarray |
 
 
 def probe(features: np.ndarray, labels: np.ndarray, shots=(1, 5, 10, 25), seeds=(0, 1, 2),
-          lam: float = 2.0 ** 10, holdout: float = 0.5) -> dict:
-    """-> {shots: {"mean": acc, "std": acc, "runs": [...]}} for each shot count, on the held-out split."""
+          lam: float = 2.0 ** 10, holdout: float = 0.5, pool: np.ndarray | None = None,
+          test: np.ndarray | None = None) -> dict:
+    """-> {shots: {"mean": acc, "std": acc, "runs": [...]}} for each shot count, on the test split:
+    `pool` and `test` (an official split's train and test indices) or the held-out split."""
     classes = {c: i for i, c in enumerate(sorted(set(labels.tolist())))}
     y = np.array([classes[c] for c in labels.tolist()])
-    pool, test = holdout_split(y, holdout)
+    if pool is None or test is None:
+        pool, test = holdout_split(y, holdout)
     out = {}
     for k in shots:
         accs = []

@@ -107,53 +107,80 @@ def _shards(run_dir: Path) -> list[Path]:
     return sorted((Path(run_dir) / "shard" / "shards").glob("*.tar"))
 
 
-def _fewshot(model, cfg, sets, ec: EvalConfig, shots, strict, results, run_dir: Path) -> None:
-    """sets: the eval.fewshot entries, loaded one at a time (a set's images are dropped before the next)."""
-    from .datasets import load_classification
-    from .fewshot import few_shot_split, holdout_split, pool_sizes, probe
+def _fewshot(model, cfg, sets, ec: EvalConfig, shots, strict, results, run_dir: Path, log=print) -> None:
+    """sets: the eval.fewshot entries, loaded one at a time (a set's images are dropped before the next).
+    Shots are drawn from the set's official train split and scored on its test split (or, without
+    one, from and on the two sides of eval.holdout); only the images drawn and tested are read."""
+    from .datasets import labelled_set
+    from .fewshot import few_shot_split, fewest_in, holdout_split, probe
     from .lit import features_from_tokens, map_probe
 
     fs, maps = {}, {}
     for s in sets:
-        images, labels = load_classification(s, run_dir)
-        labels = np.array(labels)
+        data = labelled_set(s, run_dir)
+        sel = np.array(data.selected)
+        labels = np.array(data.labels)[sel]
         values = np.unique(labels)
-        fewest = pool_sizes(labels, ec.holdout)      # per class, outside the held-out test split
+        classes = {c: i for i, c in enumerate(values.tolist())}
+        y = np.array([classes[c] for c in labels.tolist()])
+        if data.split:
+            split = np.array(data.split)[sel]
+            pool, test = np.flatnonzero(split == "train"), np.flatnonzero(split == "test")
+            where = "in its train split"
+        else:
+            pool, test = holdout_split(y, ec.holdout)
+            where = f"outside the held-out test split ({ec.holdout:.0%} of each class, eval.holdout)"
+        fewest = fewest_in(y, pool)
+        results["sets"][s.name] = {**data.describe(), "test_images": int(len(test))}
+        log(f"eval: {s.name}: {_said(results['sets'][s.name])}")
         fitting = tuple(k for k in shots if k <= fewest)
         if fitting != tuple(shots):
             if strict:
-                raise UserError(f"few-shot on {s.name}: a class has only {fewest} examples outside the held-out "
-                                f"test split ({ec.holdout:.0%} of each class, eval.holdout), too few for "
+                raise UserError(f"few-shot on {s.name}: a class has only {fewest} examples {where}, too few for "
                                 f"{max(shots)}-shot; ask fewer --shots or a larger set")
             results["skipped"].append(f"few-shot on {s.name}: {sorted(set(shots) - set(fitting))}-shot left out, "
-                                      f"a class has only {fewest} examples outside the test split")
-        x = _prep(images, cfg.image_size, crop=True)
+                                      f"a class has only {fewest} examples {where}")
         k = ec.map_probe.shots
         map_probe_runs = bool(ec.map_probe.steps) and k + 1 <= fewest   # at least one validation image per class
+        draws = [few_shot_split(y, n, seed, pool) for n in fitting for seed in range(ec.seeds)]
+        map_draws = []
+        for seed in range(ec.seeds if map_probe_runs else 0):
+            tr, rest = few_shot_split(y, k, seed, pool, extra=1)
+            map_draws.append((tr, np.concatenate([rest[y[rest] == c][:k] for c in range(len(values))])))
+        # the images any probe reads: the test split and every draw's shots (and validation)
+        needed = np.unique(np.concatenate([test, *(tr for tr, _ in draws), *(a for d in map_draws for a in d)]))
+        row = np.full(len(y), -1)
+        row[needed] = np.arange(len(needed))
+        x = _prep([data.image(int(sel[i])) for i in needed], cfg.image_size, crop=True)
         tokens = _tokens(model, x) if map_probe_runs else None     # the encoder runs once for both probes
         if fitting:
             feats = (_batched(lambda t: features_from_tokens(model, t), tokens, device=_dev(model)).numpy()
                      if tokens is not None else _features(model, x))
-            fs[s.name] = probe(feats, labels, shots=fitting, seeds=tuple(range(ec.seeds)), holdout=ec.holdout)
+            full = np.zeros((len(y), feats.shape[1]), feats.dtype)   # rows no probe reads stay zero
+            full[needed] = feats
+            fs[s.name] = probe(full, labels, shots=fitting, seeds=tuple(range(ec.seeds)), holdout=ec.holdout,
+                               pool=pool, test=test)
         if map_probe_runs:
-            classes = {c: i for i, c in enumerate(values.tolist())}
-            y = np.array([classes[c] for c in labels.tolist()])
-            pool, test = holdout_split(y, ec.holdout)
             mp = ec.map_probe
             lrs = [mp.lr / 3, mp.lr, mp.lr * 3] if mp.sweep else [mp.lr]
             runs = []
-            for seed in range(ec.seeds):
-                tr, rest = few_shot_split(y, k, seed, pool, extra=1)
-                val = np.concatenate([rest[y[rest] == c][:k] for c in range(len(values))])
-                runs.append(map_probe((tokens[tr], y[tr]), (tokens[val], y[val]), (tokens[test], y[test]), cfg,
-                                      mp.steps, lrs, seed))
+            for seed, (tr, val) in enumerate(map_draws):
+                runs.append(map_probe((tokens[row[tr]], y[tr]), (tokens[row[val]], y[val]),
+                                      (tokens[row[test]], y[test]), cfg, mp.steps, lrs, seed))
             accs = [r["accuracy"] for r in runs]
             maps[s.name] = {str(k): {"mean": float(np.mean(accs)), "std": float(np.std(accs)), "runs": accs,
                                      "chosen": [{"lr": r["lr"], "steps": r["steps"]} for r in runs]}}
         elif ec.map_probe.steps:
-            results["skipped"].append(f"MAP-head probe on {s.name}: a class has only {fewest} examples outside the "
-                                      f"test split for {k}-shot and validation")
+            results["skipped"].append(f"MAP-head probe on {s.name}: a class has only {fewest} examples {where} "
+                                      f"for {k}-shot and validation")
     results["fewshot"], results["fewshot_map"] = fs, maps
+
+
+def _said(d: dict) -> str:
+    """A set's description (LabelledSet.describe) in words, for the log."""
+    sizes = ", ".join(f"{k} {v}" + (f" of {d['of'][k]}" if d["of"].get(k, v) != v else "") for k, v in d["images"].items())
+    return (f"{sizes} images ({d['split']} split), {d['classes']} classes"
+            + (f"; limit {d['limit']} per split (eval set's limit)" if d["limit"] else "; the whole set"))
 
 
 def _decode_scores(model, cfg, sp, x, ids, refs) -> dict:
@@ -180,7 +207,7 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
 
     from trainers.models.checkpoint import load_model
 
-    from .datasets import load_captions, load_classification, load_wordorder
+    from .datasets import labelled_set, load_captions, load_wordorder
     from .wordorder import word_order_eval
 
     unknown = [t for t in tasks if t not in TASKS]
@@ -199,7 +226,7 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
     sp = open_tokenizer(cfg.hf_lm or tok)     # ClipCap on a Hugging Face LM speaks that LM's tokens
     family = spec(cfg.family)
     writes, captioner = family.writes, family.captioner
-    results: dict = {"model": cfg.family, "size": cfg.size, "checkpoint": str(model_dir), "skipped": []}
+    results: dict = {"model": cfg.family, "size": cfg.size, "checkpoint": str(model_dir), "skipped": [], "sets": {}}
     skip = results["skipped"].append
     timings = {}
     shards = _shards(run_dir)
@@ -209,10 +236,16 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
     captions = {}
     if "captioning" in tasks or "wordorder" in tasks:
         captions = {s.name: load_captions(s, run_dir) for s in ec.captioning}
+        for s in ec.captioning:
+            results["sets"][s.name] = {"images": len(captions[s.name]), "limit": s.limit,
+                                       **({"split": s.split} if s.kind == "karpathy" else {})}
+            log(f"eval: {s.name}: {len(captions[s.name])} captioned images"
+                + (f" of split {s.split}" if s.kind == "karpathy" else "")
+                + (f"; limit {s.limit} (eval set's limit)" if s.limit else "; the whole set"))
     if "fewshot" in tasks and ec.fewshot:
         t0 = time.perf_counter()
         log(f"eval: few-shot probes on {', '.join(s.name for s in ec.fewshot)} ({', '.join(map(str, shots))} shots)")
-        _fewshot(model, cfg, ec.fewshot, ec, shots, strict, results, run_dir)
+        _fewshot(model, cfg, ec.fewshot, ec, shots, strict, results, run_dir, log)
         timings["fewshot"] = time.perf_counter() - t0
         log(f"eval: few-shot probes done ({timings['fewshot']:.0f}s)")
     lit_decoder = None
@@ -262,9 +295,14 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
             skip(f"zero-shot: {cfg.family}'s prefix LM scores are not a zero-shot classifier here")
         zs = {}
         for s in ec.zeroshot:
-            images, labels = load_classification(s, run_dir)
-            x = _prep(images, cfg.image_size, crop=True)
-            classes = sorted(set(labels))
+            data = labelled_set(s, run_dir)
+            # scored on the test split where the set has one, else on every image within its limit
+            idx = [i for i in data.selected if not data.split or data.split[i] == "test"]
+            results["sets"][s.name] = {**data.describe(), "test_images": len(idx)}
+            log(f"eval: {s.name}: {_said(results['sets'][s.name])}")
+            x = _prep([data.image(i) for i in idx], cfg.image_size, crop=True)
+            labels = [data.labels[i] for i in idx]
+            classes = sorted(set(data.labels))
             prompts = [t.format(c) for c in classes for t in s.templates]
             per = len(s.templates)
             truth = np.array([classes.index(c) for c in labels])

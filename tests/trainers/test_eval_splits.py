@@ -1,0 +1,142 @@
+"""#36: evaluation sets whole by default, a limit explicit and recorded, official splits read from
+every format (train/test folders, a split column, fashion-MNIST's files, a Karpathy-style JSON),
+few-shot shots drawn from train and scored on test, only the images a probe uses read."""
+import io
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from infra.errors import UserError
+from trainers.evaluation.config import CaptionSet, ClassificationSet
+from trainers.evaluation.datasets import labelled_set, load_captions
+
+
+def _png(value: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (value, value, value)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _folder(root, split, classes=("cat", "dog", "owl"), per=4):
+    for c in classes:
+        (root / split / c).mkdir(parents=True)
+        for i in range(per):
+            (root / split / c / f"{i}.png").write_bytes(_png(10 * i))
+
+
+def test_a_folder_with_train_and_test_is_read_as_its_official_split(tmp_path):
+    _folder(tmp_path, "train", per=6)
+    _folder(tmp_path, "test", per=3)
+    data = labelled_set(ClassificationSet(name="f", kind="folder", path=str(tmp_path)), tmp_path)
+    assert data.split.count("train") == 18 and data.split.count("test") == 9
+    assert data.selected == list(range(27))
+    d = data.describe()
+    assert d == {"split": "official", "images": {"test": 9, "train": 18}, "of": {"test": 9, "train": 18},
+                 "limit": None, "classes": 3}
+    # without train/ and test/: one pool, held out by eval.holdout
+    flat = tmp_path / "flat"
+    _folder(flat, "x")
+    data = labelled_set(ClassificationSet(name="g", kind="folder", path=str(flat / "x")), tmp_path)
+    assert data.split is None and data.describe()["split"].startswith("held out")
+
+
+def test_a_limit_keeps_every_class_in_each_split_and_is_recorded(tmp_path):
+    labels = ["a"] * 50 + ["b"] * 5 + ["c"] * 45 + ["a"] * 20 + ["b"] * 20
+    split = ["train"] * 100 + ["test"] * 40
+    pq.write_table(pa.table({"image": [_png(i % 200) for i in range(140)], "label": labels, "part": split}),
+                   tmp_path / "s.parquet")
+    s = ClassificationSet(name="p", kind="parquet", path=str(tmp_path / "s.parquet"), split_col="part", limit=12)
+    data = labelled_set(s, tmp_path)
+    kept = data.selected
+    assert sum(split[i] == "train" for i in kept) == 12 and sum(split[i] == "test" for i in kept) == 12
+    train_classes = sorted(labels[i] for i in kept if split[i] == "train")
+    assert train_classes == ["a"] * 4 + ["b"] * 4 + ["c"] * 4          # classes in turn, not the first rows
+    assert data.describe()["images"] == {"test": 12, "train": 12} and data.describe()["of"] == {"test": 40, "train": 100}
+    assert data.describe()["limit"] == 12
+    assert labelled_set(s, tmp_path).selected == kept                   # seeded: the same every time
+    with pytest.raises(UserError, match="split_col 'label' must hold train and test rows"):
+        labelled_set(ClassificationSet(name="p", kind="parquet", path=str(tmp_path / "s.parquet"), split_col="label"),
+                     tmp_path)
+
+
+def test_fashion_mnist_is_its_official_60000_train_and_10000_test_and_reads_images_on_demand():
+    s = ClassificationSet(name="fm", kind="builtin", path="fashion_mnist")
+    data = labelled_set(s, None)
+    assert data.split.count("train") == 60000 and data.split.count("test") == 10000
+    assert data.describe()["limit"] is None and len(data.selected) == 70000
+    first_test = data.split.index("test")
+    img = data.image(first_test)
+    from trainers.evaluation.datasets import fashion_mnist_images
+
+    assert np.array_equal(np.asarray(img)[:, :, 0], fashion_mnist_images("t10k")[0])
+
+
+def test_a_karpathy_json_gives_the_named_split_and_says_which_splits_it_has(tmp_path):
+    (tmp_path / "val2014").mkdir()
+    images = []
+    for n, split in enumerate(["train", "test", "val", "test", "restval"]):
+        name = f"COCO_val2014_{n:012d}.jpg"
+        Image.new("RGB", (8, 8), (n * 40, 0, 0)).save(tmp_path / "val2014" / name, "JPEG")
+        images.append({"filepath": "val2014", "filename": name, "split": split, "cocoid": 100 + n,
+                       "sentences": [{"raw": f"A picture number {n}.", "tokens": []}, {"raw": "Another one."}]})
+    (tmp_path / "dataset_coco.json").write_text(json.dumps({"images": images, "dataset": "coco"}))
+    s = CaptionSet(name="k", kind="karpathy", path=str(tmp_path / "dataset_coco.json"), images=str(tmp_path))
+    rows = load_captions(s, tmp_path)
+    assert [r[0] for r in rows] == ["101", "103"] and rows[0][2] == ["A picture number 1.", "Another one."]
+    assert len(load_captions(CaptionSet(**{**vars(s), "split": "val"}), tmp_path)) == 1
+    assert len(load_captions(CaptionSet(**{**vars(s), "limit": 1}), tmp_path)) == 1
+    with pytest.raises(UserError, match=r"no images of split 'minival' .*it has restval, test, train, val.*split"):
+        load_captions(CaptionSet(**{**vars(s), "split": "minival"}), tmp_path)
+    (tmp_path / "bad.json").write_text(json.dumps({"images": [{"filename": "x.jpg"}]}))
+    with pytest.raises(UserError, match="not a Karpathy-style captions file"):
+        load_captions(CaptionSet(**{**vars(s), "path": str(tmp_path / "bad.json")}), tmp_path)
+
+
+def test_sets_are_whole_by_default():
+    assert ClassificationSet().limit is None and CaptionSet().limit is None
+
+
+def test_few_shot_draws_from_train_scores_on_test_and_reads_only_those_images(tmp_path, monkeypatch):
+    """The probe on a real (tiny, untrained) model: shots only from train, accuracy over every test
+    image, images outside the draws and the test split never read; the result names the split."""
+    import torch
+
+    import trainers.evaluation.datasets as datasets
+    from trainers.evaluation.config import EvalConfig, MapProbe
+    from trainers.evaluation.run import _fewshot
+    from trainers.models import ModelConfig, build_model
+
+    _folder(tmp_path, "train", per=40)
+    _folder(tmp_path, "test", per=5)
+    reads = []
+    real = datasets.labelled_set
+
+    def counting(s, run_dir):
+        data = real(s, run_dir)
+        inner = data.read
+        data.read = lambda i: (reads.append(i), inner(i))[1]
+        return data
+
+    monkeypatch.setattr(datasets, "labelled_set", counting)
+    torch.manual_seed(0)
+    cfg = ModelConfig(family="cappa", size="tiny", vocab_size=64, max_len=8, image_size=16, patch=4, width=32,
+                      depth=1, heads=2, mlp=64, caption_queries=4, prefix_len=3)
+    model = build_model(cfg).eval()
+    ec = EvalConfig(fewshot=[], shots=[1, 5], seeds=2, map_probe=MapProbe(steps=0))
+    results = {"skipped": [], "sets": {}}
+    said = []
+    _fewshot(model, cfg, [ClassificationSet(name="f", kind="folder", path=str(tmp_path))], ec, (1, 5), True,
+             results, tmp_path, said.append)
+    data = real(ClassificationSet(name="f", kind="folder", path=str(tmp_path)), tmp_path)
+    test = {i for i, s in enumerate(data.split) if s == "test"}
+    assert test <= set(reads)                                 # every test image scored
+    drawn = set(reads) - test
+    assert drawn and all(data.split[i] == "train" for i in drawn)
+    assert len(drawn) <= 3 * (1 + 5) * 2                       # the shots of 2 seeds, not the 120 train images
+    assert results["sets"]["f"]["split"] == "official" and results["sets"]["f"]["test_images"] == 15
+    assert set(results["fewshot"]["f"]) == {1, 5}
+    assert any("f: test 15, train 120 images (official split), 3 classes; the whole set" in line for line in said)
