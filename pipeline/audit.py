@@ -71,6 +71,14 @@ def after_stage(stage: str, run_dir: Path, log=print, storage=None) -> dict | No
                  if prefix else "")
         log(f"{stage} audit (demo ground truth): {defect} recall {r['recall']:.3f} "
             f"({r['caught']}/{r['planted']}){false}")
+        if defect == "eval_caption":   # by how the caption was planted: exact, re-cased, inside longer text, by chance
+            r["by_kind"] = {}
+            for how in sorted({truth[k]["detail"].rsplit(":", 1)[-1] for k in ledger if truth[k]["defect"] == defect}):
+                some = {k: v for k, v in ledger.items() if truth[k]["defect"] != defect
+                        or truth[k]["detail"].rsplit(":", 1)[-1] == how}
+                r["by_kind"][how] = {x: rates(some, truth, defect, prefix)[x] for x in ("planted", "caught", "recall")}
+            log(f"{stage} audit (demo ground truth): {defect} by kind " + ", ".join(
+                f"{how} {v['caught']}/{v['planted']}" for how, v in r["by_kind"].items()))
     if stage == "clip_score":
         # how well the score itself separates planted mismatches from clean pairs, whatever the cut
         scored = [(truth[k]["defect"], r["score"]) for k, r in ledger.items() if r["score"] is not None]

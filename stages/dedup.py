@@ -86,7 +86,7 @@ class DedupConfig:
     encoder_image_size: int = 224  # pixels the encoder is fed (shortest side resized, centre crop)
     # evaluation captions in alt-text (stages/caption_match.py): drop the sample, flag it (kept, its
     # ledger row naming the caption), or off; matched: a whole caption of >= caption_min_words words
-    # inside the alt-text, or a run of caption_ngram words in common
+    # inside the alt-text, or a run of caption_ngram words in common (0: whole captions only)
     caption_match: str = "drop"
     caption_ngram: int = 10
     caption_min_words: int = 6
@@ -101,7 +101,8 @@ class DedupConfig:
             require(0 < v <= 1, join(prefix, name), f"a cosine threshold in (0, 1], got {v}")
         require(self.caption_match in ("drop", "flag", "off"), join(prefix, "caption_match"),
                 f"drop, flag or off, got {self.caption_match!r}")
-        require(4 <= self.caption_ngram <= 64, join(prefix, "caption_ngram"), f"must be 4..64 words, got {self.caption_ngram}")
+        require(self.caption_ngram == 0 or 4 <= self.caption_ngram <= 64, join(prefix, "caption_ngram"),
+                f"must be 4..64 words, or 0 (whole captions only), got {self.caption_ngram}")
         require(2 <= self.caption_min_words <= 64, join(prefix, "caption_min_words"),
                 f"must be 2..64 words, got {self.caption_min_words}")
         require(0 < self.cpus_per_worker <= 64, join(prefix, "cpus_per_worker"), "must be in (0, 64]")
@@ -651,14 +652,14 @@ def _components_task(storage, files: list[str], parts: list[str], shown_per_reas
 CAPTIONS = "dedup/eval_captions.parquet"    # the evaluation sets' captions, for the verdict tasks
 
 
-def _eval_captions(storage, cfg: DedupConfig) -> tuple[str, str, int] | None:
+def _eval_captions(storage, cfg: DedupConfig, run_dir: Path | None = None) -> tuple[str, str, int] | None:
     """The evaluation sets' captions in one file the verdict tasks read: -> (its path, digest, how
     many), or None when no set has captions or matching is off."""
     from .eval_sets import iter_captions
 
     if cfg.caption_match == "off":
         return None
-    rows = [(es.name, i, c) for es in cfg.eval_sets for i, c in iter_captions(es)]
+    rows = [(es.name, i, c) for es in cfg.eval_sets for i, c in iter_captions(es, run_dir)]
     if not rows:
         return None
     t = pa.table({"set": [r[0] for r in rows], "id": [r[1] for r in rows], "caption": [r[2] for r in rows]})
@@ -758,7 +759,8 @@ class DedupStage(Decide):
     report = "dedup/report.html"
     # partitions described, and examples picked, before: by what decided them (a scheduled run's reuse)
     preserve = ("described", "signed", "examples", "reuse")
-    audits = (("eval_near_copy", "eval_duplicate"), ("repeat_row", "exact_duplicate"), ("train_near_copy", ""))
+    audits = (("eval_near_copy", "eval_duplicate"), ("repeat_row", "exact_duplicate"), ("train_near_copy", ""),
+              ("eval_caption", "eval_caption"))
 
     def preflight(self, config) -> None:
         preflight(config.stages.dedup, None)
@@ -887,7 +889,7 @@ class DedupStage(Decide):
         ctx.storage.write_json(DESCRIPTIONS, dict(sorted(found.desc.items())))
         # a dataset line's removals: what they name never comes back (pipeline/remove.py)
         removals = removal_digest(ctx.storage)
-        captions = _eval_captions(ctx.storage, cfg)
+        captions = _eval_captions(ctx.storage, cfg, ctx.run_dir)
         tasks = [PartTask(u.part, u.file, u.part,
                           kwargs={"part": u.part, "index": index[u.part], "has_decisions": u.part in decisions["per_part"],
                                   "cfg": cfg, "storage": ctx.storage, "desc": found.desc[u.part],

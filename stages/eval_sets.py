@@ -121,12 +121,19 @@ def iter_images(es: EvalSetConfig, run_dir: Path | None) -> Iterator[tuple[str, 
             yield f"digit{i:04d}", img
 
 
-def iter_captions(es: EvalSetConfig) -> Iterator[tuple[str, str]]:
+def iter_captions(es: EvalSetConfig, run_dir: Path | None = None) -> Iterator[tuple[str, str]]:
     """(image id, caption) of a set that has captions: a parquet set's `caption_col`, a webdataset
-    set's .txt members. Builtin sets give none: the demo's held-out captions come from the same
-    small grammar as its training captions (2.4 % of clean demo captions contain a whole held-out
-    caption), the others are class labels."""
-    if es.kind == "parquet" and es.caption_col:
+    set's .txt members, the demo's held-out split (its captions come from the same small grammar
+    as its training captions: the demo matches whole captions only, `caption_ngram: 0`). The other
+    builtins are class labels: none."""
+    if es.kind == "builtin" and es.path == "demo_heldout":
+        import pyarrow.parquet as pq
+
+        path = (run_dir or Path(".")) / "source" / "eval" / "eval.parquet"
+        if path.is_file():
+            for i, c in zip(*(pq.read_table(path, columns=["id", "caption"]).column(x).to_pylist() for x in ("id", "caption"))):
+                yield str(i), c
+    elif es.kind == "parquet" and es.caption_col:
         import pyarrow.parquet as pq
 
         have = pq.read_schema(es.path).names

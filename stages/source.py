@@ -64,6 +64,7 @@ class DefectFractions:
     huge_bytes: float = 2
     repeat_row: float = 0.01        # the same URL and caption as an earlier sample
     train_near_copy: float = 0.01   # an earlier sample's image re-encoded, with its caption
+    eval_caption: float = 0.02      # a held-out caption in the alt-text: exact, re-cased, inside longer text
 
     def validate(self, prefix: str) -> None:
         total = 0.0

@@ -38,8 +38,12 @@ SIZES = {"small": 0.13, "large": 0.24}
 DEFECTS = (
     "mismatched_caption", "non_english", "eval_near_copy", "http_404", "http_500", "timeout",
     "corrupt", "truncated", "non_image", "tiny", "empty_caption", "huge_pixels", "huge_bytes",
-    "repeat_row", "train_near_copy",
+    "repeat_row", "train_near_copy", "eval_caption",
 )
+# evaluation captions this long or longer count as a leak when alt-text holds one (shorter ones, "a
+# small red circle", are what every caption says): stages.dedup.caption_min_words' default
+HELDOUT_CAPTION_WORDS = 6
+ALT_TEXT_AROUND = ("Photo of {}, free stock image", "{} | wallpaper download", "Illustration: {}. Royalty-free")
 
 _LANG = {
     "de": {"a": "ein", "small": "kleiner", "large": "großer", "red": "roter", "green": "grüner",
@@ -298,6 +302,11 @@ def generate(out_dir: Path, num_samples: int, eval_size: int, image_size: int, s
 
     scenes = [random_scene(rng) for _ in range(num_samples)]
     defects = _assign_defects(num_samples, fractions, rng)
+    # evaluation captions planted in alt-text draw from their own stream: the other defects' draws
+    # stay what they were
+    cap_rng = np.random.default_rng([seed, 2])
+    heldout = [(f" {c} ", eval_rows["id"][e]) for e, c in enumerate(eval_rows["caption"])
+               if len(c.split()) >= HELDOUT_CAPTION_WORDS]
     langs = list(_LANG)
     urls, captions, keys = [], [], []
     gt = {"key": [], "defect": [], "detail": [], "true_caption": []}
@@ -309,6 +318,8 @@ def generate(out_dir: Path, num_samples: int, eval_size: int, image_size: int, s
         caption = true_caption
         detail = ""
         payload = encode(render(sc, image_size), "JPEG", 92)
+        if defect == "eval_caption" and not heldout:   # a split too small to have a long caption
+            defect = None
         if defect == "mismatched_caption":
             j = int((i + 1 + rng.integers(0, num_samples - 1)) % num_samples)
             caption = caption_en(scenes[j])
@@ -322,6 +333,14 @@ def generate(out_dir: Path, num_samples: int, eval_size: int, image_size: int, s
             payload, how = near_copy(eval_images[e], rng)
             caption = eval_rows["caption"][e]
             detail = f"{eval_rows['id'][e]}:{how}"
+        elif defect == "eval_caption":
+            # a clean picture whose alt-text holds a held-out caption: as it is, re-cased, or
+            # inside longer text
+            c, e = heldout[int(cap_rng.integers(0, len(heldout)))]
+            c, how = c.strip(), ("exact", "re-cased", "inside longer text")[i % 3]
+            caption = (c if how == "exact" else (c.upper() if i % 2 else c.title()) if how == "re-cased"
+                       else ALT_TEXT_AROUND[i % len(ALT_TEXT_AROUND)].format(c))
+            detail = f"{e}:{how}"
         elif defect in ("http_404", "http_500"):
             route = f"status/{defect[-3:]}"
         elif defect == "timeout":
@@ -365,6 +384,12 @@ def generate(out_dir: Path, num_samples: int, eval_size: int, image_size: int, s
         keys.append(key)
         urls.append(f"{SERVER_PLACEHOLDER}/{route}/{name}")
         captions.append(caption)
+        if defect is None:
+            # the grammar is small: a clean caption can hold a held-out caption by chance, which is
+            # a leak all the same (~0.7 % of the demo's), recorded as one
+            e = next((e for c, e in heldout if c in f" {caption} "), None)
+            if e is not None:
+                defect, detail = "eval_caption", f"{e}:by chance"
         gt["key"].append(key)
         gt["defect"].append(defect or "clean")
         gt["detail"].append(detail)

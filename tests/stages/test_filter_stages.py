@@ -60,6 +60,23 @@ def test_language_stage_against_ground_truth(demo_filtered):
     _status_row(run_dir, "language")
 
 
+def test_evaluation_captions_planted_in_alt_text_are_dropped_and_clean_captions_kept(demo_filtered):
+    """#38: the demo plants held-out captions in alt-text (exact, re-cased, inside longer text; some
+    clean captions hold one by chance): dedup finds >= 95 % of them and drops < 0.5 % of clean ones."""
+    run_dir, out = demo_filtered
+    audit = json.loads((run_dir / "dedup" / "audit.json").read_text())["eval_caption"]
+    print(f"eval captions in alt-text: recall {audit['recall']:.3f} ({audit['caught']}/{audit['planted']}), "
+          f"false drops {audit['false_drops']}/{audit['clean']}; by kind {audit['by_kind']}")
+    assert audit["planted"] >= 40 and audit["recall"] >= 0.95
+    assert audit["false_drop_rate"] < 0.005
+    assert {"exact", "re-cased", "inside longer text"} <= set(audit["by_kind"])
+    assert all(v["recall"] >= 0.95 for v in audit["by_kind"].values()), audit["by_kind"]
+    assert "dedup audit (demo ground truth): eval_caption recall" in out
+    stats = json.loads((run_dir / "dedup" / "stats.json").read_text())
+    assert stats["dropped"]["eval_caption"] >= audit["caught"]
+    assert stats["caption_matches"]["captions"] > 100 and stats["caption_matches"]["mode"] == "drop"
+
+
 def test_clip_score_bootstrap_separates_mismatched_captions(demo_filtered):
     run_dir, out = demo_filtered
     audit = json.loads((run_dir / "clip_score" / "audit.json").read_text())

@@ -77,3 +77,40 @@ def test_eval_split_has_labels(tmp_path):
         assert r["shape"] in synthetic.SHAPES and 1 <= r["count"] <= 3
         first = r["caption"].split(" to the ")[0].split(" above ")[0].split(" below ")[0]
         assert r["shape"] in first and r["colour"] in first
+
+
+def test_evaluation_captions_planted_in_alt_text_and_the_leaks_by_chance_are_recorded(tmp_path):
+    """The demo plants held-out captions in alt-text (exact, re-cased, inside longer text) from
+    their own random stream, so every other defect lands where it did; a clean caption that holds
+    a held-out caption of 6+ words by chance (the grammar is small) is recorded as the leak it is,
+    and every caption still called clean holds none."""
+    from stages.caption_match import words
+
+    fractions = vars(DefectFractions())
+    synthetic.generate(tmp_path / "a", 1000, 200, 48, 0, fractions, 3000, 300_000)
+    synthetic.generate(tmp_path / "b", 1000, 200, 48, 0, {**fractions, "eval_caption": 0}, 3000, 300_000)
+    gt = {r["key"]: r for r in pq.read_table(tmp_path / "a" / "_ground_truth.parquet").to_pylist()}
+    without = {r["key"]: r for r in pq.read_table(tmp_path / "b" / "_ground_truth.parquet").to_pylist()}
+    urls = {r["key"]: r["caption"] for r in pq.read_table(tmp_path / "a" / "urls.parquet").to_pylist()}
+    held = {r["id"]: r["caption"] for r in pq.read_table(tmp_path / "a" / "eval" / "eval.parquet").to_pylist()}
+    planted = [k for k, r in gt.items() if r["defect"] == "eval_caption" and not r["detail"].endswith("by chance")]
+    assert len(planted) == round(fractions["eval_caption"] * 1000)
+    assert {r["detail"].split(":")[1] for k, r in gt.items() if k in planted} == {"exact", "re-cased",
+                                                                                   "inside longer text"}
+    for k in planted:
+        e, how = gt[k]["detail"].split(":")
+        w, c = words(urls[k]), words(held[e])
+        assert len(c) >= synthetic.HELDOUT_CAPTION_WORDS
+        assert any(w[i:i + len(c)] == c for i in range(len(w) - len(c) + 1)), (urls[k], held[e])
+        assert (urls[k] == held[e]) == (how == "exact")
+    # the other defects are where they were without the plants
+    for k, r in gt.items():
+        if r["defect"] not in ("eval_caption", "clean"):
+            assert without[k]["defect"] == r["defect"], k
+    long_held = [f" {c} " for c in held.values() if len(c.split()) >= synthetic.HELDOUT_CAPTION_WORDS]
+    chance = [k for k, r in gt.items() if r["detail"].endswith("by chance")]
+    chance_without = [k for k, r in without.items() if r["detail"].endswith("by chance")]
+    assert chance and set(chance) <= set(chance_without)
+    clean = [k for k, r in gt.items() if r["defect"] == "clean"]
+    assert not [k for k in clean if any(c in f" {urls[k]} " for c in long_held)]
+    assert len(chance_without) / len(without) < 0.05
