@@ -140,3 +140,75 @@ def test_few_shot_draws_from_train_scores_on_test_and_reads_only_those_images(tm
     assert results["sets"]["f"]["split"] == "official" and results["sets"]["f"]["test_images"] == 15
     assert set(results["fewshot"]["f"]) == {1, 5}
     assert any("f: test 15, train 120 images (official split), 3 classes; the whole set" in line for line in said)
+
+
+def _vg(tmp_path, kind):
+    (tmp_path / "images").mkdir(exist_ok=True)
+    img = Image.new("RGB", (40, 30), (0, 0, 0))
+    img.paste((255, 0, 0), (10, 5, 20, 25))
+    img.save(tmp_path / "images" / "2344.jpg", "JPEG")
+    key, value = ("relation_name", ["on", "under", "on"]) if kind == "vg_relation" else ("attributes", [["red", "small"]] * 3)
+    rows = [{"image_id": "2344", "image_path": "2344.jpg", "bbox_x": 10, "bbox_y": 5, "bbox_w": 10, "bbox_h": 20,
+             "true_caption": f"the cup is {i} the table", "false_caption": f"the table is {i} the cup", key: v}
+            for i, v in enumerate(value)]
+    (tmp_path / f"{kind}.json").write_text(json.dumps(rows))
+
+
+def test_aros_vg_relation_and_attribution_are_read_as_published_and_cropped_to_their_box(tmp_path):
+    from trainers.evaluation.config import WordOrderSet
+    from trainers.evaluation.datasets import load_wordorder
+
+    _vg(tmp_path, "vg_relation")
+    s = WordOrderSet(name="vgr", kind="vg_relation", path=str(tmp_path / "vg_relation.json"), images=str(tmp_path / "images"))
+    cases = load_wordorder(s, tmp_path, {})
+    assert [n for _, _, n in cases] == [{"on": "the table is 0 the cup"}, {"under": "the table is 1 the cup"},
+                                        {"on": "the table is 2 the cup"}]
+    img = cases[0][0]
+    assert img.size == (10, 20) and np.asarray(img).mean(axis=(0, 1))[0] > 200    # the red box, not the whole image
+    assert len(load_wordorder(WordOrderSet(**{**vars(s), "limit": 2}), tmp_path, {})) == 2
+    _vg(tmp_path, "vg_attribution")
+    s = WordOrderSet(name="vga", kind="vg_attribution", path=str(tmp_path / "vg_attribution.json"), images=str(tmp_path / "images"))
+    assert {c for _, _, n in load_wordorder(s, tmp_path, {}) for c in n} == {"attribute"}
+    (tmp_path / "bad.json").write_text(json.dumps([{"image_path": "2344.jpg"}]))
+    with pytest.raises(UserError, match="not ARO's vg_attribution format"):
+        load_wordorder(WordOrderSet(**{**vars(s), "path": str(tmp_path / "bad.json")}), tmp_path, {})
+
+
+def test_sugarcrepe_files_are_read_as_published_one_category_each(tmp_path):
+    from trainers.evaluation.config import WordOrderSet
+    from trainers.evaluation.datasets import load_wordorder
+
+    (tmp_path / "val2017").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "val2017" / "000000000139.jpg", "JPEG")
+    (tmp_path / "sc").mkdir()
+    for cat in ("swap_obj", "add_att"):
+        (tmp_path / "sc" / f"{cat}.json").write_text(json.dumps(
+            {"0": {"filename": "000000000139.jpg", "caption": "a dog on a sofa", "negative_caption": f"{cat} text"},
+             "1": {"filename": "000000000139.jpg", "caption": "two cats", "negative_caption": f"{cat} more"}}))
+    s = WordOrderSet(name="sc", kind="sugarcrepe", path=str(tmp_path / "sc"), images=str(tmp_path / "val2017"))
+    cases = load_wordorder(s, tmp_path, {})
+    assert [(t, n) for _, t, n in cases] == [("a dog on a sofa", {"add_att": "add_att text"}), ("two cats", {"add_att": "add_att more"}),
+                                             ("a dog on a sofa", {"swap_obj": "swap_obj text"}), ("two cats", {"swap_obj": "swap_obj more"})]
+    (tmp_path / "sc" / "broken.json").write_text(json.dumps({"0": {"filename": "x.jpg"}}))
+    with pytest.raises(UserError, match="not SugarCrepe's format"):
+        load_wordorder(s, tmp_path, {})
+
+
+def test_zero_shot_class_names_and_templates_come_from_files(tmp_path):
+    from trainers.evaluation.datasets import prompt_texts
+
+    labels = ["n02", "n01", "n03"]
+    (tmp_path / "names.txt").write_text("tench\ngoldfish\ngreat white shark\n")
+    (tmp_path / "templates.txt").write_text("a photo of a {}.\na bad photo of the {}.\n")
+    s = ClassificationSet(name="in", kind="folder", path="x", class_names=str(tmp_path / "names.txt"),
+                          templates_file=str(tmp_path / "templates.txt"))
+    names, templates = prompt_texts(s, labels, tmp_path)
+    assert names == {"n01": "tench", "n02": "goldfish", "n03": "great white shark"}
+    assert templates == ["a photo of a {}.", "a bad photo of the {}."]
+    (tmp_path / "names.json").write_text(json.dumps({"n01": "tench", "n02": "goldfish"}))
+    with pytest.raises(UserError, match="names no class for label\\(s\\) n03"):
+        prompt_texts(ClassificationSet(**{**vars(s), "class_names": str(tmp_path / "names.json")}), labels, tmp_path)
+    (tmp_path / "t.txt").write_text("no placeholder\n")
+    with pytest.raises(UserError, match="every template needs a \\{\\}"):
+        prompt_texts(ClassificationSet(**{**vars(s), "templates_file": str(tmp_path / "t.txt")}), labels, tmp_path)
+    assert prompt_texts(ClassificationSet(name="d"), ["a", "b"], tmp_path) == ({"a": "a", "b": "b"}, ["a photo of a {}."])

@@ -8,7 +8,7 @@ Paths are absolute or relative to the run folder (the demo's held-out split is
       fewshot:      [{name, kind: builtin|folder|parquet, path, image_col, label_col, split_col, limit}]
       captioning:   [{name, kind: coco|karpathy|webdataset, path, images, split, limit}]
       zeroshot:     [{name, kind: builtin|folder|parquet, path, label_col, templates}]
-      wordorder:    [{name, kind: pairs|aro, path | from}]
+      wordorder:    [{name, kind: pairs|aro|vg_relation|vg_attribution|sugarcrepe, path | from, images}]
       shots: [1, 5, 10, 25]
       lit_decoder: {steps, batch_size, lr}     # a fresh decoder on the frozen encoder, every family
       lit: {steps, batch_size, lr}             # a text tower against the frozen encoder (Cap/CapPa)
@@ -39,6 +39,11 @@ class ClassificationSet:
     split_col: str = ""
     limit: int | None = None       # null: the whole set; n: n images of each split, every class kept (seeded)
     templates: list[str] = field(default_factory=lambda: ["a photo of a {}."])   # zero-shot only
+    # zero-shot, from files: class_names, a .json object {label: name} or a .txt of one name per line
+    # in the labels' sorted order (ImageNet's 1,000 names beside its wnid folders); templates_file, a
+    # .txt of one template per line or a .json list, each with a {} (CLIP's 80 templates)
+    class_names: str = ""
+    templates_file: str = ""
 
     def validate(self, prefix: str) -> None:
         require(bool(self.name), join(prefix, "name"), "every evaluation set needs a name")
@@ -78,18 +83,29 @@ class CaptionSet:
 class WordOrderSet:
     """`pairs`: a JSON-lines file of {image, caption, negatives: {category: text}} (image relative to
     the file); `aro`: ARO's four order perturbations of every reference caption of the captioning set
-    named in `from` (trainers/evaluation/aro.py)."""
+    named in `from` (trainers/evaluation/aro.py); `vg_relation`, `vg_attribution`: ARO's
+    visual_genome_relation.json / visual_genome_attribution.json as published (a list of {image_path,
+    bbox_x, bbox_y, bbox_w, bbox_h, true_caption, false_caption, relation_name | attributes}, the image
+    cropped to its box), `images` their folder; `sugarcrepe`: SugarCrepe's JSON files as published
+    ({id: {filename, caption, negative_caption}}, one file per category: add_att.json, swap_obj.json,
+    ...), `path` a folder of them or one file, `images` the COCO val2017 folder."""
     name: str = ""
-    kind: Literal["pairs", "aro"] = "aro"
+    kind: Literal["pairs", "aro", "vg_relation", "vg_attribution", "sugarcrepe"] = "aro"
     path: str = ""
     source: str = ""               # aro: the captioning set to perturb
+    images: str = ""               # vg_relation, vg_attribution, sugarcrepe: the images' folder
+    limit: int | None = None       # null: every case; n: the first n (of each file, for sugarcrepe)
 
     def validate(self, prefix: str) -> None:
         require(bool(self.name), join(prefix, "name"), "every evaluation set needs a name")
         if self.kind == "pairs":
             require(bool(self.path), join(prefix, "path"), "kind pairs needs a path to a JSON-lines file")
-        else:
+        elif self.kind == "aro":
             require(bool(self.source), join(prefix, "source"), "kind aro needs source: <a captioning set's name>")
+        else:
+            require(bool(self.path), join(prefix, "path"), f"kind {self.kind} needs a path to its JSON file(s)")
+            require(bool(self.images), join(prefix, "images"), f"kind {self.kind} needs the folder of its images")
+        require(self.limit is None or self.limit >= 1, join(prefix, "limit"), "must be >= 1 or null (every case)")
 
 
 @dataclass

@@ -219,6 +219,44 @@ def labelled_set(s: ClassificationSet, run_dir: Path) -> LabelledSet:
     return done(t.column(s.label_col).to_pylist(), split, read)
 
 
+def prompt_texts(s: ClassificationSet, labels: list[str], run_dir: Path) -> tuple[dict[str, str], list[str]]:
+    """A zero-shot set's -> ({label: class name}, templates), from its files where it names them."""
+    names = {c: c for c in labels}
+    if s.class_names:
+        f = resolve(s.class_names, run_dir)
+        if not f.is_file():
+            raise UserError(f"evaluation set {s.name}: class_names {f} does not exist")
+        order = sorted(set(labels))
+        if f.suffix == ".json":
+            doc = json.loads(f.read_text())
+            given = ({str(k): str(v) for k, v in doc.items()} if isinstance(doc, dict)
+                     else dict(zip(order, map(str, doc))) if isinstance(doc, list) else None)
+            if given is None:
+                raise UserError(f"evaluation set {s.name}: class_names {f} must be a JSON object or list")
+        else:
+            lines = [ln.strip() for ln in f.read_text().splitlines() if ln.strip()]
+            if len(lines) != len(order):
+                raise UserError(f"evaluation set {s.name}: class_names {f} has {len(lines)} names for {len(order)} "
+                                "labels (one per line, in the labels' sorted order)")
+            given = dict(zip(order, lines))
+        missing = [c for c in order if c not in given]
+        if missing:
+            raise UserError(f"evaluation set {s.name}: class_names {f} names no class for label(s) "
+                            f"{', '.join(missing[:5])}")
+        names = {c: given[c] for c in order}
+    templates = list(s.templates)
+    if s.templates_file:
+        f = resolve(s.templates_file, run_dir)
+        if not f.is_file():
+            raise UserError(f"evaluation set {s.name}: templates_file {f} does not exist")
+        templates = (json.loads(f.read_text()) if f.suffix == ".json"
+                     else [ln.strip() for ln in f.read_text().splitlines() if ln.strip()])
+        if not templates or not all(isinstance(t, str) and "{}" in t for t in templates):
+            raise UserError(f"evaluation set {s.name}: templates_file {f}: every template needs a {{}} for the "
+                            "class name, one per line (or a JSON list)")
+    return names, templates
+
+
 def load_classification(s: ClassificationSet, run_dir: Path) -> tuple[list[Image.Image], list[str]]:
     """-> (images, class names per image) of the set within its limit, every split."""
     data = labelled_set(s, run_dir)
@@ -294,6 +332,8 @@ def load_wordorder(s: WordOrderSet, run_dir: Path, captions: dict[str, list]) ->
         return [(img, *aro_case(ref, 1000 * i + j)) for i, (_, img, refs) in enumerate(captions[s.source])
                 for j, ref in enumerate(refs)]
     path = resolve(s.path, run_dir)
+    if s.kind in ("vg_relation", "vg_attribution", "sugarcrepe"):
+        return _published_wordorder(s, path, resolve(s.images, run_dir))
     if not path.is_file():
         raise UserError(f"word-order set {s.name}: {path} does not exist")
     out = []
@@ -306,6 +346,44 @@ def load_wordorder(s: WordOrderSet, run_dir: Path, captions: dict[str, list]) ->
             out.append((_open(read_regular(f, s.name), str(f)), r["caption"], dict(r["negatives"])))
         except (ValueError, KeyError, TypeError) as err:
             raise UserError(f"word-order set {s.name}: {path} line {n}: expected {{image, caption, negatives}} ({err})") from None
+    return out
+
+
+def _published_wordorder(s: WordOrderSet, path: Path, images: Path) -> list[tuple[Image.Image, str, dict]]:
+    """ARO's VG-Relation / VG-Attribution and SugarCrepe in their published JSON. A case's one
+    negative is keyed by what it tests: the relation's name (VG-Relation: ARO reports the mean
+    accuracy over relations), "attribute" (VG-Attribution), the file's category (SugarCrepe)."""
+    out = []
+    if s.kind == "sugarcrepe":
+        files = sorted(path.glob("*.json")) if path.is_dir() else [path]
+        if not files or not all(f.is_file() for f in files):
+            raise UserError(f"word-order set {s.name}: no SugarCrepe JSON files at {path}")
+        for f in files:
+            try:
+                doc = json.loads(f.read_text())
+                rows = [(str(v["filename"]), str(v["caption"]), str(v["negative_caption"])) for v in doc.values()]
+            except (ValueError, KeyError, TypeError, AttributeError) as err:
+                raise UserError(f"word-order set {s.name}: {f} is not SugarCrepe's format ({{id: {{filename, caption, "
+                                f"negative_caption}}}}): {err}") from None
+            for name, true, neg in rows[: s.limit or None]:
+                img = inside(images, name, f"word-order set {s.name}, {f.name}")
+                out.append((_open(read_regular(img, s.name), str(img)), true, {f.stem: neg}))
+        return out
+    if not path.is_file():
+        raise UserError(f"word-order set {s.name}: {path} does not exist")
+    try:
+        doc = json.loads(path.read_text())
+        rows = [(str(r["image_path"]), [float(r[k]) for k in ("bbox_x", "bbox_y", "bbox_w", "bbox_h")],
+                 str(r["true_caption"]), str(r["false_caption"]),
+                 str(r["relation_name"]) if s.kind == "vg_relation" else "attribute") for r in doc]
+    except (ValueError, KeyError, TypeError) as err:
+        field = "relation_name" if s.kind == "vg_relation" else "attributes"
+        raise UserError(f"word-order set {s.name}: {path} is not ARO's {s.kind} format (a list of {{image_path, "
+                        f"bbox_x, bbox_y, bbox_w, bbox_h, true_caption, false_caption, {field}}}): {err}") from None
+    for name, (x, y, w, h), true, neg, cat in rows[: s.limit or None]:
+        f = inside(images, name, f"word-order set {s.name}")
+        img = _open(read_regular(f, s.name), str(f))
+        out.append((img.crop((int(x), int(y), int(x + w), int(y + h))), true, {cat: neg}))
     return out
 
 

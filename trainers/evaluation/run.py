@@ -207,7 +207,7 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
 
     from trainers.models.checkpoint import load_model
 
-    from .datasets import labelled_set, load_captions, load_wordorder
+    from .datasets import labelled_set, load_captions, load_wordorder, prompt_texts
     from .wordorder import word_order_eval
 
     unknown = [t for t in tasks if t not in TASKS]
@@ -303,8 +303,9 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
             x = _prep([data.image(i) for i in idx], cfg.image_size, crop=True)
             labels = [data.labels[i] for i in idx]
             classes = sorted(set(data.labels))
-            prompts = [t.format(c) for c in classes for t in s.templates]
-            per = len(s.templates)
+            names, templates = prompt_texts(s, classes, run_dir)
+            prompts = [t.format(names[c]) for c in classes for t in templates]
+            per = len(templates)
             truth = np.array([classes.index(c) for c in labels])
             cands = _encode(sp, prompts, cfg.max_len, eos=ec.eos)
             scorers = []
@@ -342,6 +343,10 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
                 return _batched(fn, x[i:i + 1], c, device=dev)[0].tolist()
 
             wo[s.name] = word_order_eval([(t, n) for _, t, n in cases], score)
+            results["sets"][s.name] = {"kind": s.kind, "cases": len(cases), "limit": s.limit}
+            if s.kind == "vg_relation":     # ARO's VG-Relation headline: the mean over relations
+                per = [v["accuracy"] for v in wo[s.name]["pairwise"].values()]
+                wo[s.name]["macro_accuracy"] = {"accuracy": float(np.mean(per)) if per else 0.0, "relations": len(per)}
         results["wordorder"] = wo
         timings["wordorder"] = time.perf_counter() - t0
         log(f"eval: word order done ({timings['wordorder']:.0f}s)")
