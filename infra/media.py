@@ -77,10 +77,11 @@ def decode(data, formats=FORMATS, max_pixels: int = MAX_PIXELS):
         raise _failure(err) from None
 
 
-def to_input(image, size: int):
+def to_input(image, size: int, resample: str = "bicubic"):
     """The one image preprocessing: an image (encoded bytes, a PIL image, or a grey or RGB array) as
-    every capline model reads it: RGB, resized to size x size (bicubic), float32 in [-1, 1], channels
-    first -> (3, size, size). Training, evaluation, the CLIP-score scorer and dedup's encoder all call it."""
+    every capline model reads it: RGB, resized to size x size (bicubic; big_vision's evaluation
+    resizes bilinear), float32 in [-1, 1], channels first -> (3, size, size). Training, evaluation,
+    the CLIP-score scorer and dedup's encoder all call it."""
     import numpy as np
     from PIL import Image
 
@@ -93,7 +94,7 @@ def to_input(image, size: int):
         if arr.ndim == 2:
             arr = np.stack([arr] * 3, -1)
         img = Image.fromarray(arr.astype(np.uint8))
-    img = img.convert("RGB").resize((size, size), Image.BICUBIC)
+    img = img.convert("RGB").resize((size, size), {"bicubic": Image.BICUBIC, "bilinear": Image.BILINEAR}[resample])
     return (np.asarray(img, np.float32) / 127.5 - 1.0).transpose(2, 0, 1)
 
 

@@ -211,4 +211,45 @@ def test_zero_shot_class_names_and_templates_come_from_files(tmp_path):
     (tmp_path / "t.txt").write_text("no placeholder\n")
     with pytest.raises(UserError, match="every template needs a \\{\\}"):
         prompt_texts(ClassificationSet(**{**vars(s), "templates_file": str(tmp_path / "t.txt")}), labels, tmp_path)
-    assert prompt_texts(ClassificationSet(name="d"), ["a", "b"], tmp_path) == ({"a": "a", "b": "b"}, ["a photo of a {}."])
+    # no files, no templates: bare class names, as big_vision scores them
+    assert prompt_texts(ClassificationSet(name="d"), ["a", "b"], tmp_path) == ({"a": "a", "b": "b"}, ["{}"])
+
+
+def test_big_vision_preprocessing_squashes_then_crops_and_is_named_in_the_results():
+    """big_vision's few-shot preprocessing on a wide image: squashed to size*256/224 (all of it in
+    the frame, the sides narrowed), then the central size x size: the red sides still show at the
+    crop's edges, where the largest centred square would show green only; captioning squashes."""
+    from trainers.evaluation.run import PREPROCESSING, _prep
+
+    arr = np.zeros((32, 96, 3), np.uint8)
+    arr[:, :, 0] = 255
+    arr[:, 32:64] = (0, 255, 0)
+    img = Image.fromarray(arr)
+    bv = _prep([img], 224, crop=True, mode="big_vision")[0]
+    assert bv.shape == (3, 224, 224)
+    # squashed to 256 wide, the green third is columns ~85-170; cropped from 16, green spans ~69-154
+    assert float(bv[0, :, 2].mean()) > 0.9 and float(bv[1, :, 112].mean()) > 0.9
+    square = _prep([img], 224, crop=True, mode="square_crop")[0]
+    assert float(square[0].max()) < -0.9                      # the centred square: no red at all
+    whole = _prep([img], 224, mode="big_vision")[0]
+    assert float(whole[0, :, 2].mean()) > 0.9 and float(whole[1, :, 112].mean()) > 0.9
+    assert set(PREPROCESSING["big_vision"]) == {"fewshot", "zeroshot", "captioning", "wordorder"}
+    from trainers.evaluation.config import EvalConfig
+
+    assert EvalConfig().preprocess == "big_vision"
+
+
+def test_the_paper_table_names_its_preprocessing_splits_and_sizes():
+    from trainers.evaluation.experiment import _protocol
+    from trainers.evaluation.run import PREPROCESSING
+
+    ev = {"preprocessing": {"name": "big_vision", **PREPROCESSING["big_vision"]},
+          "sets": {"fashion_mnist": {"split": "official", "images": {"test": 2000, "train": 2000},
+                                     "of": {"test": 10000, "train": 60000}, "limit": 2000, "classes": 10},
+                   "coco": {"images": 5000, "limit": None, "split": "test"}, "vgr": {"kind": "vg_relation", "cases": 23937,
+                                                                                    "limit": None}}}
+    text = _protocol([("Cap", 1.0, 2.0, ev)])
+    assert "Preprocessing: big_vision (fewshot: squash to size*256/224, central crop to size, bilinear;" in text
+    assert "- fashion_mnist: test 2000 of 10000, train 2000 of 60000 images, official split, 10 classes, limit 2000 per split" in text
+    assert "- coco: 5000 images, split test, whole" in text and "- vgr: 23937 cases, whole" in text
+    assert _protocol([("Cap", 1.0, 2.0, {})]) == ""

@@ -38,7 +38,8 @@ class ClassificationSet:
     # train and scored on test; a set without one holds out eval.holdout of each class
     split_col: str = ""
     limit: int | None = None       # null: the whole set; n: n images of each split, every class kept (seeded)
-    templates: list[str] = field(default_factory=lambda: ["a photo of a {}."])   # zero-shot only
+    # zero-shot only: each class's prompts; the default, its bare name, is what big_vision scores
+    templates: list[str] = field(default_factory=lambda: ["{}"])
     # zero-shot, from files: class_names, a .json object {label: name} or a .txt of one name per line
     # in the labels' sorted order (ImageNet's 1,000 names beside its wnid folders); templates_file, a
     # .txt of one template per line or a .json list, each with a {} (CLIP's 80 templates)
@@ -147,6 +148,10 @@ class EvalConfig:
     shots: list[int] = field(default_factory=lambda: [1, 5, 10, 25])  # examples per class of the few-shot probes
     seeds: int = 3  # probe repeats over seeded example draws (mean and spread reported)
     eos: bool = True               # zero-shot prompts end in EOS, as big_vision scores them
+    # big_vision: classification images squashed to size*256/224 then centrally cropped to size,
+    # captioning, word order and zero-shot squashed to size, all bilinear (the paper's evaluation);
+    # square_crop: the largest centred square (classification) or the whole image, bicubic
+    preprocess: Literal["big_vision", "square_crop"] = "big_vision"
     lit_decoder: Budget = field(default_factory=Budget)
     lit: Budget = field(default_factory=lambda: Budget(steps=300, batch_size=64))
     map_probe: MapProbe = field(default_factory=MapProbe)

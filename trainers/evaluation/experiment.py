@@ -152,9 +152,33 @@ def run_experiment(run_dir: Path, train_cfg, seed: int, models=("cap", "cappa", 
                     "CIDEr (x100, as the papers print it): greedy, of the model's own decoder and of a LiT decoder trained on its frozen encoder. "
                     "Zero-shot (%): cos = the contrastive towers, ar/par = a captioner's autoregressive and "
                     "parallel scores, lit = a text tower trained against the frozen encoder. Word order (%): ARO's "
-                    "precision@1, the true caption above all its perturbations at once.\n")
+                    "precision@1, the true caption above all its perturbations at once.\n"
+                    + _protocol(rows))
     _log(run_dir, path, curves)
     return path
+
+
+def _protocol(rows) -> str:
+    """What the numbers were measured on: the preprocessing, and each set's split and size (with
+    any limit), from the evaluations' own records."""
+    ev = next((r[3] for r in rows if r[3].get("preprocessing")), None)
+    if not ev:
+        return ""
+    pre = ev["preprocessing"]
+    lines = [f"\nPreprocessing: {pre['name']} ("
+             + "; ".join(f"{task}: {how}" for task, how in pre.items() if task != "name") + ")."]
+    for name, d in sorted(ev.get("sets", {}).items()):
+        if "images" in d and isinstance(d["images"], dict):
+            sizes = ", ".join(f"{k} {v}" + (f" of {d['of'][k]}" if d["of"].get(k, v) != v else "")
+                              for k, v in d["images"].items())
+            lines.append(f"- {name}: {sizes} images, {d['split']} split, {d['classes']} classes"
+                         + (f", limit {d['limit']} per split" if d.get("limit") else ", whole"))
+        else:
+            size = d.get("images", d.get("cases"))
+            lines.append(f"- {name}: {size} {'images' if 'images' in d else 'cases'}"
+                         + (f", split {d['split']}" if d.get("split") else "")
+                         + (f", limit {d['limit']}" if d.get("limit") else ", whole"))
+    return "\n".join(lines) + "\n"
 
 
 def _fmt(v, pct=True):

@@ -45,9 +45,34 @@ def central_square(image):
     return image.crop((left, top, left + side, top + side))
 
 
-def _prep(images: list, size: int, crop: bool = False) -> torch.Tensor:
-    """Images as the model reads them; crop: resize + central crop (classification), else the whole
-    image resized (captioning and word order, whose captions may speak of the edges)."""
+PREPROCESSING = {
+    "big_vision": {"fewshot": "squash to size*256/224, central crop to size, bilinear",
+                   "zeroshot": "squash to size, bilinear", "captioning": "squash to size, bilinear",
+                   "wordorder": "squash to size, bilinear"},
+    "square_crop": {"fewshot": "largest centred square, resize to size, bicubic",
+                    "zeroshot": "largest centred square, resize to size, bicubic",
+                    "captioning": "whole image resized to size, bicubic", "wordorder": "whole image resized to size, bicubic"},
+}
+
+
+def _squash_crop(image, size: int):
+    """big_vision's few-shot preprocessing: squash to size*256/224 (224 -> 256), central crop `size`."""
+    from PIL import Image
+
+    big = round(size * 256 / 224)
+    img = image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image).astype(np.uint8))
+    img = img.convert("RGB").resize((big, big), Image.BILINEAR)
+    off = (big - size) // 2
+    return img.crop((off, off, off + size, off + size))
+
+
+def _prep(images: list, size: int, crop: bool = False, mode: str = "square_crop") -> torch.Tensor:
+    """Images as the model reads them (PREPROCESSING says how, per mode and task). crop: the
+    classification preprocessing; else the whole image (captioning and word order, whose captions
+    may speak of the edges)."""
+    if mode == "big_vision":
+        return torch.from_numpy(np.stack([to_input(_squash_crop(im, size) if crop else im, size, "bilinear")
+                                          for im in images]))
     return torch.from_numpy(np.stack([to_input(central_square(im) if crop else im, size) for im in images]))
 
 
@@ -151,7 +176,7 @@ def _fewshot(model, cfg, sets, ec: EvalConfig, shots, strict, results, run_dir: 
         needed = np.unique(np.concatenate([test, *(tr for tr, _ in draws), *(a for d in map_draws for a in d)]))
         row = np.full(len(y), -1)
         row[needed] = np.arange(len(needed))
-        x = _prep([data.image(int(sel[i])) for i in needed], cfg.image_size, crop=True)
+        x = _prep([data.image(int(sel[i])) for i in needed], cfg.image_size, crop=True, mode=ec.preprocess)
         tokens = _tokens(model, x) if map_probe_runs else None     # the encoder runs once for both probes
         if fitting:
             feats = (_batched(lambda t: features_from_tokens(model, t), tokens, device=_dev(model)).numpy()
@@ -226,7 +251,8 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
     sp = open_tokenizer(cfg.hf_lm or tok)     # ClipCap on a Hugging Face LM speaks that LM's tokens
     family = spec(cfg.family)
     writes, captioner = family.writes, family.captioner
-    results: dict = {"model": cfg.family, "size": cfg.size, "checkpoint": str(model_dir), "skipped": [], "sets": {}}
+    results: dict = {"model": cfg.family, "size": cfg.size, "checkpoint": str(model_dir), "skipped": [], "sets": {},
+                     "preprocessing": {"name": ec.preprocess, **{t: PREPROCESSING[ec.preprocess][t] for t in tasks}}}
     skip = results["skipped"].append
     timings = {}
     shards = _shards(run_dir)
@@ -267,7 +293,7 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
         out = {}
         for s in ec.captioning:
             rows = captions[s.name]
-            x = _prep([img for _, img, _ in rows], cfg.image_size)
+            x = _prep([img for _, img, _ in rows], cfg.image_size, mode=ec.preprocess)
             ids = [i for i, _, _ in rows]
             refs = {i: r for i, _, r in rows}
             out[s.name] = {}
@@ -300,7 +326,9 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
             idx = [i for i in data.selected if not data.split or data.split[i] == "test"]
             results["sets"][s.name] = {**data.describe(), "test_images": len(idx)}
             log(f"eval: {s.name}: {_said(results['sets'][s.name])}")
-            x = _prep([data.image(i) for i in idx], cfg.image_size, crop=True)
+            # big_vision squashes zero-shot images (no crop)
+            x = _prep([data.image(i) for i in idx], cfg.image_size, crop=ec.preprocess != "big_vision",
+                      mode=ec.preprocess)
             labels = [data.labels[i] for i in idx]
             classes = sorted(set(data.labels))
             names, templates = prompt_texts(s, classes, run_dir)
@@ -335,7 +363,7 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
         wo = {}
         for s in ec.wordorder:
             cases = load_wordorder(s, run_dir, captions)
-            x = _prep([img for img, _, _ in cases], cfg.image_size)
+            x = _prep([img for img, _, _ in cases], cfg.image_size, mode=ec.preprocess)
 
             def score(i, caps):
                 c = _encode(sp, caps, cfg.max_len, eos=True)
