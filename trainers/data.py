@@ -51,8 +51,10 @@ def check_readers(n_shards: int, world: int, loader_workers: int) -> None:
     del loader_workers  # loader processes split batches, not shards: any number works
 
 
-def encode_caption(sp, text: str, max_len: int) -> np.ndarray:
-    ids = sp.encode(text)[: max_len - 1] + [1]   # sticky EOS
+def encode_caption(sp, text: str, max_len: int, eos: bool = True) -> np.ndarray:
+    """eos: end with EOS (kept when truncated); without, the caption's own tokens only (ClipCap's
+    reference trains so, and stops decoding at ".")."""
+    ids = sp.encode(text)[: max_len - 1] + [1] if eos else sp.encode(text)[:max_len]
     out = np.zeros(max_len, np.int64)
     out[: len(ids)] = ids
     return out
@@ -113,8 +115,8 @@ class ShardStream(torch.utils.data.IterableDataset):
     """Yields whole batches (dicts) for one training worker, from `state` on, forever (epoch after epoch)."""
 
     def __init__(self, shards: list[Path], tokenizer_path: str, batch_size: int, image_size: int, max_len: int,
-                 seed: int, rank: int, world: int, state: LoaderState, keys: bool = False):
-        self.shards, self.tokenizer_path = shards, tokenizer_path
+                 seed: int, rank: int, world: int, state: LoaderState, keys: bool = False, eos: bool = True):
+        self.shards, self.tokenizer_path, self.eos = shards, tokenizer_path, eos
         self.batch_size, self.image_size, self.max_len = batch_size, image_size, max_len
         self.seed, self.rank, self.world, self.state = seed, rank, world, state
         self.keys = keys
@@ -177,7 +179,7 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def _collate(self, keys, parts_list, epoch, b):
         images = np.stack([decode_image(p["jpg"], self.image_size) for p in parts_list])
-        labels = np.stack([encode_caption(self._sp(), p["txt"].decode(), self.max_len) for p in parts_list])
+        labels = np.stack([encode_caption(self._sp(), p["txt"].decode(), self.max_len, self.eos) for p in parts_list])
         out = {"images": torch.from_numpy(images), "labels": torch.from_numpy(labels),
                "epoch": epoch, "batch": b}
         if self.keys:

@@ -25,6 +25,23 @@ class FamilySpec:
     lit_decoder: bool = True        # a LiT decoder is trained on its features for captioning
     parallel_fraction: float = 0.0  # share of examples trained with parallel prediction (CapPa: 0.75)
     pooled_by_head: bool = False    # its image features are its own pooling (GAP or MAP head), not the mean
+    # a caption ends at the first token ending in this text, trained without an end token (ClipCap's
+    # reference stops at "."); None: at EOS, trained with one
+    stop_text: str | None = None
+
+
+def stop_ids(sp, text: str | None) -> list[int]:
+    """The ids of a tokenizer (capline's: 0 pad, 1 EOS) whose piece ends in `text`: a caption of a
+    family with a stop text ends at the first of them."""
+    if not text:
+        return []
+    key = (id(sp), text)
+    if key not in _STOP_IDS:   # a GPT-2 vocabulary is 50,000 decodes: once per tokenizer
+        _STOP_IDS[key] = [i for i in range(2, sp.get_piece_size()) if sp.decode([i]).endswith(text)]
+    return _STOP_IDS[key]
+
+
+_STOP_IDS: dict = {}
 
 
 def _captioner(cfg, image_encoder=None):
@@ -61,7 +78,7 @@ SPECS: dict[str, FamilySpec] = {s.name: s for s in (
                pooled_by_head=True),
     FamilySpec("coca", _coca, "CoCaTask", writes=True, captioner=False, embeds_text=True),
     FamilySpec("clipcap", _clipcap, "PrefixCaptioningTask", writes=True, captioner=False, embeds_text=False,
-               needs_encoder=True, lit_decoder=False),
+               needs_encoder=True, lit_decoder=False, stop_text="."),
 )}
 
 

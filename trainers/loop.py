@@ -110,8 +110,11 @@ def train_loop_per_worker(config: dict) -> None:
     device = ray.train.torch.get_device()
     wrapped = ray.train.torch.prepare_model(LossModule(model))
     use_amp = device.type == "cuda"
+    from .families import spec as family_spec
+
     stream = ShardStream(c.shards, str(tokenizer), tc.micro_batch or tc.per_worker_batch,
-                         mc.image_size, mc.max_len, c.seed, rank, world, state)
+                         mc.image_size, mc.max_len, c.seed, rank, world, state,
+                         eos=family_spec(mc.family).stop_text is None)
     batches = iter(make_loader(stream, tc.loader_workers))
     sp = open_tokenizer(tokenizer)
     buffer = MetricBuffer(c.mlflow_uri, c.run_id, log=lambda m: print(m, flush=True)) if rank == 0 else None

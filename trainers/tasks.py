@@ -37,10 +37,11 @@ class Task:
 
     @torch.no_grad()
     def samples(self, model: nn.Module, images: torch.Tensor, sp) -> list[str]:
+        from .families import spec, stop_ids
         from .models.decoding import greedy
 
         model.eval()
-        ids = greedy(model, images, self.model_cfg.max_len)
+        ids = greedy(model, images, self.model_cfg.max_len, stop=stop_ids(sp, spec(self.model_cfg.family).stop_text))
         model.train()
         return [sp.decode([int(t) for t in row if t > 1]) for row in ids]
 

@@ -109,6 +109,25 @@ def test_rerun_of_a_finished_run_skips_everything(reference_run):
     assert (run_dir / "ingest" / "_SUCCESS").read_text() == before
 
 
+def test_the_filters_run_twice_keep_the_same_keys_and_train_the_same_scorer(reference_run, tmp_path):
+    """basic, language and clip_score run again on a copy of the run (their folders removed): the
+    same kept keys, and a bootstrap scorer trained again to the same bytes."""
+    import shutil
+
+    run_dir, _ = reference_run
+    kept = {s: sorted(r["key"] for r in read_ledger(run_dir, s).to_pylist() if r["verdict"] == "kept")
+            for s in ("basic", "language", "clip_score")}
+    sha = json.loads((run_dir / "clip_score" / "stats.json").read_text())["scorer"]["sha256"]
+    copy = tmp_path / "again"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("basic", "language", "clip_score"))
+    proc = capline("run", "--run-dir", str(copy), *ARGS, "--until", "clip_score")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "basic: running" in proc.stdout and "clip_score: training the bootstrap scorer" in proc.stdout
+    for stage, keys in kept.items():
+        assert sorted(r["key"] for r in read_ledger(copy, stage).to_pylist() if r["verdict"] == "kept") == keys, stage
+    assert json.loads((copy / "clip_score" / "stats.json").read_text())["scorer"]["sha256"] == sha
+
+
 def test_kill_mid_ingest_then_resume_gives_the_same_shards(reference_run, tmp_path):
     ref_dir, _ = reference_run
     run_dir = tmp_path / "run"

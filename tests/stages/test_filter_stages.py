@@ -106,21 +106,6 @@ def test_filter_reports_show_pictures_per_reason(demo_filtered):
         assert page.count("<img") == min(stats["kept"], 20) + sum(min(n, 20) for n in stats["dropped"].values())
 
 
-def test_same_run_twice_keeps_the_same_keys(demo_filtered, tmp_path):
-    run_dir, _ = demo_filtered
-    before = {s: _kept(run_dir, s) for s in ("basic", "language", "clip_score")}
-    sha = json.loads((run_dir / "clip_score" / "stats.json").read_text())["scorer"]["sha256"]
-    copy = tmp_path / "again"
-    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("basic", "language", "clip_score"))
-    proc = capline("run", str(ROOT / "configs" / "demo.yaml"), "--run-dir", str(copy), "--until", "clip_score",
-                   *CACHE, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "basic: running" in proc.stdout and "clip_score: training the bootstrap scorer" in proc.stdout
-    for stage, keys in before.items():
-        assert _kept(copy, stage) == keys, stage
-    assert json.loads((copy / "clip_score" / "stats.json").read_text())["scorer"]["sha256"] == sha
-
-
 def test_bootstrap_on_a_trusted_subset(demo_filtered, tmp_path):
     run_dir, _ = demo_filtered
     copy = tmp_path / "trusted"

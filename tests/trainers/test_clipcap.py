@@ -94,3 +94,51 @@ def test_a_clipcap_checkpoint_holds_its_image_encoder(tmp_path):
     from trainers.models.decoding import greedy
 
     assert torch.equal(greedy(again, images, L), greedy(cc, images, L))
+
+
+def test_clipcap_trains_without_an_end_token_and_decodes_up_to_the_first_period():
+    """ClipCap's reference appends no end token and stops generating at ".": capline's ClipCap
+    family trains on the caption's own tokens and its greedy and beam decoding end at the first
+    token ending in "." (kept), where other families end at EOS."""
+    from trainers.data import encode_caption
+    from trainers.families import spec, stop_ids
+    from trainers.models.decoding import beam_search, greedy
+
+    class Pieces:      # a tokenizer: ids 2.. are these pieces
+        pieces = ["<pad>", "</s>", "▁a", "▁dog", "▁runs", ".", "▁sits."]
+
+        def get_piece_size(self):
+            return len(self.pieces)
+
+        def decode(self, ids):
+            return "".join(self.pieces[i] for i in ids).replace("▁", " ").strip()
+
+        def encode(self, text):
+            return [self.pieces.index("▁" + w) if "▁" + w in self.pieces else self.pieces.index(w)
+                    for w in text.replace(".", " .").split()]
+
+    sp = Pieces()
+    assert spec("clipcap").stop_text == "." and spec("cap").stop_text is None
+    assert stop_ids(sp, ".") == [5, 6] and stop_ids(sp, None) == []
+    assert encode_caption(sp, "a dog runs .", 8).tolist() == [2, 3, 4, 5, 1, 0, 0, 0]
+    assert encode_caption(sp, "a dog runs .", 8, eos=False).tolist() == [2, 3, 4, 5, 0, 0, 0, 0]
+
+    class Scripted(torch.nn.Module):   # emits "a dog runs . a dog ..." whatever it sees
+        script = [2, 3, 4, 5, 2, 3, 4, 1]
+
+        def start(self, images):
+            return images.new_zeros(images.shape[0], 1, 4)
+
+        def new_cache(self):
+            return None
+
+        def step(self, seqs, memory, cache, t):
+            logits = torch.full((memory.shape[0], 1, len(Pieces.pieces)), -5.0)
+            pos = max(t, seqs.shape[1] - 1)      # cached: t; uncached: the whole sequence so far
+            logits[:, :, self.script[min(pos, len(self.script) - 1)]] = 5.0
+            return logits
+
+    images = torch.zeros(2, 3, 4, 4)
+    assert greedy(Scripted(), images, 8, stop=stop_ids(sp, "."))[0].tolist() == [2, 3, 4, 5, 0, 0, 0, 0]
+    assert greedy(Scripted(), images, 8)[0].tolist() == [2, 3, 4, 5, 2, 3, 4, 1]
+    assert beam_search(Scripted(), images, 8, beam=2, use_cache=False, stop=stop_ids(sp, "."))[0].tolist() == [2, 3, 4, 5, 0, 0, 0, 0]

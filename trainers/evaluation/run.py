@@ -209,13 +209,15 @@ def _said(d: dict) -> str:
 
 
 def _decode_scores(model, cfg, sp, x, ids, refs) -> dict:
+    from trainers.families import stop_ids
     from trainers.models.decoding import beam_search, greedy
 
     from .textmetrics import caption_scores
 
+    stop = stop_ids(sp, spec(cfg.family).stop_text)     # ClipCap: its captions end at "."
     out = {}
-    for name, fn in (("greedy", lambda b: greedy(model, b, cfg.max_len)),
-                     ("beam4", lambda b: beam_search(model, b, cfg.max_len, beam=4))):
+    for name, fn in (("greedy", lambda b: greedy(model, b, cfg.max_len, stop=stop)),
+                     ("beam4", lambda b: beam_search(model, b, cfg.max_len, beam=4, stop=stop))):
         seqs = _batched(fn, x, device=_dev(model), batch=64).long()
         cands = {i: sp.decode([int(t) for t in row if t > 1]) for i, row in zip(ids, seqs)}
         out[name] = caption_scores(refs, cands)
@@ -366,7 +368,7 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
             x = _prep([img for img, _, _ in cases], cfg.image_size, mode=ec.preprocess)
 
             def score(i, caps):
-                c = _encode(sp, caps, cfg.max_len, eos=True)
+                c = _encode(sp, caps, cfg.max_len, eos=family.stop_text is None)   # as the family was trained
                 fn = model.score_ar if writes else model.score
                 return _batched(fn, x[i:i + 1], c, device=dev)[0].tolist()
 

@@ -22,8 +22,17 @@ def _reorder(cache, index: torch.Tensor):
 
 
 @torch.no_grad()
-def greedy(model, images: torch.Tensor, max_len: int, use_cache: bool = True) -> torch.Tensor:
-    """Argmax decoding -> (B, max_len) token ids, PAD after EOS."""
+def _ends(tok: torch.Tensor, stop: list[int] | None) -> torch.Tensor:
+    """Whether each token ends its caption: EOS, or one of `stop` (kept in the caption)."""
+    ended = tok == EOS_ID
+    if stop:
+        ended = ended | torch.isin(tok, torch.tensor(stop, device=tok.device))
+    return ended
+
+
+def greedy(model, images: torch.Tensor, max_len: int, use_cache: bool = True,
+           stop: list[int] | None = None) -> torch.Tensor:
+    """Argmax decoding -> (B, max_len) token ids, PAD after EOS (or after a `stop` token)."""
     memory = model.start(images)
     b = memory.shape[0]
     seqs = torch.full((b, 1), PAD_ID, dtype=torch.long, device=memory.device)  # BOS
@@ -33,7 +42,7 @@ def greedy(model, images: torch.Tensor, max_len: int, use_cache: bool = True) ->
         logits = (model.step(seqs[:, -1:], memory, cache, t) if use_cache else model.step(seqs, memory, None, 0))[:, -1]
         tok = torch.where(done, torch.full_like(done, PAD_ID, dtype=torch.long), logits.argmax(-1))
         seqs = torch.cat([seqs, tok[:, None]], dim=1)
-        done = done | (tok == EOS_ID)
+        done = done | _ends(tok, stop)
         if done.device.type != "meta" and done.all():   # meta: no values to stop on (the device test)
             break
     out = seqs[:, 1:]
@@ -42,7 +51,7 @@ def greedy(model, images: torch.Tensor, max_len: int, use_cache: bool = True) ->
 
 @torch.no_grad()
 def beam_search(model, images: torch.Tensor, max_len: int, beam: int = 4, use_cache: bool = True,
-                length_penalty: float = 0.0) -> torch.Tensor:
+                length_penalty: float = 0.0, stop: list[int] | None = None) -> torch.Tensor:
     """Beam search; returns the best finished hypothesis per image, (B, max_len)."""
     memory = model.start(images)                                  # (B, M, D)
     b = memory.shape[0]
@@ -68,7 +77,7 @@ def beam_search(model, images: torch.Tensor, max_len: int, beam: int = 4, use_ca
         tok = idx % v
         src, tok = src.view(-1), tok.view(-1)
         seqs = torch.cat([seqs.index_select(0, src), tok[:, None]], dim=1)
-        finished = finished.index_select(0, src) | (tok == EOS_ID)
+        finished = finished.index_select(0, src) | _ends(tok, stop)
         scores = top
         if use_cache:
             cache = _reorder(cache, src)
