@@ -331,6 +331,26 @@ def test_initialisation_and_biases_are_big_visions():
     assert m.decoder.ln.bias is not None                    # the final LayerNorm keeps flax's default bias
 
 
+@pytest.mark.slow   # 5 s: three models built
+def test_contrastive_projection_heads_start_at_flax_default_init():
+    """big_vision's two towers (and CoCa's) project with flax Dense heads at their default init,
+    lecun normal: std 1/sqrt(fan_in) (0.0442 at width 512), where PyTorch's default gives 0.0255."""
+    import torch
+
+    from trainers.models import build_model
+    from trainers.models.config import ModelConfig
+
+    torch.manual_seed(0)
+    for family in ("clip", "siglip", "coca"):
+        m = build_model(ModelConfig(family=family, size="tiny", width=512, heads=4, mlp=1024, depth=1, decoder_depth=1,
+                                    vocab_size=50, max_len=8, image_size=16, patch=8))
+        heads = [m.image_proj, m.text_proj] if family == "coca" else [m.image_proj, m.text.proj]
+        for head in heads:
+            fan_in = head.weight.shape[1]
+            assert float(head.weight.detach().std()) == pytest.approx(fan_in ** -0.5, rel=0.03), family
+            assert float(head.weight.detach().abs().max()) <= 2 * fan_in ** -0.5 / 0.8796 + 1e-6   # truncated at 2 std
+
+
 def test_a_checkpoint_from_before_the_final_layernorm_bias_still_loads(tmp_path):
     """Models saved before the decoder's final LayerNorm had a bias load with it at zero (the same
     function); any other missing weight is still refused."""

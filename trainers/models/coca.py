@@ -25,7 +25,7 @@ from torch import nn
 
 from .config import PAD_ID, ModelConfig
 from .decoding import sequence_logprob
-from .layers import MAPHead, causal_mask, layer_norm
+from .layers import MAPHead, causal_mask, init_linear, layer_norm
 from .losses import caption_loss, clip_loss
 from .text import TextDecoder, shift_right
 from .vit import ViT
@@ -46,9 +46,11 @@ class CoCa(nn.Module):
         self.cap_pool = MAPHead(tw, th, tm, queries=cfg.caption_queries, bias=cfg.bias, kv_dim=d)
         self.cap_ln = layer_norm(tw, cfg.bias)
         self.image_proj = nn.Linear(d, cfg.out_dim, bias=False)
+        init_linear(self.image_proj, "lecun")     # flax's default Dense init, as big_vision's heads
         # unimodal: embeddings (V+1 rows: id V is [CLS]) and causal blocks, positions for L + 1
         self.unimodal = TextDecoder(text, half, cross=False, max_len=cfg.max_len + 1, head=False)
         self.text_proj = nn.Linear(tw, cfg.out_dim, bias=False)
+        init_linear(self.text_proj, "lecun")
         # no positions of its own: they are already in the unimodal output
         self.multimodal = TextDecoder(text, half, cross=True, embed=False, positions=False)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .layers import init_linear
 from .losses import clip_loss, siglip_loss
 from .text import TextEncoder
 from .vit import ViT
@@ -23,7 +24,10 @@ class TwoTower(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.encoder = ViT(cfg)
+        # big_vision's two towers: each tower's head a flax Dense at its default init (lecun normal;
+        # the image head's head_zeroinit is off), not PyTorch's (a third of the variance)
         self.image_proj = nn.Linear(cfg.dim, cfg.out_dim, bias=False)
+        init_linear(self.image_proj, "lecun")
         self.text = TextEncoder(cfg)
         if cfg.family == "siglip":
             self.t_prime = nn.Parameter(torch.tensor(math.log(10.0)))

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .config import PAD_ID, ModelConfig
-from .layers import Block, MAPHead, causal_mask, layer_norm
+from .layers import Block, MAPHead, causal_mask, init_linear, layer_norm
 
 
 class TextDecoder(nn.Module):
@@ -69,6 +69,7 @@ class TextEncoder(nn.Module):
         self.ln = layer_norm(d, bias)
         self.map = MAPHead(d, cfg.num_heads, cfg.mlp_dim, bias=bias) if cfg.pool == "map" else None
         self.proj = nn.Linear(d, cfg.out_dim, bias=False)
+        init_linear(self.proj, "lecun")     # flax's default Dense init, as big_vision's text head
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         valid = tokens != PAD_ID                                    # (B, L)
