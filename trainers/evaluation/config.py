@@ -136,7 +136,8 @@ class MapProbe:
 
 def _default_fewshot() -> list[ClassificationSet]:
     return [ClassificationSet(name="digits", kind="builtin", path="digits"),
-            ClassificationSet(name="fashion_mnist", kind="builtin", path="fashion_mnist")]
+            # a laptop's default names its limit (printed and recorded with the result): 2,000 of each split
+            ClassificationSet(name="fashion_mnist", kind="builtin", path="fashion_mnist", limit=2000)]
 
 
 @dataclass
