@@ -40,10 +40,10 @@ from dataclasses import dataclass
 
 from infra.media import FORMATS, ImageRefused, _failure, open_checked
 
-from .img2dataset_parts import lazy_package
+from .img2dataset_parts import prepare
 from .polite import Hosts, Manners, retry_after
 
-lazy_package("img2dataset")   # its downloader without its command's imports (img2dataset_parts.py)
+prepare()   # img2dataset's downloader without its command's imports (img2dataset_parts.py)
 import img2dataset.downloader as _i2d  # noqa: E402
 
 METADATA_HOSTS = {"metadata.google.internal", "metadata", "instance-data"}

@@ -6,9 +6,9 @@ with it torch: 5.4 s of imports in every ingest worker process, of which the dow
 An append's cold workers, 16 on two cores in `benchmarks/partitions.py`, spent 37 s importing
 before the first URL. Here:
 
-- the package is registered without running its __init__; the first time anything asks the
-  package for a name it does not hold yet (`img2dataset.download`, `.main`), the __init__ runs
-  then, so every other caller in the process sees img2dataset as usual;
+- the package (and wandb, which its logger imports) is registered without running its __init__;
+  the first time anything asks the package for a name it does not hold yet (`img2dataset.download`,
+  `.main`), the __init__ runs then, so every other caller in the process sees it as usual;
 - the shard's tar and parquet are written by `TarSampleWriter`, img2dataset's sample-writer
   interface and layout (`<key>.jpg`, `.json`, `.txt`; a parquet row per URL, failures included)
   with Python's tarfile instead of webdataset's TarWriter, and fixed member headers (mtime 0), so
@@ -51,9 +51,17 @@ def lazy_package(name: str):
         return module
 
 
+def prepare() -> None:
+    """Register img2dataset, and wandb (which its logger imports at the top and the download never
+    uses), as lazy packages. wandb, run, makes two temporary folders that a worker Ray kills never
+    removes: 2,358 of them were left in /tmp here after a day of runs."""
+    lazy_package("wandb")
+    lazy_package("img2dataset")
+
+
 def downloader_classes():
     """-> (img2dataset's Downloader, its Resizer), imported without img2dataset's command."""
-    lazy_package("img2dataset")
+    prepare()
     from img2dataset.downloader import Downloader
     from img2dataset.resizer import Resizer
 

@@ -61,7 +61,7 @@ def test_an_ingest_worker_imports_no_torch_pandas_or_webdataset_and_img2dataset_
 import sys
 from stages.ingest import IngestConfig, _downloader
 d = _downloader(IngestConfig(), ())
-print(sorted(m for m in ("torch", "pandas", "webdataset", "img2dataset.main") if m in sys.modules))
+print(sorted(m for m in ("torch", "pandas", "webdataset", "img2dataset.main", "wandb.sdk") if m in sys.modules))
 import img2dataset
 from img2dataset import download
 print(callable(download), callable(img2dataset.main), type(d).__mro__[1].__module__)
