@@ -253,3 +253,29 @@ def test_the_paper_table_names_its_preprocessing_splits_and_sizes():
     assert "- fashion_mnist: test 2000 of 10000, train 2000 of 60000 images, official split, 10 classes, limit 2000 per split" in text
     assert "- coco: 5000 images, split test, whole" in text and "- vgr: 23937 cases, whole" in text
     assert _protocol([("Cap", 1.0, 2.0, {})]) == ""
+
+
+def test_the_map_probe_can_read_the_whole_train_split(tmp_path):
+    """map_probe.shots null: the paper's probe on a frozen encoder trains on the whole train split
+    (a tenth of each class held out for validation), scored on the test split."""
+    import torch
+
+    from trainers.evaluation.config import EvalConfig, MapProbe
+    from trainers.evaluation.run import _fewshot, _whole_pool
+    from trainers.models import ModelConfig, build_model
+
+    y = np.repeat(np.arange(3), 20)
+    pool = np.arange(0, 60, 2)                          # 10 of each class
+    tr, val = _whole_pool(y, pool, 0)
+    assert len(val) == 3 and set(y[val]) == {0, 1, 2} and sorted(np.concatenate([tr, val])) == list(pool)
+    _folder(tmp_path, "train", per=12)
+    _folder(tmp_path, "test", per=3)
+    torch.manual_seed(0)
+    cfg = ModelConfig(family="cappa", size="tiny", vocab_size=64, max_len=8, image_size=16, patch=4, width=32,
+                      depth=1, heads=2, mlp=64, caption_queries=4, prefix_len=3)
+    ec = EvalConfig(fewshot=[], shots=[1], seeds=1, map_probe=MapProbe(steps=4, shots=None, sweep=False))
+    results = {"skipped": [], "sets": {}}
+    _fewshot(build_model(cfg).eval(), cfg, [ClassificationSet(name="f", kind="folder", path=str(tmp_path))], ec, (1,),
+             True, results, tmp_path, lambda m: None)
+    assert list(results["fewshot_map"]["f"]) == ["all"] and len(results["fewshot_map"]["f"]["all"]["runs"]) == 1
+    assert not results["skipped"]

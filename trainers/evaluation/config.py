@@ -125,12 +125,14 @@ class Budget:
 class MapProbe:
     steps: int = 100               # training steps of the MAP-head probe
     lr: float = 3e-3               # its learning rate
-    shots: int = 10                # examples per class it is trained on
+    # examples per class it is trained on; null: the whole train split (the paper's probe on a frozen
+    # encoder), a tenth of each class held out for validation
+    shots: int | None = 10
     sweep: bool = True             # also lr/3 and 3*lr, each read at steps/2 and steps; best on validation
 
     def validate(self, prefix: str) -> None:
         require(self.steps >= 0, join(prefix, "steps"), "must be >= 0 (0: skip the MAP-head probe)")
-        require(self.shots >= 1, join(prefix, "shots"), "must be >= 1")
+        require(self.shots is None or self.shots >= 1, join(prefix, "shots"), "must be >= 1, or null (the whole train split)")
         require(self.lr > 0, join(prefix, "lr"), "must be > 0")
 
 

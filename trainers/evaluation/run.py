@@ -166,10 +166,14 @@ def _fewshot(model, cfg, sets, ec: EvalConfig, shots, strict, results, run_dir: 
             results["skipped"].append(f"few-shot on {s.name}: {sorted(set(shots) - set(fitting))}-shot left out, "
                                       f"a class has only {fewest} examples {where}")
         k = ec.map_probe.shots
-        map_probe_runs = bool(ec.map_probe.steps) and k + 1 <= fewest   # at least one validation image per class
+        # at least one validation image per class beside the training ones
+        map_probe_runs = bool(ec.map_probe.steps) and (fewest >= 2 if k is None else k + 1 <= fewest)
         draws = [few_shot_split(y, n, seed, pool) for n in fitting for seed in range(ec.seeds)]
         map_draws = []
         for seed in range(ec.seeds if map_probe_runs else 0):
+            if k is None:      # the paper's probe: the whole train split, a tenth of each class for validation
+                map_draws.append(_whole_pool(y, pool, seed))
+                continue
             tr, rest = few_shot_split(y, k, seed, pool, extra=1)
             map_draws.append((tr, np.concatenate([rest[y[rest] == c][:k] for c in range(len(values))])))
         # the images any probe reads: the test split and every draw's shots (and validation)
@@ -193,12 +197,23 @@ def _fewshot(model, cfg, sets, ec: EvalConfig, shots, strict, results, run_dir: 
                 runs.append(map_probe((tokens[row[tr]], y[tr]), (tokens[row[val]], y[val]),
                                       (tokens[row[test]], y[test]), cfg, mp.steps, lrs, seed))
             accs = [r["accuracy"] for r in runs]
-            maps[s.name] = {str(k): {"mean": float(np.mean(accs)), "std": float(np.std(accs)), "runs": accs,
+            maps[s.name] = {("all" if k is None else str(k)): {"mean": float(np.mean(accs)), "std": float(np.std(accs)), "runs": accs,
                                      "chosen": [{"lr": r["lr"], "steps": r["steps"]} for r in runs]}}
         elif ec.map_probe.steps:
             results["skipped"].append(f"MAP-head probe on {s.name}: a class has only {fewest} examples {where} "
-                                      f"for {k}-shot and validation")
+                                      f"for {'training' if k is None else f'{k}-shot'} and validation")
     results["fewshot"], results["fewshot_map"] = fs, maps
+
+
+def _whole_pool(y: np.ndarray, pool: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """-> (train, validation): every pool image, a tenth of each class (at least one) held out by seed."""
+    rng = np.random.default_rng(seed)
+    val = []
+    for c in np.unique(y[pool]):
+        idx = pool[y[pool] == c]
+        val += list(rng.choice(idx, size=max(1, len(idx) // 10), replace=False))
+    val = np.array(sorted(val), dtype=np.int64)
+    return np.setdiff1d(pool, val), val
 
 
 def _said(d: dict) -> str:
