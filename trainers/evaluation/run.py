@@ -46,9 +46,12 @@ def central_square(image):
 
 
 PREPROCESSING = {
+    # zero-shot: a captioner's scores (ar, parallel, lit) as big_vision's probes; the contrastive
+    # towers' cosine as CLIP's (shorter side to size, central crop, bicubic)
     "big_vision": {"fewshot": "squash to size*256/224, central crop to size, bilinear",
-                   "zeroshot": "squash to size, bilinear", "captioning": "squash to size, bilinear",
-                   "wordorder": "squash to size, bilinear"},
+                   "zeroshot": "captioners (ar, parallel, lit): squash to size*256/224, central crop, bilinear; "
+                               "contrastive (cosine): CLIP's, largest centred square resized to size, bicubic",
+                   "captioning": "squash to size, bilinear", "wordorder": "squash to size, bilinear"},
     "square_crop": {"fewshot": "largest centred square, resize to size, bicubic",
                     "zeroshot": "largest centred square, resize to size, bicubic",
                     "captioning": "whole image resized to size, bicubic", "wordorder": "whole image resized to size, bicubic"},
@@ -343,9 +346,11 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
             idx = [i for i in data.selected if not data.split or data.split[i] == "test"]
             results["sets"][s.name] = {**data.describe(), "test_images": len(idx)}
             log(f"eval: {s.name}: {_said(results['sets'][s.name])}")
-            # big_vision squashes zero-shot images (no crop)
-            x = _prep([data.image(i) for i in idx], cfg.image_size, crop=ec.preprocess != "big_vision",
-                      mode=ec.preprocess)
+            images = [data.image(i) for i in idx]
+            x = _prep(images, cfg.image_size, crop=True, mode=ec.preprocess)
+            # the contrastive towers read CLIP's preprocessing (the square crop) in every mode
+            x_clip = _prep(images, cfg.image_size, crop=True) if family.embeds_text and ec.preprocess != "square_crop" else x
+            del images
             labels = [data.labels[i] for i in idx]
             classes = sorted(set(data.labels))
             names, templates = prompt_texts(s, classes, run_dir)
@@ -361,7 +366,7 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
                 scorers += [("ar", lambda: likelihood(model.score_ar)),
                             ("parallel", lambda: likelihood(model.score_parallel))]
             if family.embeds_text:
-                scorers.append(("cosine", lambda: _prompt_ensemble(model, x, cands, len(classes), dev)))
+                scorers.append(("cosine", lambda: _prompt_ensemble(model, x_clip, cands, len(classes), dev)))
             if lit_text is not None:
                 scorers.append(("lit", lambda: _prompt_ensemble(lit_text, x, cands, len(classes), dev)))
             res = {"classes": len(classes), "prompts_per_class": per}
