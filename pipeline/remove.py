@@ -38,10 +38,9 @@ import pyarrow.compute as pc
 from infra.errors import UserError
 from stages import line_lookup
 from stages.line import LINE, RECORD, published_all, published_file, published_parts, read_line
+from stages.removals import DESCRIPTIONS, REMOVED, removal_digest, unit_rows  # noqa: F401 - the line's removals, as dedup applies them
 
-REMOVED = f"{LINE}/removed.parquet"
 VERSIONS = f"{LINE}/versions"
-DESCRIPTIONS = "dedup/descriptions.json"      # partition -> its description file (written by dedup)
 KINDS = ("url", "key", "sha256", "image")
 REMOVED_SCHEMA = pa.schema([("removal", pa.int32()), ("kind", pa.string()), ("value", pa.string()),
                             ("key", pa.string()), ("url", pa.string()), ("sha256", pa.string()),
@@ -101,11 +100,6 @@ def image_vectors(entries: list[Entry], base: Path) -> np.ndarray:
     return np.stack(vecs) if vecs else np.zeros((0, 768), np.float32)
 
 
-def _unit_rows(blob: list[bytes]) -> np.ndarray:
-    v = np.frombuffer(b"".join(blob), np.float16).reshape(len(blob), -1).astype(np.float32) if blob else np.zeros((0, 768), np.float32)
-    return v / (np.linalg.norm(v, axis=1, keepdims=True) + 1e-6)
-
-
 def _match_task(storage, part: str, ingest_file: str, desc_file: str | None, keys: frozenset, urls: frozenset,
                 shas: frozenset, vecs: np.ndarray, threshold: float) -> list[dict]:
     """Ray task: the published samples of one input partition that an entry names: -> rows of (key,
@@ -125,7 +119,7 @@ def _match_task(storage, part: str, ingest_file: str, desc_file: str | None, key
     near = {}
     if len(vecs) and vec_of:
         names = list(vec_of)
-        sims = _unit_rows([vec_of[k] for k in names]) @ vecs.T
+        sims = unit_rows([vec_of[k] for k in names]) @ vecs.T
         near = {k: float(s) for k, s in zip(names, sims.max(axis=1)) if s >= threshold}
     out = []
     for key, shard in zip(pub.column("key").to_pylist(), pub.column("shard").to_pylist()):
@@ -170,13 +164,6 @@ def _unpublish_task(storage, part: str, removed: frozenset) -> int:
     keep = t.filter(pc.invert(pc.is_in(t.column("key"), pa.array(sorted(removed), pa.string()))))
     storage.write_table(published_file(part), keep)
     return t.num_rows - keep.num_rows
-
-
-def removal_digest(storage) -> str | None:
-    """What later runs' dedup verdicts depend on: the removals the line records (None: none)."""
-    line = read_line(storage)
-    removals = (line or {}).get("removals") or []
-    return hashlib.sha256(json.dumps(removals, sort_keys=True).encode()).hexdigest()[:16] if removals else None
 
 
 def open_line(where: str, what: str):
@@ -353,50 +340,6 @@ def _mlflow(store, manifest, record: dict, log=print) -> None:
                                             now, record["removal"])])
     except Exception as err:  # noqa: BLE001 - tracking is not the data
         log(f"mlflow: could not record the removal on the data-build run at {redact(uri)} ({type(err).__name__})")
-
-
-def blocked(storage, table: pa.Table, vecs: dict[str, bytes]) -> dict[str, str]:
-    """For the dedup stage of a later run: key -> why, for the samples of `table` (key, url, sha256)
-    that a removal names, or that are near copies of a removed image or sample (`vecs`: key -> the
-    sample's descriptor)."""
-    try:
-        r = storage.read_table(REMOVED)
-    except (FileNotFoundError, OSError):
-        return {}
-    kinds, values = r.column("kind").to_pylist(), r.column("value").to_pylist()
-    nums, reasons = r.column("removal").to_pylist(), r.column("reason").to_pylist()
-    rkeys, rurls, rshas = (r.column(c).to_pylist() for c in ("key", "url", "sha256"))
-    by = {"key": {}, "url": {}, "sha256": {}}
-    for kind, value, key, url, sha, n, why in zip(kinds, values, rkeys, rurls, rshas, nums, reasons):
-        if kind in by:
-            by[kind].setdefault(value, (n, why))
-        elif kind == "sample":
-            for col, v in (("key", key), ("url", url), ("sha256", sha)):
-                if v:
-                    by[col].setdefault(v, (n, why))
-    out = {}
-    cols = {c: table.column(c).to_pylist() if c in table.column_names else [None] * table.num_rows
-            for c in ("key", "url", "sha256")}
-    for i, key in enumerate(cols["key"]):
-        for col in ("key", "url", "sha256"):
-            hit = by[col].get(cols[col][i])
-            if hit:
-                out[key] = f"removal {hit[0]} ({col}): {hit[1]}"
-                break
-    have = np.flatnonzero(pc.is_valid(r.column("vec")).to_numpy(zero_copy_only=False)).tolist()
-    todo = [k for k in cols["key"] if k not in out and vecs.get(k)]
-    if have and todo:
-        described = r.take(pa.array(have, pa.int64()))
-        rv = _unit_rows(described.column("vec").to_pylist())
-        thr = described.column("threshold").to_numpy(zero_copy_only=False)
-        sims = _unit_rows([vecs[k] for k in todo]) @ rv.T
-        for k, row in zip(todo, sims):
-            j = int(np.argmax(row - thr))
-            if row[j] >= thr[j]:
-                i = have[j]
-                out[k] = (f"removal {nums[i]} (near copy of {rkeys[i] or values[i]}, cosine {row[j]:.3f}): "
-                          f"{reasons[i]}")
-    return out
 
 
 RECHECKS = f"{LINE}/rechecks"

@@ -686,7 +686,7 @@ def _verdicts(table: pa.Table, part: str, index: int, has_decisions: bool, cfg: 
     desc = storage.read_table(desc, ["key", "ok", "eval_set", "eval_id", "eval_sim"] + (["vec"] if removals else []))
     removed = {}
     if removals:
-        from pipeline.remove import blocked
+        from .removals import blocked
 
         removed = blocked(storage, table, dict(zip(desc.column("key").to_pylist(), desc.column("vec").to_pylist())))
         desc = desc.drop_columns(["vec"])
@@ -881,7 +881,7 @@ class DedupStage(Decide):
         return out
 
     def apply(self, ctx: StageContext, found: Candidates, decisions: dict) -> StageResult:
-        from pipeline.remove import DESCRIPTIONS, removal_digest
+        from .removals import DESCRIPTIONS, removal_digest
 
         cfg: DedupConfig = ctx.cfg
         index = {p: i for i, p in enumerate(sorted(u.part for u in ctx.upstream or []))}

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from .models.config import PARALLEL_FRACTION
+
 
 @dataclass(frozen=True)
 class FamilySpec:
@@ -71,7 +73,7 @@ def _clipcap(cfg, image_encoder=None):
 SPECS: dict[str, FamilySpec] = {s.name: s for s in (
     FamilySpec("cap", _captioner, "CaptioningTask", writes=True, captioner=True, embeds_text=False),
     FamilySpec("cappa", _captioner, "CaptioningTask", writes=True, captioner=True, embeds_text=False,
-               parallel_fraction=0.75),
+               parallel_fraction=PARALLEL_FRACTION["cappa"]),
     FamilySpec("clip", _two_tower, "ContrastiveTask", writes=False, captioner=False, embeds_text=True,
                pooled_by_head=True),
     FamilySpec("siglip", _two_tower, "ContrastiveTask", writes=False, captioner=False, embeds_text=True,

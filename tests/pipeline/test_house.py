@@ -1,5 +1,5 @@
 """The shape of the code, checked: the base layer imports nothing else of capline, storage alone tells
-local from bucket, stages meet through the registry, and no two modules import each other."""
+local from bucket, stages meet through the registry, and no modules import each other, directly or in a ring."""
 import ast
 from pathlib import Path
 
@@ -58,6 +58,45 @@ def test_no_two_modules_import_each_other():
                     if a in graph.get(b, set()) and not (a.endswith("__init__") or b == a.rsplit(".", 1)[0]
                                                        or a == b.rsplit(".", 1)[0])})
     assert not pairs, f"modules that import each other: {pairs}"
+
+
+def test_no_import_cycle_of_any_length():
+    """Modules import in layers: no chain of imports (function-level ones too) leads back to where
+    it started. A package and its own modules are one place (an __init__ re-exports them)."""
+    mods = _modules()
+    known = set(mods)
+    graph = {n: {d for d in _imports(n, p, known) if not (n.startswith(d + ".") or d.startswith(n + "."))}
+             for n, p in mods.items()}
+    index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):      # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"modules in an import cycle: {cycles}"
 
 
 def test_only_storage_tells_a_local_folder_from_a_bucket():

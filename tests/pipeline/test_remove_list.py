@@ -6,6 +6,7 @@ import pytest
 from infra.errors import UserError
 from infra.storage import Storage
 from pipeline import remove
+from stages import removals
 
 
 def test_a_list_names_urls_keys_hashes_and_images_by_their_shape_or_prefix(tmp_path):
@@ -59,13 +60,13 @@ def test_a_later_sample_is_blocked_by_key_url_hash_or_as_a_near_copy(tmp_path):
     table = pa.table({"key": list(rows), "url": [u for u, _ in rows.values()], "sha256": [s for _, s in rows.values()]})
     near = _vec(2) + 0.05 * _vec(9)                  # a near copy of the removed image
     vecs = {"k5": f16(near / np.linalg.norm(near)), "k6": f16(_vec(3)), "k7": f16(_vec(1))}
-    got = remove.blocked(storage, table, vecs)
+    got = removals.blocked(storage, table, vecs)
     assert set(got) == {"k1", "ugone", "k3", "k4", "k5", "k7"}
     assert got["k1"].startswith("removal 1 (url)") and got["ugone"].startswith("removal 1 (key)")
     assert got["k3"].startswith("removal 1 (url)") and got["k4"].startswith("removal 2 (sha256)")
     assert "near copy of p.png" in got["k5"] and "safety list" in got["k5"]
     assert "near copy of ugone" in got["k7"]
-    assert remove.blocked(Storage.local(tmp_path / "none"), table, vecs) == {}
+    assert removals.blocked(Storage.local(tmp_path / "none"), table, vecs) == {}
 
 
 def test_the_lookup_finds_entries_in_the_buckets_they_hash_to_over_every_run(tmp_path):
