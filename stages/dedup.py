@@ -53,7 +53,8 @@ from infra.hashing import hash_file as file_sha256
 from infra.shuffle import map_groups, range_pieces, read_bucket, read_range, write_buckets, write_ranges
 
 from .base import Decide, StageContext, StageResult
-from .dataplane import DROPPED, KEPT, PICTURE_COLUMNS, PartTask, by_location, hash_buckets, picture_batches, reused_or_run
+from .dataplane import (DROPPED, KEPT, PICTURE_COLUMNS, PartTask, bucket_pieces, by_location, hash_buckets,
+                        picture_batches, reused_or_run)
 from .eval_sets import EvalSetConfig, build_reference, check_exists
 from .imagehash import describe, to_rgb_array
 from .lsh import SMALL_GROUP, BandPlan, band_plan, band_values, close_in_groups, collapse_copies, mix64, runs
@@ -405,7 +406,7 @@ def _packed(column, width: int) -> np.ndarray:
 
 
 PAIR_DIR, EDGE_DIR, DECISIONS = "dedup/_work/pairs", "dedup/_work/edges", "dedup/_work/decisions.parquet"
-WANTED_DIR, VEC_DIR = "dedup/_work/wanted", "dedup/_work/vecs"
+WANTED_DIR = "dedup/_work/wanted"
 # a near candidate's side: its descriptor is wanted by a pair bucket; fetched by the task of its partition's group
 WANTED_SCHEMA = pa.schema([("key", pa.string()), ("part", pa.string()), ("pair_bucket", pa.int32()),
                            ("fetch_bucket", pa.int32())])
@@ -494,13 +495,14 @@ def _group_rows(storage, bucket: int, cfg: DedupConfig, t: pa.Table, n_pair_buck
 
 
 MAP_SIGNATURES = 2_000_000   # signature rows a group map task holds (~70 bytes each)
-FETCH_PARTS = 128      # partitions whose descriptors one fetch task reads, at most, where CPUs allow
+FETCH_PARTS = 512      # partitions whose descriptors one fetch task reads, at most, where CPUs allow (each reads every wanted file)
 FETCH_AT_ONCE = 32     # descriptor files a fetch task reads at once (each waits on the store's latency)
 
 
-def _fetch_task(storage, bucket: int, files: list[str], desc: dict[str, str]) -> dict:
-    """Ray task: the descriptors wanted of one group of partitions (each partition's file read once)
-    -> one file bucketed by the pair bucket that wants each; -> counts."""
+def _fetch_pieces(storage, bucket: int, files: list[str], desc: dict[str, str], n_pairs: int) -> list[pa.Table]:
+    """Ray task (the verify shuffle's map): the descriptors wanted of one group of partitions (each
+    partition's file read once) -> a piece per pair bucket, handed to the verify tasks through Ray's
+    object store."""
     t = read_bucket(storage, files, "fetch_bucket", bucket, WANTED_SCHEMA)
     by_part: dict[str, list] = {}
     for k, part, pb in zip(*(t.column(c).to_pylist() for c in ("key", "part", "pair_bucket"))):
@@ -517,9 +519,8 @@ def _fetch_task(storage, bucket: int, files: list[str], desc: dict[str, str]) ->
                 out["key"].append(k)
                 out["vec"].append(vec[k])
                 out["pair_bucket"].append(pb)
-    if out["key"]:
-        write_buckets(storage, f"{VEC_DIR}/{bucket:06d}.parquet", pa.table(out, schema=VEC_SCHEMA), "pair_bucket")
-    return {"partitions": len(by_part), "descriptors": len(out["key"])}
+    table = pa.table(out, schema=VEC_SCHEMA)
+    return bucket_pieces(table, np.asarray(out["pair_bucket"], np.int64), n_pairs)
 
 
 def _ranks(counts: np.ndarray) -> np.ndarray:
@@ -540,16 +541,16 @@ def _unit(v: bytes) -> np.ndarray:
     return x / (np.linalg.norm(x) + 1e-6)
 
 
-def _verify_task(storage, bucket: int, files: list[str], vec_files: list[str], threshold: float) -> dict:
-    """Ray task: one pair bucket from every group file, and its candidates' descriptors from every
-    fetch file -> its exact pairs and its candidate near pairs at cosine >= threshold (a pair also
-    found exact is exact), written as edges; -> counts."""
+def _verify_reduce(storage, bucket: int, files: list[str], threshold: float, *pieces: pa.Table) -> dict:
+    """Ray task (the verify shuffle's reduce): one pair bucket from every group file, and its
+    candidates' descriptors from every fetch task -> its exact pairs and its candidate near pairs at
+    cosine >= threshold (a pair also found exact is exact), written as edges; -> counts."""
     t = read_bucket(storage, files, "pair_bucket", bucket, PAIR_SCHEMA)
     pairs = sorted({Pair(*r) for r in zip(*(t.column(f).to_pylist() for f in Pair._fields))})
     exact = [p for p in pairs if p.kind == "exact_duplicate"]
     exact_ab = {(p.a, p.b) for p in exact}
     cand = [p for p in pairs if p.kind == "near_duplicate" and (p.a, p.b) not in exact_ab]
-    v = read_bucket(storage, vec_files, "pair_bucket", bucket, VEC_SCHEMA) if cand else VEC_SCHEMA.empty_table()
+    v = pa.concat_tables(pieces) if cand and pieces else VEC_SCHEMA.empty_table()
     vec = {k: _unit(x) for k, x in zip(v.column("key").to_pylist(), v.column("vec").to_pylist())}
     near = [(p, c) for p in cand if (c := float(vec[p.a] @ vec[p.b])) >= threshold]
     edges = [(p, None) for p in exact] + near
@@ -848,18 +849,18 @@ class DedupStage(Decide):
         pair_files = [f"{PAIR_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f["pairs"]]
         wanted_files = [f"{WANTED_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f["wanted"]]
         desc = {p: f"{o}.desc.parquet" for p, o in outs.items()}
-        fetched = ctx.run(_fetch_task, [(ctx.storage, b, wanted_files, desc) for b in range(n_fetch)] if wanted_files
-                          else [], "dedup fetch descriptors", num_cpus=cfg.cpus_per_worker, unit="buckets")
-        vec_files = [f"{VEC_DIR}/{b:06d}.parquet" for b, f in enumerate(fetched) if f["descriptors"]]
-        checked = ctx.run(_verify_task, [(ctx.storage, b, pair_files, vec_files, cfg.within_threshold)
-                                         for b in range(n_pairs)] if pair_files else [],
-                          "dedup verify", num_cpus=cfg.cpus_per_worker, unit="buckets")
+        # the candidates' descriptors, fetched by partition, reach the verify task of their pair
+        # bucket through Ray's object store (no file between them)
+        checked = ctx.shuffle(_fetch_pieces, [(ctx.storage, b, wanted_files, desc, n_pairs) for b in range(n_fetch)]
+                              if wanted_files else [], n_pairs, _verify_reduce,
+                              [(ctx.storage, b, pair_files, cfg.within_threshold) for b in range(n_pairs)],
+                              "dedup verify", num_cpus=cfg.cpus_per_worker) if pair_files else []
         edge_files = [f"{EDGE_DIR}/{b:06d}.parquet" for b, c in enumerate(checked) if c["edges"]]
         return Candidates(sum(c["exact"] for c in checked), sum(c["near"] for c in checked),
                           sum(c["candidates"] for c in checked), edge_files,
                           set_stats, max((f["largest_group"] for f in found), default=0), n_buckets,
                           plan.describe(cfg.within_threshold), desc,
-                          {"group": n_buckets, "fetch": len(fetched), "verify": len(checked)})
+                          {"group": n_buckets, "fetch": n_fetch if wanted_files and pair_files else 0, "verify": len(checked)})
 
     def decide(self, ctx: StageContext, found: Candidates) -> dict:
         """Pairs joined into clusters, in a task; of each the smallest key is kept. -> counts per
