@@ -41,7 +41,7 @@ def test_a_folder_with_train_and_test_is_read_as_its_official_split(tmp_path):
     flat = tmp_path / "flat"
     _folder(flat, "x")
     data = labelled_set(ClassificationSet(name="g", kind="folder", path=str(flat / "x")), tmp_path)
-    assert data.split is None and data.describe()["split"].startswith("held out")
+    assert data.split is None and data.describe()["split"] == "eval.holdout of each class"
 
 
 def test_a_limit_keeps_every_class_in_each_split_and_is_recorded(tmp_path):

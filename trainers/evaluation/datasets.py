@@ -124,7 +124,7 @@ class LabelledSet:
                 key = self.split[i] if self.split else "all"
                 out[key] = out.get(key, 0) + 1
             return dict(sorted(out.items()))
-        return {"split": "official" if self.split else "held out (eval.holdout of each class)",
+        return {"split": "official" if self.split else "eval.holdout of each class",
                 "images": per_split(self.selected), "of": per_split(range(len(self.labels))), "limit": self.limit,
                 "classes": len(set(self.labels))}
 

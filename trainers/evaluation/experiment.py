@@ -171,7 +171,8 @@ def _protocol(rows) -> str:
         if "images" in d and isinstance(d["images"], dict):
             sizes = ", ".join(f"{k} {v}" + (f" of {d['of'][k]}" if d["of"].get(k, v) != v else "")
                               for k, v in d["images"].items())
-            lines.append(f"- {name}: {sizes} images, {d['split']} split, {d['classes']} classes"
+            split = "official split" if d["split"] == "official" else f"no official split, test: {d['split']}"
+            lines.append(f"- {name}: {sizes} images, {split}, {d['classes']} classes"
                          + (f", limit {d['limit']} per split" if d.get("limit") else ", whole"))
         else:
             size = d.get("images", d.get("cases"))

@@ -222,7 +222,8 @@ def _whole_pool(y: np.ndarray, pool: np.ndarray, seed: int) -> tuple[np.ndarray,
 def _said(d: dict) -> str:
     """A set's description (LabelledSet.describe) in words, for the log."""
     sizes = ", ".join(f"{k} {v}" + (f" of {d['of'][k]}" if d["of"].get(k, v) != v else "") for k, v in d["images"].items())
-    return (f"{sizes} images ({d['split']} split), {d['classes']} classes"
+    split = "official split" if d["split"] == "official" else f"no official split, test: {d['split']}"
+    return (f"{sizes} images ({split}), {d['classes']} classes"
             + (f"; limit {d['limit']} per split (eval set's limit)" if d["limit"] else "; the whole set"))
 
 
