@@ -4,6 +4,7 @@
 - `tar_samples`: a WebDataset tar streamed (uncompressed, never seeked) as samples: the consecutive
   members sharing a key, (key, {extension: bytes}).
 - `read_members`: members of stored tars by byte range, in few large requests (below).
+- `SampleTarWriter`: the one tar writer (ingest's downloads, the shard stage, removals' rewrites).
 
 Reading members of stored tars by byte range, in few large requests.
 
@@ -20,6 +21,38 @@ import tarfile
 from .errors import UserError
 
 MAX_MEMBER_BYTES = 64 * 2**20   # an image or caption larger than this in a tar is not one
+
+
+class SampleTarWriter:
+    """Samples as WebDataset members (`<key>.<ext>`) into an open binary file, USTAR headers with
+    nothing of the machine or the clock in them (mtime 0, mode 0444, no owner): the same samples
+    make the same bytes, wherever and whenever they are written."""
+
+    def __init__(self, fileobj):
+        self.file = fileobj
+        self.tar = tarfile.open(fileobj=fileobj, mode="w", format=tarfile.USTAR_FORMAT)
+
+    def add(self, key: str, members) -> int:
+        """members: (extension, bytes) in the order to write them -> the sample's byte offset."""
+        import io
+
+        offset = self.file.tell()
+        for ext, data in members:
+            info = tarfile.TarInfo(f"{key}.{ext}")
+            info.size, info.mtime, info.mode = len(data), 0, 0o444
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            self.tar.addfile(info, io.BytesIO(data))
+        return offset
+
+    def close(self) -> None:
+        self.tar.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def tar_members(tar: tarfile.TarFile, where, max_bytes: int = MAX_MEMBER_BYTES):

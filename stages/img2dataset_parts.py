@@ -11,17 +11,17 @@ before the first URL. Here:
   `.main`), the __init__ runs then, so every other caller in the process sees it as usual;
 - the shard's tar and parquet are written by `TarSampleWriter`, img2dataset's sample-writer
   interface and layout (`<key>.jpg`, `.json`, `.txt`; a parquet row per URL, failures included)
-  with Python's tarfile instead of webdataset's TarWriter, and fixed member headers (mtime 0), so
-  a shard downloaded twice with the same bytes is the same tar.
+  with capline's one tar writer (infra/tars.py) instead of webdataset's TarWriter: fixed member
+  headers (mtime 0), so a shard downloaded twice with the same bytes is the same tar.
 """
 from __future__ import annotations
 
 import importlib.util
-import io
 import json
 import sys
-import tarfile
 import threading
+
+from infra.tars import SampleTarWriter
 
 _LOCK = threading.Lock()
 
@@ -80,7 +80,7 @@ class TarSampleWriter:
         self.tar_path = f"{output_folder}/{name}.tar"
         self.parquet_path = f"{output_folder}/{name}.parquet"
         self._file = open(self.tar_path, "wb")
-        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
+        self._tar = SampleTarWriter(self._file)
         self._rows: dict[str, list] = {k: [] for k in schema.names}
 
     def write(self, img_str, key, caption, meta):
@@ -88,11 +88,7 @@ class TarSampleWriter:
             members = {self.encode_format: img_str, "json": json.dumps(_plain(meta), indent=4).encode()}
             if self.save_caption:
                 members["txt"] = (str(caption) if caption is not None else "").encode()
-            for ext in sorted(members):
-                data = members[ext]
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                info.size, info.mtime, info.mode = len(data), 0, 0o444
-                self._tar.addfile(info, io.BytesIO(data))
+            self._tar.add(key, [(ext, members[ext]) for ext in sorted(members)])
         for k in self.schema.names:
             self._rows[k].append(meta[k])
 

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import re
-import tarfile
 import time
 from typing import ClassVar
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from .dataplane import PartResult, bucket_pieces, by_location, image_batches, re
 from .line import (LINE, PUBLISHED, PUBLISHED_SCHEMA, RECORD, published_all, published_file, published_parts,
                    published_state, read_line, read_states, write_states)
 from infra.hashing import order_key
+from infra.tars import SampleTarWriter
 
 
 @dataclass
@@ -82,24 +82,15 @@ class ShardConfig:
         require(self.shuffle_pieces >= 1, join(prefix, "shuffle_pieces"), "must be >= 1")
 
 
-def _member(name: str, data: bytes) -> tuple[tarfile.TarInfo, io.BytesIO]:
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = len(data), 0, 0o444
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    return info, io.BytesIO(data)
-
-
 def write_shard(path: Path, samples: list[dict]) -> dict:
     """Write one shard atomically. samples: [{key, image (bytes), ext, caption, meta}] -> its index."""
     tmp = path.with_name(path.name + ".tmp")
     offsets = []
-    with open(tmp, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+    with open(tmp, "wb") as f, SampleTarWriter(f) as tar:
         for s in samples:
-            offsets.append((s["key"], f.tell()))
-            for ext, data in ((s["ext"], s["image"]), ("txt", s["caption"].encode()),
-                              ("json", json.dumps(s["meta"], sort_keys=True, ensure_ascii=False).encode())):
-                tar.addfile(*_member(f"{s['key']}.{ext}", data))
+            offsets.append((s["key"], tar.add(s["key"], [
+                (s["ext"], s["image"]), ("txt", s["caption"].encode()),
+                ("json", json.dumps(s["meta"], sort_keys=True, ensure_ascii=False).encode())])))
     os.replace(tmp, path)
     return {"offsets": offsets}
 
@@ -200,11 +191,9 @@ def write_shard_table(storage, shard: int, t: pa.Table):
     name = f"{shard:06d}.tar"
     buf = io.BytesIO()
     offsets = []
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+    with SampleTarWriter(buf) as tar:
         for k, img, ext, cap, meta in zip(*(t.column(c).to_pylist() for c in ("key", "image", "ext", "caption", "meta"))):
-            offsets.append(buf.tell())
-            for e, data in ((ext, img), ("txt", (cap or "").encode()), ("json", meta.encode())):
-                tar.addfile(*_member(f"{k}.{e}", data))
+            offsets.append(tar.add(k, [(ext, img), ("txt", (cap or "").encode()), ("json", meta.encode())]))
     data = buf.getvalue()
     sha = storage.write_bytes(f"shard/shards/{name}", data)
     md5 = hashlib.md5(data, usedforsecurity=False).hexdigest()   # wids' index field
