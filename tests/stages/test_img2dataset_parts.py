@@ -18,8 +18,9 @@ SCHEMA = pa.schema([("uid", pa.string()), ("key", pa.string()), ("status", pa.st
                     ("error_message", pa.string()), ("width", pa.int64())])
 
 
-def test_the_sample_writer_writes_img2datasets_layout_and_a_row_per_url(tmp_path):
-    w = TarSampleWriter(3, str(tmp_path), True, 5, SCHEMA, "jpg")
+def _write_three(folder):
+    """Two downloaded images and a failed URL through the writer, as img2dataset's downloader calls it."""
+    w = TarSampleWriter(3, str(folder), True, 5, SCHEMA, "jpg")
     w.write(b"\xff\xd8jpeg-a", "000030000", "a red bus", {"uid": "a", "key": "000030000", "status": "success",
                                                            "error_message": None, "width": 4})
     w.write(None, "000030001", "gone", {"uid": "b", "key": "000030001", "status": "failed_to_download",
@@ -27,6 +28,10 @@ def test_the_sample_writer_writes_img2datasets_layout_and_a_row_per_url(tmp_path
     w.write(b"\xff\xd8jpeg-c", "000030002", None, {"uid": "c", "key": "000030002", "status": "success",
                                                     "error_message": None, "width": 7})
     w.close()
+
+
+def test_the_sample_writer_writes_img2datasets_layout_and_a_row_per_url(tmp_path):
+    _write_three(tmp_path)
     with tarfile.open(tmp_path / "00003.tar") as tar:
         members = tar.getmembers()
         names = [m.name for m in members]
@@ -44,14 +49,7 @@ def test_the_sample_writer_writes_img2datasets_layout_and_a_row_per_url(tmp_path
     # the same samples again: the same bytes (no clock in the headers)
     again = tmp_path / "again"
     again.mkdir()
-    w = TarSampleWriter(3, str(again), True, 5, SCHEMA, "jpg")
-    w.write(b"\xff\xd8jpeg-a", "000030000", "a red bus", {"uid": "a", "key": "000030000", "status": "success",
-                                                           "error_message": None, "width": 4})
-    w.write(None, "000030001", "gone", {"uid": "b", "key": "000030001", "status": "failed_to_download",
-                                        "error_message": "http 404", "width": None})
-    w.write(b"\xff\xd8jpeg-c", "000030002", None, {"uid": "c", "key": "000030002", "status": "success",
-                                                    "error_message": None, "width": 7})
-    w.close()
+    _write_three(again)
     assert (again / "00003.tar").read_bytes() == (tmp_path / "00003.tar").read_bytes()
 
 
