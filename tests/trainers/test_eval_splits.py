@@ -137,7 +137,7 @@ def test_few_shot_draws_from_train_scores_on_test_and_reads_only_those_images(tm
     drawn = set(reads) - test
     assert drawn and all(data.split[i] == "train" for i in drawn)
     assert len(drawn) <= 3 * (1 + 5) * 2                       # the shots of 2 seeds, not the 120 train images
-    assert results["sets"]["f"]["split"] == "official" and results["sets"]["f"]["test_images"] == 15
+    assert results["sets"]["fewshot"]["f"]["split"] == "official" and results["sets"]["fewshot"]["f"]["test_images"] == 15
     assert set(results["fewshot"]["f"]) == {1, 5}
     assert any("f: test 15, train 120 images (official split), 3 classes; the whole set" in line for line in said)
 
@@ -244,14 +244,14 @@ def test_the_paper_table_names_its_preprocessing_splits_and_sizes():
     from trainers.evaluation.run import PREPROCESSING
 
     ev = {"preprocessing": {"name": "big_vision", **PREPROCESSING["big_vision"]},
-          "sets": {"fashion_mnist": {"split": "official", "images": {"test": 2000, "train": 2000},
-                                     "of": {"test": 10000, "train": 60000}, "limit": 2000, "classes": 10},
-                   "coco": {"images": 5000, "limit": None, "split": "test"}, "vgr": {"kind": "vg_relation", "cases": 23937,
-                                                                                    "limit": None}}}
+          "sets": {"fewshot": {"fashion_mnist": {"split": "official", "images": {"test": 2000, "train": 2000},
+                                                 "of": {"test": 10000, "train": 60000}, "limit": 2000, "classes": 10}},
+                   "captioning": {"coco": {"images": 5000, "limit": None, "split": "test"}},
+                   "wordorder": {"vgr": {"kind": "vg_relation", "cases": 23937, "limit": None}}}}
     text = _protocol([("Cap", 1.0, 2.0, ev)])
     assert "Preprocessing: big_vision (fewshot: squash to size*256/224, central crop to size, bilinear;" in text
-    assert "- fashion_mnist: test 2000 of 10000, train 2000 of 60000 images, official split, 10 classes, limit 2000 per split" in text
-    assert "- coco: 5000 images, split test, whole" in text and "- vgr: 23937 cases, whole" in text
+    assert "- fewshot fashion_mnist: test 2000 of 10000, train 2000 of 60000 images, official split, 10 classes, limit 2000 per split" in text
+    assert "- captioning coco: 5000 images, split test, whole" in text and "- wordorder vgr: 23937 cases, whole" in text
     assert _protocol([("Cap", 1.0, 2.0, {})]) == ""
 
 

@@ -177,7 +177,7 @@ def test_experiment_paper_writes_its_table(data_run):
     # what the numbers were measured on: the preprocessing and every set's split and size
     assert "Preprocessing: big_vision (fewshot: squash to size*256/224, central crop to size, bilinear;" in table
     assert "contrastive (cosine): CLIP's" in table
-    assert "- digits: all 1797 images, no official split, test: eval.holdout of each class, 10 classes, whole" in table
+    assert "- fewshot digits: all 1797 images, no official split, test: eval.holdout of each class, 10 classes, whole" in table
     bad = capline("experiment", "paper", "--run-dir", str(run), "--budget", "huge", *args)
     assert bad.returncode == 2 and "--budget huge" in bad.stderr
 

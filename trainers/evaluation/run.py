@@ -159,8 +159,8 @@ def _fewshot(model, cfg, sets, ec: EvalConfig, shots, strict, results, run_dir: 
             pool, test = holdout_split(y, ec.holdout)
             where = f"outside the held-out test split ({ec.holdout:.0%} of each class, eval.holdout)"
         fewest = fewest_in(y, pool)
-        results["sets"][s.name] = {**data.describe(), "test_images": int(len(test))}
-        log(f"eval: {s.name}: {_said(results['sets'][s.name])}")
+        said = results["sets"].setdefault("fewshot", {})[s.name] = {**data.describe(), "test_images": int(len(test))}
+        log(f"eval: {s.name}: {_said(said)}")
         fitting = tuple(k for k in shots if k <= fewest)
         if fitting != tuple(shots):
             if strict:
@@ -284,7 +284,7 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
     if "captioning" in tasks or "wordorder" in tasks:
         captions = {s.name: load_captions(s, run_dir) for s in ec.captioning}
         for s in ec.captioning:
-            results["sets"][s.name] = {"images": len(captions[s.name]), "limit": s.limit,
+            results["sets"].setdefault("captioning", {})[s.name] = {"images": len(captions[s.name]), "limit": s.limit,
                                        **({"split": s.split} if s.kind == "karpathy" else {})}
             log(f"eval: {s.name}: {len(captions[s.name])} captioned images"
                 + (f" of split {s.split}" if s.kind == "karpathy" else "")
@@ -345,8 +345,8 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
             data = labelled_set(s, run_dir)
             # scored on the test split where the set has one, else on every image within its limit
             idx = [i for i in data.selected if not data.split or data.split[i] == "test"]
-            results["sets"][s.name] = {**data.describe(), "test_images": len(idx)}
-            log(f"eval: {s.name}: {_said(results['sets'][s.name])}")
+            said = results["sets"].setdefault("zeroshot", {})[s.name] = {**data.describe(), "test_images": len(idx)}
+            log(f"eval: {s.name}: {_said(said)}")
             images = [data.image(i) for i in idx]
             x = _prep(images, cfg.image_size, crop=True, mode=ec.preprocess)
             # the contrastive towers read CLIP's preprocessing (the square crop) in every mode
@@ -394,7 +394,7 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
                 return _batched(fn, x[i:i + 1], c, device=dev)[0].tolist()
 
             wo[s.name] = word_order_eval([(t, n) for _, t, n in cases], score)
-            results["sets"][s.name] = {"kind": s.kind, "cases": len(cases), "limit": s.limit}
+            results["sets"].setdefault("wordorder", {})[s.name] = {"kind": s.kind, "cases": len(cases), "limit": s.limit}
             if s.kind == "vg_relation":     # ARO's VG-Relation headline: the mean over relations
                 per = [v["accuracy"] for v in wo[s.name]["pairwise"].values()]
                 wo[s.name]["macro_accuracy"] = {"accuracy": float(np.mean(per)) if per else 0.0, "relations": len(per)}
