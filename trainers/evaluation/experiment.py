@@ -168,8 +168,9 @@ def _protocol(rows) -> str:
     lines = [f"\nPreprocessing: {pre['name']} ("
              + "; ".join(f"{task}: {how}" for task, how in pre.items() if task != "name") + ")."]
     # the sets by task (a captioning set and a word-order set may share a name)
-    for task, name, d in [(t, n, d) for t, sets in ev.get("sets", {}).items() if isinstance(sets, dict)
-                          for n, d in sorted(sets.items()) if isinstance(d, dict)]:
+    tasks = ("fewshot", "captioning", "zeroshot", "wordorder")   # (records of this session's first runs were flat: left out)
+    for task, name, d in [(t, n, d) for t, sets in ev.get("sets", {}).items() if t in tasks
+                          for n, d in sorted(sets.items())]:
         name = f"{task} {name}"
         if "images" in d and isinstance(d["images"], dict):
             sizes = ", ".join(f"{k} {v}" + (f" of {d['of'][k]}" if d["of"].get(k, v) != v else "")
