@@ -37,13 +37,7 @@ def stop_ids(sp, text: str | None) -> list[int]:
     family with a stop text ends at the first of them."""
     if not text:
         return []
-    key = (id(sp), text)
-    if key not in _STOP_IDS:   # a GPT-2 vocabulary is 50,000 decodes: once per tokenizer
-        _STOP_IDS[key] = [i for i in range(2, sp.get_piece_size()) if sp.decode([i]).endswith(text)]
-    return _STOP_IDS[key]
-
-
-_STOP_IDS: dict = {}
+    return [i for i in range(2, sp.get_piece_size()) if sp.decode([i]).endswith(text)]
 
 
 def _captioner(cfg, image_encoder=None):

@@ -40,7 +40,10 @@ def test_few_shot_tests_on_one_held_out_split_never_drawn_from():
     pool, test = holdout_split(y, 0.5)
     assert len(test) == 80 and np.array_equal(np.unique(y[test], return_counts=True)[1], [20] * 4)
     assert np.array_equal(holdout_split(y, 0.5)[1], test)              # fixed: the same for every call
-    from trainers.evaluation.fewshot import pool_sizes
+    from trainers.evaluation.fewshot import fewest_in
+
+    def pool_sizes(y, share):
+        return fewest_in(y, holdout_split(y, share)[0])
 
     odd = np.array([0] * 10 + [1] * 2 + [2])       # class 2 has one image: all of it is test, none to draw
     assert pool_sizes(odd, 0.5) == 0 and pool_sizes(odd[:12], 0.5) == 1

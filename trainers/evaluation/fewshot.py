@@ -54,11 +54,6 @@ def fewest_in(labels: np.ndarray, pool: np.ndarray) -> int:
     return min(int((labels[pool] == c).sum()) for c in np.unique(labels))
 
 
-def pool_sizes(labels: np.ndarray, share: float) -> int:
-    """`fewest_in` the pool `holdout_split` leaves."""
-    return fewest_in(labels, holdout_split(labels, share)[0])
-
-
 def few_shot_split(labels: np.ndarray, shots: int, seed: int, pool: np.ndarray | None = None,
                    extra: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """`shots` examples per class drawn (by seed) from `pool` (default: every index) -> (train, rest
