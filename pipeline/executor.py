@@ -121,6 +121,11 @@ class Executor:
     poll_seconds: float = 10.0
     records: list[dict] = field(default_factory=list)   # one per `run`: what, tasks, at once, CPUs
 
+    def tasks_at_once(self, num_cpus: float) -> int:
+        """The most tasks of `num_cpus` that `run` may have running at once: its window (a task
+        blocked in ray.get gives its CPU back, and Ray starts a queued one)."""
+        return in_flight(num_cpus, self.shape())
+
     def shape(self) -> NodeShape:
         return NodeShape.now()
 

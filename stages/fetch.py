@@ -264,8 +264,17 @@ HOST_FAILURES = ("timeout", "connection_refused", "connection_reset", "dns_error
 
 def safe_download_image(row, timeout, user_agent_token, disallowed_header_directives):
     """Drop-in for img2dataset.downloader.download_image: same arguments, same return value. Each URL
-    is asked of its host politely (stages/polite.py): robots.txt, a rate and a concurrency per host,
-    waits on 429/503, a circuit breaker."""
+    is asked of its host politely (stages/polite.py): robots.txt, a rate (adapting to the host's
+    answers) and a concurrency per host, waits on 429/503, a circuit breaker."""
+    hosts = _hosts
+    hosts.working(+1)
+    try:
+        return _download_politely(row, timeout, user_agent_token, disallowed_header_directives)
+    finally:
+        hosts.working(-1)
+
+
+def _download_politely(row, timeout, user_agent_token, disallowed_header_directives):
     key, url = row
     try:
         check_url(url, _policy)      # pinned: the first attempt connects to the address checked here
@@ -297,8 +306,10 @@ def safe_download_image(row, timeout, user_agent_token, disallowed_header_direct
         return key, None, f"capline:robots_disallowed: {why}"
     for attempt in range(m.retries + 1):
         host.take_slot()
+        asked = time.monotonic()
         try:
             result = _fetch_once(key, url, timeout, m.token, disallowed_header_directives, checked=attempt == 0)
+            host.answered(time.monotonic() - asked)
         except _SlowDown as slow:
             wait = retry_after(slow.retry_after, attempt)
             if wait > m.max_wait:
@@ -471,8 +482,38 @@ class SafeDownloader(_i2d.Downloader):
         global _policy, _budget, _hosts
         if _policy != self.policy:
             _policy, _budget = self.policy, PixelBudget(self.policy.pixels_in_flight)
-        _hosts = Hosts(self.policy.manners)   # per shard task: its rate share, breakers and report
+        # per shard task: its breakers and report; the paces hosts reached in this process's earlier shards carry over
+        _hosts = Hosts(self.policy.manners, learned=_hosts, yield_wait=_yield_wait if _pacer is not None else None)
         return super().download_shard(row)
+
+
+_pacer = None     # the run's polite.Pacer actor, set by the shard task (None outside Ray: waits sleep)
+
+
+def wait_on(pacer) -> None:
+    """Waits that would hold this task's CPU idle are spent blocked on `pacer` (polite.Pacer)."""
+    global _pacer
+    _pacer = pacer
+
+
+def _yield_wait(seconds: float) -> None:
+    """Wait `seconds` blocked in ray.get, which gives the task's CPU back to Ray; if the pacer is gone,
+    sleep what is left."""
+    end = time.monotonic() + seconds
+    try:
+        import ray
+
+        ray.get(_pacer.wait.remote(seconds), timeout=seconds + 30)
+    except Exception:  # noqa: BLE001 - the pacer lost with its node: the wait still happens, holding the CPU
+        pass
+    left = end - time.monotonic()
+    if left > 0:
+        time.sleep(left)
+
+
+def pacing() -> dict:
+    """What waiting for hosts cost the last shard in this process (polite.Hosts.pacing)."""
+    return _hosts.pacing()
 
 
 def throttled() -> dict:

@@ -51,8 +51,9 @@ from infra.media import FORMATS  # noqa: E402 - the one allow-list
 class IngestConfig:
     # how the work is cut or run, never what is decided: left out of the fingerprint and the card
     # (host_wait_budget only bounds how long a host that keeps saying "later" is waited on; in the
-    # fingerprint it would have renamed every unit's tars and downloaded every list again on upgrade)
-    HOW: ClassVar[tuple] = ("compact_rows", "contact", "host_wait_budget")
+    # fingerprint it would have renamed every unit's tars and downloaded every list again on upgrade;
+    # host_rate_max and host_limits, likewise: how fast hosts are asked, added after runs existed)
+    HOW: ClassVar[tuple] = ("compact_rows", "contact", "host_wait_budget", "host_rate_max", "host_limits")
     image_size: int = 256  # img2dataset resizes each image to this many pixels (see resize_mode)
     resize_mode: Literal["border", "keep_ratio", "center_crop", "no"] = "border"  # img2dataset's resize; border pads to a square (dedup and scorers see the picture without the bars)
     encode_format: Literal["jpg", "png", "webp"] = "jpg"  # how resized images are stored in the tars
@@ -81,7 +82,12 @@ class IngestConfig:
     # who runs the crawl, in the User-Agent (a URL or mail address): site operators ask before they block
     contact: str = ""
     respect_robots: bool = True  # read each host's robots.txt once and honour it for user_agent_token
-    host_rate: float = 20.0              # requests per second to one host
+    # requests per second to one host, cluster-wide, at first: it grows while the host answers within
+    # a second (up to host_rate_max, its robots.txt Crawl-delay, or its host_limits entry) and halves
+    # each time it answers 429/503
+    host_rate: float = 20.0
+    host_rate_max: float = 400.0         # the most requests per second to one host, cluster-wide
+    host_limits: dict[str, float] = field(default_factory=dict)   # {"host" or "host:port": requests/s}: fixed ceilings
     host_concurrency: int = 16           # requests in flight to one host
     max_retry_after: float = 60.0        # the longest wait a 429/503 Retry-After is granted
     rate_limit_retries: int = 3          # waits on 429/503 per URL before it is `rate_limited`
@@ -96,6 +102,13 @@ class IngestConfig:
         require(self.compact_rows >= self.samples_per_shard, join(prefix, "compact_rows"),
                 f"must be >= samples_per_shard ({self.samples_per_shard}): a partition holds whole shards")
         require(self.host_rate > 0, join(prefix, "host_rate"), f"must be > 0 requests per second, got {self.host_rate}")
+        require(self.host_rate_max >= self.host_rate, join(prefix, "host_rate_max"),
+                f"must be >= host_rate ({self.host_rate}); set both alike for a fixed rate, got {self.host_rate_max}")
+        for who, limit in self.host_limits.items():
+            require(isinstance(who, str) and bool(HOST_PORT.fullmatch(who)), join(prefix, "host_limits"),
+                    f"{who!r} is not host[:port]" + (f"; write {_host_port(who)!r}" if _host_port(who) else ""))
+            require(isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0,
+                    join(prefix, "host_limits"), f"{who}: must be > 0 requests per second, got {limit!r}")
         require(self.host_concurrency >= 1, join(prefix, "host_concurrency"), "must be >= 1")
         require(self.max_retry_after >= 0, join(prefix, "max_retry_after"), "must be >= 0 seconds")
         require(self.rate_limit_retries >= 0, join(prefix, "rate_limit_retries"), "must be >= 0")
@@ -158,7 +171,29 @@ class ShardJob:
     stop: int
 
 
-def _shard_task(storage, job: ShardJob, downloader, base: str, server, shared=None, progress=None) -> dict:
+def _pacer(ctx):
+    """The run's polite.Pacer (a zero-CPU actor on the driver's node), or None outside a Ray cluster."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from .polite import Pacer
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    return ray.remote(num_cpus=0, scheduling_strategy=here, max_concurrency=10_000)(Pacer).remote()
+
+
+def _release(pacer) -> None:
+    if pacer is not None:
+        import ray
+
+        ray.kill(pacer)
+
+
+def _shard_task(storage, job: ShardJob, downloader, base: str, server, shared=None, pacer=None,
+                progress=None) -> dict:
     """Ray task: download one shard in a local temporary folder, move it into the run folder, index it.
 
     `server`: (host, pid, start time) of the process serving a served source over loopback (the
@@ -166,7 +201,7 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server, shared=No
     URLs': the shard is discarded, and a resumed run downloads it again. `shared`: (the run's registry
     of URLs other shards name too, seconds to wait for another shard's fetch of one) or None
     (stages/shared_urls.py). `progress`: the run's URL counter (Executor.run's items), told of each
-    URL as it finishes.
+    URL as it finishes. `pacer`: the run's polite.Pacer, which waits that would hold the CPU idle block on.
     """
     import copy
     import tempfile
@@ -176,6 +211,7 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server, shared=No
     from . import fetch   # installs the safe fetcher in this worker
 
     fetch._finished.report_to(progress)
+    fetch.wait_on(pacer)
     downloader = _built(downloader)
 
     rows = read_kept(storage, job.source_file).slice(job.start, job.stop - job.start)
@@ -199,7 +235,7 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server, shared=No
             w.write_table(pa.table({
                 "uid": todo.column("key"), "caption": todo.column("caption"),
                 "url": pa.array([u.replace(SERVER_PLACEHOLDER, base) for u in todo.column("url").to_pylist()],
-                                pa.string())}))
+                                pa.string())}).take(by_host(todo.column("url").to_pylist())))
         out = tmp / "out"
         out.mkdir()
         d = copy.copy(downloader)
@@ -249,17 +285,37 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server, shared=No
     table = pa.table({c: pa.array(v, SAMPLE_SCHEMA.field(c).type) for c, v in verdicts.items()})
     # the shard's failures by host, for the ingest report, stay beside it: its result (what the
     # driver holds for every shard) carries counts only
-    storage.write_json(f"{unit}/failures/{name}.json", {"throttled": _throttled(), **failures_by_host(verdicts)})
+    paced = fetch.pacing() if todo.num_rows else {"thread_s": 0.0, "idle_s": 0.0, "yielded_s": 0.0, "rates": {}}
+    storage.write_json(f"{unit}/failures/{name}.json", {"throttled": _throttled(), "paced": paced["rates"],
+                                                         **failures_by_host(verdicts)})
     result = write_part(storage, "ingest", f"{job.unit}-{name}", job.source_part, keys,
                         _with_state(table, rows), rel=f"{unit}/ledger/{name}.parquet", notes=IngestStage.notes,
                         extra={"node": ray.get_runtime_context().get_node_id(),
-                               "successes": sum(v == KEPT for v in verdicts["verdict"])})
+                               "successes": sum(v == KEPT for v in verdicts["verdict"]),
+                               "paced_thread_s": paced["thread_s"], "paced_idle_s": paced["idle_s"],
+                               "paced_yielded_s": paced["yielded_s"]})
     storage.write_bytes(f"{unit}/results/{name}.json", json.dumps(result.to_json(), sort_keys=True).encode())
     fetch._finished.flush()
     return result
 
 
 TOP_FAILURES = 50   # (host, reason) counts a shard reports: bounded, whatever the number of hosts
+
+
+def by_host(urls: list) -> list[int]:
+    """The order a shard asks its URLs in: each host's URLs spread evenly over the shard (its j-th of n
+    at (j + 0.5) / n), so the threads hold URLs of many hosts at once and seldom all wait on one."""
+    from urllib.parse import urlsplit
+
+    hosts: dict[str, list[int]] = {}
+    for i, u in enumerate(urls):
+        try:
+            netloc = urlsplit(u or "").netloc
+        except ValueError:
+            netloc = ""
+        hosts.setdefault(netloc, []).append(i)
+    spread = [((j + 0.5) / len(rows), h, i) for h, rows in enumerate(hosts.values()) for j, i in enumerate(rows)]
+    return [i for _, _, i in sorted(spread)]
 
 
 def _throttled() -> dict:
@@ -478,8 +534,10 @@ class IngestStage(Source):
                     import psutil
 
                     alive = (socket.gethostname(), os.getpid(), psutil.Process().create_time())
-                # the cluster-wide per-host manners, shared out among the tasks that run at once
-                at_once = max(1, min(len(jobs), int(ctx.executor.shape().cpus)))
+                # the cluster-wide per-host manners, shared out among the tasks that may run at once: the
+                # executor's window, since a task waiting on a host gives its CPU to a queued one
+                at_once = max(1, min(len(jobs), ctx.executor.tasks_at_once(1)))
+                pacer = None if served else _pacer(ctx)     # capline's own loopback site is not paced
                 # built in the workers (img2dataset's import is seconds the driver need not spend)
                 downloader = (cfg, allow, at_once, (server.netloc,) if served else ())
                 registry = shared_urls.find(ctx, jobs)
@@ -487,13 +545,14 @@ class IngestStage(Source):
                 shared = (registry, 2 * cfg.deadline + 10) if registry is not None else None
                 start = time.time()
                 try:
-                    results = ctx.run(_shard_task, [(ctx.storage, j, downloader, base, alive, shared) for j in jobs],
+                    results = ctx.run(_shard_task, [(ctx.storage, j, downloader, base, alive, shared, pacer) for j in jobs],
                                       "ingest",
                                       num_cpus=1, max_retries=cfg.task_retries,
                                       describe=lambda c: f"shard {c[1].unit}/{c[1].shard:05d}", unit="shards",
                                       items=[j.stop - j.start for j in jobs])      # progress in URLs, not shards
                 finally:
                     across = shared_urls.close(registry)
+                    _release(pacer)
                 elapsed = time.time() - start
                 if across["urls"]:
                     ctx.log(f"ingest: {across['urls']} URLs named by several shards, fetched {across['fetched']} "
@@ -511,8 +570,15 @@ class IngestStage(Source):
         records.write_summary(ctx.storage, PARTS, used)
         ok = sum(p.extra["successes"] for p in results)
         nodes = sorted({p.extra["node"] for p in results if p.extra.get("node")})
+        idle = sum(p.extra.get("paced_idle_s", 0.0) for p in results)
+        if idle >= 1:
+            ctx.log(f"ingest: download tasks held their CPU {idle:.0f}s with every thread waiting on a host's pace "
+                    f"({sum(p.extra.get('paced_thread_s', 0.0) for p in results):.0f} thread-seconds of waiting in all)")
         return StageResult(parts, {"shards": len(shards), "partitions": len(units), "compacted_to": len(parts), "nodes": nodes,
                                    "images_per_second": (ok / elapsed) if results and elapsed > 0 else None,
+                                   "paced_idle_seconds": round(idle, 1),
+                                   "paced_yielded_seconds": round(sum(p.extra.get("paced_yielded_s", 0.0) for p in results), 1),
+                                   "paced_thread_seconds": round(sum(p.extra.get("paced_thread_s", 0.0) for p in results), 1),
                                    "urls_in_several_shards": across["urls"], "downloads_shared_across_shards": across["served"]},
                            artifacts={"ledger": "ingest/parts.json", "report": "ingest/report.html"})
 
@@ -583,7 +649,8 @@ def fetch_policy(cfg: IngestConfig, allow: tuple, at_once: int = 1, own: tuple =
     from .fetch import FetchPolicy
     from .polite import Manners
 
-    manners = Manners(token=cfg.user_agent_token, rate=cfg.host_rate / at_once,
+    manners = Manners(token=cfg.user_agent_token, rate=cfg.host_rate / at_once, max_rate=cfg.host_rate_max / at_once,
+                      share=at_once, limits=tuple(sorted((h, float(r)) for h, r in cfg.host_limits.items())),
                       concurrency=max(1, cfg.host_concurrency // at_once), robots=cfg.respect_robots,
                       max_wait=cfg.max_retry_after, retries=cfg.rate_limit_retries,
                       breaker_failures=cfg.breaker_failures, contact=cfg.contact, wait_budget=cfg.host_wait_budget)

@@ -4,6 +4,7 @@ honoured for capline's token, and the ingest report names the host that asked to
 import email.utils
 import io
 import http.server
+import json
 import threading
 import time
 from collections import Counter
@@ -137,7 +138,8 @@ def test_rate_limit_retry_after_and_robots_through_ingest(tmp_path, ray_local):
         for i, r in enumerate(rows):
             folder = "private" if i < 6 else "img"
             lines.append(f"{server.base}/{folder}/{r['key']}.jpg,\"{r['caption']}\"")
-        summary = _ingest_list(tmp_path, server, lines, "stages.ingest.samples_per_shard=12", "stages.ingest.host_rate=6")
+        summary = _ingest_list(tmp_path, server, lines, "stages.ingest.samples_per_shard=12", "stages.ingest.host_rate=6",
+                               "stages.ingest.host_rate_max=6")     # a fixed rate: the bound below holds
     finally:
         server.shutdown()
     ledger = {r["url"]: r for r in read_ledger(tmp_path / "run", "ingest").to_pylist()}
@@ -148,13 +150,18 @@ def test_rate_limit_retry_after_and_robots_through_ingest(tmp_path, ray_local):
     public = [u for u in ledger if "/img/" in u]
     assert all(ledger[u]["verdict"] == "kept" for u in public), [ledger[u]["reason"] for u in public]
     assert server.limited and all(server.asked[p] == 2 for p in server.limited)   # asked again once, after waiting
-    # the rate: 6 requests per second to this host across the cluster's 2 tasks (3/s each, evenly
-    # spaced): any 1 s window holds at most 3 + 1 per task; any 3 s window at most 9 + 1 per task
+    # the rate: 6 requests per second to this host shared by the 3 shards that may run at once (the
+    # executor's window on 2 CPUs is 4: a shard waiting on the host gives its CPU to another), 2/s
+    # each, evenly spaced: any 1 s window holds at most 6 + 1 per task; any 3 s window 18 + 1 per task
     times = sorted(server.times)
     worst = {w: max(sum(1 for t in times if t0 <= t < t0 + w) for t0 in times) for w in (1.0, 3.0)}
     print(f"requests: {len(times)}, most in a 1 s / 3 s window: {worst[1.0]} / {worst[3.0]}, "
           f"429s: {len(server.limited)}")
-    assert worst[1.0] <= 6 + 2 and worst[3.0] <= 18 + 2
+    assert worst[1.0] <= 6 + 3 and worst[3.0] <= 18 + 3
+    stats = json.loads((tmp_path / "run" / "ingest" / "stats.json").read_text())
+    # every thread of a shard waiting on the host: the wait was spent blocked on the run's pacer, the
+    # CPU given back, not held idle
+    assert stats["paced_yielded_seconds"] > 1 and stats["paced_idle_seconds"] < stats["paced_yielded_seconds"] / 4
     report = (tmp_path / "run" / "ingest" / "report.html").read_text()
     assert "Hosts that asked to slow down" in report and f"127.0.0.1:{server.server_address[1]}" in report
     assert summary["ingest"]["dropped"] == {"robots_disallowed": 6}
@@ -341,3 +348,122 @@ def test_a_shared_url_is_taken_from_the_registry_and_refetched_when_its_claimant
         assert ray.get(registry.counts.remote()) == {"urls": 2, "fetched": 1, "served": 1}
     finally:
         ray.kill(registry)
+
+
+def test_a_hosts_rate_grows_while_it_answers_quickly_halves_on_429_and_eases_back_when_slow():
+    host = Host(Manners(rate=2.0, max_rate=40.0, concurrency=4))
+    for _ in range(10):
+        host.answered(0.05)
+    assert host.rate == pytest.approx(2.0 * 1.2 ** 10)              # x1.2 an answer before any pushback
+    for _ in range(100):
+        host.answered(0.05)
+    assert host.rate == 40.0                                        # never past max_rate
+    host.pause(0.0)
+    assert host.rate == 20.0 and host.slowdowns == 1                # a 429 halves it
+    host.answered(0.05)
+    assert host.rate == pytest.approx(20.2)                          # then +rate/10 an answer, not x1.1
+    for _ in range(100):
+        host.answered(5.0)                                          # slow answers: back toward the start
+    assert host.rate == 2.0
+    for _ in range(20):
+        host.pause(0.0)
+    assert host.rate == pytest.approx(2.0 / 16)                     # never below a 16th of the start
+    fixed = Host(Manners(rate=2.0))
+    fixed.answered(0.01)
+    assert fixed.rate == 2.0                                        # without max_rate: a fixed rate
+
+
+def test_the_next_shard_starts_each_host_at_the_pace_the_last_one_reached():
+    from stages.polite import Hosts
+
+    m = Manners(rate=2.0, max_rate=40.0)
+    first = Hosts(m)
+    for _ in range(30):
+        first.get("fast:80").answered(0.01)
+    first.get("pushy:80").pause(0.0)
+    first.get("breaks:80").open = True
+    second = Hosts(m, learned=first)
+    assert second.get("fast:80").rate == 40.0
+    assert second.get("pushy:80").rate == 1.0 and second.get("pushy:80").pushed_back
+    assert not second.get("breaks:80").open                         # breakers and reports stay per shard
+    third = Hosts(m, learned=Hosts(m, learned=second))               # a host the shard between never asked
+    assert third.get("fast:80").rate == 40.0
+    assert Hosts(Manners(rate=3.0, max_rate=40.0), learned=first).get("fast:80").rate == 3.0   # other manners: start over
+
+
+def test_host_limits_and_crawl_delay_cap_a_host_for_the_whole_cluster():
+    from stages.polite import Hosts
+
+    m = Manners(rate=8.0, max_rate=100.0, share=4, limits=(("cdn.example.com", 20.0), ("img.example.org:8080", 2.0)))
+    assert Host(m, "cdn.example.com:443").ceiling == 5.0            # 20/s for the cluster, 4 tasks asking
+    assert Host(m, "cdn.example.com").ceiling == 5.0
+    small = Host(m, "img.example.org:8080")
+    assert small.ceiling == 0.5 and small.rate == 0.5                # starts at its ceiling when that is lower
+    assert Host(m, "img.example.org:9090").ceiling == 100.0           # another port: another host
+    hosts = Hosts(m)
+    rules = b"User-agent: *\nCrawl-delay: 2\n"
+    assert hosts.robots_allow(hosts.get("slow:80"), "http", "slow:80", "http://slow/x.jpg", lambda u: (200, rules))[0]
+    assert hosts.get("slow:80").ceiling == pytest.approx(1 / 8)        # one request per 2 s, shared by 4 tasks
+    rules = b"User-agent: capline\nRequest-rate: 3/30\n"
+    assert hosts.robots_allow(hosts.get("rr:80"), "http", "rr:80", "http://rr/x.jpg", lambda u: (200, rules))[0]
+    assert hosts.get("rr:80").ceiling == pytest.approx(1 / 40)
+
+
+def test_pacing_counts_the_seconds_every_busy_thread_waited_on_a_host():
+    from stages.polite import Hosts
+
+    hosts = Hosts(Manners(rate=5.0, concurrency=4))
+    host = hosts.get("a:80")
+    hosts.working(+1)
+    host.take_slot(), host.give_slot()
+    assert host.take_slot() >= 0.15                                 # 5/s: the second waits ~0.2 s
+    host.give_slot()
+    hosts.working(-1)
+    alone = hosts.pacing()
+    assert alone["thread_s"] >= 0.15 and alone["idle_s"] == pytest.approx(alone["thread_s"], abs=0.05)
+    hosts.working(+1)                                               # a thread downloading from another host ...
+    done = threading.Event()
+
+    def waiter():
+        hosts.working(+1)
+        host.take_slot(), host.give_slot()
+        hosts.working(-1)
+        done.set()
+
+    threading.Thread(target=waiter).start()
+    assert done.wait(5)
+    hosts.working(-1)
+    after = hosts.pacing()
+    assert after["thread_s"] >= alone["thread_s"] + 0.15            # ... while this one waited: not idle
+    assert after["idle_s"] == pytest.approx(alone["idle_s"], abs=0.03)
+
+
+def test_a_shard_asks_its_hosts_interleaved_and_a_one_host_shard_in_list_order():
+    from stages.ingest import by_host
+
+    urls = [f"http://a/{i}" for i in range(6)] + [f"http://b/{i}" for i in range(3)] + ["http://c/0", None, "::bad"]
+    order = [urls[i] for i in by_host(urls)]
+    assert sorted(order, key=str) == sorted(urls, key=str)          # every URL, once
+    hosts = [u.split("/")[2] if u and u.startswith("http") else "-" for u in order]
+    from itertools import groupby
+
+    assert max(len(list(run)) for host, run in groupby(hosts) if host != "-") <= 2   # no host asked thrice in a row
+    assert hosts[:3] != ["a", "a", "a"] and hosts[-3:] != ["a", "a", "a"]
+    assert [u for u in order if u and "//a/" in u] == urls[:6]       # each host's own order kept
+    assert by_host([f"http://one/{i}" for i in range(9)]) == list(range(9))
+
+
+def test_pacing_settings_are_checked_and_left_out_of_the_fingerprint():
+    from infra.errors import ConfigError
+    from pipeline.config import load_config
+    from stages.ingest import IngestStage
+
+    with pytest.raises(ConfigError, match="stages.ingest.host_rate_max.*>= host_rate"):
+        load_config(None, ["stages.ingest.host_rate=50", "stages.ingest.host_rate_max=10"])
+    with pytest.raises(ConfigError, match="stages.ingest.host_limits.*'cdn.example.com'"):
+        load_config(None, ["stages.ingest.host_limits={'http://cdn.example.com/': 5}"])
+    with pytest.raises(ConfigError, match="stages.ingest.host_limits.*> 0"):
+        load_config(None, ["stages.ingest.host_limits={'cdn.example.com': 0}"])
+    plain, paced = (IngestStage().fingerprint(load_config(None, extra)) for extra in
+                    ([], ["stages.ingest.host_rate_max=20", "stages.ingest.host_limits={'cdn.example.com': 5}"]))
+    assert plain == paced
