@@ -6,6 +6,7 @@ their limit). capline's ingest stage downloads the same list three times:
 - `fixed`: version three's pacing, a fixed 20/s per host for the cluster (host_rate_max = host_rate);
 - `adaptive`: the default (starts at 20/s, grows while a host answers quickly, halves at a 429).
 
+Each variant runs `--repeats` times, alternating, and keeps its fastest round (2 cores are noisy).
 Printed and written to benchmarks/results/polite.json: images/s against `unpaced`, URLs kept and
 given up as rate_limited, the 429s the hosts sent, the thread-seconds spent waiting on a host's pace,
 and the CPU-seconds a download task held its CPU with every thread waiting (goal ~0) or gave it
@@ -120,6 +121,7 @@ def main() -> None:
     ap.add_argument("--cpus", type=int, default=4, help="CPUs Ray declares (download tasks at once)")
     ap.add_argument("--limit", type=int, default=25, help="requests/s the limiting hosts allow")
     ap.add_argument("--limited", default="1,4,9", help="ranks (0 = the top host) of the hosts that limit")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds of the three variants; each keeps its fastest")
     args = ap.parse_args()
 
     import pyarrow as pa
@@ -155,7 +157,7 @@ def main() -> None:
         "fixed": ["stages.ingest.host_rate=20", "stages.ingest.host_rate_max=20"],
         "adaptive": [],
     }
-    rows = {}
+    rows, rounds = {}, {}
     with ray_session(RayConfig(num_cpus=args.cpus, object_store_memory_mb=256), log=lambda m: None):
         # worker processes started and imports paid before anything is timed (the first variant would pay them)
         warm = work / "warm.parquet"
@@ -163,19 +165,20 @@ def main() -> None:
                                  "caption": ["warm up"] * (8 * args.cpus)}), warm)
         run_pipeline(load_config(None, ["source.kind=urls", f"source.path={warm}", f"stages.ingest.allow_hosts={allow}",
                                         "stages.ingest.samples_per_shard=8"]), work / "warm", until="ingest", log=lambda m: None)
-        for name, settings in variants.items():
+        for round_, (name, settings) in ((r, v) for r in range(args.repeats) for v in variants.items()):
             before = (list(asked), list(refused))
             cfg = load_config(None, ["source.kind=urls", f"source.path={url_list}", f"stages.ingest.allow_hosts={allow}",
                                      "stages.ingest.image_size=64", f"stages.ingest.samples_per_shard={max(1, args.urls // (4 * args.cpus))}",
                                      "stages.ingest.thread_count=16", "stages.ingest.retries=0",
                                      "stages.ingest.respect_robots=true", *settings])
             t0 = time.time()
-            summary = run_pipeline(cfg, work / name, until="ingest", log=lambda m: None)
+            run_dir = work / f"{name}-{round_}"
+            summary = run_pipeline(cfg, run_dir, until="ingest", log=lambda m: None)
             command = time.time() - t0
-            stats = json.loads((work / name / "ingest" / "stats.json").read_text())
+            stats = json.loads((run_dir / "ingest" / "stats.json").read_text())
             kept = summary["ingest"]["kept"]
             wall = stats["wall_seconds"]
-            rows[name] = {
+            row = {
                 "stage_seconds": round(wall, 1), "command_seconds": round(command, 1),
                 "images_per_second": round(kept / wall, 1), "kept": kept,
                 "dropped": summary["ingest"]["dropped"],
@@ -185,14 +188,18 @@ def main() -> None:
                 "cpu_seconds_idle_waiting": stats.get("paced_idle_seconds"),
                 "cpu_seconds_given_back": stats.get("paced_yielded_seconds"),
             }
-            r = rows[name]
+            r = row
+            rounds.setdefault(name, []).append(row["images_per_second"])
+            if name not in rows or row["images_per_second"] > rows[name]["images_per_second"]:
+                rows[name] = row
             print(f"{name:9s} {r['images_per_second']:7.1f} images/s ({r['stage_seconds']}s stage), kept {kept}/"
                   f"{args.urls}, dropped {r['dropped']}, {r['answered_429']} 429s, waiting {r['paced_thread_seconds']} "
                   f"thread-s, CPU held idle {r['cpu_seconds_idle_waiting']} s (given back {r['cpu_seconds_given_back']} s)", flush=True)
     base = rows["unpaced"]["images_per_second"]
     for name, r in rows.items():
         r["vs_unpaced"] = round(r["images_per_second"] / base, 3) if base else None
-    print("images/s against unpaced: " + ", ".join(f"{n} {r['vs_unpaced']}" for n, r in rows.items()))
+        r["images_per_second_each_round"] = rounds[name]
+    print("best of each, images/s against unpaced: " + ", ".join(f"{n} {r['vs_unpaced']}" for n, r in rows.items()))
     write_results("polite", {"urls": args.urls, "hosts": args.hosts, "zipf_s": round(s, 4),
                              "top_host_share": share[0], "limited": {str(k): v for k, v in limits.items()},
                              "cpus": args.cpus, "variants": rows,

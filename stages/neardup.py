@@ -28,26 +28,38 @@ class NearDupIndex:
         self.codes = np.zeros((0, bits // 8), np.uint8)
         self.index = None
 
-    def build(self, ids, vecs: np.ndarray, means: np.ndarray, codes: np.ndarray | None = None) -> "NearDupIndex":
+    def build(self, ids, vecs: np.ndarray, means: np.ndarray, codes: np.ndarray | None = None,
+              trained: np.ndarray | None = None) -> "NearDupIndex":
         """Arrays that are contiguous and of the right type are used as they are (no copy): a
-        read-only view of the object store's memory serves as well as an array of one's own."""
+        read-only view of the object store's memory serves as well as an array of one's own.
+        `trained`: the inverted file `arrays()` serialised, read back instead of trained again (an
+        evaluation set of 50,000 images took each describe process ~220 s to train on 2 cores)."""
         self.ids = np.asarray(ids) if len(ids) else np.zeros(0, str)
         self.vecs = np.ascontiguousarray(vecs, np.float32)
         self.means = np.ascontiguousarray(means, np.float32)
         self.codes = np.ascontiguousarray(codes, np.uint8) if codes is not None else simhash(self.vecs, self.bits)
-        self.index = binary_index(self.codes, self.bits, self.ivf_above)
+        if trained is not None and len(self.codes) > self.ivf_above:
+            self.index = faiss.deserialize_index_binary(np.ascontiguousarray(trained, np.uint8))
+            self.index.nprobe = NPROBE
+        else:
+            self.index = binary_index(self.codes, self.bits, self.ivf_above)
         return self
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {"ids": self.ids, "vecs": self.vecs, "means": self.means, "codes": self.codes,
-                "params": np.array([self.bits, -1 if self.colour_tol is None else self.colour_tol, self.k])}
+        """What `from_arrays` (a worker) and `load` rebuild the index from; an inverted file travels
+        trained, since training is what costs (an exact index is built from the codes in moments)."""
+        out = {"ids": self.ids, "vecs": self.vecs, "means": self.means, "codes": self.codes,
+               "params": np.array([self.bits, -1 if self.colour_tol is None else self.colour_tol, self.k])}
+        if isinstance(self.index, faiss.IndexBinaryIVF):
+            out["trained"] = faiss.serialize_index_binary(self.index)
+        return out
 
     @classmethod
     def from_arrays(cls, data, ivf_above: int = 1_000_000) -> "NearDupIndex":
         bits, tol, k = data["params"]
         idx = cls(int(bits), None if tol < 0 else float(tol), int(k), ivf_above)
         codes = data["codes"] if "codes" in data else None      # an index saved before codes were kept
-        return idx.build(data["ids"], data["vecs"], data["means"], codes)
+        return idx.build(data["ids"], data["vecs"], data["means"], codes, data["trained"] if "trained" in data else None)
 
     def search(self, vecs: np.ndarray, means: np.ndarray, exclude_self: bool = False,
                chunk: int = 512) -> tuple[np.ndarray, np.ndarray]:
@@ -89,7 +101,10 @@ class NearDupIndex:
             return cls.from_arrays({name: data[name] for name in data.files}, ivf_above)
 
 
-def binary_index(codes: np.ndarray, bits: int, ivf_above: int = 1_000_000, nprobe: int = 16):
+NPROBE = 16      # inverted lists an IVF search visits
+
+
+def binary_index(codes: np.ndarray, bits: int, ivf_above: int = 1_000_000, nprobe: int = NPROBE):
     """Exact Hamming search up to `ivf_above` codes; past it an inverted file (trained on a sample)."""
     n = len(codes)
     if n <= ivf_above:
