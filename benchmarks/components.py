@@ -34,7 +34,7 @@ def _write_edges(root: str, n_edges: int) -> list[str]:
     import pyarrow as pa
 
     from infra.storage import Storage
-    from stages.dedup import EDGE_SCHEMA
+    from stages.dedup.layout import EDGE_SCHEMA
 
     rng = np.random.default_rng(n_edges)
     sizes = rng.integers(2, 6, n_edges)                  # a cluster of k samples brings k - 1 edges
@@ -68,7 +68,7 @@ def _run(args) -> dict:
     import ray  # noqa: F401 - as a Ray worker has it imported
 
     from infra.storage import Storage
-    from stages.dedup import _components_task
+    from stages.dedup.components import _components_task
 
     parts = [f"part-{p:05d}" for p in range(PARTS)]
     t0 = time.time()

@@ -1,6 +1,6 @@
 """Dedup cost: describing (hashing) images/s, and candidate search time and peak memory for 10^5,
 10^6 and 10^7 candidate codes against 10^5 evaluation codes (random 256-bit codes: the search cost
-does not depend on what the bits mean), through the index capline builds (stages/neardup.py).
+does not depend on what the bits mean), through the index capline builds (stages/dedup/neardup.py).
 
 Each search size runs in its own process so its peak RSS is its own.
     python benchmarks/dedup.py [--max 10000000]
@@ -28,7 +28,7 @@ BITS, EVAL = 256, 100_000
 def search_once(n: int, mode: str) -> dict:
     import faiss
 
-    from stages.neardup import binary_index
+    from stages.dedup.neardup import binary_index
 
     rng = np.random.default_rng(0)
     refs = rng.integers(0, 256, size=(EVAL, BITS // 8), dtype=np.uint8)
@@ -50,7 +50,7 @@ def search_once(n: int, mode: str) -> dict:
 
 def describe_speed(n: int = 2000) -> float:
     from stages import synthetic
-    from stages.imagehash import describe
+    from stages.dedup.imagehash import describe
     from stages.synthetic import encode, random_scene, render
 
     rng = np.random.default_rng(0)

@@ -5,7 +5,7 @@ For each size N: random 256-bit SimHash codes in partitions of `--per-part`, wit
 the samples (the second half's) replaced by a near copy of a sample in the first half: a cosine
 drawn uniformly in [threshold, 1], and as many random bits flipped as SimHash flips for it
 (Binomial(256, acos(c) / pi)). The partitions' signature files are written by the stage's own
-`signature_table` (the band plan for N: stages/lsh.py), then every signature bucket goes through
+`signature_table` (the band plan for N: stages/dedup/lsh.py), then every signature bucket goes through
 the stage's `_group_task`, each in a fresh process so its peak RSS is its own. Recall = planted
 pairs found as near candidates / planted pairs (the verification after it is an exact cosine on
 the found pairs: it cannot find what the group step missed).
@@ -69,8 +69,8 @@ def _placeholders(first: int, per_part: int, every: int, repeated: float, copies
 def write_part(args) -> dict:
     from infra.shuffle import write_ranges
     from infra.storage import Storage
-    from stages.dedup import signature_table
-    from stages.lsh import band_plan
+    from stages.dedup.sign import signature_table
+    from stages.dedup.lsh import band_plan
 
     root, n_total, part, per_part, every, n_buckets, repeated, copies = args
     codes = _codes(n_total, part, per_part)
@@ -97,7 +97,8 @@ def write_part(args) -> dict:
 def group_one(args) -> dict:
     """One group task in this (fresh) process: its seconds, rows and peak RSS."""
     from infra.storage import Storage
-    from stages.dedup import DedupConfig, _group_task
+    from stages.dedup.config import DedupConfig
+    from stages.dedup.group import _group_task
 
     root, bucket, files, n_buckets = args
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -111,8 +112,9 @@ def run_size(n: int, per_part: int, planted: float, workers: int, bucket_rows: i
              repeated: float = 0.0, copies: int = 10_000) -> dict:
     import pyarrow.parquet as pq
 
-    from stages.dedup import PAIR_DIR, bucket_count, sigs_per_sample
-    from stages.lsh import band_plan
+    from stages.dedup.layout import PAIR_DIR
+    from stages.dedup.sign import bucket_count, sigs_per_sample
+    from stages.dedup.lsh import band_plan
 
     plan = band_plan(n, THRESHOLD, BITS)
     n_buckets = bucket_count(n, bucket_rows, workers, sigs_per_sample(plan))

@@ -1,8 +1,8 @@
 """Dedup's evaluation index at a real evaluation set's size, in the describe tasks that search it.
 
 An evaluation image is described at 28 crops, each a 768-d float32 descriptor and a 256-bit code
-(stages/imagehash.py): 86 KB an image, 4.3 GB for a 50,000-image set (ImageNet-val's size). The
-dedup stage puts the index in Ray's object store once (`ray.put` in stages/dedup.py) and every
+(stages/dedup/imagehash.py): 86 KB an image, 4.3 GB for a 50,000-image set (ImageNet-val's size). The
+dedup stage puts the index in Ray's object store once (`ray.put` in stages/dedup/stage.py) and every
 describe task of a node reads it there without a copy; only the Hamming index over the codes
 (faiss, 32 bytes a reference) is each worker process's own. Version three decoded the whole index
 into every describe process.
@@ -47,7 +47,7 @@ class _Here:
 def _task(blobs, names, queries, means, truth):
     import psutil
 
-    from stages.dedup import _indexes
+    from stages.dedup.describe import _indexes
 
     t0 = time.time()
     indexes, _, _ = _indexes(_Here(), blobs, names, None)
@@ -72,8 +72,8 @@ def main() -> None:
     import ray
 
     from infra.ray_runtime import RayConfig, ray_session
-    from stages.imagehash import simhash
-    from stages.neardup import NearDupIndex
+    from stages.dedup.imagehash import simhash
+    from stages.dedup.neardup import NearDupIndex
 
     n = args.images * CROPS
     rng = np.random.default_rng(0)

@@ -89,7 +89,7 @@ def parse_list(path: Path) -> list[Entry]:
 
 def image_vectors(entries: list[Entry], base: Path) -> np.ndarray:
     """(k, 768) float32 thumbnail descriptors of the image entries (dedup's within-data descriptor)."""
-    from stages.imagehash import describe
+    from stages.dedup.imagehash import describe
 
     vecs = []
     for e in entries:

@@ -3,7 +3,7 @@
 `mixed_aspect`: distinct pictures in six aspect ratios (4:3, 3:4, 16:9, 9:16, 3:2, 2:3), a share of
 them product-like (one flat background colour, one small object, as shop photos are), the rest
 photo-like (a gradient and several shapes over the whole frame). Each is accepted only if the
-near-duplicate descriptor (stages.imagehash) finds it clearly unlike every picture before it *as an
+near-duplicate descriptor (stages.dedup.imagehash) finds it clearly unlike every picture before it *as an
 original*, so any of them dropped as a duplicate after ingest was dropped for what ingest did to it.
 Written like the demo's site: files under `www/img/`, URLs with the `{DEMO_SERVER}` placeholder.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .imagehash import describe
+from .dedup.imagehash import describe
 from .synthetic import SERVER_PLACEHOLDER
 
 ASPECTS = ((4, 3), (3, 4), (16, 9), (9, 16), (3, 2), (2, 3))

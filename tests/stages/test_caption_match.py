@@ -2,7 +2,7 @@
 import random
 from pathlib import Path
 
-from stages.caption_match import CaptionIndex, words
+from stages.dedup.caption_match import CaptionIndex, words
 
 COCO = Path(__file__).resolve().parent.parent / "trainers" / "data" / "coco-val-captions.txt"
 
@@ -53,8 +53,9 @@ def test_dedup_drops_or_flags_alt_text_holding_an_evaluation_caption(tmp_path):
 
     from infra.errors import UserError
     from infra.storage import Storage
-    from stages.dedup import DedupConfig, _eval_captions, _verdicts
-    from stages.eval_sets import EvalSetConfig, iter_captions
+    from stages.dedup.config import DedupConfig
+    from stages.dedup.verdicts import _eval_captions, _verdicts
+    from stages.dedup.eval_sets import EvalSetConfig, iter_captions
 
     caps = COCO.read_text().splitlines()
     pq.write_table(pa.table({"image": [b"x"] * 3, "id": ["i1", "i2", "i3"],

@@ -13,9 +13,9 @@ from PIL import Image
 from pipeline.config import load_config
 from pipeline.runner import run_pipeline
 from stages import synthetic
-from stages.eval_sets import EvalSetConfig, build_reference, iter_images
-from stages.imagehash import describe, to_rgb_array
-from stages.neardup import NearDupIndex
+from stages.dedup.eval_sets import EvalSetConfig, build_reference, iter_images
+from stages.dedup.imagehash import describe, to_rgb_array
+from stages.dedup.neardup import NearDupIndex
 from stages.source import DefectFractions
 from infra.errors import UserError
 
@@ -131,7 +131,7 @@ def test_bad_evaluation_sets(tmp_path):
 def test_builtin_sets_read_offline():
     digits = list(iter_images(EvalSetConfig(name="d", kind="builtin", path="digits"), None))
     assert len(digits) == 1797 and digits[0][1].shape == (8, 8)
-    from stages.eval_sets import FASHION_MNIST
+    from stages.dedup.eval_sets import FASHION_MNIST
 
     if not FASHION_MNIST.is_file():
         pytest.skip("Debian package dataset-fashion-mnist not installed (make install installs it)")
@@ -184,8 +184,8 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local, 
     assert dups and all(r["detail"] == f"duplicate_of={r['match_key']}" and r["match_key"] < r["key"] for r in dups)
     # the data grew past a step of the band plan (as if 1,000x larger): the images are not described
     # again, only their signatures made for the wider bands, and the targets still hold
-    import stages.dedup as dedup_module
-    from stages.lsh import band_plan
+    import stages.dedup.stage as dedup_module
+    from stages.dedup.lsh import band_plan
 
     monkeypatch.setattr(dedup_module, "band_plan", lambda n, t, bits: band_plan(n * 1000, t, bits))
     (tmp_path / "run" / "dedup" / "_SUCCESS").unlink()
@@ -200,7 +200,7 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local, 
 
 
 def test_signature_buckets_grow_with_the_data_and_the_cluster():
-    from stages.dedup import bucket_count
+    from stages.dedup.sign import bucket_count
 
     assert bucket_count(0, 10**6, 64, 17) == 1
     assert bucket_count(563, 10**6, 2, 17) == 1                  # the demo on 2 CPUs: one bucket of 9,571 rows
@@ -215,7 +215,7 @@ def test_lsh_bands_widen_with_n_and_keep_recall_at_the_threshold():
     """A band value's expected group (random codes) stays near lsh.GROUP as N grows, and a pair
     exactly at the cosine threshold is found with probability >= lsh.RECALL; checked by drawing
     pairs at the threshold and counting those a band catches."""
-    from stages.lsh import GROUP, RECALL, band_plan, band_values
+    from stages.dedup.lsh import GROUP, RECALL, band_plan, band_values
 
     plans = {n: band_plan(n, 0.97, 256) for n in (10**3, 10**6, 10**7, 10**8, 10**9)}
     assert [p.width for p in plans.values()] == sorted(p.width for p in plans.values())
@@ -238,8 +238,11 @@ def test_a_group_task_pairs_exact_and_near_signatures(tmp_path):
     shared pixel hash pairs its samples as exact, a near copy (3 bits off) as a near candidate, a
     far code and a near code of another colour not at all."""
     from infra.storage import Storage
-    from stages.dedup import PAIR_DIR, PAIR_SCHEMA, WANTED_DIR, DedupConfig, _group_task, signature_table
-    from stages.lsh import band_plan
+    from stages.dedup.config import DedupConfig
+    from stages.dedup.group import _group_task
+    from stages.dedup.layout import PAIR_DIR, PAIR_SCHEMA, WANTED_DIR
+    from stages.dedup.sign import signature_table
+    from stages.dedup.lsh import band_plan
 
     rng = np.random.default_rng(0)
     codes = rng.integers(0, 256, (6, 32), dtype=np.uint8)
@@ -275,7 +278,8 @@ def test_a_dataset_lines_published_samples_stay_kept_in_their_clusters(tmp_path)
 
     from infra.shuffle import read_bucket
     from infra.storage import Storage
-    from stages.dedup import DECISION_SCHEMA, DECISIONS, EDGE_SCHEMA, _components_task, component_roots
+    from stages.dedup.components import _components_task, component_roots
+    from stages.dedup.layout import DECISION_SCHEMA, DECISIONS, EDGE_SCHEMA
     from stages.line import PUBLISHED_SCHEMA, published_file
 
     # nodes 0-1-2 and 3-4, 5 alone: each node's root is its component's lowest-ranked node
@@ -304,7 +308,7 @@ def test_a_dataset_lines_published_samples_stay_kept_in_their_clusters(tmp_path)
 
 
 def test_how_dedup_cuts_its_work_is_not_in_its_fingerprint():
-    from stages.dedup import DedupStage
+    from stages.dedup.stage import DedupStage
 
     before = DedupStage().fingerprint(load_config(None, []))
     assert DedupStage().fingerprint(load_config(None, ["stages.dedup.bucket_rows=5000"])) == before
@@ -312,7 +316,7 @@ def test_how_dedup_cuts_its_work_is_not_in_its_fingerprint():
 
 
 def test_changing_a_folder_eval_set_changes_the_dedup_fingerprint(tmp_path):
-    from stages.dedup import DedupStage
+    from stages.dedup.stage import DedupStage
 
     (tmp_path / "set").mkdir()
     Image.fromarray(_photos()[0]).save(tmp_path / "set" / "a.png")
@@ -384,7 +388,7 @@ def test_untrusted_evaluation_sets_cannot_make_capline_read_what_they_point_at(t
 
 @pytest.mark.slow
 def test_the_evaluation_index_built_in_ray_tasks_equals_the_one_built_here(tmp_path, ray_local, monkeypatch):
-    import stages.eval_sets as eval_sets
+    import stages.dedup.eval_sets as eval_sets
 
     folder = tmp_path / "set"
     folder.mkdir()
@@ -407,7 +411,7 @@ def test_the_evaluation_index_built_in_ray_tasks_equals_the_one_built_here(tmp_p
 def test_a_large_lsh_group_is_compared_in_full_not_cut():
     """More codes share one band value than one block holds: every close pair is still found (the
     old code compared only a group's first 2,000 members, silently)."""
-    from stages.lsh import close_pairs_block
+    from stages.dedup.lsh import close_pairs_block
 
     rng = np.random.default_rng(0)
     n = 2600
@@ -430,7 +434,7 @@ def test_a_large_lsh_group_is_compared_in_full_not_cut():
 def test_exact_copies_in_a_large_group_pair_with_one_representative():
     """A placeholder repeated thousands of times: its copies pair with the first copy (linear), and
     the search runs over one representative with the group's other codes."""
-    from stages.lsh import SMALL_GROUP, collapse_copies
+    from stages.dedup.lsh import SMALL_GROUP, collapse_copies
 
     rng = np.random.default_rng(1)
     codes = rng.integers(0, 256, (400, 32), dtype=np.uint8)
@@ -451,8 +455,11 @@ def test_a_placeholder_repeated_in_every_partition_costs_pairs_linear_in_its_cop
     writes each copy's pair with the first copy, not the 4.5 million pairs of all copies."""
     from infra.shuffle import write_ranges
     from infra.storage import Storage
-    from stages.dedup import PAIR_DIR, DedupConfig, _group_task, signature_table
-    from stages.lsh import band_plan
+    from stages.dedup.config import DedupConfig
+    from stages.dedup.group import _group_task
+    from stages.dedup.layout import PAIR_DIR
+    from stages.dedup.sign import signature_table
+    from stages.dedup.lsh import band_plan
 
     rng = np.random.default_rng(2)
     storage, plan, n = Storage.local(tmp_path), band_plan(3600, 0.97, 256), 1200
@@ -486,7 +493,7 @@ def test_a_torchscript_image_model_is_a_dedup_descriptor(tmp_path):
 
     from infra.errors import ConfigError
     from pipeline.config import load_config
-    from stages.dedup import EncoderDescriber
+    from stages.dedup.encoder import EncoderDescriber
 
     class Thumb(torch.nn.Module):
         def forward(self, x):                       # (B, 3, S, S) -> (B, 3*4*4), centred
@@ -523,7 +530,7 @@ def test_a_torchscript_image_model_is_a_dedup_descriptor(tmp_path):
         load_config(None, [f"stages.dedup.encoder_checkpoint={path}", "stages.dedup.encoder_sha256=" + "ab" * 32])
     pinned = load_config(None, [f"stages.dedup.encoder_checkpoint={path}", "stages.dedup.encoder_image_size=32",
                                 f"stages.dedup.encoder_sha256={sha}"])
-    from stages.dedup import DedupStage
+    from stages.dedup.stage import DedupStage
 
     DedupStage().preflight(pinned)          # what `capline run` checks first accepts what validation did
     (tmp_path / "weights.bin").write_bytes(b"x")
@@ -570,7 +577,7 @@ def test_the_evaluation_index_reaches_workers_as_shared_arrays_not_copies(tmp_pa
     assert np.array_equal(loaded.codes, built.codes)          # codes kept, not recomputed
     queries = vecs[[5, 17, 250]] + 0.01 * rng.normal(size=(3, 768)).astype(np.float32)
     def probe(blobs, queries):       # in a Ray worker (defined here: pickled by value, not by module)
-        from stages.neardup import NearDupIndex
+        from stages.dedup.neardup import NearDupIndex
 
         index = NearDupIndex.from_arrays(blobs["s"])
         idx, sim = index.search(queries, np.zeros((len(queries), 3), np.float32))
@@ -586,7 +593,7 @@ def test_the_evaluation_index_reaches_workers_as_shared_arrays_not_copies(tmp_pa
 def test_an_evaluation_folder_is_read_again_only_when_its_files_change(tmp_path, monkeypatch):
     """The set's digest (what its index is cached by) is kept beside the cache, by the files'
     names, sizes and mtimes: a rerun does not read every evaluation image to digest it."""
-    import stages.eval_sets as eval_sets
+    import stages.dedup.eval_sets as eval_sets
 
     folder = tmp_path / "set"
     folder.mkdir()
@@ -607,7 +614,7 @@ def test_an_inverted_file_travels_trained_and_is_never_trained_again(tmp_path, m
     """Past `ivf_above` references the Hamming index is an inverted file, whose training is what
     costs (~220 s a process for a 50,000-image set here): the index saved and shipped carries it
     trained, and a worker or a later load reads it back and finds what the trained one finds."""
-    import stages.neardup as neardup
+    import stages.dedup.neardup as neardup
 
     rng = np.random.default_rng(1)
     vecs = rng.normal(size=(3000, 64)).astype(np.float32)

@@ -14,7 +14,7 @@ from PIL import Image
 
 from infra.media import content_box, decode, unpad
 from stages.dataplane import pictures
-from stages.imagehash import describe
+from stages.dedup.imagehash import describe
 
 
 def border(img: Image.Image, side: int) -> Image.Image:

@@ -84,7 +84,7 @@ def test_evaluation_captions_planted_in_alt_text_and_the_leaks_by_chance_are_rec
     their own random stream, so every other defect lands where it did; a clean caption that holds
     a held-out caption of 6+ words by chance (the grammar is small) is recorded as the leak it is,
     and every caption still called clean holds none."""
-    from stages.caption_match import words
+    from stages.dedup.caption_match import words
 
     fractions = vars(DefectFractions())
     synthetic.generate(tmp_path / "a", 1000, 200, 48, 0, fractions, 3000, 300_000)

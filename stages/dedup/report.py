@@ -15,8 +15,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .dataplane import read_images
-from .examples import stage_picks, store_picks
+from ..dataplane import read_images
+from ..examples import stage_picks, store_picks
 
 PAIRS_PER_REASON = 12
 _STYLE = """body{font:14px sans-serif;margin:1.5em;color:#222}.pairs{display:flex;flex-wrap:wrap;gap:14px}

@@ -39,7 +39,7 @@ class EvalSetConfig:
     path: str = ""          # a folder / shard path or glob / parquet file; for builtin: its name
     image_col: str = "image"
     id_col: str | None = None
-    # the set's captions, matched against alt-text (stages/caption_match.py): a parquet set's column
+    # the set's captions, matched against alt-text (stages/dedup/caption_match.py): a parquet set's column
     # of captions (a string, or a list of strings, per image); a webdataset set's .txt members are
     # its captions without this
     caption_col: str | None = None

@@ -1,0 +1,123 @@
+"""Step 2: describe each partition's images once and search the evaluation indexes (a Ray task per partition)."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pyarrow as pa
+
+from ..dataplane import PICTURE_COLUMNS, by_location, picture_batches
+from .imagehash import describe, to_rgb_array
+from .neardup import NearDupIndex
+from .config import DedupConfig
+from .encoder import EncoderDescriber
+
+
+_LOADED: dict = {}
+
+
+def _indexes(storage, blobs: dict, names: tuple, encoder_checkpoint: str | None, image_size: int = 224,
+             encoder_sha256: str | None = None):
+    """Made once per worker process, however many partitions it describes. The driver loaded the
+    evaluation indexes on its own disk, which a worker on another node cannot see: they arrive
+    through Ray's object store as arrays (`blobs`: kind -> set name -> NearDupIndex.arrays()), which
+    the worker processes of a node share without a copy each; only the Hamming index over the codes
+    (32 bytes a reference) is each process's own. `names` identify them."""
+    key = (storage.uri(), names, encoder_checkpoint)
+    if key not in _LOADED:
+        _LOADED.clear()
+        _LOADED[key] = ({n: NearDupIndex.from_arrays(a) for n, a in blobs["hash"].items()},
+                        {n: NearDupIndex.from_arrays(a) for n, a in blobs["encoder"].items()},
+                        EncoderDescriber(str(storage.local_dir(encoder_checkpoint)), image_size, encoder_sha256)
+                        if encoder_checkpoint
+                        else None)
+    return _LOADED[key]
+
+
+def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
+                   encoder_checkpoint: str | None, cfg: DedupConfig, out: str) -> dict:
+    """Ray task: describe one partition's images (each decoded once), search the evaluation sets,
+    write each sample's descriptor, SimHash code, mean colour and exact hashes to `<out>.desc.parquet`,
+    then the record that makes them reusable by a later run with the same partition. -> small counts.
+    Nothing here depends on how many samples the run has: the band signatures, which do, are the
+    sign step's (`_sign_task`), from this file, without decoding an image again."""
+    from ..dataplane import read_kept
+    from .imagehash import simhash
+
+    rows = by_location(read_kept(storage, file, ["key", "url", "caption", *PICTURE_COLUMNS]))
+    indexes, enc_indexes, encoder = _indexes(storage, blobs, names, encoder_checkpoint, cfg.encoder_image_size,
+                                             cfg.encoder_sha256)
+    n = rows.num_rows
+    vec16, means, codes = np.zeros((n, 768), np.float16), np.zeros((n, 3), np.float32), np.zeros((n, cfg.bits // 8), np.uint8)
+    pix, ok = [bytes(16)] * n, np.zeros(n, bool)
+    best_set, best_id, best_sim = [""] * n, [""] * n, np.full(n, -1.0, np.float32)
+    at = 0
+    # memory: a batch's images, whatever n is; each decoded once and seen without a resize's bars
+    for batch, images in picture_batches(storage, rows):
+        m = batch.num_rows
+        vecs = np.zeros((m, 768), np.float32)
+        for j, img in enumerate(images):
+            i = at + j
+            if img is None:
+                continue     # ingest verified decodability; counted as undecodable if it happens
+            arr = to_rgb_array(img)   # for the descriptor and the pixel hash
+            vecs[j], means[i] = describe(arr)
+            pix[i] = hashlib.sha256(arr.tobytes()).digest()[:16]
+            ok[i] = True
+        vec16[at:at + m], codes[at:at + m] = vecs, simhash(vecs, cfg.bits)
+        for kind, idx_map in (("hash", indexes), ("encoder", enc_indexes)):
+            if not idx_map:
+                continue
+            if kind == "encoder":
+                got = [encoder(img)[0] if good else None for img, good in zip(images, ok[at:at + m])]
+                dim = next((g.shape[0] for g in got if g is not None), 1)    # an encoder's own width
+                qv = np.stack([g if g is not None else np.zeros(dim, np.float32) for g in got])
+                qm = np.zeros((m, 3), np.float32)
+            else:
+                qv, qm = vecs, means[at:at + m]
+            for name, index in idx_map.items():
+                idx, sim = index.search(qv, qm)
+                for q in range(m):
+                    i = at + q
+                    if idx[q] >= 0 and sim[q] > best_sim[i] and ok[i]:
+                        best_set[i], best_id[i], best_sim[i] = f"{name}|{kind}", index.ids[idx[q]], sim[q]
+        at += m
+    keys = rows.column("key").to_pylist()
+    url_caption = [hashlib.blake2b(f"{u}\0{c}".encode(), digest_size=16).digest() for u, c in
+                   zip(rows.column("url").to_pylist(), rows.column("caption").to_pylist())]
+    storage.write_table(f"{out}.desc.parquet", pa.table({
+        "key": keys, "vec": pa.array([v.tobytes() for v in vec16], pa.binary()),
+        "ok": ok, "eval_set": best_set, "eval_id": best_id, "eval_sim": best_sim,
+        "code": pa.array([c.tobytes() for c in codes], pa.binary()),
+        "mean": pa.FixedSizeListArray.from_arrays(pa.array(means.ravel()), 3),
+        "pixels": pa.array(pix, pa.binary()), "url_caption": pa.array(url_caption, pa.binary())}))
+    result = {"part": part, "described": n, "undecodable": int((~ok).sum())}
+    storage.write_json(f"{out}.json", result)     # last: the file above is whole
+    return result
+
+
+# How a partition's own images are described: the thumbnail of the picture without a `border`
+# resize's bars (dataplane.pictures), codes and hashes kept for the sign step. Part of each
+# partition's reuse key, so a partition described by an earlier version is described again.
+WITHIN_DESCRIPTOR = "thumb16-unpadded"
+DESCRIBED_LAYOUT = 3        # what a description file holds (3: codes, colours and hashes for the sign step)
+
+
+def _described_key(fingerprint: str, u) -> str:
+    """What decides a partition's descriptions: the stage's fingerprint (config, evaluation sets),
+    how images are described and what the file holds, the partition's content. Not the run's size:
+    a dataset line that doubles keeps every description (only the cheap signatures follow the band
+    plan)."""
+    text = json.dumps([fingerprint, WITHIN_DESCRIPTOR, DESCRIBED_LAYOUT, u.part, u.sha256])
+    return f"{u.part}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def _eval_hit(set_kind: str, sim: float, cfg: DedupConfig) -> bool:
+    if not set_kind:
+        return False
+    kind = set_kind.split("|")[1]
+    return sim >= (cfg.eval_threshold if kind == "hash" else cfg.encoder_threshold)
+
+
+DESCRIBED = "dedup/described"    # per partition, by what decided it: kept across runs (Stage.preserve)

@@ -1,0 +1,214 @@
+"""The dedup stage top to bottom: it plans the steps and reads their counts (the steps are this package's modules)."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infra.errors import UserError
+from infra.shuffle import map_groups
+
+from ..base import Decide, StageContext, StageResult
+from ..dataplane import PartTask, reused_or_run
+from .layout import EDGE_DIR, PAIR_DIR, WANTED_DIR
+from .eval_sets import build_reference, check_exists
+from .lsh import band_plan
+from .neardup import NearDupIndex
+from .components import _components_task
+from .config import DedupConfig, _dir_digest, hamming_radius, preflight
+from .describe import DESCRIBED, WITHIN_DESCRIPTOR, _describe_task, _described_key
+from .encoder import EncoderDescriber
+from .group import MAP_SIGNATURES, PAIR_FAN_IN, _group_reduce, _sig_pieces
+from .sign import SIGNED, _sign_task, _signed_key, bucket_count, sigs_per_sample
+from .verdicts import _eval_captions, _verdicts
+from .verify import FETCH_PARTS, _fetch_pieces, _verify_reduce
+
+
+@dataclass
+class Candidates:
+    """What the workers found, as counts (the pairs stay in the run folder: dedup/_work/edges) and
+    the evaluation sets' statistics."""
+    exact: int
+    near: int
+    n_candidates: int
+    edge_files: list
+    set_stats: dict
+    largest_group: int = 0        # the most codes one LSH band value held (compared in full, never cut)
+    buckets: int = 0              # group tasks, and verification tasks
+    lsh: str = ""                 # the band plan for this N, and its expected recall at the threshold
+    desc: dict = field(default_factory=dict)   # partition -> its descriptors' file
+    reduce_tasks: dict = field(default_factory=dict)
+
+
+class DedupStage(Decide):
+    name = "dedup"
+    config_key, config_class = "dedup", DedupConfig
+    reasons = ("exact_duplicate", "near_duplicate", "eval_duplicate", "undecodable_image", "removed", "eval_caption")
+    report = "dedup/report.html"
+    # partitions described, and examples picked, before: by what decided them (a scheduled run's reuse)
+    preserve = ("described", "signed", "examples", "reuse")
+    audits = (("eval_near_copy", "eval_duplicate"), ("repeat_row", "exact_duplicate"), ("train_near_copy", ""),
+              ("eval_caption", "eval_caption"))
+
+    def preflight(self, config) -> None:
+        preflight(config.stages.dedup, None)
+        for es in config.stages.dedup.eval_sets:
+            if es.kind == "builtin" and es.path == "demo_heldout" and config.source.kind != "synthetic":
+                raise UserError(f"stages.dedup.eval_sets: {es.name} (builtin demo_heldout) exists only for "
+                                "source.kind synthetic; remove it or list your own evaluation sets")
+
+    def fingerprint(self, config) -> str:
+        # the evaluation sets' content decides the result as much as their config
+        from .eval_sets import stat_fingerprint
+
+        cfg = self.section(config)
+        base = json.loads(super().fingerprint(config))
+        return json.dumps(base, sort_keys=True) + "".join(
+            sorted(f"{e.name}:{stat_fingerprint(e)}" for e in cfg.eval_sets))
+
+    def measure(self, ctx: StageContext) -> Candidates:
+        """Workers describe every image, search the evaluation sets, and group signatures by bucket;
+        candidate near pairs are verified by exact cosine."""
+        import ray
+
+        cfg: DedupConfig = ctx.cfg
+        for es in cfg.eval_sets:
+            check_exists(es, ctx.run_dir)
+        cache = Path(cfg.cache_dir).expanduser()
+        params = {"descriptor": "thumb16-v2", "bits": cfg.bits, "colour_tol": cfg.colour_tol}
+        index_paths, enc_paths, set_stats = {}, {}, {}
+        for es in cfg.eval_sets:
+            path, st = build_reference(es, ctx.run_dir, cache, params, log=ctx.log, run=ctx.run)
+            index_paths[es.name], set_stats[es.name] = path, st
+            if cfg.encoder_checkpoint:
+                enc_params = {"descriptor": "encoder", "checkpoint": _dir_digest(cfg.encoder_checkpoint),
+                              "bits": cfg.bits, "colour_tol": None, "image_size": cfg.encoder_image_size}
+                epath, _ = build_reference(es, ctx.run_dir, cache, enc_params, log=ctx.log,
+                                           describer=EncoderDescriber(cfg.encoder_checkpoint, cfg.encoder_image_size,
+                                                                                      cfg.encoder_sha256))
+                enc_paths[es.name] = epath
+        encoder_rel = None
+        if cfg.encoder_checkpoint:
+            encoder_rel = "dedup/_work/encoder"
+            src = Path(cfg.encoder_checkpoint)
+            if src.is_file():   # a TorchScript file: its folder's copy holds just it
+                ctx.storage.write_bytes(f"{encoder_rel}/{src.name}", src.read_bytes())
+            else:
+                ctx.storage.put_dir(encoder_rel, cfg.encoder_checkpoint)
+        upstream = [u for u in ctx.upstream or []]
+        samples = sum(u.kept for u in upstream)
+        plan = band_plan(samples, cfg.within_threshold, cfg.bits)
+        n_buckets = bucket_count(samples, cfg.bucket_rows, ctx.cluster_cpus(), sigs_per_sample(plan))
+        # one copy in the object store, shared by every task on a node (a path here means nothing there)
+        blobs = ray.put({"hash": {n: NearDupIndex.load(p).arrays() for n, p in index_paths.items()},
+                         "encoder": {n: NearDupIndex.load(p).arrays() for n, p in enc_paths.items()}})
+        names = tuple(sorted(p.name for p in [*index_paths.values(), *enc_paths.values()]))
+        args = (blobs, names, encoder_rel)
+        # a partition described by an earlier run with the same input and config is reused (a
+        # scheduled run that added 1 % describes the 1 %), whatever the run's size
+        described, outs = reused_or_run(
+            ctx, _describe_task, DESCRIBED, lambda u: _described_key(ctx.fingerprint, u),
+            lambda u, out: (ctx.storage, u.part, u.file, *args, cfg, out), "dedup describe",
+            "described before with the same input", "describe", num_cpus=cfg.cpus_per_worker)
+        ctx.log(f"dedup: described {sum(d['described'] for d in described)} images")
+        # signatures for this size's band plan: a partition signed before under the same plan is
+        # reused; its file serves any bucket count (range buckets)
+        _, signed = reused_or_run(
+            ctx, _sign_task, SIGNED, lambda u: _signed_key(u.part, outs[u.part], plan),
+            lambda u, out: (ctx.storage, u.part, f"{outs[u.part]}.desc.parquet", cfg, plan, n_buckets, out),
+            "dedup sign", f"signed before for {plan.bands} bands of {plan.width} bits", "sign",
+            num_cpus=cfg.cpus_per_worker)
+        # pairs are few next to signatures: fewer pair buckets, so the fetch and verify tasks each
+        # open the group tasks' files n_buckets / PAIR_FAN_IN times fewer
+        n_pairs = max(1, math.ceil(n_buckets / PAIR_FAN_IN))
+        # the near candidates' descriptors are fetched by partition: a task per FETCH_PARTS
+        # partitions at least (one task reading 2,000 partitions' files took 11 s of an append)
+        n_fetch = max(n_pairs, min(int(ctx.cluster_cpus()), math.ceil(len(upstream) / FETCH_PARTS)))
+        # each partition's signatures read once and handed to the group tasks through Ray's object
+        # store: a group task opens no file (it opened every signature file, or merged copies of them);
+        # a map task reads several partitions' files, up to MAP_SIGNATURES rows
+        files = [f"{signed[u.part]}.sig.parquet" for u in upstream]
+        maps = map_groups([u.kept * sigs_per_sample(plan) for u in upstream], MAP_SIGNATURES, int(ctx.cluster_cpus()))
+        found = ctx.shuffle(_sig_pieces, [(ctx.storage, [files[i] for i in g], n_buckets) for g in maps],
+                            n_buckets, _group_reduce, [(ctx.storage, b, cfg, n_pairs, n_fetch) for b in range(n_buckets)],
+                            "dedup group", num_cpus=cfg.cpus_per_worker)
+        # only the files written (no empty ones): a reducer opens just those
+        pair_files = [f"{PAIR_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f["pairs"]]
+        wanted_files = [f"{WANTED_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f["wanted"]]
+        desc = {p: f"{o}.desc.parquet" for p, o in outs.items()}
+        # the candidates' descriptors, fetched by partition, reach the verify task of their pair
+        # bucket through Ray's object store (no file between them)
+        checked = ctx.shuffle(_fetch_pieces, [(ctx.storage, b, wanted_files, desc, n_pairs) for b in range(n_fetch)]
+                              if wanted_files else [], n_pairs, _verify_reduce,
+                              [(ctx.storage, b, pair_files, cfg.within_threshold) for b in range(n_pairs)],
+                              "dedup verify", num_cpus=cfg.cpus_per_worker) if pair_files else []
+        edge_files = [f"{EDGE_DIR}/{b:06d}.parquet" for b, c in enumerate(checked) if c["edges"]]
+        return Candidates(sum(c["exact"] for c in checked), sum(c["near"] for c in checked),
+                          sum(c["candidates"] for c in checked), edge_files,
+                          set_stats, max((f["largest_group"] for f in found), default=0), n_buckets,
+                          plan.describe(cfg.within_threshold), desc,
+                          {"group": n_buckets, "fetch": n_fetch if wanted_files and pair_files else 0, "verify": len(checked)})
+
+    def decide(self, ctx: StageContext, found: Candidates) -> dict:
+        """Pairs joined into clusters, in a task; of each the smallest key is kept. -> counts per
+        partition and a few drops to show (the decisions themselves stay in the run folder)."""
+        from .report import PAIRS_PER_REASON
+
+        from ..line import published_parts, read_line
+
+        parts = sorted(u.part for u in ctx.upstream or [])
+        line = read_line(ctx.storage)      # an append-only dataset line: what it published stays kept
+        shards = frozenset(s["name"] for s in line["shards"]) if line else frozenset()
+        pub = frozenset(published_parts(ctx.storage) & set(parts)) if line else frozenset()
+        out = ctx.call(_components_task, ctx.storage, found.edge_files, parts, PAIRS_PER_REASON, shards, pub,
+                       what="dedup components", num_cpus=ctx.cfg.cpus_per_worker)
+        ctx.log(f"dedup: {found.exact} exact pairs, {found.n_candidates} near candidates, {found.near} "
+                f"near pairs, {out['duplicates']} within-data duplicates"
+                + (f"; {out['published_kept']} published sample(s) of this dataset line kept beside the one "
+                   "their cluster keeps" if out["published_kept"] else ""))
+        return out
+
+    def apply(self, ctx: StageContext, found: Candidates, decisions: dict) -> StageResult:
+        from ..removals import DESCRIPTIONS, removal_digest
+
+        cfg: DedupConfig = ctx.cfg
+        index = {p: i for i, p in enumerate(sorted(u.part for u in ctx.upstream or []))}
+        # where each partition's descriptions are: `capline remove` matches images against them
+        ctx.storage.write_json(DESCRIPTIONS, dict(sorted(found.desc.items())))
+        # a dataset line's removals: what they name never comes back (pipeline/remove.py)
+        removals = removal_digest(ctx.storage)
+        captions = _eval_captions(ctx.storage, cfg, ctx.run_dir)
+        tasks = [PartTask(u.part, u.file, u.part,
+                          kwargs={"part": u.part, "index": index[u.part], "has_decisions": u.part in decisions["per_part"],
+                                  "cfg": cfg, "storage": ctx.storage, "desc": found.desc[u.part],
+                                  "removals": removals, "captions": captions},
+                          input_sha=u.sha256, depends=f"{found.desc[u.part]}:{decisions['digests'].get(u.part, '')}"
+                                                      + (f":{removals}" if removals else "")
+                                                      + (f":{captions[1]}" if captions else ""))
+                 for u in ctx.upstream or []]
+        parts = ctx.map_parts(_verdicts, tasks, num_cpus=0.5, reuse=True)
+        from .report import write_report
+
+        ctx.log(f"dedup: pairs side by side in {write_report(ctx, decisions['shown'], parts)}")
+        evals: dict[str, int] = {}
+        caption_hits: dict[str, int] = {}
+        for p in parts:
+            for name, c in p.extra.get("eval_matches", {}).items():
+                evals[name] = evals.get(name, 0) + c
+            for name, c in p.extra.get("caption_matches", {}).items():
+                caption_hits[name] = caption_hits.get(name, 0) + c
+        return StageResult(parts, {"eval_sets": found.set_stats, "eval_matches": evals,
+                                   "caption_matches": {"mode": cfg.caption_match, "captions": captions[2] if captions else 0,
+                                                       "by_set": caption_hits},
+                                   "largest_lsh_group": found.largest_group,
+                                   "reduce_tasks": found.reduce_tasks,
+                                   "published_kept": decisions.get("published_kept", 0),
+                                   "pairs": {"exact": found.exact, "near_candidates": found.n_candidates,
+                                             "near": found.near},
+                                   "method": {"descriptor": WITHIN_DESCRIPTOR, "eval_threshold": cfg.eval_threshold,
+                                              "within_threshold": cfg.within_threshold,
+                                              "lsh": f"{found.lsh}, Hamming radius "
+                                                     f"{hamming_radius(cfg.within_threshold, cfg.bits)}",
+                                              "encoder_checkpoint": cfg.encoder_checkpoint}},
+                           artifacts={"report": "dedup/report.html"})

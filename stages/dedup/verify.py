@@ -1,0 +1,63 @@
+"""Step 5: the near candidates' descriptors fetched by partition and checked by exact cosine (the edges)."""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from infra.shuffle import read_bucket
+
+from ..dataplane import bucket_pieces
+from .layout import EDGE_DIR, EDGE_SCHEMA, PAIR_SCHEMA, VEC_SCHEMA, WANTED_SCHEMA, Pair
+
+
+FETCH_PARTS = 512      # partitions whose descriptors one fetch task reads, at most, where CPUs allow (each reads every wanted file)
+FETCH_AT_ONCE = 32     # descriptor files a fetch task reads at once (each waits on the store's latency)
+
+
+def _fetch_pieces(storage, bucket: int, files: list[str], desc: dict[str, str], n_pairs: int) -> list[pa.Table]:
+    """Ray task (the verify shuffle's map): the descriptors wanted of one group of partitions (each
+    partition's file read once) -> a piece per pair bucket, handed to the verify tasks through Ray's
+    object store."""
+    t = read_bucket(storage, files, "fetch_bucket", bucket, WANTED_SCHEMA)
+    by_part: dict[str, list] = {}
+    for k, part, pb in zip(*(t.column(c).to_pylist() for c in ("key", "part", "pair_bucket"))):
+        by_part.setdefault(part, []).append((k, pb))
+    out = {"key": [], "vec": [], "pair_bucket": []}
+    parts = sorted(by_part)
+    for lo in range(0, len(parts), FETCH_AT_ONCE):     # read in parallel, a group at a time (memory: a group)
+        group = parts[lo:lo + FETCH_AT_ONCE]
+        for part, d in zip(group, storage.read_tables([desc[q] for q in group], ["key", "vec"])):
+            want = by_part[part]
+            d = d.filter(pc.is_in(d.column("key"), pa.array(sorted({k for k, _ in want}))))
+            vec = dict(zip(d.column("key").to_pylist(), d.column("vec").to_pylist()))
+            for k, pb in want:
+                out["key"].append(k)
+                out["vec"].append(vec[k])
+                out["pair_bucket"].append(pb)
+    table = pa.table(out, schema=VEC_SCHEMA)
+    return bucket_pieces(table, np.asarray(out["pair_bucket"], np.int64), n_pairs)
+
+
+def _unit(v: bytes) -> np.ndarray:
+    x = np.frombuffer(v, np.float16).astype(np.float32)
+    return x / (np.linalg.norm(x) + 1e-6)
+
+
+def _verify_reduce(storage, bucket: int, files: list[str], threshold: float, *pieces: pa.Table) -> dict:
+    """Ray task (the verify shuffle's reduce): one pair bucket from every group file, and its
+    candidates' descriptors from every fetch task -> its exact pairs and its candidate near pairs at
+    cosine >= threshold (a pair also found exact is exact), written as edges; -> counts."""
+    t = read_bucket(storage, files, "pair_bucket", bucket, PAIR_SCHEMA)
+    pairs = sorted({Pair(*r) for r in zip(*(t.column(f).to_pylist() for f in Pair._fields))})
+    exact = [p for p in pairs if p.kind == "exact_duplicate"]
+    exact_ab = {(p.a, p.b) for p in exact}
+    cand = [p for p in pairs if p.kind == "near_duplicate" and (p.a, p.b) not in exact_ab]
+    v = pa.concat_tables(pieces) if cand and pieces else VEC_SCHEMA.empty_table()
+    vec = {k: _unit(x) for k, x in zip(v.column("key").to_pylist(), v.column("vec").to_pylist())}
+    near = [(p, c) for p in cand if (c := float(vec[p.a] @ vec[p.b])) >= threshold]
+    edges = [(p, None) for p in exact] + near
+    if edges:
+        storage.write_table(f"{EDGE_DIR}/{bucket:06d}.parquet", pa.table(
+            {**{f: [getattr(p, f) for p, _ in edges] for f in Pair._fields}, "cosine": [c for _, c in edges]},
+            schema=EDGE_SCHEMA))
+    return {"exact": len(exact), "candidates": len(cand), "near": len(near), "edges": len(edges)}
