@@ -164,7 +164,7 @@ class Sampler(threading.Thread):
 
 
 def run_size(n: int, work: Path, base: str, netloc: str, local: bool = False) -> dict:
-    import stages.ingest
+    import stages.ingest.stage
     from pipeline.config import load_config
     from infra.ray_runtime import RayConfig, ray_session
     from pipeline.runner import run_pipeline
@@ -195,12 +195,12 @@ def run_size(n: int, work: Path, base: str, netloc: str, local: bool = False) ->
         if "ETA" not in msg:
             print(f"  [{n}] {msg}", flush=True)
 
-    real = stages.ingest._downloader
+    real = stages.ingest.stage._downloader
     if local:
         import ray.cloudpickle
 
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # workers cannot import benchmarks/
-        stages.ingest._downloader = lambda cfg, allow: LocalDownloader()
+        stages.ingest.stage._downloader = lambda cfg, allow: LocalDownloader()
     try:
         with ray_session(RayConfig(num_cpus=2, object_store_memory_mb=512), log=lambda m: None):
             sampler.start()
@@ -208,7 +208,7 @@ def run_size(n: int, work: Path, base: str, netloc: str, local: bool = False) ->
             sampler.stop = True
             sampler.join()
     finally:
-        stages.ingest._downloader = real
+        stages.ingest.stage._downloader = real
     out = {"ingest_from": "local JPEGs (no download)" if local else "loopback HTTP (img2dataset)"}
     for s in STAGES:
         peak = sampler.peaks.get(s, {"driver": 0, "worker": 0})

@@ -1,6 +1,6 @@
 """The run config: one typed section per component, loaded from YAML plus `--set` overrides.
 
-Sections are defined next to what they configure (stages/source.py, stages/ingest.py,
+Sections are defined next to what they configure (stages/source.py, stages/ingest/stage.py,
 infra/ray_runtime.py); this module only assembles them and loads files.
 """
 from __future__ import annotations

@@ -362,11 +362,11 @@ def _host_pieces(storage, part: str, ingest_file: str, buckets: int) -> list[lis
 
 
 def _recheck_reduce(policy, token: str, directives: tuple, timeout: float, *pieces: list[str]) -> dict:
-    """Ray task (the recheck shuffle's reduce): every URL of its hosts asked again (stages/fetch.py:
+    """Ray task (the recheck shuffle's reduce): every URL of its hosts asked again (stages/ingest/fetch.py:
     recheck): -> the URLs that opt out now, with why, and counts per host."""
     import urllib.parse
 
-    from stages.fetch import recheck
+    from stages.ingest.fetch import recheck
 
     urls = sorted({u for p in pieces for u in p})
     got = recheck(urls, policy, token, directives, timeout)
@@ -390,7 +390,7 @@ def recheck_line(where: str, address: str | None, log=print) -> dict:
 
     from infra.configtools import build
     from infra.ray_runtime import ray_session
-    from stages.ingest import HEADER_DIRECTIVES, fetch_policy
+    from stages.ingest.stage import HEADER_DIRECTIVES, fetch_policy
 
     from .config import RunConfig
     from .executor import Executor

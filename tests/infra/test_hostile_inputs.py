@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-import stages.fetch  # noqa: F401 - loaded first (img2dataset's imports weigh ~300 MB); it used to
+import stages.ingest.fetch  # noqa: F401 - loaded first (img2dataset's imports weigh ~300 MB); it used to
 #                                   set PIL's MAX_IMAGE_PIXELS = None for the whole process
 from infra.errors import UserError
 from infra.media import ImageRefused, decode

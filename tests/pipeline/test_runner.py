@@ -230,7 +230,7 @@ def test_samples_is_a_ray_dataset_of_what_the_previous_stage_kept(tmp_path, ray_
 
 
 def test_a_dead_end_names_the_reason_and_the_setting():
-    from stages.ingest import IngestStage
+    from stages.ingest.stage import IngestStage
     from stages.registry import by_name
 
     ingest = IngestStage()

@@ -59,7 +59,7 @@ def test_progress_off_a_terminal_logs_rate_and_eta_at_most_every_few_seconds(mon
 
 
 def test_failure_details_are_the_same_on_every_run():
-    from stages.fetch import Failure, failure_of
+    from stages.ingest.fetch import Failure, failure_of
 
     a = failure_of("failed_to_download", "capline:undecodable_image: UnidentifiedImageError: cannot identify "
                    "image file <_io.BytesIO object at 0x7fbd142d2e80>")

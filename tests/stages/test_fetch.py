@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from stages.polite import Manners
-from stages.fetch import FetchPolicy, Refused, check_image, check_url, reason_of, safe_download_image
+from stages.ingest.polite import Manners
+from stages.ingest.fetch import FetchPolicy, Refused, check_image, check_url, reason_of, safe_download_image
 from stages.synthetic import png_bomb
 
 POLICY = FetchPolicy(max_bytes=10_000, max_pixels=1_000_000)
@@ -127,7 +127,7 @@ def redirector():
 
 
 def test_redirect_to_private_address_and_byte_cap(redirector, monkeypatch):
-    import stages.fetch as fetch
+    import stages.ingest.fetch as fetch
 
     # robots.txt off: this is about where a redirect may lead (tests/stages/test_politeness.py has robots)
     monkeypatch.setattr(fetch, "_policy", FetchPolicy(allow_hosts=(redirector,), max_bytes=10_000,
@@ -199,7 +199,7 @@ def test_dns_rebinding_connects_only_to_the_checked_address(counting, monkeypatc
     the address it checked (here unreachable), never to the loopback server behind the second answer."""
     import socket
 
-    import stages.fetch as fetch
+    import stages.ingest.fetch as fetch
 
     port, hits = counting
     answers = iter(["93.184.216.34", "127.0.0.1", "127.0.0.1", "127.0.0.1"])
@@ -230,7 +230,7 @@ def test_dns_rebinding_connects_only_to_the_checked_address(counting, monkeypatc
 def test_slow_loris_is_dropped_at_the_deadline(counting, monkeypatch):
     import time
 
-    import stages.fetch as fetch
+    import stages.ingest.fetch as fetch
 
     port, hits = counting
     monkeypatch.setattr(fetch, "_policy", FetchPolicy(allow_hosts=(f"127.0.0.1:{port}",), deadline=0.5))
@@ -247,7 +247,7 @@ def test_headers_trickled_on_an_image_are_a_deadline_not_an_undecodable_image(co
     `undecodable_image`, a failure of the image, so the host's breaker never counted it)."""
     import time
 
-    import stages.fetch as fetch
+    import stages.ingest.fetch as fetch
 
     port, hits = counting
     monkeypatch.setattr(fetch, "_policy", FetchPolicy(allow_hosts=(f"127.0.0.1:{port}",), deadline=0.6,
@@ -283,7 +283,7 @@ def test_formats_outside_the_allow_list_are_refused(fmt):
 def test_png_bombs_under_the_cap_decode_within_the_pixel_budget():
     """7000x7000 (49M pixels, a 0.2 MB file) is allowed by max_pixels 50M; three threads decoding it
     at once with a budget of 60M pixels in flight decode one after another: the budget holds."""
-    from stages.fetch import PixelBudget
+    from stages.ingest.fetch import PixelBudget
 
     data = png_bomb(7000, 7000)
     assert len(data) < 400_000
@@ -331,7 +331,7 @@ class _Answers(BaseHTTPRequestHandler):
 def test_retries_ask_again_only_after_transient_failures(monkeypatch):
     """stages.ingest.retries asks again after a 500, never after a refusal or a 404 (img2dataset's own
     retry asked again after anything: a host that said no, or asked to slow down, was asked again)."""
-    import stages.fetch as fetch
+    import stages.ingest.fetch as fetch
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
@@ -361,7 +361,7 @@ def test_a_trickled_robots_txt_is_cut_at_the_deadline_and_counts_as_disallow(mon
     exchange ends at the URL deadline and the host's URLs are refused as robots_disallowed."""
     import time
 
-    import stages.fetch as fetch
+    import stages.ingest.fetch as fetch
 
     _TrickledRobots.hits = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), _TrickledRobots)

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages.img2dataset_parts import TarSampleWriter
+from stages.ingest.img2dataset_parts import TarSampleWriter
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +57,7 @@ def test_the_sample_writer_writes_img2datasets_layout_and_a_row_per_url(tmp_path
 def test_an_ingest_worker_imports_no_torch_pandas_or_webdataset_and_img2dataset_still_works_whole():
     code = """
 import sys
-from stages.ingest import IngestConfig, _downloader
+from stages.ingest.stage import IngestConfig, _downloader
 d = _downloader(IngestConfig(), ())
 print(sorted(m for m in ("torch", "pandas", "webdataset", "img2dataset.main", "wandb.sdk") if m in sys.modules))
 import img2dataset

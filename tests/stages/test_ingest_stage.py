@@ -87,7 +87,7 @@ def test_the_ingest_report_table_is_merged_beside_the_shards_and_kept_per_unit(t
     """Units' tables merged in a task; an unchanged unit is read as one file next time; a shard
     written by an older version (its table in its result) still counts; the table stays bounded."""
     from infra.storage import Storage
-    from stages.ingest import PARTS, REPORT_PAIRS, _failure_tables
+    from stages.ingest.stage import PARTS, REPORT_PAIRS, _failure_tables
 
     storage = Storage.local(tmp_path)
     for i in range(2):

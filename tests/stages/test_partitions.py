@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 
 from infra.storage import Storage
 from stages.dataplane import by_location, image_batches
-from stages.ingest import IngestConfig, shards_per_partition
+from stages.ingest.stage import IngestConfig, shards_per_partition
 
 
 def test_partitions_are_fixed_blocks_of_shards_from_the_config_alone():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from stages.polite import Host, Manners, retry_after
+from stages.ingest.polite import Host, Manners, retry_after
 
 
 def test_retry_after_reads_seconds_and_dates_else_backs_off():
@@ -25,7 +25,7 @@ def test_retry_after_reads_seconds_and_dates_else_backs_off():
 
 
 def test_robots_txt_unreachable_means_disallowed_and_a_404_allows_everything():
-    from stages.polite import Hosts
+    from stages.ingest.polite import Hosts
 
     hosts = Hosts(Manners())
 
@@ -171,7 +171,7 @@ def test_rate_limit_retry_after_and_robots_through_ingest(tmp_path, ray_local):
 def test_a_url_repeated_200_times_is_downloaded_once(tmp_path, ray_local):
     """A list that names one image 200 times (half with other captions: other keys) among 10 other
     URLs, in shards of 20 URLs: the host is asked for it once for the whole run (within a shard and
-    across the 11 shards, stages/shared_urls.py), every row gets the verdict and the bytes of that
+    across the 11 shards, stages/ingest/shared_urls.py), every row gets the verdict and the bytes of that
     one download, and nothing is lost (each row keeps its own member, as before: the shards and
     ledgers of a list without repeats do not change)."""
     from stages import synthetic
@@ -206,8 +206,8 @@ def test_the_user_agent_carries_the_package_version_and_the_configured_contact()
 
     from infra.errors import ConfigError
     from pipeline.config import load_config
-    from stages.ingest import IngestStage
-    from stages.polite import Manners
+    from stages.ingest.stage import IngestStage
+    from stages.ingest.polite import Manners
 
     assert f"capline/{version('capline')};" in Manners().user_agent and "+" not in Manners().user_agent
     assert Manners(contact="mailto:data@example.org").user_agent.endswith("; +mailto:data@example.org)")
@@ -236,8 +236,8 @@ def test_a_host_that_always_says_later_costs_a_bounded_time_and_opens_its_breake
     """16 URLs of a host answering only 429 (Retry-After: 1) cost time linear in its URLs (75 s with
     Retry-After 5 in the report): now the task's wait budget for the host bounds it, and the storm
     counts toward the host's breaker."""
-    import stages.fetch as fetch
-    from stages.fetch import FetchPolicy, reason_of, safe_download_image
+    import stages.ingest.fetch as fetch
+    from stages.ingest.fetch import FetchPolicy, reason_of, safe_download_image
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _AlwaysLater)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
@@ -261,10 +261,10 @@ def test_a_host_that_always_says_later_costs_a_bounded_time_and_opens_its_breake
 
 @pytest.mark.slow   # 1-1.3 s: kept out of the fast set (under a minute)
 def test_a_recheck_finds_what_opted_out_since_and_never_takes_silence_for_an_opt_out():
-    """`capline recheck`'s asking (stages/fetch.py: recheck): a path robots.txt now disallows, and a
+    """`capline recheck`'s asking (stages/ingest/fetch.py: recheck): a path robots.txt now disallows, and a
     HEAD answered with X-Robots-Tag: noai, opt out; a plain image does not; a host whose robots.txt
     answers 500, and a URL that is gone, are counted unreachable, not opt-outs."""
-    from stages.fetch import FetchPolicy, recheck
+    from stages.ingest.fetch import FetchPolicy, recheck
 
     asked = Counter()
 
@@ -321,8 +321,8 @@ def test_a_shared_url_is_taken_from_the_registry_and_refetched_when_its_claimant
     fetched here after the wait, not waited on forever."""
     import ray
 
-    from stages.fetch import _Repeats
-    from stages.shared_urls import UrlRegistry
+    from stages.ingest.fetch import _Repeats
+    from stages.ingest.shared_urls import UrlRegistry
 
     registry = ray.remote(num_cpus=0)(UrlRegistry).remote()
     try:
@@ -374,7 +374,7 @@ def test_a_hosts_rate_grows_while_it_answers_quickly_halves_on_429_and_eases_bac
 
 
 def test_the_next_shard_starts_each_host_at_the_pace_the_last_one_reached():
-    from stages.polite import Hosts
+    from stages.ingest.polite import Hosts
 
     m = Manners(rate=2.0, max_rate=40.0)
     first = Hosts(m)
@@ -392,7 +392,7 @@ def test_the_next_shard_starts_each_host_at_the_pace_the_last_one_reached():
 
 
 def test_host_limits_and_crawl_delay_cap_a_host_for_the_whole_cluster():
-    from stages.polite import Hosts
+    from stages.ingest.polite import Hosts
 
     m = Manners(rate=8.0, max_rate=100.0, share=4, limits=(("cdn.example.com", 20.0), ("img.example.org:8080", 2.0)))
     assert Host(m, "cdn.example.com:443").ceiling == 5.0            # 20/s for the cluster, 4 tasks asking
@@ -410,7 +410,7 @@ def test_host_limits_and_crawl_delay_cap_a_host_for_the_whole_cluster():
 
 
 def test_pacing_counts_the_seconds_every_busy_thread_waited_on_a_host():
-    from stages.polite import Hosts
+    from stages.ingest.polite import Hosts
 
     hosts = Hosts(Manners(rate=5.0, concurrency=4))
     host = hosts.get("a:80")
@@ -439,7 +439,7 @@ def test_pacing_counts_the_seconds_every_busy_thread_waited_on_a_host():
 
 
 def test_a_shard_asks_its_hosts_interleaved_and_a_one_host_shard_in_list_order():
-    from stages.ingest import by_host
+    from stages.ingest.stage import by_host
 
     urls = [f"http://a/{i}" for i in range(6)] + [f"http://b/{i}" for i in range(3)] + ["http://c/0", None, "::bad"]
     order = [urls[i] for i in by_host(urls)]
@@ -456,7 +456,7 @@ def test_a_shard_asks_its_hosts_interleaved_and_a_one_host_shard_in_list_order()
 def test_pacing_settings_are_checked_and_left_out_of_the_fingerprint():
     from infra.errors import ConfigError
     from pipeline.config import load_config
-    from stages.ingest import IngestStage
+    from stages.ingest.stage import IngestStage
 
     with pytest.raises(ConfigError, match="stages.ingest.host_rate_max.*>= host_rate"):
         load_config(None, ["stages.ingest.host_rate=50", "stages.ingest.host_rate_max=10"])

@@ -2,12 +2,12 @@
 
 Each shard is one Ray task: it reads its slice of a source partition from the run folder's storage,
 downloads it with img2dataset's own pieces (Downloader with a thread pool, Resizer re-encodes; the
-tar + parquet in img2dataset's layout by stages/img2dataset_parts.py) into the worker's own
+tar + parquet in img2dataset's layout by stages/ingest/img2dataset_parts.py) into the worker's own
 temporary folder, moves the files into the run folder, and writes the shard's ledger partition, which is also the sample index:
 key -> (tar, member, byte offset, size, sha256, original width and height) that every later stage
 reaches images by. The driver gets counts back. capline adds:
 
-- safety (stages/fetch.py): no private/metadata addresses, capped bytes and pixels;
+- safety (stages/ingest/fetch.py): no private/metadata addresses, capped bytes and pixels;
 - completeness: each shard's files are moved into `shards/` only when whole (tar and parquet
   first, `_stats.json` last) and its result (`results/NNNNN.json`) is written after its ledger, so
   a killed ingest never leaves a truncated tar where a later stage would read it, and a rerun
@@ -36,11 +36,12 @@ import pyarrow.parquet as pq
 
 from infra.configtools import join, require
 
-from . import records, shared_urls
-from .base import Source, StageContext, StageResult
-from .dataplane import DROPPED, KEPT, SAMPLE_SCHEMA, PartResult, read_kept, write_part
-from .source import safe_name
-from .synthetic import SERVER_PLACEHOLDER
+from .. import records
+from . import shared_urls
+from ..base import Source, StageContext, StageResult
+from ..dataplane import DROPPED, KEPT, SAMPLE_SCHEMA, PartResult, read_kept, write_part
+from ..source import safe_name
+from ..synthetic import SERVER_PLACEHOLDER
 
 
 # the formats a pretraining image can be; PIL opens ~40 (EPS runs Ghostscript where it is installed)
@@ -76,7 +77,7 @@ class IngestConfig:
     formats: list[str] = field(default_factory=lambda: list(FORMATS))   # PIL formats a download may be
     pixels_in_flight: int = 100_000_000   # decoded at once per task: its decode memory is ~4 B x this
     task_retries: int = 2            # Ray retries of a shard whose worker died
-    # politeness per host (stages/polite.py), for the whole cluster: each download task gets its share
+    # politeness per host (stages/ingest/polite.py), for the whole cluster: each download task gets its share
     user_agent_token: str = "capline"    # in the User-Agent; the robots.txt / X-Robots-Tag token honoured
     host_wait_budget: float = 300.0  # seconds of Retry-After a download task grants one host in all; then its URLs are rate_limited
     # who runs the crawl, in the User-Agent (a URL or mail address): site operators ask before they block
@@ -200,7 +201,7 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server, shared=No
     driver). If it died while this shard downloaded, the failures recorded are its death, not the
     URLs': the shard is discarded, and a resumed run downloads it again. `shared`: (the run's registry
     of URLs other shards name too, seconds to wait for another shard's fetch of one) or None
-    (stages/shared_urls.py). `progress`: the run's URL counter (Executor.run's items), told of each
+    (stages/ingest/shared_urls.py). `progress`: the run's URL counter (Executor.run's items), told of each
     URL as it finishes. `pacer`: the run's polite.Pacer, which waits that would hold the CPU idle block on.
     """
     import copy
@@ -247,7 +248,7 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server, shared=No
 
             named = Counter(u for u in todo.column("url").to_pylist() if u)
             registry, wait_s = shared or (None, 0.0)
-            # ... and a URL other shards name too, once for the whole run (stages/shared_urls.py)
+            # ... and a URL other shards name too, once for the whole run (stages/ingest/shared_urls.py)
             try:
                 across = ray.get(registry.which.remote(list(named))) if registry is not None else []
             except ray.exceptions.RayError:   # the registry is gone: this shard fetches its own URLs
@@ -497,7 +498,7 @@ class IngestStage(Source):
     def run(self, ctx: StageContext) -> StageResult:
         from contextlib import nullcontext
 
-        from .demo_server import DemoServer
+        from ..demo_server import DemoServer
 
         cfg: IngestConfig = ctx.cfg
         site = ctx.artifact("source", "site")

@@ -64,7 +64,7 @@ class FetchPolicy:
     deadline: float = 60.0              # seconds per URL, connect + headers + body, every hop
     formats: tuple[str, ...] = FORMATS  # what PIL may open
     pixels_in_flight: int = 100_000_000  # decoded at once per process (>= max_pixels)
-    manners: Manners = Manners()        # per-host politeness (stages/polite.py)
+    manners: Manners = Manners()        # per-host politeness (stages/ingest/polite.py)
     own_hosts: tuple[str, ...] = ()     # "host:port" capline itself serves (the demo site): no manners needed
 
 
@@ -264,7 +264,7 @@ HOST_FAILURES = ("timeout", "connection_refused", "connection_reset", "dns_error
 
 def safe_download_image(row, timeout, user_agent_token, disallowed_header_directives):
     """Drop-in for img2dataset.downloader.download_image: same arguments, same return value. Each URL
-    is asked of its host politely (stages/polite.py): robots.txt, a rate (adapting to the host's
+    is asked of its host politely (stages/ingest/polite.py): robots.txt, a rate (adapting to the host's
     answers) and a concurrency per host, waits on 429/503, a circuit breaker."""
     hosts = _hosts
     hosts.working(+1)
@@ -569,7 +569,7 @@ class _Repeats:
     every such row's, and the host is asked once. The shard task says which URLs repeat before it
     downloads (`expect`) and forgets them after (`clear`), so only their results are held.
 
-    `shared`: URLs other shards of the run name too (stages/shared_urls.py): the thread that fetches
+    `shared`: URLs other shards of the run name too (stages/ingest/shared_urls.py): the thread that fetches
     one for this shard first claims it from the run's `registry`; if another shard's thread holds it,
     this one waits (up to `wait_s`) for that result instead of asking the host again."""
 

@@ -1,6 +1,6 @@
 """URLs that more than one ingest shard of a run names, each downloaded once for the whole run.
 
-A shard already asks a host once for a URL it names several times (stages/fetch.py `repeats`). A
+A shard already asks a host once for a URL it names several times (stages/ingest/fetch.py `repeats`). A
 list that names a URL in several shards (a placeholder, a logo, a popular picture: alt-text lists
 repeat URLs across their whole length) asked once per shard. Before the shards download:
 
@@ -24,7 +24,7 @@ import math
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .dataplane import hash_pieces, read_kept
+from ..dataplane import hash_pieces, read_kept
 
 URL_ROWS_PER_BUCKET = 2_000_000      # (url, shard) rows one bucket task takes (~200 bytes each in memory)
 
@@ -108,7 +108,7 @@ def find(ctx, jobs: list) -> object | None:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     # on the driver's node: a worker node lost mid-run does not take it along (and if it goes, the
-    # shards fetch their URLs themselves: stages/fetch.py)
+    # shards fetch their URLs themselves: stages/ingest/fetch.py)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     registry = ray.remote(num_cpus=0, scheduling_strategy=here)(UrlRegistry).remote()
     found = ctx.shuffle(_url_pieces, [(ctx.storage, f, r, n) for f, r in by_file.items()], n, _shared_reduce,
