@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
 from infra.shuffle import write_buckets
 from .layout import DECISION_SCHEMA, DECISIONS, EDGE_SCHEMA
 

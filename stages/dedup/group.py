@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+
 from infra.shuffle import range_pieces, read_range, write_buckets
 
 from ..dataplane import hash_buckets

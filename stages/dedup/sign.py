@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pyarrow as pa
+
 from infra.shuffle import write_ranges
 
 from .layout import PIXELS, SIG_SCHEMA, URL_CAPTION

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pyarrow as pa
+
 from infra.shuffle import read_bucket
 
 from ..dataplane import DROPPED, KEPT

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
 from infra.shuffle import read_bucket
 
 from ..dataplane import bucket_pieces
