@@ -68,12 +68,12 @@ def _score_charts(run_dir: Path, config: dict) -> list[str]:
     """Per filter stage with scores: a histogram of kept and dropped scores and the cut it used."""
     import matplotlib.pyplot as plt
 
+    from stages.registry import STAGES
+
     out = []
-    stages = config.get("stages", {})
-    cuts = {"language": [("min_confidence", stages.get("language", {}).get("min_confidence"))],
-            "dedup": [("eval_threshold", stages.get("dedup", {}).get("eval_threshold")),
-                      ("within_threshold", stages.get("dedup", {}).get("within_threshold"))]}
-    for stage in ("dedup", "language", "clip_score"):   # basic's scores are lengths and ratios: no one axis
+    sections = config.get("stages", {})
+    for spec in (s for s in STAGES if s.score_cuts is not None):   # the stages whose scores share one axis
+        stage = spec.name
         # the histogram the stage's tasks binned (stats.json): the report never reads a ledger
         path = run_dir / stage / "stats.json"
         stats = json.loads(path.read_text()) if path.is_file() else {}
@@ -85,10 +85,7 @@ def _score_charts(run_dir: Path, config: dict) -> list[str]:
         kept, dropped = (np.asarray(hist.get(v, [0] * hist["bins"])) for v in ("kept", "dropped"))
         used = np.flatnonzero(kept + dropped)
         view = (edges[used[0]], edges[used[-1] + 1])     # the bins that hold scores, not all of [-1, 1]
-        lines = cuts.get(stage, [])
-        if stage == "clip_score":
-            lines = [("threshold", stats.get("threshold")) if stats.get("threshold") is not None
-                     else (f"top {stats.get('keep_fraction')} cut", stats.get("cut"))]
+        lines = spec.cut_lines(sections.get(spec.config_key or stage, {}), stats)
         fig, ax = plt.subplots(figsize=(6, 2.6))
         ax.stairs(kept, edges, fill=True, color="#4a4", label="kept")
         ax.stairs(kept + dropped, edges, baseline=kept, fill=True, color="#c44", label="dropped")

@@ -117,6 +117,9 @@ class Stage:
     thresholds: bool = False             # its section is a filter's thresholds (the dataset card lists them)
     final_data: bool = False             # it writes the dataset (observers of a finished dataset wait for it)
     preserve: tuple[str, ...] = ()       # sub-paths of its folder that survive a change of input
+    # its scores fall on one axis the run report draws as a histogram, with these settings of its
+    # section as the cuts (None: no such axis, e.g. basic's lengths and ratios)
+    score_cuts: tuple[str, ...] | None = None
     # a run stops after this stage when it keeps nothing, or when this share of its input is
     # dropped for one reason (None: only when it keeps nothing); `remedies` names the setting to
     # change for a reason (its prefix), in that stop's one line
@@ -141,6 +144,10 @@ class Stage:
         return (f"{self.name} {what}" + (f" (most as {reason}: {most} of {n})" if not counts.get("kept") else "")
                 + (f"; {fix}" if fix else f"; see `capline explain` for a sample, and {self.report or 'its ledger'}")
                 + "; the run stops here rather than run the later stages on this")
+
+    def cut_lines(self, section: dict, stats: dict) -> list[tuple[str, float | None]]:
+        """(label, score) of each cut the run report draws on this stage's score histogram."""
+        return [(name, section.get(name)) for name in self.score_cuts or ()]
 
     def declares(self, section) -> dict:
         """Artifacts that follow from the stage's config alone (registered whether it runs or is

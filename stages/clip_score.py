@@ -253,6 +253,13 @@ class ClipScoreStage(Decide):
     report = "clip_score/report.html"
     notes = ("clip_score", "clip_score_detail")
     audits = (("mismatched_caption", "clip_score"),)
+    score_cuts = ()
+
+    def cut_lines(self, section: dict, stats: dict) -> list[tuple[str, float | None]]:
+        """A fixed threshold, or the score the top `keep_fraction` was cut at (in its stats)."""
+        if stats.get("threshold") is not None:
+            return [("threshold", stats.get("threshold"))]
+        return [(f"top {stats.get('keep_fraction')} cut", stats.get("cut"))]
     preserve = ("scored", "line", "cut", "examples", "reuse")
 
     def preflight(self, config) -> None:

@@ -103,6 +103,7 @@ class LanguageStage(Filter):
     reasons = ("language_low_confidence", "language")   # language: taken for another (detail: its code)
     report = "language/report.html"
     notes = ("language_score", "language")
+    score_cuts = ("min_confidence",)
     audits = (("non_english", "language"),)
     judge = staticmethod(identify)
 

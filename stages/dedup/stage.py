@@ -46,6 +46,7 @@ class DedupStage(Decide):
     config_key, config_class = "dedup", DedupConfig
     reasons = ("exact_duplicate", "near_duplicate", "eval_duplicate", "undecodable_image", "removed", "eval_caption")
     report = "dedup/report.html"
+    score_cuts = ("eval_threshold", "within_threshold")
     # partitions described, and examples picked, before: by what decided them (a scheduled run's reuse)
     preserve = ("described", "signed", "examples", "reuse")
     audits = (("eval_near_copy", "eval_duplicate"), ("repeat_row", "exact_duplicate"), ("train_near_copy", ""),
