@@ -231,7 +231,11 @@ class Hosts:
         the hosts paced slowest now: what politeness cost this task."""
         with self.lock:
             idle = self.idle + (time.monotonic() - self._idle_since if self._idle_since is not None else 0.0)
-            slow = sorted(((h.rate, n) for n, h in self.hosts.items() if h.rate < h.ceiling), key=lambda x: x[0])
+            # the hosts that pushed back (429/503) or answered slowly enough to be eased below the starting
+            # pace, at the pace they ended at, for the cluster (this task's share times the tasks sharing it)
+            share = max(1, self.manners.share)
+            slow = sorted(((h.rate * share, n) for n, h in self.hosts.items()
+                           if h.pushed_back or h.rate < min(self.manners.rate, h.ceiling)), key=lambda x: x[0])
             return {"thread_s": round(self.slept, 3), "idle_s": round(idle, 3), "yielded_s": round(self.yielded, 3),
                     "rates": {n: round(r, 2) for r, n in slow[:10]}}
 

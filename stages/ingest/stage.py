@@ -360,7 +360,10 @@ def merge_failures(tables) -> dict:
     other = 0
     examples: dict[str, list] = {}
     slowed: dict[str, list] = {}
+    paced: dict[str, float] = {}
     for t in tables:
+        for host, rate in t.get("paced", {}).items():     # the slowest pace any shard ended at
+            paced[host] = min(rate, paced.get(host, rate))
         by_pair.update(t.get("failures", {}))
         other += t.get("failures_other", 0)
         for reason, rows in t.get("failure_examples", {}).items():
@@ -372,7 +375,8 @@ def merge_failures(tables) -> dict:
     top = dict(by_pair.most_common(REPORT_PAIRS))
     return {"failures": top, "failures_other": other + sum(by_pair.values()) - sum(top.values()),
             "failure_examples": examples,
-            "throttled": dict(sorted(slowed.items(), key=lambda kv: -kv[1][1])[:REPORT_HOSTS])}
+            "throttled": dict(sorted(slowed.items(), key=lambda kv: -kv[1][1])[:REPORT_HOSTS]),
+            "paced": dict(sorted(paced.items(), key=lambda kv: kv[1])[:REPORT_HOSTS])}
 
 
 def _failure_tables(storage, units: dict[str, list[str]]) -> dict:
@@ -407,6 +411,7 @@ def write_report(stage_dir: Path, table: dict, name: str) -> Path:
     other = table.get("failures_other", 0)
     examples: dict[str, list] = table.get("failure_examples", {})
     slowed: dict[str, list] = table.get("throttled", {})
+    paced: dict[str, float] = table.get("paced", {})
     by_host: Counter = Counter()
     reasons: Counter = Counter()
     for pair, n in by_pair.items():
@@ -433,6 +438,10 @@ def write_report(stage_dir: Path, table: dict, name: str) -> Path:
             + ("<table><tr><th>host</th><th>times</th><th>seconds waited</th></tr>" + "".join(
                 f"<tr><td>{html.escape(h)}</td><td>{t}</td><td>{w:.1f}</td></tr>"
                 for h, (t, w) in sorted(slowed.items(), key=lambda kv: -kv[1][1])) + "</table>" if slowed else "<p>none</p>")
+            + "<h2>Hosts that pushed back or answered slowly, and the pace capline ended at</h2>"
+            + ("<table><tr><th>host</th><th>slowest pace a shard ended at, requests/s for the cluster</th></tr>" + "".join(
+                f"<tr><td>{html.escape(h)}</td><td>{r:.2f}</td></tr>" for h, r in sorted(paced.items(), key=lambda kv: kv[1]))
+               + "</table>" if paced else "<p>none: no host asked capline to slow down, and none answered slowly</p>")
             + "<p>Refused by robots.txt or X-Robots-Tag: the <code>robots_disallowed</code> column; given up after "
               "waits: <code>rate_limited</code>; hosts that failed too often in a row: <code>host_unavailable</code>.</p>"
             + "</body></html>")

@@ -164,6 +164,8 @@ def test_rate_limit_retry_after_and_robots_through_ingest(tmp_path, ray_local):
     assert stats["paced_yielded_seconds"] > 1 and stats["paced_idle_seconds"] < stats["paced_yielded_seconds"] / 4
     report = (tmp_path / "run" / "ingest" / "report.html").read_text()
     assert "Hosts that asked to slow down" in report and f"127.0.0.1:{server.server_address[1]}" in report
+    paced = report.split("pushed back or answered slowly", 1)[1].split("</table>", 1)[0]
+    assert f"127.0.0.1:{server.server_address[1]}" in paced       # the pace it was left at, for the cluster
     assert summary["ingest"]["dropped"] == {"robots_disallowed": 6}
 
 
@@ -436,6 +438,17 @@ def test_pacing_counts_the_seconds_every_busy_thread_waited_on_a_host():
     after = hosts.pacing()
     assert after["thread_s"] >= alone["thread_s"] + 0.15            # ... while this one waited: not idle
     assert after["idle_s"] == pytest.approx(alone["idle_s"], abs=0.03)
+
+
+def test_the_hosts_that_pushed_back_or_slowed_are_reported_at_the_pace_they_ended_at():
+    from stages.ingest.polite import Hosts
+
+    hosts = Hosts(Manners(rate=2.0, max_rate=40.0, share=4))
+    hosts.get("few:80").answered(0.01)           # below its ceiling only because it had few URLs: not listed
+    hosts.get("pushy:80").pause(0.0)             # a 429: 1/s left for this task, 4/s for the cluster
+    for _ in range(3):
+        hosts.get("slow:80").answered(9.0)       # slow answers at the starting pace: not eased below it
+    assert hosts.pacing()["rates"] == {"pushy:80": 4.0}
 
 
 def test_a_shard_asks_its_hosts_interleaved_and_a_one_host_shard_in_list_order():
