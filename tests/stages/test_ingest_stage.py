@@ -94,7 +94,7 @@ def test_the_ingest_report_table_is_merged_beside_the_shards_and_kept_per_unit(t
         storage.write_json(f"{PARTS}/a/failures/{i:05d}.json", {
             "failures": {f"h{i}.example\thttp_404": 3, "x.example\ttimeout": 1}, "failures_other": 2,
             "failure_examples": {"http_404": [{"key": f"k{i}", "url": "u", "detail": "d"}]},
-            "throttled": {"x.example": [1, 2.5]}})
+            "throttled": {"x.example": [1, 2.5]}, "paced": {"x.example": 3.0 - 1.5 * i}})
     storage.write_json(f"{PARTS}/b/results/00000.json", {"extra": {"failures": {"y.example\thttp_500": 4}}})
     storage.write_json(f"{PARTS}/c/failures/00000.json",
                        {"failures": {f"z{i}.example\ttimeout": 1 for i in range(REPORT_PAIRS + 10)}})
@@ -103,6 +103,7 @@ def test_the_ingest_report_table_is_merged_beside_the_shards_and_kept_per_unit(t
     assert len(got["failures"]) == REPORT_PAIRS and got["failures_other"] == 4 + 14    # 2 a shard, 14 cut
     assert [e["key"] for e in got["failure_examples"]["http_404"]] == ["k0", "k1"]
     assert got["throttled"] == {"x.example": [2, 5.0]}
+    assert got["paced"] == {"x.example": 1.5}                 # the slowest pace a shard ended at
     (tmp_path / PARTS / "a" / "failures" / "00000.json").unlink()     # unit a is read from its merged file now
     assert _failure_tables(storage, {"a": ["00000", "00001"], "b": ["00000"], "c": ["00000"]}) == got
 
