@@ -27,12 +27,15 @@ def status_rows(where) -> list[dict]:
     _require_run(storage)
     rows = []
     prev = judge = {"output_digest": ""}
+    sinks: list = []         # the markers of the sinks since the last judge (None: one not done)
     for name, kind in ((s.name, s.kind) for s in STAGES):
         marker = storage.read_json(f"{name}/_SUCCESS")
         if marker:
             made_from, judged = marker.get("upstream_digest"), marker.get("judged_digest")
+            have = {m.get("output_digest") for m in sinks if m is not None}
             upstream_ok = prev is not None and (made_from is None or made_from == prev.get("output_digest")) \
-                and (judged is None or (judge is not None and judged == judge.get("output_digest")))
+                and (judged is None or (judge is not None and judged == judge.get("output_digest"))) \
+                and all(d in have for d in marker.get("sink_digests", []))
             state = "done" if upstream_ok else "stale"
         elif storage.exists(f"{name}/_STARTED"):
             state = "incomplete"
@@ -43,7 +46,9 @@ def status_rows(where) -> list[dict]:
                      "dropped": stats.get("dropped", {}), "wall_seconds": stats.get("wall_seconds")})
         prev = marker if state == "done" else None
         if kind != "sink":
-            judge = prev
+            judge, sinks = prev, []
+        else:
+            sinks.append(prev)
     return rows
 
 

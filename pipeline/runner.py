@@ -150,10 +150,11 @@ def check_before(cfg: RunConfig, storage: Storage, only: str, stages: list[Stage
     """For `--only STAGE` (and `capline train`): every stage before it finished with this config, read
     from the markers alone, so a wrong config or an unfinished run is said before a lock or a cluster."""
     prev = judged = ""
+    sinks: list[str] = []
     for stage in stages or STAGES:
         if stage.name == only:
             return
-        in_digest = input_digest(stage.fingerprint(cfg), prev, judged)
+        in_digest = input_digest(stage.fingerprint(cfg), prev, judged, _other_sinks(sinks, prev))
         marker = storage.read_json(f"{stage.name}/_SUCCESS")
         if marker is None:
             raise UserError(f"--only {only}: stage {stage.name} before it has not finished; "
@@ -164,15 +165,24 @@ def check_before(cfg: RunConfig, storage: Storage, only: str, stages: list[Stage
                             "own config (leave out CONFIG and give --run-dir)")
         prev = marker["output_digest"]
         if stage.kind != "sink":
-            judged = prev
+            judged, sinks = prev, []
+        else:
+            sinks.append(prev)
 
 
-def input_digest(fingerprint: str, prev_digest: str, judged_digest: str) -> str:
+def input_digest(fingerprint: str, prev_digest: str, judged_digest: str, sinks: tuple = ()) -> str:
     """A stage's input: its fingerprint, the previous stage's output and, for a stage after a sink
     (the shard stage after the tokenizer), the last judge's output it reads too, or a reused
-    tokenizer that wrote the same bytes would hide new samples from it."""
+    tokenizer that wrote the same bytes would hide new samples from it. `sinks`: the outputs of the
+    other sinks since that judge (the tokenizer's, for training after the shard stage): a new
+    tokenizer that leaves the shards byte-identical still retrains the model."""
     judged = "" if judged_digest == prev_digest else f"\0{judged_digest}"
-    return hashlib.sha256((fingerprint + prev_digest + judged).encode()).hexdigest()
+    also = "".join(f"\1{d}" for d in sinks)
+    return hashlib.sha256((fingerprint + prev_digest + judged + also).encode()).hexdigest()
+
+
+def _other_sinks(sinks: list[str], prev_digest: str) -> tuple:
+    return tuple(d for d in sinks if d != prev_digest)
 
 
 def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: str | None = None,
@@ -192,12 +202,14 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
     controls = Controls(storage, run_dir)
     executor = Executor(log=log)
     prev_digest = judged_digest = ""
+    sinks: list[str] = []          # the outputs of the sinks since the last judge
     upstream: list[dict] | None = None
     summary = {}
     for stage in stages:
         sdir = run_dir / stage.name
         fingerprint = stage.fingerprint(cfg)   # once: it may hash files (the source, evaluation sets)
-        in_digest = input_digest(fingerprint, prev_digest, judged_digest)
+        also = _other_sinks(sinks, prev_digest)
+        in_digest = input_digest(fingerprint, prev_digest, judged_digest, also)
         marker = controls.read(stage.name, "_SUCCESS")
         parts = parts_from_json(controls.read(stage.name, "parts.json")) if marker else None
         ran = False
@@ -224,7 +236,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
                                fingerprint=fingerprint, executor=executor, notes=stage.note_names())
             marker, artifacts, parts, summary[stage.name] = _run_stage(stage, ctx, in_digest, controls, store,
                                                                             upstream_digest=prev_digest,
-                                                                            judged_digest=judged_digest)
+                                                                            judged_digest=judged_digest, sinks=also)
             ran = True
             manifest.record_stage(stage.name, marker, artifacts)
             if artifacts.get("mlflow_run_id"):
@@ -238,6 +250,9 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
         if stage.kind != "sink":   # a sink judges nothing: the next stage reads what the last judge kept
             upstream = parts
             judged_digest = marker["output_digest"]
+            sinks = []
+        else:
+            sinks.append(marker["output_digest"])
         prev_digest = marker["output_digest"]
         if stage.name not in summary:   # skipped: its stats from the earlier run
             summary[stage.name] = controls.read(stage.name, "stats.json")
@@ -257,7 +272,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
 
 
 def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Controls,
-               store, upstream_digest: str = "", judged_digest: str = "") -> tuple[dict, dict, list[dict], dict]:
+               store, upstream_digest: str = "", judged_digest: str = "",
+               sinks: tuple = ()) -> tuple[dict, dict, list[dict], dict]:
     """upstream_digest: the previous stage's output digest, kept in `_SUCCESS` so `capline status`
     can tell a stage made from an earlier stage's older output (stale) without the config."""
     sdir = ctx.stage_dir
@@ -314,6 +330,7 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
               "upstream_digest": upstream_digest, **({"chain": chain} if chain else {}),
               # after a sink: the last judge's output it read too (`capline status` checks both)
               **({"judged_digest": judged_digest} if judged_digest != upstream_digest else {}),
+              **({"sink_digests": list(sinks)} if sinks else {}),     # and the other sinks' outputs it read
               "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "outputs": dict(sorted(result.files.items())), "files": dict(sorted(files.items())),
               "artifacts": result.artifacts,

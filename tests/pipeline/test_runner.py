@@ -105,6 +105,69 @@ def test_runs_then_skips_then_reruns_when_input_changes(tmp_path, ray_local):
     assert rows[1]["caption"] == "caption 1"         # a stage's state travels with its verdicts
 
 
+class FileSink(Stage):
+    """A sink that writes one file: `text` (the tokenizer's shape, or a fixed one: the shard stage's)."""
+    kind = "sink"
+
+    def __init__(self, name: str, text: str):
+        self.name, self.text, self.calls = name, text, 0
+
+    def section(self, config):
+        return {"text": self.text}
+
+    def run(self, ctx):
+        import hashlib
+
+        self.calls += 1
+        ctx.storage.write_bytes(f"{self.name}/out.txt", self.text.encode())
+        return StageResult([], files={f"{self.name}/out.txt": hashlib.sha256(self.text.encode()).hexdigest()})
+
+
+class Reader(Stage):
+    """A sink that writes nothing of its own and reads the sinks before it (training's shape)."""
+    name, kind = "reader", "sink"
+
+    def __init__(self):
+        self.calls = 0
+
+    def section(self, config):
+        return {}
+
+    def run(self, ctx):
+        self.calls += 1
+        return StageResult([])
+
+
+@pytest.mark.slow   # starts Ray: not in the fast set
+def test_a_sink_that_changes_reruns_what_reads_it_even_when_the_sink_between_writes_the_same_bytes(tmp_path, ray_local):
+    """The tokenizer, then the shard stage (whose shards do not depend on it), then training (which
+    reads both): a new tokenizer with byte-identical shards retrained nothing, and trained on an old
+    vocabulary. Training's input now holds every sink's output since the last judge."""
+    from pipeline.inspect_run import status_rows
+    import pipeline.inspect_run as inspect_run
+
+    tok, shards, reader = FileSink("tok", "vocab A"), FileSink("shards", "same shards"), Reader()
+    stages = [Numbers(), DropOdd(), tok, shards, reader]
+    _run(tmp_path, stages)
+    _run(tmp_path, stages)
+    assert (tok.calls, shards.calls, reader.calls) == (1, 1, 1)             # nothing changed: nothing redone
+    tok.text = "vocab B"
+    _run(tmp_path, stages)
+    assert (tok.calls, shards.calls, reader.calls) == (2, 2, 2)             # the reader ran on the new vocabulary
+    marker = json.loads((tmp_path / "reader" / "_SUCCESS").read_text())
+    assert marker["sink_digests"] == [json.loads((tmp_path / "tok" / "_SUCCESS").read_text())["output_digest"]]
+    # `capline status` sees it too: with the tokenizer rerun alone the reader is stale
+    tok.text = "vocab C"
+    _run(tmp_path, stages, until="tok")
+    ray_stages = inspect_run.STAGES
+    try:
+        inspect_run.STAGES = stages
+        states = {r["stage"]: r["state"] for r in status_rows(tmp_path)}
+    finally:
+        inspect_run.STAGES = ray_stages
+    assert states["tok"] == "done" and states["shards"] == "stale" and states["reader"] == "stale"
+
+
 @pytest.mark.slow   # starts Ray, a moto server or capline processes: not in the fast set
 def test_a_lost_sample_fails_the_stage_naming_its_partition(tmp_path, ray_local):
     with pytest.raises(RuntimeError, match=r"stage dropodd, partition p1: 4 samples entered and 3 got a verdict"):
