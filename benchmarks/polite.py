@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))   # helpers.reply
 
 from infra import offline  # noqa: E402
 
@@ -56,6 +57,8 @@ def _serve(hosts: int, limits: dict, ports, asked, refused, ready) -> None:
     from collections import deque
 
     from PIL import Image
+
+    from helpers import reply
 
     rng = random.Random(0)
     images = []
@@ -94,13 +97,7 @@ def _serve(hosts: int, limits: dict, ports, asked, refused, ready) -> None:
                 self._send(200, images[hash(self.path) % len(images)], "image/jpeg")
 
             def _send(self, code, body, ctype, extra=None):
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                for k, v in (extra or {}).items():
-                    self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(body)
+                reply(self, code, body, ctype, extra)
         return H
 
     servers = []

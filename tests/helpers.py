@@ -37,6 +37,17 @@ def kill_driver(proc: subprocess.Popen) -> None:
     psutil.wait_procs(tree, timeout=20)
 
 
+def reply(handler, code: int, body: bytes, ctype: str, headers: dict | None = None) -> None:
+    """An http.server handler's whole answer: status, type, length, any other headers, the body."""
+    handler.send_response(code)
+    handler.send_header("Content-Type", ctype)
+    handler.send_header("Content-Length", str(len(body)))
+    for k, v in (headers or {}).items():
+        handler.send_header(k, v)
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 def free_port() -> int:
     import socket
 

@@ -133,6 +133,7 @@ class Host:
                 self.open = True
 
 
+LEARNED_HOSTS = 100_000   # hosts whose pace a worker process remembers across shards (a few MB at most)
 YIELD_S = 0.2     # a wait this long, with every busy thread waiting, gives the task's CPU back
 
 
@@ -178,6 +179,8 @@ class Hosts:
         self.learned: dict[str, tuple[float, bool]] = {}
         if learned is not None and learned.manners == manners:
             self.learned = {**learned.learned, **{n: (h.rate, h.pushed_back) for n, h in learned.hosts.items()}}
+            for stale in list(self.learned)[: max(0, len(self.learned) - LEARNED_HOSTS)]:   # the oldest first
+                del self.learned[stale]
         # pacing's cost: threads downloading, threads asleep waiting for a host, and the seconds when
         # every busy thread was asleep (the task held its CPU and did nothing)
         self.busy = self.asleep = 0

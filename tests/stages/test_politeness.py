@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from helpers import reply
 
 from stages.ingest.polite import Host, Manners, retry_after
 
@@ -103,13 +104,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._send(200, f.read_bytes(), "image/jpeg")
 
     def _send(self, code, body, ctype, extra=None):
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (extra or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(body)
+        reply(self, code, body, ctype, extra)
 
 
 def _ingest_list(tmp_path, server, lines: list[str], *settings: str) -> dict:
@@ -482,3 +477,14 @@ def test_pacing_settings_are_checked_and_left_out_of_the_fingerprint():
     plain, paced = (IngestStage().fingerprint(load_config(None, extra)) for extra in
                     ([], ["stages.ingest.host_rate_max=20", "stages.ingest.host_limits={'cdn.example.com': 5}"]))
     assert plain == paced
+
+
+def test_a_worker_remembers_a_bounded_number_of_hosts_paces(monkeypatch):
+    import stages.ingest.polite as polite
+
+    monkeypatch.setattr(polite, "LEARNED_HOSTS", 2)
+    m = Manners(rate=2.0, max_rate=40.0)
+    first = polite.Hosts(m)
+    for name in ("a:80", "b:80", "c:80"):
+        first.get(name).answered(0.01)
+    assert list(polite.Hosts(m, learned=first).learned) == ["b:80", "c:80"]      # the oldest forgotten
