@@ -33,6 +33,7 @@ class NodeShape:
     largest_cpus: float
     largest_gpus: float
     nodes: int
+    per_node: tuple = ()     # (CPUs, GPUs, memory bytes) of each alive node: how many actors fit
 
     @classmethod
     def now(cls) -> "NodeShape":
@@ -41,7 +42,22 @@ class NodeShape:
         alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
         cpus = [r.get("CPU", 0.0) for r in alive] or [1.0]
         gpus = [r.get("GPU", 0.0) for r in alive] or [0.0]
-        return cls(cpus=sum(cpus), largest_cpus=max(cpus), largest_gpus=max(gpus), nodes=len(alive))
+        return cls(cpus=sum(cpus), largest_cpus=max(cpus), largest_gpus=max(gpus), nodes=len(alive),
+                   per_node=tuple((r.get("CPU", 0.0), r.get("GPU", 0.0), r.get("memory", 0.0)) for r in alive))
+
+
+def actors_that_fit(num_cpus: float, num_gpus: float, memory: float, shape: NodeShape) -> int:
+    """How many actors asking for `num_cpus`, `num_gpus` and `memory` bytes the alive nodes hold at
+    once: each node's room counted on its own (two half-full nodes do not hold one more)."""
+    total = 0
+    for cpus, gpus, mem in shape.per_node:
+        room = [math.floor(cpus / num_cpus + 1e-9) if num_cpus > 0 else 10 ** 6]
+        if num_gpus:
+            room.append(math.floor(gpus / num_gpus + 1e-9))
+        if memory:
+            room.append(math.floor(mem / memory))
+        total += max(0, min(room))
+    return total
 
 
 def fit_request(num_cpus: float, num_gpus: float, shape: NodeShape, what: str, setting: str | None = None) -> float:
@@ -133,16 +149,21 @@ class Executor:
     def run(self, fn: Callable, calls: list[tuple], what: str, num_cpus: float = 1.0, num_gpus: float = 0.0,
             describe: Callable[[tuple], str] | None = None, unit: str = "partitions", max_retries: int = 2,
             quiet: bool = False, setting: str | None = None, kwargs: list[dict] | None = None,
-            items: list[int] | None = None, item_unit: str = "URLs") -> list:
+            items: list[int] | None = None, item_unit: str = "URLs", model=None) -> list:
         """`fn(*call)` for every call, in Ray tasks; results in call order. Progress with rate and ETA
         (a bar on a terminal); a stall is reported, not waited out silently; a task's failure names
         it, and a UserError raised in a task is said in one line. `items`: how many `item_unit` each
         call works through; then each call gets `progress=` a counter it adds to as it goes, and the
-        progress counts those (a list of one shard still shows its URLs and an ETA)."""
+        progress counts those (a list of one shard still shows its URLs and an ETA). `model` (a
+        stages.shared_model.SharedModel): the calls run on an actor pool that loads it once per actor."""
         import ray
 
         shape = self.shape()
         cpus = fit_request(num_cpus, num_gpus, shape, what, setting)
+        if model is not None and calls:
+            if items is not None:
+                raise ValueError(f"{what}: a run on a model's actor pool counts partitions, not items")
+            return self._run_pool(fn, calls, kwargs, what, cpus, num_gpus, model, shape, describe, unit, quiet)
         remote = ray.remote(num_cpus=cpus, num_gpus=num_gpus or None, max_retries=max_retries)(_timed)
         limit = in_flight(cpus, shape)
         describe = describe or (lambda c: "")
@@ -199,6 +220,68 @@ class Executor:
             self.records.append({"what": what, "tasks": total, "at_once": max_overlap(intervals),
                                  "cpus_per_task": cpus, "cluster_cpus": shape.cpus, "nodes": shape.nodes,
                                  "seconds": round(time.time() - t_start, 3)})
+        return results
+
+    def _run_pool(self, fn: Callable, calls: list[tuple], kwargs: list[dict] | None, what: str, cpus: float,
+                  gpus: float, model, shape: NodeShape, describe: Callable | None, unit: str, quiet: bool) -> list:
+        """`run` on an actor pool: each actor loads `model` once (its constructor), then runs calls,
+        two queued at a time so it never waits for the driver; the pool has as many actors as the
+        nodes hold (CPUs, GPUs, the model's declared memory) and no more than there are calls. A
+        failed call is named as `run` names it; a killed actor is restarted (its model loaded
+        again) and its calls run again; the actors are ended when the calls are done."""
+        import ray
+
+        room = actors_that_fit(cpus, gpus, model.memory_bytes, shape)
+        if room < 1:
+            raise UserError(f"{what}: one copy of {model.name} asks for {cpus:g} CPU(s), {gpus:g} GPU(s) and "
+                            f"{model.memory_mb:,.0f} MB of memory, and no alive node has that much free to Ray"
+                            + (f"; change {model.setting} or add a larger node" if model.setting else
+                               "; add a larger node"))
+        size = max(1, min(len(calls), room))
+        actor = ray.remote(num_cpus=cpus, num_gpus=gpus or None, memory=model.memory_bytes or None,
+                           max_restarts=-1, max_task_retries=-1)(_PoolWorker)
+        actors = [actor.remote(what, fn, model.load, *model.args) for _ in range(size)]
+        progress = Progress(what, len(calls), (lambda m: None) if quiet else self.log, unit=unit)
+        describe = describe or (lambda c: "")
+        results: list = [None] * len(calls)
+        intervals: list[tuple[float, float]] = []
+        pending: dict = {}                      # call's ref -> (call index, actor index)
+        queued = [0] * size
+        nxt, t_start, last_done = 0, time.time(), time.time()
+        try:
+            while len(intervals) < len(calls):
+                for a in range(size):
+                    while nxt < len(calls) and queued[a] < 2:
+                        ref = actors[a].call.remote(*calls[nxt], **(kwargs[nxt] if kwargs else {}))
+                        pending[ref], queued[a], nxt = (nxt, a), queued[a] + 1, nxt + 1
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.poll_seconds)
+                if not ready:
+                    progress.stalled(time.time() - last_done, len(pending))
+                    continue
+                for ref in ready:
+                    i, a = pending.pop(ref)
+                    queued[a] -= 1
+                    try:
+                        t0, t1, out, err = ray.get(ref)
+                    except ray.exceptions.ActorDiedError as died:   # restarts are unlimited: its model never loaded
+                        err, label = died, f"loading {model.name}"
+                    else:
+                        label = describe(calls[i]) or f"task {i}"
+                    if err is not None:
+                        progress.close()
+                        failure = _task_error(err, what, label)
+                        raise failure from (None if isinstance(failure, UserError) else err)
+                    results[i] = out
+                    intervals.append((t0, t1))
+                    last_done = time.time()
+                    progress.update(len(intervals))
+        finally:
+            for a in actors:
+                ray.kill(a, no_restart=True)
+        progress.close()
+        self.records.append({"what": what, "tasks": len(calls), "at_once": max_overlap(intervals),
+                             "cpus_per_task": cpus, "cluster_cpus": shape.cpus, "nodes": shape.nodes,
+                             "actors": size, "model": model.name, "seconds": round(time.time() - t_start, 3)})
         return results
 
     def shuffle(self, map_fn: Callable, calls: list[tuple], n_out: int, reduce_fn: Callable,
@@ -261,7 +344,7 @@ class Executor:
 
     # -- per-partition functions -----------------------------------------------------------------
     def map_parts(self, ctx, fn: Callable, tasks: list, num_cpus: float = 1.0, num_gpus: float = 0.0,
-                  what: str | None = None, reuse: bool = False, setting: str | None = None) -> list[dict]:
+                  what: str | None = None, reuse: bool = False, setting: str | None = None, model=None) -> list[dict]:
         """`fn` over partitions (stages/dataplane.py: PartTask), in tasks that write their own results;
         -> PartResults. `reuse` (a pure function of the partition and the stage's config): a partition
         whose input and the stage's fingerprint are those of an earlier run is taken as it is, even
@@ -272,7 +355,7 @@ class Executor:
         label = lambda c: f"partition {c[3].part}"   # noqa: E731
         if not reuse:
             return self.run(run_part, [(ctx.storage, ctx.name, fn, t, None, None, ctx.notes) for t in tasks], what, num_cpus=num_cpus,
-                            num_gpus=num_gpus, describe=label, setting=setting)
+                            num_gpus=num_gpus, describe=label, setting=setting, model=model)
         from stages import records
 
         folder = f"{ctx.name}/{REUSE}"
@@ -294,13 +377,39 @@ class Executor:
             self.log(f"{ctx.name}: {len(tasks) - len(calls)} partitions unchanged since an earlier run, reused; "
                      f"{len(calls)} to compute")
         for i, r in zip(where, self.run(run_part, calls, what, num_cpus=num_cpus, num_gpus=num_gpus,
-                                        describe=label, setting=setting)):
+                                        describe=label, setting=setting, model=model)):
             results[i] = r
         records.write_summary(ctx.storage, folder, {f"{folder}/{k}.json": r.to_json() for k, r in zip(keys, results) if k})
         used = {f"{folder}/{k}.{suffix}" for k in keys if k for suffix in ("json", "parquet")}
         # partitions no later run can match (the source lost them): deleted together
         ctx.storage.delete_files(records.stale_files(ctx.storage, folder, used, previous))
         return results
+
+
+class _PoolWorker:
+    """An actor of a model's pool (Executor._run_pool): the model loaded once, in the constructor;
+    then calls. A call's exception comes back as its result, so the driver names the partition that
+    failed as a task's failure is named."""
+
+    def __init__(self, what: str, fn: Callable, load: Callable | None, *args):
+        self.what, self.fn = what, fn
+        if load is not None:
+            load(*args)
+
+    def call(self, *args, **kwargs):
+        _failpoint(self.what)
+        t0 = time.time()
+        try:
+            out = self.fn(*args, **kwargs)
+            return t0, time.time(), out, None
+        except Exception as exc:       # noqa: BLE001 - reported by the driver, naming the call
+            try:
+                import ray
+
+                exc.ip = ray.util.get_node_ip_address()    # a node the bucket refused is named
+            except Exception:          # noqa: BLE001 - an exception that takes no attributes
+                pass
+            return t0, time.time(), None, exc
 
 
 class ItemCounter:
@@ -323,7 +432,7 @@ REFUSED_CREDENTIALS = ("ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES
 
 
 def _task_error(err: Exception, what: str, label: str) -> Exception:
-    cause = getattr(err, "cause", None)
+    cause = err if isinstance(err, UserError) else getattr(err, "cause", None)
     if isinstance(cause, UserError):   # the input's fault, said in one line: not a crash
         return UserError(f"{what}: {label}: {cause}")
     text = str(err).strip()

@@ -44,12 +44,15 @@ class StageContext:
     notes: tuple = (None, None)      # what this stage's score and detail are called in a kept sample's json
 
     def map_parts(self, fn: Callable, tasks: list[PartTask] | None = None, num_cpus: float = 1.0,
-                  num_gpus: float = 0.0, reuse: bool = False, setting: str | None = None, **kwargs) -> list[PartResult]:
+                  num_gpus: float = 0.0, reuse: bool = False, setting: str | None = None, model=None,
+                  **kwargs) -> list[PartResult]:
         """`fn(table, **kwargs) -> (verdicts, extra)` over each partition (default: one task per
         upstream partition, same name), in Ray tasks that write their own part files. `reuse`: for a
-        pure `fn`, partitions computed by an earlier run from the same input are taken as they are."""
+        pure `fn`, partitions computed by an earlier run from the same input are taken as they are.
+        `model` (stages/shared_model.py): the partitions run on an actor pool that loads it once per actor."""
         return self.executor.map_parts(self, fn, tasks if tasks is not None else one_to_one(self.upstream or [], **kwargs),
-                                       num_cpus=num_cpus, num_gpus=num_gpus, reuse=reuse, setting=setting)
+                                       num_cpus=num_cpus, num_gpus=num_gpus, reuse=reuse, setting=setting,
+                                       model=model)
 
     def run(self, fn: Callable, calls: list[tuple], what: str | None = None, **options) -> list:
         """`fn(*call)` for every call, in tasks the executor sizes and runs; results in call order."""
@@ -197,8 +200,14 @@ class Filter(Stage):
     def cpus(self, cfg) -> float:
         return float(getattr(cfg, "cpus_per_worker", 1.0))
 
+    def model(self, cfg):
+        """The model `judge` needs (a stages.shared_model.SharedModel), loaded once per actor of a
+        pool; None: `judge` needs none and runs as plain tasks."""
+        return None
+
     def run(self, ctx: StageContext) -> StageResult:
-        parts = ctx.map_parts(type(self).judge, num_cpus=self.cpus(ctx.cfg), reuse=True, cfg=ctx.cfg)
+        parts = ctx.map_parts(type(self).judge, num_cpus=self.cpus(ctx.cfg), reuse=True, model=self.model(ctx.cfg),
+                              cfg=ctx.cfg)
         return self.finish(ctx, parts)
 
     def finish(self, ctx: StageContext, parts: list[PartResult]) -> StageResult:

@@ -36,6 +36,7 @@ from infra.errors import UserError
 from .base import DROPPED, KEPT, Decide, PartTask, StageContext, StageResult
 from .dataplane import PICTURE_COLUMNS, by_location, picture_batches, pictures, read_images, read_kept, reused_or_run
 from .examples import write_examples
+from .shared_model import TORCH_MB, WORKER_MB, SharedModel
 from .scorer import BootstrapConfig, Scorer, check_scorer, read_trusted_keys, small_bootstrap, train_bootstrap
 from infra.hashing import order_key
 
@@ -156,6 +157,15 @@ def _scorer(storage, folder: str, sha: str, device: str, kind: str = "checkpoint
         else:
             _SCORERS[key] = Scorer(str(storage.local_dir(folder)), None, device)
     return _SCORERS[key]
+
+
+def _shared_scorer(ctx: StageContext, scorer: dict, cfg: ClipScoreConfig) -> SharedModel:
+    """The scorer as the pool's actors load it: one copy an actor, its memory declared from the
+    stored folder's size (weights, and as much again for a batch's activations and torch's copies)."""
+    folder_mb = sum(n for _, n in ctx.storage.list_sized(SCORER_DIR, recursive=True)) / 2 ** 20
+    return SharedModel(f"the {scorer['kind']} scorer {scorer['sha256'][:12]}", _scorer,
+                       (ctx.storage, SCORER_DIR, scorer["sha256"], cfg.device, scorer["kind"]),
+                       memory_mb=WORKER_MB + TORCH_MB + 3 * folder_mb, setting="stages.clip_score.cpus_per_worker")
 
 
 def _score_task(storage, part: str, file: str, out: str, folder: str, sha: str, device: str,
@@ -291,7 +301,7 @@ class ClipScoreStage(Decide):
             scorer = self._scorer(ctx, cfg)
             fn, args = _score_task, (SCORER_DIR, scorer["sha256"], cfg.device, scorer["kind"])
             options = {"num_cpus": cfg.cpus_per_worker, "num_gpus": cfg.gpus_per_worker,
-                       "setting": "stages.clip_score.gpus_per_worker"}
+                       "setting": "stages.clip_score.gpus_per_worker", "model": _shared_scorer(ctx, scorer, cfg)}
         # a partition scored before by the same scorer is not scored again (a scheduled run scores
         # what it added, unless its scorer changed)
         found, outs = reused_or_run(

@@ -8,7 +8,8 @@ dropped caption's reason is `language` when it was taken for another language (i
 the code; the stage's stats count every code detected), or `language_low_confidence` when that
 language is allowed but too uncertain.
 
-Identification runs as a Ray task per partition (each worker process loads the model once).
+Identification runs on an actor pool (stages/shared_model.py): each actor loads the backend once
+and judges partitions one after another; memory declared to Ray per copy (MODEL_MB).
 Short alt-text is hard: fastText gives "a small yellow circle" only 0.19 English (and calls it
 Persian). The default 0.1 is measured (benchmarks/language_threshold.py, on openclipart titles and
 short German, Spanish, Italian, Portuguese, Polish and Czech lines): it drops 12.5 % of English
@@ -29,6 +30,7 @@ from infra.errors import UserError
 from .base import DROPPED, KEPT, Filter, StageContext, StageResult
 from .examples import write_examples
 from .langid import fasttext_model_path, load_backend
+from .shared_model import WORKER_MB, SharedModel
 from infra.hashing import file_sha256
 
 
@@ -72,9 +74,22 @@ def decide(probs: dict[str, float], languages: list[str], min_confidence: float)
     return "language", top, allowed
 
 
+# A loaded backend's resident memory (measured: fastText's lid.176.ftz 23 MB, langid.py 54 MB,
+# each after its first prediction), with room for a partition's captions.
+MODEL_MB = {"fasttext": 64.0, "langid": 96.0}
+
+
 @functools.lru_cache(maxsize=2)
 def _backend(name: str):
-    return load_backend(name)   # once per worker process
+    return load_backend(name)   # once per actor of the pool (or per worker process, run as tasks)
+
+
+def shared_backend(cfg: LanguageConfig) -> SharedModel | None:
+    """The backend as the pool's actors load it (None when the stage passes everything)."""
+    if not cfg.enabled:
+        return None
+    return SharedModel(f"the {cfg.backend} language identifier", _backend, (cfg.backend,),
+                       memory_mb=WORKER_MB + MODEL_MB[cfg.backend], setting="stages.language.cpus_per_worker")
 
 
 def identify(table: pa.Table, cfg: LanguageConfig) -> tuple[pa.Table, dict]:
@@ -109,6 +124,9 @@ class LanguageStage(Filter):
 
     def preflight(self, config) -> None:
         preflight(config.stages.language)
+
+    def model(self, cfg: LanguageConfig) -> SharedModel | None:
+        return shared_backend(cfg)
 
     def finish(self, ctx: StageContext, parts: list[dict]) -> StageResult:
         cfg: LanguageConfig = ctx.cfg

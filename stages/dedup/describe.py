@@ -1,13 +1,16 @@
-"""Step 2: describe each partition's images once and search the evaluation indexes (a Ray task per partition)."""
+"""Step 2: describe each partition's images once and search the evaluation indexes (partitions on an
+actor pool: each actor holds the indexes and the encoder once, stages/shared_model.py)."""
 from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 from ..dataplane import PICTURE_COLUMNS, by_location, picture_batches
+from ..shared_model import TORCH_MB, WORKER_MB, SharedModel
 from .imagehash import describe, to_rgb_array
 from .neardup import NearDupIndex
 from .config import DedupConfig
@@ -19,7 +22,7 @@ _LOADED: dict = {}
 
 def _indexes(storage, blobs: dict, names: tuple, encoder_checkpoint: str | None, image_size: int = 224,
              encoder_sha256: str | None = None):
-    """Made once per worker process, however many partitions it describes. The driver loaded the
+    """Made once per actor of the describe pool, however many partitions it describes. The driver loaded the
     evaluation indexes on its own disk, which a worker on another node cannot see: they arrive
     through Ray's object store as arrays (`blobs`: kind -> set name -> NearDupIndex.arrays()), which
     the worker processes of a node share without a copy each; only the Hamming index over the codes
@@ -33,6 +36,21 @@ def _indexes(storage, blobs: dict, names: tuple, encoder_checkpoint: str | None,
                         if encoder_checkpoint
                         else None)
     return _LOADED[key]
+
+
+def shared_describer(encoder_rel: str | None, cfg: DedupConfig, arrays: dict) -> SharedModel:
+    """What each describe actor holds (`_indexes`): the evaluation sets' Hamming indexes (its own
+    copy, ~3x the codes' bytes with faiss's structures; the vectors stay in the node's object
+    store, shared) and, with `encoder_checkpoint`, the encoder (torch, and 3x its weights)."""
+    codes = sum(a["codes"].nbytes for sets in arrays.values() for a in sets.values() if "codes" in a)
+    memory = WORKER_MB + 3 * codes / 2 ** 20
+    if encoder_rel:
+        src = Path(cfg.encoder_checkpoint)
+        weights = src.stat().st_size if src.is_file() else sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
+        memory += TORCH_MB + 3 * weights / 2 ** 20
+    what = "the evaluation indexes" + (" and the encoder" if encoder_rel else "")
+    # loaded by the first call an actor runs (`_indexes`): the arrays come as each call's argument
+    return SharedModel(what, None, memory_mb=memory, setting="stages.dedup.cpus_per_worker")
 
 
 def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,

@@ -17,7 +17,7 @@ from .lsh import band_plan
 from .neardup import NearDupIndex
 from .components import _components_task
 from .config import DedupConfig, _dir_digest, hamming_radius, preflight
-from .describe import DESCRIBED, WITHIN_DESCRIPTOR, _describe_task, _described_key
+from .describe import DESCRIBED, WITHIN_DESCRIPTOR, _describe_task, _described_key, shared_describer
 from .encoder import EncoderDescriber
 from .group import MAP_SIGNATURES, PAIR_FAN_IN, _group_reduce, _sig_pieces
 from .sign import SIGNED, _sign_task, _signed_key, bucket_count, sigs_per_sample
@@ -102,16 +102,18 @@ class DedupStage(Decide):
         plan = band_plan(samples, cfg.within_threshold, cfg.bits)
         n_buckets = bucket_count(samples, cfg.bucket_rows, ctx.cluster_cpus(), sigs_per_sample(plan))
         # one copy in the object store, shared by every task on a node (a path here means nothing there)
-        blobs = ray.put({"hash": {n: NearDupIndex.load(p).arrays() for n, p in index_paths.items()},
-                         "encoder": {n: NearDupIndex.load(p).arrays() for n, p in enc_paths.items()}})
+        arrays = {"hash": {n: NearDupIndex.load(p).arrays() for n, p in index_paths.items()},
+                  "encoder": {n: NearDupIndex.load(p).arrays() for n, p in enc_paths.items()}}
+        blobs = ray.put(arrays)
         names = tuple(sorted(p.name for p in [*index_paths.values(), *enc_paths.values()]))
         args = (blobs, names, encoder_rel)
+        model = shared_describer(encoder_rel, cfg, arrays)
         # a partition described by an earlier run with the same input and config is reused (a
         # scheduled run that added 1 % describes the 1 %), whatever the run's size
         described, outs = reused_or_run(
             ctx, _describe_task, DESCRIBED, lambda u: _described_key(ctx.fingerprint, u),
             lambda u, out: (ctx.storage, u.part, u.file, *args, cfg, out), "dedup describe",
-            "described before with the same input", "describe", num_cpus=cfg.cpus_per_worker)
+            "described before with the same input", "describe", num_cpus=cfg.cpus_per_worker, model=model)
         ctx.log(f"dedup: described {sum(d['described'] for d in described)} images")
         # signatures for this size's band plan: a partition signed before under the same plan is
         # reused; its file serves any bucket count (range buckets)

@@ -58,6 +58,11 @@ def test_language_stage_against_ground_truth(demo_filtered):
     assert stats["backend"] == "fasttext" and stats["model"].endswith("lid.176.ftz")
     assert all(r.startswith("language") for r in stats["dropped"])
     _status_row(run_dir, "language")
+    # the models ran on actor pools, a copy an actor, never more actors than partitions or CPUs
+    for stage, what in (("language", "language"), ("clip_score", "clip_score"), ("dedup", "dedup describe")):
+        tasks = json.loads((run_dir / stage / "stats.json").read_text())["tasks"]
+        pool = [r for r in tasks if r["what"] == what and "model" in r]
+        assert len(pool) == 1 and 1 <= pool[0]["actors"] <= min(pool[0]["tasks"], pool[0]["cluster_cpus"] / pool[0]["cpus_per_task"]), tasks
 
 
 def test_evaluation_captions_planted_in_alt_text_are_dropped_and_clean_captions_kept(demo_filtered):
