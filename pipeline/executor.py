@@ -327,6 +327,22 @@ class Executor:
         return self.run(reduce_fn, [(*reduce_calls[b], *pieces[b]) for b in range(n_out)], what,
                         num_cpus=num_cpus, unit=unit)
 
+    def put(self, obj):
+        """`obj` in Ray's object store, once; the reference is what tasks get."""
+        import ray
+
+        return ray.put(obj)
+
+    def dataset(self, files: list[str], fs, equal: dict, columns: list[str] | None = None):
+        """Parquet files as a Ray Dataset, rows whose columns equal `equal`'s values, `columns` kept."""
+        import ray
+        from ray.data.expressions import col
+
+        ds = ray.data.read_parquet(files, filesystem=fs)
+        for name, value in equal.items():
+            ds = ds.filter(expr=col(name) == value)
+        return ds.select_columns(columns) if columns else ds
+
     def call(self, fn: Callable, *args, what: str, num_cpus: float = 1.0, num_gpus: float = 0.0,
              setting: str | None = None, **kwargs):
         """One task (a model to train, a tokenizer): its result."""

@@ -62,6 +62,10 @@ class StageContext:
         """One task's result (a model to train): the executor fits its request to the cluster."""
         return self.executor.call(fn, *args, what=what or self.name, **options)
 
+    def put(self, obj):
+        """`obj` in Ray's object store once: a reference every task on a node reads without a copy."""
+        return self.executor.put(obj)
+
     def shuffle(self, map_fn: Callable, calls: list[tuple], n_out: int, reduce_fn: Callable,
                 reduce_calls: list[tuple], what: str | None = None, **options) -> list:
         """Map pieces to `n_out` reducers through Ray's object store (Executor.shuffle)."""
@@ -73,13 +77,8 @@ class StageContext:
 
     def samples(self, columns: list[str] | None = None):
         """The previous stage's kept samples as a Ray Dataset, read by the workers from storage."""
-        import ray
-        from ray.data.expressions import col
-
         files = [self.storage.path(u.file) for u in self.upstream or [] if u.kept]
-        ds = ray.data.read_parquet(files, filesystem=self.storage.fs)
-        ds = ds.filter(expr=col("verdict") == KEPT)
-        return ds.select_columns(columns) if columns else ds
+        return self.executor.dataset(files, self.storage.fs, {"verdict": KEPT}, columns)
 
     def artifact(self, stage: str, key: str) -> str:
         """A file another stage registered (its StageResult.artifacts): its path in `storage`."""

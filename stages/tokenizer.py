@@ -76,14 +76,14 @@ def _sample_task(storage, file: str, seed: int, below: str) -> list[tuple[str, s
 
 def _train_task(storage, files: list[str], n: int, seed: int, cfg: TokenizerConfig) -> dict:
     """Ray task: sample the captions by a hash threshold, train, write spm.model to the run folder."""
-    import ray
     import sentencepiece as spm
 
+    from infra.remote import fan_out
+
     frac = min(1.0, 1.2 * cfg.max_sentences / max(1, n))
-    sample = ray.remote(num_cpus=0.25)(_sample_task)
     while True:
         below = "f" * 64 if frac >= 1 else format(int(frac * 16 ** 16), "016x") + "0" * 48
-        found = ray.get([sample.remote(storage, f, seed, below) for f in files])
+        found = fan_out(_sample_task, [(storage, f, seed, below) for f in files])
         rows = [r for got in found for r in got["rows"]]
         if len(rows) >= min(n, cfg.max_sentences) or frac >= 1:
             break

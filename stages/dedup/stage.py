@@ -71,8 +71,6 @@ class DedupStage(Decide):
     def measure(self, ctx: StageContext) -> Candidates:
         """Workers describe every image, search the evaluation sets, and group signatures by bucket;
         candidate near pairs are verified by exact cosine."""
-        import ray
-
         cfg: DedupConfig = ctx.cfg
         for es in cfg.eval_sets:
             check_exists(es, ctx.run_dir)
@@ -104,7 +102,7 @@ class DedupStage(Decide):
         # one copy in the object store, shared by every task on a node (a path here means nothing there)
         arrays = {"hash": {n: NearDupIndex.load(p).arrays() for n, p in index_paths.items()},
                   "encoder": {n: NearDupIndex.load(p).arrays() for n, p in enc_paths.items()}}
-        blobs = ray.put(arrays)
+        blobs = ctx.put(arrays)
         names = tuple(sorted(p.name for p in [*index_paths.values(), *enc_paths.values()]))
         args = (blobs, names, encoder_rel)
         model = shared_describer(encoder_rel, cfg, arrays)

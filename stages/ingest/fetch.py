@@ -39,6 +39,7 @@ import warnings
 from dataclasses import dataclass
 
 from infra.media import FORMATS, ImageRefused, _failure, open_checked
+from infra.remote import Gone, ask, get
 
 from .img2dataset_parts import prepare
 from .polite import Hosts, Manners, retry_after
@@ -501,9 +502,7 @@ def _yield_wait(seconds: float) -> None:
     sleep what is left."""
     end = time.monotonic() + seconds
     try:
-        import ray
-
-        ray.get(_pacer.wait.remote(seconds), timeout=seconds + 30)
+        ask(_pacer, "wait", seconds, timeout=seconds + 30)
     except Exception:  # noqa: BLE001 - the pacer lost with its node: the wait still happens, holding the CPU
         pass
     left = end - time.monotonic()
@@ -592,28 +591,26 @@ class _Repeats:
 
     def _across(self, row, fetch):
         """A URL other shards name: another thread's result if one is (being) fetched, else ours, told."""
-        import ray
-
         key, url = row
         deadline = time.monotonic() + self.wait_s
         try:
             while True:
-                state, ref = ray.get(self.registry.claim.remote(url))
+                state, ref = ask(self.registry, "claim", url)
                 if state == "done":
-                    data, err = ray.get(ref[0])
+                    data, err = get(ref[0])
                     return key, (io.BytesIO(data) if data is not None else None), err
                 if state == "mine":
                     break
                 if time.monotonic() > deadline:      # its claimant went quiet (a worker gone): fetch it here
                     return fetch(row)
                 time.sleep(0.2)
-        except ray.exceptions.RayError:     # the registry is gone (its node with it): fetch it here
+        except Gone:     # the registry is gone (its node with it): fetch it here
             return fetch(row)
         got_key, stream, err = fetch(row)
         data = stream.getvalue() if stream is not None else None
         try:
-            ray.get(self.registry.finish.remote(url, data, err))
-        except ray.exceptions.RayError:
+            ask(self.registry, "finish", url, data, err)
+        except Gone:
             pass
         return got_key, (io.BytesIO(data) if data is not None else None), err
 

@@ -24,6 +24,8 @@ import math
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from infra import remote
+
 from ..dataplane import hash_pieces, read_kept
 
 URL_ROWS_PER_BUCKET = 2_000_000      # (url, shard) rows one bucket task takes (~200 bytes each in memory)
@@ -46,15 +48,13 @@ def _url_pieces(storage, file: str, ranges: list[tuple[int, int, int]], n: int) 
 def _shared_reduce(registry, *pieces: pa.Table) -> int:
     """Ray task (the shuffle's reduce): one bucket's URLs named by two shards or more, told to the
     registry; -> how many."""
-    import ray
-
     if not pieces:
         return 0
     t = pa.concat_tables(pieces)
     counts = t.group_by("url").aggregate([("shard", "count_distinct")])
     shared = counts.filter(pc.greater(counts.column("shard_count_distinct"), 1)).column("url").to_pylist()
     if shared:
-        ray.get(registry.add.remote(shared))
+        remote.ask(registry, "add", shared)
     return len(shared)
 
 
@@ -84,9 +84,7 @@ class UrlRegistry:
         return "done", [got]        # in a list: Ray hands the reference over, not its value
 
     def finish(self, url: str, data: bytes | None, err: str | None) -> None:
-        import ray
-
-        self.state[url] = ray.put((data, err))
+        self.state[url] = remote.put((data, err))
 
     def counts(self) -> dict:
         return {"urls": len(self.shared), "fetched": sum(1 for v in self.state.values() if v != "busy"),
@@ -96,8 +94,6 @@ class UrlRegistry:
 def find(ctx, jobs: list) -> object | None:
     """The registry of this run's URLs named by more than one of `jobs` (ingest ShardJobs), or None
     when there are none (or a single shard: a shard handles its own repeats)."""
-    import ray
-
     if len(jobs) < 2:
         return None
     by_file: dict[str, list] = {}
@@ -105,16 +101,13 @@ def find(ctx, jobs: list) -> object | None:
         by_file.setdefault(j.source_file, []).append((i, j.start, j.stop))
     rows = sum(j.stop - j.start for j in jobs)
     n = max(1, math.ceil(rows / URL_ROWS_PER_BUCKET))
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     # on the driver's node: a worker node lost mid-run does not take it along (and if it goes, the
     # shards fetch their URLs themselves: stages/ingest/fetch.py)
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    registry = ray.remote(num_cpus=0, scheduling_strategy=here)(UrlRegistry).remote()
+    registry = remote.start_here(UrlRegistry)
     found = ctx.shuffle(_url_pieces, [(ctx.storage, f, r, n) for f, r in by_file.items()], n, _shared_reduce,
                         [(registry,)] * n, "ingest shared URLs", num_cpus=0.5, unit="buckets")
     if not sum(found):
-        ray.kill(registry)
+        remote.stop(registry)
         return None
     ctx.log(f"ingest: {sum(found)} URLs are named by more than one shard: each is downloaded once for the run")
     return registry
@@ -122,13 +115,11 @@ def find(ctx, jobs: list) -> object | None:
 
 def close(registry) -> dict:
     """The registry's counts; the actor (and the results it holds) released."""
-    import ray
-
     if registry is None:
         return {"urls": 0, "fetched": 0, "served": 0}
     try:
-        return ray.get(registry.counts.remote(), timeout=60)
+        return remote.ask(registry, "counts", timeout=60)
     except Exception:  # noqa: BLE001 - a registry lost with its node: the counts are gone, the downloads are not
         return {"urls": 0, "fetched": 0, "served": 0}
     finally:
-        ray.kill(registry)
+        remote.stop(registry)

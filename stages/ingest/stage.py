@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from infra import remote
 from infra.configtools import join, require
 
 from .. import records
@@ -174,23 +175,13 @@ class ShardJob:
 
 def _pacer(ctx):
     """The run's polite.Pacer (a zero-CPU actor on the driver's node), or None outside a Ray cluster."""
-    import ray
-
-    if not ray.is_initialized():
-        return None
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     from .polite import Pacer
 
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    return ray.remote(num_cpus=0, scheduling_strategy=here, max_concurrency=10_000)(Pacer).remote()
+    return remote.start_here(Pacer, max_concurrency=10_000)
 
 
 def _release(pacer) -> None:
-    if pacer is not None:
-        import ray
-
-        ray.kill(pacer)
+    remote.stop(pacer)
 
 
 def _shard_task(storage, job: ShardJob, downloader, base: str, server, shared=None, pacer=None,
@@ -206,8 +197,6 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server, shared=No
     """
     import copy
     import tempfile
-
-    import ray
 
     from . import fetch   # installs the safe fetcher in this worker
 
@@ -250,8 +239,8 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server, shared=No
             registry, wait_s = shared or (None, 0.0)
             # ... and a URL other shards name too, once for the whole run (stages/ingest/shared_urls.py)
             try:
-                across = ray.get(registry.which.remote(list(named))) if registry is not None else []
-            except ray.exceptions.RayError:   # the registry is gone: this shard fetches its own URLs
+                across = remote.ask(registry, "which", list(named)) if registry is not None else []
+            except remote.Gone:   # the registry is gone: this shard fetches its own URLs
                 across = []
             fetch.repeats.expect({u.replace(SERVER_PLACEHOLDER, base) for u, n in named.items() if n > 1},
                                  shared={u.replace(SERVER_PLACEHOLDER, base) for u in across},
@@ -291,7 +280,7 @@ def _shard_task(storage, job: ShardJob, downloader, base: str, server, shared=No
                                                          **failures_by_host(verdicts)})
     result = write_part(storage, "ingest", f"{job.unit}-{name}", job.source_part, keys,
                         _with_state(table, rows), rel=f"{unit}/ledger/{name}.parquet", notes=IngestStage.notes,
-                        extra={"node": ray.get_runtime_context().get_node_id(),
+                        extra={"node": remote.node_id(),
                                "successes": sum(v == KEPT for v in verdicts["verdict"]),
                                "paced_thread_s": paced["thread_s"], "paced_idle_s": paced["idle_s"],
                                "paced_yielded_s": paced["yielded_s"]})

@@ -1,5 +1,6 @@
 """The shape of the code, checked: the base layer imports nothing else of capline, storage alone tells
-local from bucket, stages meet through the registry, and no modules import each other, directly or in a ring."""
+local from bucket, stages meet through the registry, no modules import each other, directly or in a ring,
+and no stage imports Ray (the executor and infra/remote.py decide how work runs)."""
 import ast
 from pathlib import Path
 
@@ -97,6 +98,27 @@ def test_no_import_cycle_of_any_length():
         if v not in index:
             visit(v)
     assert not cycles, f"modules in an import cycle: {cycles}"
+
+
+def _third_party_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_no_stage_uses_ray_directly():
+    """Stages say what to compute; tasks, actor pools, shared actors and objects are made by the
+    executor (pipeline/executor.py, through StageContext) and infra/remote.py. A stage that imported
+    Ray would decide for itself how its work runs, out of the executor's sizing and accounting."""
+    users = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "stages").rglob("*.py") if "ray" in _third_party_imports(p))
+    assert not users, f"stages that import ray (use the executor through ctx, or infra/remote.py): {users}"
+    # the check itself finds an import at any depth
+    probe = ROOT / "stages" / "base.py"
+    assert "pyarrow" in _third_party_imports(probe)
 
 
 def test_only_storage_tells_a_local_folder_from_a_bucket():

@@ -1,0 +1,92 @@
+"""The Ray calls stage code makes, in one place: stages say what to compute and never import Ray
+(tests/pipeline/test_house.py checks it), so how tasks, actors and objects are made is decided
+here and in the executor (pipeline/executor.py), not in each stage.
+
+What stages need beyond the executor's task groups: small actors that hold a run's shared state
+(the URL registry, the pacer) on the driver's node, calls to them, objects put once and read by
+reference, and, inside a task, a few more tasks whose results that task needs (the tokenizer's
+caption sample). A call to an actor that is gone (its node lost) raises `Gone`, which stages catch
+to carry on without it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+class Gone(Exception):
+    """An actor (or the object it held) is no longer reachable: its node went, or it was ended."""
+
+
+def running() -> bool:
+    import ray
+
+    return ray.is_initialized()
+
+
+def start_here(cls: type, *args, max_concurrency: int | None = None):
+    """`cls(*args)` as a zero-CPU actor on this process's node (the driver's, when the driver asks):
+    a worker node lost mid-run does not take it along. None outside a Ray cluster."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if not ray.is_initialized():
+        return None
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    options = {"num_cpus": 0, "scheduling_strategy": here}
+    if max_concurrency:
+        options["max_concurrency"] = max_concurrency
+    return ray.remote(**options)(cls).remote(*args)
+
+
+def stop(actor) -> None:
+    """End an actor (and the objects it owns); one already gone is no error."""
+    if actor is None:
+        return
+    import ray
+
+    try:
+        ray.kill(actor)
+    except Exception:      # noqa: BLE001 - gone with its node: nothing left to end
+        pass
+
+
+def ask(actor, method: str, *args, timeout: float | None = None) -> Any:
+    """`actor.method(*args)`'s result; `Gone` when the actor (or its node) is."""
+    import ray
+
+    try:
+        return ray.get(getattr(actor, method).remote(*args), timeout=timeout)
+    except ray.exceptions.RayError as err:
+        raise Gone(str(err).splitlines()[0] if str(err) else type(err).__name__) from err
+
+
+def put(obj) -> Any:
+    """`obj` in the object store, once: a reference every task on a node reads without a copy."""
+    import ray
+
+    return ray.put(obj)
+
+
+def get(ref) -> Any:
+    """The value behind a reference; `Gone` when its owner (an actor, a node) is."""
+    import ray
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayError as err:
+        raise Gone(str(err).splitlines()[0] if str(err) else type(err).__name__) from err
+
+
+def node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def fan_out(fn: Callable, calls: list[tuple], num_cpus: float = 0.25) -> list:
+    """Inside a task: `fn(*call)` for each call as tasks of their own, their results in order (the
+    calling task gives its CPU back while it waits)."""
+    import ray
+
+    remote = ray.remote(num_cpus=num_cpus)(fn)
+    return ray.get([remote.remote(*c) for c in calls])
