@@ -28,12 +28,13 @@ def status_rows(where) -> list[dict]:
     rows = []
     prev = judge = {"output_digest": ""}
     sinks: list = []         # the markers of the sinks since the last judge (None: one not done)
-    for name, kind in ((s.name, s.kind) for s in STAGES):
+    for name, kind, reads_sinks in ((s.name, s.kind, s.reads_sinks_before) for s in STAGES):
         marker = storage.read_json(f"{name}/_SUCCESS")
         if marker:
             made_from, judged = marker.get("upstream_digest"), marker.get("judged_digest")
             have = {m.get("output_digest") for m in sinks if m is not None}
-            upstream_ok = prev is not None and (made_from is None or made_from == prev.get("output_digest")) \
+            before = prev if kind != "sink" or reads_sinks else judge    # what it read (runner.stage_inputs)
+            upstream_ok = before is not None and (made_from is None or made_from == before.get("output_digest")) \
                 and (judged is None or (judge is not None and judged == judge.get("output_digest"))) \
                 and all(d in have for d in marker.get("sink_digests", []))
             state = "done" if upstream_ok else "stale"

@@ -13,6 +13,8 @@ beside them (the demo audit, the MLflow data-build run) are observers called aft
 """
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import hashlib
 import json
 import shutil
@@ -154,7 +156,8 @@ def check_before(cfg: RunConfig, storage: Storage, only: str, stages: list[Stage
     for stage in stages or STAGES:
         if stage.name == only:
             return
-        in_digest = input_digest(stage.fingerprint(cfg), prev, judged, _other_sinks(sinks, prev))
+        read, also = stage_inputs(stage, prev, judged, sinks)
+        in_digest = input_digest(stage.fingerprint(cfg), read, judged, also)
         marker = storage.read_json(f"{stage.name}/_SUCCESS")
         if marker is None:
             raise UserError(f"--only {only}: stage {stage.name} before it has not finished; "
@@ -171,11 +174,11 @@ def check_before(cfg: RunConfig, storage: Storage, only: str, stages: list[Stage
 
 
 def input_digest(fingerprint: str, prev_digest: str, judged_digest: str, sinks: tuple = ()) -> str:
-    """A stage's input: its fingerprint, the previous stage's output and, for a stage after a sink
-    (the shard stage after the tokenizer), the last judge's output it reads too, or a reused
-    tokenizer that wrote the same bytes would hide new samples from it. `sinks`: the outputs of the
-    other sinks since that judge (the tokenizer's, for training after the shard stage): a new
-    tokenizer that leaves the shards byte-identical still retrains the model."""
+    """A stage's input: its fingerprint, the output it reads (`stage_inputs`) and, for a stage after
+    a sink (training after the shard stage), the last judge's output it reads too, or a sink that
+    wrote the same bytes would hide new samples from it. `sinks`: the outputs of the other sinks
+    since that judge (the tokenizer's, for training): a new tokenizer that leaves the shards
+    byte-identical still retrains the model."""
     judged = "" if judged_digest == prev_digest else f"\0{judged_digest}"
     also = "".join(f"\1{d}" for d in sinks)
     return hashlib.sha256((fingerprint + prev_digest + judged + also).encode()).hexdigest()
@@ -183,6 +186,19 @@ def input_digest(fingerprint: str, prev_digest: str, judged_digest: str, sinks: 
 
 def _other_sinks(sinks: list[str], prev_digest: str) -> tuple:
     return tuple(d for d in sinks if d != prev_digest)
+
+
+def stage_inputs(stage: Stage, prev_digest: str, judged_digest: str, sinks: list[str]) -> tuple[str, tuple]:
+    """(the output a stage reads, the other sinks' outputs it reads too). A sink that reads no sink
+    before it (Stage.reads_sinks_before false: the shard stage) reads the last judge's alone."""
+    if stage.kind == "sink" and not stage.reads_sinks_before:
+        return judged_digest, ()
+    return prev_digest, _other_sinks(sinks, prev_digest)
+
+
+def _beside(stage: Stage | None, wanted: set[str]) -> bool:
+    """`stage` may run while the sink before it still runs: it reads nothing that sink writes."""
+    return stage is not None and stage.kind == "sink" and not stage.reads_sinks_before and stage.name in wanted
 
 
 def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: str | None = None,
@@ -201,43 +217,14 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
     storage = Storage.from_uri(store.uri) if store is not None and store.uri else Storage.local(run_dir)
     controls = Controls(storage, run_dir)
     executor = Executor(log=log)
-    prev_digest = judged_digest = ""
+    state = {"prev": "", "judged": "", "upstream": None}
     sinks: list[str] = []          # the outputs of the sinks since the last judge
-    upstream: list[dict] | None = None
     summary = {}
-    for stage in stages:
-        sdir = run_dir / stage.name
-        fingerprint = stage.fingerprint(cfg)   # once: it may hash files (the source, evaluation sets)
-        also = _other_sinks(sinks, prev_digest)
-        in_digest = input_digest(fingerprint, prev_digest, judged_digest, also)
-        marker = controls.read(stage.name, "_SUCCESS")
-        parts = parts_from_json(controls.read(stage.name, "parts.json")) if marker else None
-        ran = False
-        if marker and marker.get("input_digest") == in_digest and parts is not None:
-            log(f"{stage.name}: done before with the same input, skipped")
-            if stage.name not in manifest.data["stages"]:
-                # a run folder made from another's stage folders (a rebuild copies the source): what
-                # the stage registered travels in its own _SUCCESS
-                manifest.record_stage(stage.name, marker, marker.get("artifacts"))
-            if controls.mirror and not (sdir / "_SUCCESS").is_file():   # the working copy's view of it
-                for name, obj in (("parts.json", [p.to_json() for p in parts]),
-                                  ("stats.json", controls.read(stage.name, "stats.json")),
-                                  ("_SUCCESS", marker)):
-                    controls.write_local(stage.name, name, obj)
-        elif stage.name not in wanted:
-            if only:
-                raise UserError(f"--only {only}: stage {stage.name} before it has not finished; "
-                                f"run `capline run --until {stage.name}` first")
-            break
-        else:
-            ctx = StageContext(name=stage.name, run_dir=run_dir, stage_dir=sdir, cfg=stage.section(cfg), seed=cfg.seed,
-                               run_name=cfg.name, storage=storage, upstream=upstream,
-                               artifacts=dict(manifest.data.get("artifacts", {})), log=log,
-                               fingerprint=fingerprint, executor=executor, notes=stage.note_names())
-            marker, artifacts, parts, summary[stage.name] = _run_stage(stage, ctx, in_digest, controls, store,
-                                                                            upstream_digest=prev_digest,
-                                                                            judged_digest=judged_digest, sinks=also)
-            ran = True
+
+    def settle(stage: Stage, marker: dict, parts, ran: bool, artifacts) -> bool:
+        """What follows a stage, run or skipped, in stage order: the manifest, what the next stage
+        reads, observers. -> whether the command stops here."""
+        if ran:
             manifest.record_stage(stage.name, marker, artifacts)
             if artifacts.get("mlflow_run_id"):
                 manifest.data["mlflow_runs"][stage.name] = artifacts["mlflow_run_id"]
@@ -248,12 +235,12 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
         if declared:   # what a later stage needs of this one's config, run or skipped (the demo's site)
             manifest.data["artifacts"].setdefault(stage.name, {}).update(declared)
         if stage.kind != "sink":   # a sink judges nothing: the next stage reads what the last judge kept
-            upstream = parts
-            judged_digest = marker["output_digest"]
-            sinks = []
+            state["upstream"] = parts
+            state["judged"] = marker["output_digest"]
+            sinks.clear()
         else:
             sinks.append(marker["output_digest"])
-        prev_digest = marker["output_digest"]
+        state["prev"] = marker["output_digest"]
         if stage.name not in summary:   # skipped: its stats from the earlier run
             summary[stage.name] = controls.read(stage.name, "stats.json")
         if stage.kind != "sink" and (why := stage.dead_end(summary[stage.name] or {})):
@@ -261,9 +248,75 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
         for obs in observers:   # run or skipped: they skip what they did before
             obs.after_stage(stage.name, run_dir=run_dir, cfg=cfg, manifest=manifest, summary=summary,
                             log=log, storage=storage, ran=ran)
-        if until == stage.name or only == stage.name:
-            break
-    else:
+        return until == stage.name or only == stage.name
+
+    # a sink whose next stage reads none of it (the tokenizer, then the shard stage) runs in a
+    # thread beside that stage; it is settled, in stage order, before anything after it
+    beside = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="capline-stage")
+    pending = None       # (stage, future of _run_stage's result)
+
+    def settle_pending() -> bool:
+        nonlocal pending
+        if pending is None:
+            return False
+        stage, future = pending
+        pending = None
+        marker, artifacts, parts, summary[stage.name] = future.result()
+        return settle(stage, marker, parts, True, artifacts)
+
+    stopped = False
+    try:
+        for i, stage in enumerate(stages):
+            if pending is not None and not _beside(stage, wanted):
+                settle_pending()
+            sdir = run_dir / stage.name
+            fingerprint = stage.fingerprint(cfg)   # once: it may hash files (the source, evaluation sets)
+            read, also = stage_inputs(stage, state["prev"], state["judged"], sinks)
+            in_digest = input_digest(fingerprint, read, state["judged"], also)
+            marker = controls.read(stage.name, "_SUCCESS")
+            parts = parts_from_json(controls.read(stage.name, "parts.json")) if marker else None
+            ran, artifacts = False, None
+            if marker and marker.get("input_digest") == in_digest and parts is not None:
+                log(f"{stage.name}: done before with the same input, skipped")
+                if stage.name not in manifest.data["stages"]:
+                    # a run folder made from another's stage folders (a rebuild copies the source): what
+                    # the stage registered travels in its own _SUCCESS
+                    manifest.record_stage(stage.name, marker, marker.get("artifacts"))
+                if controls.mirror and not (sdir / "_SUCCESS").is_file():   # the working copy's view of it
+                    for name, obj in (("parts.json", [p.to_json() for p in parts]),
+                                      ("stats.json", controls.read(stage.name, "stats.json")),
+                                      ("_SUCCESS", marker)):
+                        controls.write_local(stage.name, name, obj)
+            elif stage.name not in wanted:
+                if only:
+                    raise UserError(f"--only {only}: stage {stage.name} before it has not finished; "
+                                    f"run `capline run --until {stage.name}` first")
+                stopped = True
+                break
+            else:
+                nxt = stages[i + 1] if i + 1 < len(stages) else None
+                apart = stage.kind == "sink" and _beside(nxt, wanted) and until != stage.name and only != stage.name
+                ctx = StageContext(name=stage.name, run_dir=run_dir, stage_dir=sdir, cfg=stage.section(cfg),
+                                   seed=cfg.seed, run_name=cfg.name, storage=storage, upstream=state["upstream"],
+                                   artifacts=dict(manifest.data.get("artifacts", {})), log=log,
+                                   fingerprint=fingerprint, executor=Executor(log=log) if apart else executor,
+                                   notes=stage.note_names())
+                run = functools.partial(_run_stage, stage, ctx, in_digest, controls, store, upstream_digest=read,
+                                        judged_digest=state["judged"], sinks=also)
+                if apart:
+                    log(f"{stage.name}: runs beside {nxt.name}, which reads none of it")
+                    pending = (stage, beside.submit(run))
+                    continue
+                marker, artifacts, parts, summary[stage.name] = run()
+                ran = True
+            if settle_pending() or settle(stage, marker, parts, ran, artifacts):
+                stopped = True
+                break
+        if pending is not None:
+            stopped = settle_pending() or stopped
+    finally:
+        beside.shutdown(wait=True)     # a stage that failed beside another: that one finishes first
+    if not stopped:
         # every stage finished: what a later `--incremental` run compares its source with
         manifest.data["completed"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                       "inputs": input_fingerprints(cfg, stages)}

@@ -118,6 +118,9 @@ class Stage:
     audits: tuple[tuple[str, str], ...] = ()   # (demo defect, the reason prefix that catches it)
     thresholds: bool = False             # its section is a filter's thresholds (the dataset card lists them)
     final_data: bool = False             # it writes the dataset (observers of a finished dataset wait for it)
+    # a sink that reads only the last judge's samples, none of the sinks run since (the shard stage
+    # never reads the tokenizer): it runs beside the sink before it, and its input leaves that out
+    reads_sinks_before: bool = True
     preserve: tuple[str, ...] = ()       # sub-paths of its folder that survive a change of input
     # its scores fall on one axis the run report draws as a histogram, with these settings of its
     # section as the cuts (None: no such axis, e.g. basic's lengths and ratios)

@@ -221,6 +221,7 @@ class ShardStage(Sink):
     name = "shard"
     config_key, config_class = "shard", ShardConfig
     final_data = True
+    reads_sinks_before = False     # images and captions as text: the tokenizer is training's, not the shards'
     # a dataset line's shards, their indexes and ledger partitions outlive a change of input (stale
     # ones are deleted by name below); the line's record with them
     preserve = ("shards", "index", "ledger", "line")

@@ -168,6 +168,53 @@ def test_a_sink_that_changes_reruns_what_reads_it_even_when_the_sink_between_wri
     assert states["tok"] == "done" and states["shards"] == "stale" and states["reader"] == "stale"
 
 
+class TimedSink(FileSink):
+    """A sink that takes `seconds` and says when it ran; `fail` raises once it has taken them."""
+
+    def __init__(self, name: str, text: str, seconds: float, reads_sinks_before: bool = True):
+        super().__init__(name, text)
+        self.seconds, self.reads_sinks_before, self.fail, self.spans = seconds, reads_sinks_before, False, []
+
+    def run(self, ctx):
+        import time
+
+        t0 = time.time()
+        time.sleep(self.seconds)
+        if self.fail:
+            self.spans.append((t0, time.time()))
+            raise RuntimeError(f"{self.name} broke")
+        out = super().run(ctx)
+        self.spans.append((t0, time.time()))
+        return out
+
+
+@pytest.mark.slow   # starts Ray: not in the fast set
+def test_a_sink_that_reads_no_sink_before_it_runs_beside_that_sink(tmp_path, ray_local):
+    """The shard stage reads the last judge's samples, never the tokenizer: it runs while the
+    tokenizer trains, a new tokenizer leaves it done, and training (which reads both) reruns."""
+    tok = TimedSink("tok", "vocab A", 2.0)
+    shards = TimedSink("shards", "same shards", 2.0, reads_sinks_before=False)
+    reader = Reader()
+    stages = [Numbers(), DropOdd(), tok, shards, reader]
+    _run(tmp_path, stages)
+    (t0, t1), (s0, s1) = tok.spans[0], shards.spans[0]
+    assert s0 < t1 and t0 < s1, (tok.spans, shards.spans)                 # the two ran at the same time
+    assert reader.calls == 1
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert {"tok", "shards", "reader"} <= set(manifest["stages"]) and "completed" in manifest
+    tok.text = "vocab B"
+    _run(tmp_path, stages)
+    assert (tok.calls, shards.calls, reader.calls) == (2, 1, 2)           # shards untouched, the reader reran
+    # a failure beside another stage: that stage finishes (its work kept), then the failure is said
+    tok.text, tok.fail, shards.text = "vocab C", True, "new shards"
+    with pytest.raises(RuntimeError, match="tok broke"):
+        _run(tmp_path, stages)
+    assert shards.calls == 2 and (tmp_path / "shards" / "_SUCCESS").exists() and reader.calls == 2
+    tok.fail = False
+    _run(tmp_path, stages)
+    assert (tok.calls, shards.calls, reader.calls) == (3, 2, 3)           # the shards were not made again
+
+
 @pytest.mark.slow   # starts Ray, a moto server or capline processes: not in the fast set
 def test_a_lost_sample_fails_the_stage_naming_its_partition(tmp_path, ray_local):
     with pytest.raises(RuntimeError, match=r"stage dropodd, partition p1: 4 samples entered and 3 got a verdict"):

@@ -235,9 +235,9 @@ def test_a_stage_key_index_names_the_one_ledger_file_of_a_key(tmp_path, ray_loca
     assert key_index.lookup(storage, "language", "s00000") == ""            # its partition is gone
 
 
-def test_status_calls_the_shards_stale_when_clip_score_changed_under_an_unchanged_tokenizer(tmp_path):
-    """The shard stage reads clip_score's partitions as well as the tokenizer's output: a reused
-    tokenizer that wrote the same bytes does not make shards written from older partitions current."""
+def test_status_calls_the_shards_stale_when_clip_score_changed_and_not_when_the_tokenizer_did(tmp_path):
+    """The shard stage reads clip_score's partitions and never the tokenizer (it runs beside it):
+    shards made from older partitions are stale; a retrained tokenizer leaves them current."""
     from infra.storage import Storage
     from pipeline.inspect_run import status_rows
 
@@ -245,13 +245,13 @@ def test_status_calls_the_shards_stale_when_clip_score_changed_under_an_unchange
     storage.write_json("manifest.json", {})
     prev = ""
     for name in ("source", "ingest", "dedup", "basic", "language", "clip_score", "tokenizer", "shard"):
-        marker = {"output_digest": f"{name}-out", "upstream_digest": prev}
-        if name == "shard":
-            marker["judged_digest"] = "clip_score-out"
+        marker = {"output_digest": f"{name}-out", "upstream_digest": "clip_score-out" if name == "shard" else prev}
         storage.write_json(f"{name}/_SUCCESS", marker)
         prev = f"{name}-out"
     state = lambda: {r["stage"]: r["state"] for r in status_rows(tmp_path)}   # noqa: E731
     assert state()["shard"] == "done"
+    storage.write_json("tokenizer/_SUCCESS", {"output_digest": "tokenizer-new", "upstream_digest": "clip_score-out"})
+    assert state()["tokenizer"] == "done" and state()["shard"] == "done"
     storage.write_json("clip_score/_SUCCESS", {"output_digest": "clip_score-new", "upstream_digest": "language-out"})
     storage.write_json("tokenizer/_SUCCESS", {"output_digest": "tokenizer-out", "upstream_digest": "clip_score-new"})
     assert state()["tokenizer"] == "done" and state()["shard"] == "stale"
