@@ -360,17 +360,19 @@ class Executor:
 
     # -- per-partition functions -----------------------------------------------------------------
     def map_parts(self, ctx, fn: Callable, tasks: list, num_cpus: float = 1.0, num_gpus: float = 0.0,
-                  what: str | None = None, reuse: bool = False, setting: str | None = None, model=None) -> list[dict]:
+                  what: str | None = None, reuse: bool = False, setting: str | None = None, model=None,
+                  pick: tuple | None = None) -> list[dict]:
         """`fn` over partitions (stages/dataplane.py: PartTask), in tasks that write their own results;
         -> PartResults. `reuse` (a pure function of the partition and the stage's config): a partition
         whose input and the stage's fingerprint are those of an earlier run is taken as it is, even
-        when other partitions changed (a scheduled run that appended a URL list file)."""
+        when other partitions changed (a scheduled run that appended a URL list file). `pick`
+        (per_reason, seed, cut): each task picks the examples page's samples from the rows it wrote."""
         from stages.dataplane import REUSE, PartResult, run_part, reuse_key
 
         what = what or ctx.name
         label = lambda c: f"partition {c[3].part}"   # noqa: E731
         if not reuse:
-            return self.run(run_part, [(ctx.storage, ctx.name, fn, t, None, None, ctx.notes) for t in tasks], what, num_cpus=num_cpus,
+            return self.run(run_part, [(ctx.storage, ctx.name, fn, t, None, None, ctx.notes, pick) for t in tasks], what, num_cpus=num_cpus,
                             num_gpus=num_gpus, describe=label, setting=setting, model=model)
         from stages import records
 
@@ -387,7 +389,7 @@ class Executor:
                 results[i] = PartResult.from_json(found[key])
             else:
                 calls.append((ctx.storage, ctx.name, fn, t, f"{folder}/{key}.parquet" if key else None,
-                              f"{folder}/{key}.json" if key else None, ctx.notes))
+                              f"{folder}/{key}.json" if key else None, ctx.notes, pick))
                 where.append(i)
         if len(calls) < len(tasks):
             self.log(f"{ctx.name}: {len(tasks) - len(calls)} partitions unchanged since an earlier run, reused; "

@@ -45,14 +45,15 @@ class StageContext:
 
     def map_parts(self, fn: Callable, tasks: list[PartTask] | None = None, num_cpus: float = 1.0,
                   num_gpus: float = 0.0, reuse: bool = False, setting: str | None = None, model=None,
-                  **kwargs) -> list[PartResult]:
+                  pick: tuple | None = None, **kwargs) -> list[PartResult]:
         """`fn(table, **kwargs) -> (verdicts, extra)` over each partition (default: one task per
         upstream partition, same name), in Ray tasks that write their own part files. `reuse`: for a
         pure `fn`, partitions computed by an earlier run from the same input are taken as they are.
-        `model` (stages/shared_model.py): the partitions run on an actor pool that loads it once per actor."""
+        `model` (stages/shared_model.py): the partitions run on an actor pool that loads it once per actor.
+        `pick` (per_reason, cut): each task picks the stage's examples from the rows it writes."""
         return self.executor.map_parts(self, fn, tasks if tasks is not None else one_to_one(self.upstream or [], **kwargs),
                                        num_cpus=num_cpus, num_gpus=num_gpus, reuse=reuse, setting=setting,
-                                       model=model)
+                                       model=model, pick=(pick[0], self.seed, pick[1]) if pick else None)
 
     def run(self, fn: Callable, calls: list[tuple], what: str | None = None, **options) -> list:
         """`fn(*call)` for every call, in tasks the executor sizes and runs; results in call order."""
@@ -202,14 +203,19 @@ class Filter(Stage):
     def cpus(self, cfg) -> float:
         return float(getattr(cfg, "cpus_per_worker", 1.0))
 
+    def example_cut(self, cfg) -> float | None:
+        """The score its examples page shows samples nearest to (None: in a seeded order)."""
+        return None
+
     def model(self, cfg):
         """The model `judge` needs (a stages.shared_model.SharedModel), loaded once per actor of a
         pool; None: `judge` needs none and runs as plain tasks."""
         return None
 
     def run(self, ctx: StageContext) -> StageResult:
+        per_reason = int(getattr(ctx.cfg, "examples_per_reason", 0) or 0)
         parts = ctx.map_parts(type(self).judge, num_cpus=self.cpus(ctx.cfg), reuse=True, model=self.model(ctx.cfg),
-                              cfg=ctx.cfg)
+                              pick=(per_reason, self.example_cut(ctx.cfg)) if per_reason else None, cfg=ctx.cfg)
         return self.finish(ctx, parts)
 
     def finish(self, ctx: StageContext, parts: list[PartResult]) -> StageResult:

@@ -356,15 +356,14 @@ class ClipScoreStage(Decide):
                           input_sha=u.sha256, depends=json.dumps([measured.files[u.part], cfg.threshold, decision.cut,
                                                                   decision.last_tied, decision.how]))
                  for u in ctx.upstream or []]
-        parts = ctx.map_parts(_decide, tasks, num_cpus=0.5, reuse=True)
+        cut_value = decision.value if decision.value != float("inf") else None
+        parts = ctx.map_parts(_decide, tasks, num_cpus=0.5, reuse=True, pick=(cfg.examples_per_reason, cut_value))
         kept = sum(p.kept for p in parts)
         values = np.array(sorted(counts), np.float64) / SCALE
         weights = np.array([counts[v] for v in sorted(counts)], np.float64)
         hist, edges = np.histogram(values, bins=40, weights=weights)
         mean = float((values * weights).sum() / weights.sum())
-        cut_value = decision.value
-        shown = write_examples(ctx, parts, cfg.examples_per_reason, "CLIP-score filter",
-                               cut=cut_value if cut_value != float("inf") else None)
+        shown = write_examples(ctx, parts, cfg.examples_per_reason, "CLIP-score filter", cut=cut_value)
         ctx.log(f"clip_score: {scorer['kind']} scorer {scorer['sha256'][:12]}, kept {kept} "
                 f"of {n} at {decision.how}; examples in {shown}")
         warning = small_bootstrap(scorer)

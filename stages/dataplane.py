@@ -29,6 +29,8 @@ import pyarrow.compute as pc
 
 from infra.storage import Storage  # noqa: F401 - the run folder's filesystem, shared with trainers/
 
+from .picks import pick_rows
+
 KEPT, DROPPED = "kept", "dropped"
 LEDGER_COLUMNS = ("key", "stage", "verdict", "reason", "score", "detail", "match_set", "match_key")
 SAMPLE_SCHEMA = pa.schema([
@@ -244,7 +246,11 @@ def add_notes(table: pa.Table, stage: str, notes: tuple | None = None) -> pa.Tab
 
 
 def write_part(storage: Storage, stage: str, part: str, input_name: str | None, in_keys, out: pa.Table,
-               extra: dict | None = None, rel: str | None = None, notes: tuple | None = None) -> dict:
+               extra: dict | None = None, rel: str | None = None, notes: tuple | None = None,
+               pick: tuple | None = None) -> dict:
+    """Check and write a partition's ledger; -> its PartResult. `pick` (per_reason, seed, cut): the
+    examples page's picks from the rows in hand, as `result.picks` (an attribute, never in
+    parts.json: stages/examples.py keeps them by partition), so no task reads the ledger to pick."""
     out = add_notes(conform(out, stage), stage, notes)
     keys = out.column("key")
     if len(pc.unique(keys)) != len(keys):
@@ -260,6 +266,8 @@ def write_part(storage: Storage, stage: str, part: str, input_name: str | None, 
         extra = {**(extra or {}), "score_hist": hist}
     result = summarize(stage, part, input_name, in_keys, out, sha, nbytes, extra)
     result.file = rel
+    if pick is not None and pick[0]:
+        result.picks = {"choice": list(pick), "groups": pick_rows(out, *pick)}
     return result
 
 
@@ -319,13 +327,13 @@ class PartTask:
 
 
 def run_part(storage: Storage, stage: str, fn: Callable, task: PartTask, rel: str | None = None,
-             record: str | None = None, notes: tuple | None = None) -> dict:
+             record: str | None = None, notes: tuple | None = None, pick: tuple | None = None) -> dict:
     table = read_kept(storage, task.file) if task.file else pa.table({"key": pa.array([], pa.string())})
     if task.start or task.stop is not None:
         table = table.slice(task.start, (task.stop if task.stop is not None else table.num_rows) - task.start)
     verdicts, extra = fn(table, **task.kwargs)
     result = write_part(storage, stage, task.part, task.input, table.column("key").to_pylist(),
-                        with_state(verdicts, table), extra, rel=rel, notes=notes)
+                        with_state(verdicts, table), extra, rel=rel, notes=notes, pick=pick)
     if record:    # last: a partition counts as reusable only once its file is whole
         storage.write_json(record, result.to_json())
     return result
@@ -415,11 +423,14 @@ def picture_batches(storage: Storage, table: pa.Table, **options):
 
 
 def reused_or_run(ctx, fn: Callable, folder: str, key_of: Callable, call_of: Callable, what: str, done_before: str,
-                  verb: str, items: list | None = None, **options) -> tuple[list, dict[str, str]]:
+                  verb: str, items: list | None = None, given: dict | None = None,
+                  **options) -> tuple[list, dict[str, str]]:
     """`fn` over the upstream partitions (or `items`, other PartResults), except those an earlier
     run already did with the same inputs: each partition's outputs are `<folder>/<key_of(u)>.*`,
     the task writing `.json` (its result) last, so a record found means whole outputs.
-    `call_of(u, out)` makes a task's arguments. Records no partition maps to now are deleted.
+    `call_of(u, out)` makes a task's arguments; `given`: partition -> a result already in hand (made
+    by the task that wrote the partition), recorded as if a task had returned it. Records no
+    partition maps to now are deleted.
     -> (results in upstream order, partition -> its output prefix)."""
     from . import records
 
@@ -428,11 +439,13 @@ def reused_or_run(ctx, fn: Callable, folder: str, key_of: Callable, call_of: Cal
     # earlier runs' results in one read (the folder's summary; records.py), not one per partition
     previous = records.read_summary(ctx.storage, folder)
     found = records.find(ctx.storage, {u.part: f"{outs[u.part]}.json" for u in upstream}, summaries={folder: previous})
+    given = given or {}
     done = [u.part for u in upstream if u.part in found]
-    todo = [u for u in upstream if u.part not in found]
+    todo = [u for u in upstream if u.part not in found and u.part not in given]
     if done:
         ctx.log(f"{ctx.name}: {len(done)} partitions {done_before}, reused; {len(todo)} to {verb}")
     results = {p: found[p] for p in done}
+    results.update({u.part: given[u.part] for u in upstream if u.part not in found and u.part in given})
     ran = ctx.run(fn, [call_of(u, outs[u.part]) for u in todo], what, describe=lambda c: f"partition {c[1]}", **options)
     results.update({u.part: r for u, r in zip(todo, ran)})
     records.write_summary(ctx.storage, folder, {f"{outs[p]}.json": r for p, r in results.items()})

@@ -13,7 +13,7 @@ import html
 from collections import defaultdict
 from pathlib import Path
 
-from infra.hashing import order_key
+from .picks import COLUMNS, order, pick_rows
 
 _STYLE = """body{font:14px sans-serif;margin:1.5em;color:#222}h2{margin-top:1.6em}
 .grid{display:flex;flex-wrap:wrap;gap:10px}.card{width:180px;border:1px solid #ccc;border-radius:4px;padding:6px}
@@ -24,21 +24,13 @@ _STYLE = """body{font:14px sans-serif;margin:1.5em;color:#222}h2{margin-top:1.6e
 EXAMPLES = "examples"    # each partition's picks, by its file's content: kept across runs (Stage.preserve)
 
 
-def _order(seed: int, cut: float | None):
-    """Sort key: distance to the cut (samples without a score last), then the seeded order."""
-    def key(r):
-        near = abs(r["score"] - cut) if cut is not None and r["score"] is not None else float("inf")
-        return (near, order_key(seed, r["key"]))
-    return key
+_order = order
 
 
 def _pick_task(storage, file: str, per_reason: int, seed: int, cut: float | None = None) -> dict[str, list[dict]]:
-    """Ray task: one partition's first `per_reason` rows per reason in that order."""
-    t = storage.read_table(file, ["key", "verdict", "reason", "score", "detail", "caption", "tar", "offset", "size"])
-    groups: dict[str, list[dict]] = defaultdict(list)
-    for r in t.to_pylist():
-        groups[r["reason"] or "kept"].append(r)
-    return {reason: sorted(rows, key=_order(seed, cut))[:per_reason] for reason, rows in groups.items()}
+    """Ray task: one partition's picks, read from its ledger (a partition whose writing task did not
+    pick: written by an earlier version, or `capline report` on a finished run)."""
+    return pick_rows(storage.read_table(file, COLUMNS), per_reason, seed, cut)
 
 
 def _kept_pick(storage, file: str, per_reason: int, seed: int, cut: float | None, out: str) -> dict:
@@ -65,9 +57,11 @@ def pick(storage, files: list[str], per_reason: int, seed: int, cut: float | Non
 
 
 def stage_picks(ctx, parts: list, per_reason: int, cut: float | None = None) -> dict[str, list[dict]]:
-    """`pick` over a stage's own partitions (its PartResults), each partition in a task that keeps
-    its picks (`<stage>/examples/`, by the ledger file's content and the choice): a partition
-    picked before is not read again (a scheduled run picks from what it added)."""
+    """`pick` over a stage's own partitions (its PartResults), kept by partition (`<stage>/examples/`,
+    by the ledger file's content and the choice): a partition picked before is not read again (a
+    scheduled run picks from what it added), one whose writing task picked with the same choice
+    (`PartResult.picks`, see dataplane.write_part) is not read at all, and only the rest are read,
+    each in a task."""
     import hashlib
     import json
 
@@ -76,9 +70,13 @@ def stage_picks(ctx, parts: list, per_reason: int, cut: float | None = None) -> 
     def key(p) -> str:
         return hashlib.sha256(json.dumps([p.sha256, per_reason, ctx.seed, cut]).encode()).hexdigest()[:24]
 
+    choice = [per_reason, ctx.seed, cut]
+    given = {p.part: p.picks["groups"] for p in parts
+             if getattr(p, "picks", None) is not None and p.picks["choice"] == choice}
     found, _ = reused_or_run(ctx, _kept_pick, f"{ctx.name}/{EXAMPLES}", key,
                              lambda p, out: (ctx.storage, p.file, per_reason, ctx.seed, cut, out), "examples",
-                             "picked before from the same ledger", "pick", items=parts, num_cpus=0.25, quiet=True)
+                             "picked before from the same ledger", "pick", items=parts, given=given,
+                             num_cpus=0.25, quiet=True)
     return _merged(found, per_reason, ctx.seed, cut)
 
 

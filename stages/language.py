@@ -125,6 +125,9 @@ class LanguageStage(Filter):
     def preflight(self, config) -> None:
         preflight(config.stages.language)
 
+    def example_cut(self, cfg: LanguageConfig) -> float | None:
+        return cfg.min_confidence
+
     def model(self, cfg: LanguageConfig) -> SharedModel | None:
         return shared_backend(cfg)
 
@@ -137,7 +140,7 @@ class LanguageStage(Filter):
             for lang, n in p.extra["detected"].items():
                 found[lang] = found.get(lang, 0) + n
         model = fasttext_model_path() if cfg.backend == "fasttext" else None   # the workers loaded it; name it only
-        shown = write_examples(ctx, parts, cfg.examples_per_reason, "Language filter", cut=cfg.min_confidence)
+        shown = write_examples(ctx, parts, cfg.examples_per_reason, "Language filter", cut=self.example_cut(cfg))
         ctx.log(f"language: {cfg.backend} backend, keeping {', '.join(cfg.languages)} at confidence >= "
                 f"{cfg.min_confidence}; examples in {shown}")
         top_found = dict(sorted(found.items(), key=lambda kv: -kv[1])[:20])

@@ -12,6 +12,7 @@ from infra.shuffle import map_groups
 from ..base import Decide, StageContext, StageResult
 from ..dataplane import PartTask, reused_or_run
 from .layout import EDGE_DIR, PAIR_DIR, WANTED_DIR
+from .report import PAIRS_PER_REASON
 from .eval_sets import build_reference, check_exists
 from .lsh import band_plan
 from .neardup import NearDupIndex
@@ -154,8 +155,6 @@ class DedupStage(Decide):
     def decide(self, ctx: StageContext, found: Candidates) -> dict:
         """Pairs joined into clusters, in a task; of each the smallest key is kept. -> counts per
         partition and a few drops to show (the decisions themselves stay in the run folder)."""
-        from .report import PAIRS_PER_REASON
-
         from ..line import published_parts, read_line
 
         parts = sorted(u.part for u in ctx.upstream or [])
@@ -188,7 +187,7 @@ class DedupStage(Decide):
                                                       + (f":{removals}" if removals else "")
                                                       + (f":{captions[1]}" if captions else ""))
                  for u in ctx.upstream or []]
-        parts = ctx.map_parts(_verdicts, tasks, num_cpus=0.5, reuse=True)
+        parts = ctx.map_parts(_verdicts, tasks, num_cpus=0.5, reuse=True, pick=(PAIRS_PER_REASON, None))
         from .report import write_report
 
         ctx.log(f"dedup: pairs side by side in {write_report(ctx, decisions['shown'], parts)}")
