@@ -4,8 +4,9 @@ Its steps, each a module, in the order the stage (`stage.py`) runs them:
 
 1. `eval_sets.py`: each evaluation set in `eval_sets` gets a reference index (described at 28 crops
    by `imagehash.py`, searched through `neardup.py`; built once and cached by content and parameters).
-2. `describe.py`: a Ray task per partition reads its images through the sample index, describes each
-   once, searches the evaluation indexes (one copy per node, in the object store) and writes
+2. `describe.py`: partitions on an actor pool (each actor holds the evaluation indexes' search
+   structures and the optional encoder once; the arrays stay one copy per node in the object store)
+   read their images through the sample index, describe each once, search the indexes and write
    `described/<key>.desc.parquet`: descriptor, SimHash code, mean colour, pixel and URL+caption
    hashes. Kept across runs by the partition's content and the config alone.
 3. `sign.py`: a cheap task per partition makes its signatures for this run's band plan (banded LSH,
