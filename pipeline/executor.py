@@ -238,22 +238,31 @@ class Executor:
                             + (f"; change {model.setting} or add a larger node" if model.setting else
                                "; add a larger node"))
         size = max(1, min(len(calls), room))
+        # an actor killed mid-call (the OOM killer, a failpoint) comes back with its model and the
+        # call is sent again; a call runs at most 3 times, as a task does, so one that kills every
+        # actor it meets fails
         actor = ray.remote(num_cpus=cpus, num_gpus=gpus or None, memory=model.memory_bytes or None,
-                           max_restarts=-1, max_task_retries=-1)(_PoolWorker)
+                           max_restarts=-1, max_task_retries=0)(_PoolWorker)
         actors = [actor.remote(what, fn, model.load, *model.args) for _ in range(size)]
         progress = Progress(what, len(calls), (lambda m: None) if quiet else self.log, unit=unit)
         describe = describe or (lambda c: "")
         results: list = [None] * len(calls)
         intervals: list[tuple[float, float]] = []
         pending: dict = {}                      # call's ref -> (call index, actor index)
-        queued = [0] * size
+        queued, tries = [0] * size, [0] * len(calls)
         nxt, t_start, last_done = 0, time.time(), time.time()
+
+        def send(i: int, a: int) -> None:
+            pending[actors[a].call.remote(*calls[i], **(kwargs[i] if kwargs else {}))] = (i, a)
+            queued[a] += 1
+            tries[i] += 1
+
         try:
             while len(intervals) < len(calls):
                 for a in range(size):
                     while nxt < len(calls) and queued[a] < 2:
-                        ref = actors[a].call.remote(*calls[nxt], **(kwargs[nxt] if kwargs else {}))
-                        pending[ref], queued[a], nxt = (nxt, a), queued[a] + 1, nxt + 1
+                        send(nxt, a)
+                        nxt += 1
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.poll_seconds)
                 if not ready:
                     progress.stalled(time.time() - last_done, len(pending))
@@ -263,8 +272,20 @@ class Executor:
                     queued[a] -= 1
                     try:
                         t0, t1, out, err = ray.get(ref)
-                    except ray.exceptions.ActorDiedError as died:   # restarts are unlimited: its model never loaded
-                        err, label = died, f"loading {model.name}"
+                    except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as died:
+                        if "creation task" in str(died):      # restarts are unlimited: its model never loaded
+                            err, label = died, f"loading {model.name}"
+                        elif "is restarting" in str(died):    # sent while it came back: not a try
+                            tries[i] -= 1
+                            time.sleep(0.2)
+                            send(i, a)
+                            continue
+                        elif tries[i] < 3:                    # its actor was killed: again, once it is back
+                            send(i, a)
+                            continue
+                        else:
+                            err = died
+                            label = f"{describe(calls[i]) or f'task {i}'} (its actor died 3 times running it: out of memory?)"
                     else:
                         label = describe(calls[i]) or f"task {i}"
                     if err is not None:

@@ -38,6 +38,8 @@ def _functions():
         if x == 15 and not os.path.exists(os.path.join(folder, "killed")):
             open(os.path.join(folder, "killed"), "w").close()
             os.kill(os.getpid(), 9)          # as the OOM killer would, once
+        if x == 17:
+            os.kill(os.getpid(), 9)          # every time: a partition too big for any actor
         return x * x, os.getpid()
     return loader, work
 
@@ -76,6 +78,8 @@ def test_a_failing_call_or_model_is_said_in_one_line_naming_it(ray_local, tmp_pa
         ex.run(_work, [(str(tmp_path), x) for x in (1, 13, 3)], "odd", model=model, describe=label)
     with pytest.raises(RuntimeError, match=r"^odd: partition p14 failed: ValueError: fourteen broke$"):
         ex.run(_work, [(str(tmp_path), x) for x in (1, 14)], "odd", model=model, describe=label)
+    with pytest.raises(RuntimeError, match=r"^odd: partition p17 \(its actor died 3 times running it: out of memory\?\) failed: "):
+        ex.run(_work, [(str(tmp_path), x) for x in (1, 17)], "odd", model=model, describe=label)
     missing = SharedModel("a missing model", _loader, (str(tmp_path / "nowhere"),))
     with pytest.raises(RuntimeError, match=r"^odd: loading a missing model failed: .*nowhere"):
         ex.run(_work, [(str(tmp_path), 1)], "odd", model=missing)
