@@ -1,12 +1,13 @@
 """A model a stage's partitions share runs on an actor pool (Executor.run(model=...), Ray
 actors): the model loads once per actor, the pool is as large as the nodes hold by the declared
 memory, failures are named like a task's, a killed actor is replaced. Real Ray (2 CPUs)."""
+import math
 import os
 
 import pytest
 
 from infra.errors import UserError
-from pipeline.executor import Executor, NodeShape, actors_that_fit
+from pipeline.executor import CALLS_PER_ACTOR, Executor, NodeShape, actors_that_fit
 from stages.shared_model import SharedModel
 
 GB = 2 ** 30
@@ -61,12 +62,16 @@ def test_calls_on_a_model_pool_load_it_once_per_actor_and_return_in_order(ray_lo
     rec = ex.records[-1]
     assert rec["what"] == "squares" and rec["tasks"] == 8 and rec["actors"] == 1 and rec["model"] == "a test model"
 
-    # with no memory declared the pool grows to the CPUs, never past them: loads <= actors
-    small = tmp_path / "small"
-    small.mkdir()
-    out = ex.run(_work, [(str(small), x) for x in range(12)], "squares", model=SharedModel("m", _loader, (str(small),)))
-    assert [o[0] for o in out] == [x * x for x in range(12)]
-    assert ex.records[-1]["actors"] == room and len(list(small.iterdir())) <= room
+    # with no memory declared the pool grows to the CPUs, never past them, and starts an actor for
+    # CALLS_PER_ACTOR calls at least (a start is a new process): loads <= actors
+    for n in (3, 40):
+        small = tmp_path / f"small{n}"
+        small.mkdir()
+        xs = range(20, 20 + n)                  # none of the values _work fails on
+        out = ex.run(_work, [(str(small), x) for x in xs], "squares", model=SharedModel("m", _loader, (str(small),)))
+        assert [o[0] for o in out] == [x * x for x in xs]
+        expected = min(room, math.ceil(n / CALLS_PER_ACTOR))
+        assert ex.records[-1]["actors"] == expected and len(list(small.iterdir())) <= expected
 
 
 @pytest.mark.slow
