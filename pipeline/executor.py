@@ -477,7 +477,11 @@ REFUSED_CREDENTIALS = ("ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES
 
 
 def _task_error(err: Exception, what: str, label: str) -> Exception:
-    cause = err if isinstance(err, UserError) else getattr(err, "cause", None)
+    # a task's UserError arrives as Ray's wrapper (an instance of UserError too, saying a traceback):
+    # its `cause` is the error itself; a model pool's call hands the error itself
+    cause = getattr(err, "cause", None)
+    if cause is None and isinstance(err, UserError):
+        cause = err
     if isinstance(cause, UserError):   # the input's fault, said in one line: not a crash
         return UserError(f"{what}: {label}: {cause}")
     text = str(err).strip()
