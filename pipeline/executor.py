@@ -229,7 +229,7 @@ class Executor:
                   gpus: float, model, shape: NodeShape, describe: Callable | None, unit: str, quiet: bool) -> list:
         """`run` on an actor pool: each actor loads `model` once (its constructor), then runs calls,
         two queued at a time so it never waits for the driver; the pool has as many actors as the
-        nodes hold (CPUs, GPUs, the model's declared memory) and no more than there are calls. A
+        nodes hold (CPUs, GPUs, the model's declared memory), one for CALLS_PER_ACTOR calls at most. A
         failed call is named as `run` names it; a killed actor is restarted (its model loaded
         again) and its calls run again; the actors are ended when the calls are done."""
         import ray
@@ -292,6 +292,8 @@ class Executor:
                         else:
                             err = died
                             label = f"{describe(calls[i]) or f'task {i}'} (its actor died 3 times running it: out of memory?)"
+                    except Exception as lost:    # noqa: BLE001 - a result lost with its node: said as a task's is
+                        err, label = lost, describe(calls[i]) or f"task {i}"
                     else:
                         label = describe(calls[i]) or f"task {i}"
                     if err is not None:
