@@ -17,12 +17,6 @@ class Gone(Exception):
     """An actor (or the object it held) is no longer reachable: its node went, or it was ended."""
 
 
-def running() -> bool:
-    import ray
-
-    return ray.is_initialized()
-
-
 def start_here(cls: type, *args, max_concurrency: int | None = None):
     """`cls(*args)` as a zero-CPU actor on this process's node (the driver's, when the driver asks):
     a worker node lost mid-run does not take it along. None outside a Ray cluster."""

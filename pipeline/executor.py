@@ -358,9 +358,9 @@ class Executor:
 
     def put(self, obj):
         """`obj` in Ray's object store, once; the reference is what tasks get."""
-        import ray
+        from infra.remote import put
 
-        return ray.put(obj)
+        return put(obj)
 
     def dataset(self, files: list[str], fs, equal: dict, columns: list[str] | None = None):
         """Parquet files as a Ray Dataset, rows whose columns equal `equal`'s values, `columns` kept."""

@@ -24,9 +24,6 @@ _STYLE = """body{font:14px sans-serif;margin:1.5em;color:#222}h2{margin-top:1.6e
 EXAMPLES = "examples"    # each partition's picks, by its file's content: kept across runs (Stage.preserve)
 
 
-_order = order
-
-
 def _pick_task(storage, file: str, per_reason: int, seed: int, cut: float | None = None) -> dict[str, list[dict]]:
     """Ray task: one partition's picks, read from its ledger (a partition whose writing task did not
     pick: written by an earlier version, or `capline report` on a finished run)."""
@@ -45,7 +42,7 @@ def _merged(results, per_reason: int, seed: int, cut: float | None) -> dict[str,
     merged: dict[str, list[dict]] = defaultdict(list)
     for found in results:
         for reason, rows in found.items():
-            merged[reason] = sorted(merged[reason] + rows, key=_order(seed, cut))[:per_reason]
+            merged[reason] = sorted(merged[reason] + rows, key=order(seed, cut))[:per_reason]
     return dict(sorted(merged.items()))
 
 
