@@ -10,7 +10,10 @@ alone decides
 - reuse: a pure per-partition function whose input and fingerprint an earlier run saw is not run
   again (`map_parts(..., reuse=True)`);
 - what is measured: per call of `run`, the tasks, how many ran at once (from the start and end time
-  each task reports), and the cluster's CPUs, kept in `records` for the stage's stats.
+  each task reports), and the cluster's CPUs, kept in `records` for the stage's stats;
+- what stays in the object store: a partition's keys (a result's `ledger_keys`, set where its
+  ledger is written) go to the stage's key index as a second return of the task, never through the
+  driver and never read back from the bucket.
 
 It runs every task through Ray; the driver holds only the calls and the small results.
 """
@@ -115,12 +118,33 @@ def _failpoint(what: str) -> None:
 
 
 def _timed(what: str, fn: Callable, *args, **kwargs):
-    """Runs in the worker: the result and when it ran (this node's clock). The call's arguments stay
-    top-level arguments of the task, so Ray resolves any ObjectRef among them (an index put once)."""
+    """Runs in the worker: the result and when it ran (this node's clock), and the result's ledger
+    keys apart (`_aside`). The call's arguments stay top-level arguments of the task, so Ray resolves
+    any ObjectRef among them (an index put once)."""
     _failpoint(what)
     t0 = time.time()
     out = fn(*args, **kwargs)
-    return t0, time.time(), out
+    return (t0, time.time(), out), _aside(out)
+
+
+ASIDE = "in the object store"    # what a result's ledger_keys says in the driver until it is the reference
+
+
+def _aside(out):
+    """A result's `ledger_keys` (a partition's keys, stages/dataplane.write_part), taken off it: the
+    task's second return, which the driver hands on to the key index by reference, never fetching it."""
+    keys = getattr(out, "ledger_keys", None)
+    if keys is None or isinstance(keys, str):
+        return None
+    out.ledger_keys = ASIDE
+    return keys
+
+
+def _with_aside(out, keys_ref):
+    """The result as the driver keeps it: its ledger keys the reference to the task's second return."""
+    if isinstance(getattr(out, "ledger_keys", None), str):
+        out.ledger_keys = keys_ref
+    return out
 
 
 def _map_pieces(what: str, n_out: int, fn: Callable, *args):
@@ -167,11 +191,12 @@ class Executor:
             if items is not None:
                 raise ValueError(f"{what}: a run on a model's actor pool counts partitions, not items")
             return self._run_pool(fn, calls, kwargs, what, cpus, num_gpus, model, shape, describe, unit, quiet)
-        remote = ray.remote(num_cpus=cpus, num_gpus=num_gpus or None, max_retries=max_retries)(_timed)
+        remote = ray.remote(num_cpus=cpus, num_gpus=num_gpus or None, max_retries=max_retries, num_returns=2)(_timed)
         limit = in_flight(cpus, shape)
         describe = describe or (lambda c: "")
         total = len(calls)
         results: list = [None] * total
+        asides: list = [None] * total
         intervals: list[tuple[float, float]] = []
         pending: dict = {}
         nxt = done = 0
@@ -187,7 +212,8 @@ class Executor:
         t_start = time.time()
         while done < total:
             while nxt < total and len(pending) < limit:
-                pending[remote.remote(what, fn, *calls[nxt], **(kwargs[nxt] if kwargs else {}))] = nxt
+                ref, asides[nxt] = remote.remote(what, fn, *calls[nxt], **(kwargs[nxt] if kwargs else {}))
+                pending[ref] = nxt
                 nxt += 1
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=2.0 if counter else self.poll_seconds)
             if counter is not None:
@@ -204,7 +230,8 @@ class Executor:
             for ref in ready:
                 i = pending.pop(ref)
                 try:
-                    t0, t1, results[i] = ray.get(ref)
+                    t0, t1, out = ray.get(ref)
+                    results[i] = _with_aside(out, asides[i])
                 except Exception as err:
                     progress.close()
                     failure = _task_error(err, what, describe(calls[i]) or f"task {i}")
@@ -258,8 +285,11 @@ class Executor:
         queued, tries = [0] * size, [0] * len(calls)
         nxt, t_start, last_done = 0, time.time(), time.time()
 
+        asides: list = [None] * len(calls)
+
         def send(i: int, a: int) -> None:
-            pending[actors[a].call.remote(*calls[i], **(kwargs[i] if kwargs else {}))] = (i, a)
+            ref, asides[i] = actors[a].call.options(num_returns=2).remote(*calls[i], **(kwargs[i] if kwargs else {}))
+            pending[ref] = (i, a)
             queued[a] += 1
             tries[i] += 1
 
@@ -300,7 +330,7 @@ class Executor:
                         progress.close()
                         failure = _task_error(err, what, label)
                         raise failure from (None if isinstance(failure, UserError) else err)
-                    results[i] = out
+                    results[i] = _with_aside(out, asides[i])
                     intervals.append((t0, t1))
                     last_done = time.time()
                     progress.update(len(intervals))
@@ -448,7 +478,7 @@ class _PoolWorker:
         t0 = time.time()
         try:
             out = self.fn(*args, **kwargs)
-            return t0, time.time(), out, None
+            return (t0, time.time(), out, None), _aside(out)
         except Exception as exc:       # noqa: BLE001 - reported by the driver, naming the call
             try:
                 import ray
@@ -456,7 +486,7 @@ class _PoolWorker:
                 exc.ip = ray.util.get_node_ip_address()    # a node the bucket refused is named
             except Exception:          # noqa: BLE001 - an exception that takes no attributes
                 pass
-            return t0, time.time(), None, exc
+            return (t0, time.time(), None, exc), None
 
 
 class ItemCounter:

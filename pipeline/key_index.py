@@ -5,7 +5,9 @@ Built by the runner when a stage finishes, before its `_SUCCESS`. Up to ROWS_PER
 file, which a task updates from the ledgers that changed. Past it: a shuffle through Ray's object
 store (a task per ledger file hands each bucket its (key, file) rows by the key's hash, a task per
 bucket writes `<stage>/keys/<bucket>.parquet`). Either way sorted by key, in row groups small enough
-that a lookup reads one.
+that a lookup reads one. The keys of a ledger written this run come from the object store (the task
+that wrote it returned them apart: pipeline/executor.py), so no ledger is read back to be indexed;
+only one written before (a resumed stage) or whose keys were lost with a node is read.
 `<stage>/keys/meta.json` says how many buckets. The driver sees counts only.
 """
 from __future__ import annotations
@@ -20,11 +22,16 @@ ROWS_PER_BUCKET = 2_000_000
 ROW_GROUP = 8192
 
 
-def _map_task(storage, file: str, buckets: int) -> list[pa.Table]:
+def _keys(storage, file: str, given) -> pa.ChunkedArray:
+    """A ledger's keys: as its writing task returned them (`given`), else read from the ledger."""
+    return given.column("key") if given is not None else storage.read_table(file, ["key"]).column("key")
+
+
+def _map_task(storage, file: str, buckets: int, given: pa.Table | None = None) -> list[pa.Table]:
     """A shuffle's map (Executor.shuffle): one ledger's (key, file) rows, a piece per index bucket."""
     from stages.dataplane import hash_pieces
 
-    keys = storage.read_table(file, ["key"]).column("key")
+    keys = _keys(storage, file, given)
     table = pa.table({"key": keys, "file": pa.array([file] * len(keys), pa.string())})
     return hash_pieces(table, keys.to_pylist(), buckets)
 
@@ -36,10 +43,12 @@ def _reduce_task(storage, out: str, row_group: int, *pieces: pa.Table) -> int:
                         out, row_group)
 
 
-def _single_task(storage, files: list[str], out: str, row_group: int, unchanged: list[str] = ()) -> dict:
+def _single_task(storage, files: list[str], out: str, row_group: int, unchanged: list[str] = (),
+                 given_files: list[str] = (), *given: pa.Table | None) -> dict:
     """The one index file from the keys of `files`: the rows of the `unchanged` ones taken from the
-    index already at `out` (read here, in the task), the others' keys read from their ledgers: an
-    append reads only the ledgers it added."""
+    index already at `out` (read here, in the task), those of `given_files` from `given` (their keys as
+    the writing tasks returned them, in that order), the others' keys read from their ledgers: an
+    append reads at most the ledgers it added."""
     import pyarrow.compute as pc
 
     kept = None
@@ -50,15 +59,15 @@ def _single_task(storage, files: list[str], out: str, row_group: int, unchanged:
         except (FileNotFoundError, OSError):
             kept = None
     have = set(kept.column("file").unique().to_pylist()) if kept is not None else set()
-    missing = [f for f in files if f not in have]
-    keys, where = [], []
-    for f, t in zip(missing, storage.read_tables(missing, ["key"])):
-        k = t.column("key").to_pylist()
-        keys += k
-        where += [f] * len(k)
-    new = pa.table({"key": pa.array(keys, pa.string()), "file": pa.array(where, pa.string())})
-    rows = _write_index(storage, pa.concat_tables([kept, new]) if kept is not None else new, out, row_group)
-    return {"rows": rows, "ledgers_read": len(missing)}
+    in_hand = {f: t for f, t in zip(given_files, given) if t is not None and f not in have}
+    missing = [f for f in files if f not in have and f not in in_hand]
+    pieces = [kept] if kept is not None else []
+    for f, t in [*in_hand.items(), *zip(missing, storage.read_tables(missing, ["key"]))]:
+        keys = t.column("key")
+        pieces.append(pa.table({"key": keys.cast(pa.string()), "file": pa.array([f] * len(keys), pa.string())}))
+    new = pa.concat_tables(pieces) if pieces else pa.table({"key": pa.array([], pa.string()), "file": pa.array([], pa.string())})
+    rows = _write_index(storage, new, out, row_group)
+    return {"rows": rows, "ledgers_read": len(missing), "ledgers_handed": len(in_hand)}
 
 
 def _write_index(storage, t: pa.Table, out: str, row_group: int) -> int:
@@ -69,10 +78,22 @@ def _write_index(storage, t: pa.Table, out: str, row_group: int) -> int:
     return t.num_rows
 
 
-def build(storage, executor, stage: str, files: dict[str, str], rows: int, in_driver: bool = False) -> dict:
+def build(storage, executor, stage: str, files: dict[str, str], rows: int, in_driver: bool = False,
+          given: dict | None = None) -> dict:
     """The index of `stage`'s ledger `files` (path -> sha256; `rows` keys in all), in Ray tasks; ->
-    its meta and how many ledgers were read for it (`ledgers_read`). `in_driver`: the stage wrote its partitions from the driver (no task), so the index is
-    built there too (a cluster's workers may not reach what the driver wrote)."""
+    its meta and how many ledgers were read for it (`ledgers_read`). `given`: ledger -> its keys as
+    the task that wrote it returned them (a reference into the object store, or the table), read
+    instead of the ledger. `in_driver`: the stage wrote its partitions from the driver (no task), so
+    the index is built there too (a cluster's workers may not reach what the driver wrote)."""
+    try:
+        return _build(storage, executor, stage, files, rows, in_driver, given or {})
+    except Exception:   # noqa: BLE001 - keys lost with a node (an actor's returns are not rebuilt): read the ledgers
+        if not given:
+            raise
+        return _build(storage, executor, stage, files, rows, in_driver, {})
+
+
+def _build(storage, executor, stage: str, files: dict[str, str], rows: int, in_driver: bool, given: dict) -> dict:
     if in_driver:
         from types import SimpleNamespace
 
@@ -88,20 +109,23 @@ def build(storage, executor, stage: str, files: dict[str, str], rows: int, in_dr
         index = f"{folder}/000000.parquet"
         old = before.get("files") if before.get("buckets") == 1 and isinstance(before.get("files"), dict) else {}
         unchanged = [f for f, sha in files.items() if old.get(f) == sha]
-        (done,) = executor.run(_single_task, [(storage, sorted(files), index, ROW_GROUP, unchanged)],
+        handing = sorted(f for f in given if f in files and f not in unchanged)
+        (done,) = executor.run(_single_task, [(storage, sorted(files), index, ROW_GROUP, unchanged, handing,
+                                               *(given[f] for f in handing))],
                                f"{stage} key index", num_cpus=0.25, quiet=True)
-        read = done["ledgers_read"]
+        read, handed = done["ledgers_read"], done["ledgers_handed"]
         # buckets of an earlier, larger index: deleted together
         storage.delete_files([f for f in storage.list(folder) if f not in (index, f"{folder}/meta.json")])
     else:   # a shuffle through Ray's object store: the map pieces never touch the bucket
         storage.delete(folder)
-        executor.shuffle(_map_task, [(storage, f, buckets) for f in sorted(files)], buckets, _reduce_task,
-                         [(storage, f"{folder}/{b:06d}.parquet", ROW_GROUP) for b in range(buckets)],
+        executor.shuffle(_map_task, [(storage, f, buckets, given.get(f)) for f in sorted(files)], buckets,
+                         _reduce_task, [(storage, f"{folder}/{b:06d}.parquet", ROW_GROUP) for b in range(buckets)],
                          f"{stage} key index", num_cpus=0.25)
-        read = len(files)
+        read = sum(1 for f in files if given.get(f) is None)
+        handed = len(files) - read
     meta = {"buckets": buckets, "rows": rows, **({"files": dict(sorted(files.items()))} if buckets == 1 else {})}
     storage.write_json(f"{folder}/meta.json", meta)
-    return {**meta, "ledgers_read": read}
+    return {**meta, "ledgers_read": read, "ledgers_handed": handed}
 
 
 def lookup(storage, stage: str, key: str) -> str | None:

@@ -275,3 +275,32 @@ def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces
     assert [r["what"] for r in ex.records[-2:]] == ["parity (map)", "parity"] and ex.records[-2]["tasks"] == 4
     with pytest.raises(UserError, match=r"odd: map task 1: thirteen is not allowed here"):
         ex.shuffle(lambda v: _split_or_fail(v, 2), [([1],), ([13],)], 2, _gather, [(0,), (1,)], "odd")
+
+
+@pytest.mark.slow   # starts Ray
+def test_a_partitions_keys_stay_in_the_object_store_and_the_driver_holds_a_reference(ray_local, tmp_path):
+    """A task's result with `ledger_keys` (as write_part sets them) reaches the driver without them:
+    they are the task's second return, a reference the key index hands to its tasks. On a task and
+    on a model's actor pool; a result without keys, or a plain value, arrives as it was."""
+    import ray
+
+    from pipeline.executor import Executor
+    from stages.shared_model import SharedModel
+
+    def _part(i):
+        from types import SimpleNamespace
+
+        import pyarrow as pa
+
+        out = SimpleNamespace(part=f"p{i}")
+        if i % 2 == 0:
+            out.ledger_keys = pa.table({"key": [f"k{i}-{j}" for j in range(1000)]})
+        return out
+
+    ex = Executor(log=lambda m: None)
+    for model in (None, SharedModel("no model", None, (), memory_mb=0)):
+        out = ex.run(_part, [(i,) for i in range(4)], "parts", model=model)
+        assert [o.part for o in out] == ["p0", "p1", "p2", "p3"]
+        assert isinstance(out[0].ledger_keys, ray.ObjectRef) and not hasattr(out[1], "ledger_keys")
+        assert ray.get(out[2].ledger_keys).column("key").to_pylist() == [f"k2-{j}" for j in range(1000)]
+    assert ex.run(lambda x: {"x": x}, [(1,)], "plain") == [{"x": 1}]

@@ -233,6 +233,19 @@ def test_a_stage_key_index_names_the_one_ledger_file_of_a_key(tmp_path, ray_loca
     assert key_index.lookup(storage, "language", "t00002") == "dedup/ledger/p5.parquet"
     assert key_index.lookup(storage, "language", "s00001") == "dedup/ledger/p1.parquet"
     assert key_index.lookup(storage, "language", "s00000") == ""            # its partition is gone
+    # the keys as the writing tasks handed them over (references into the object store): no ledger
+    # read, neither in one file nor in buckets
+    import ray
+
+    given = {f: ray.put(pa.table({"key": [f"s{j:05d}" for j in range(i, 5000, 5)]})) for i, f in enumerate(files)}
+    read.clear()
+    for rows_per_bucket, buckets in ((1500, 4), (10**6, 1)):
+        monkeypatch.setattr(key_index, "ROWS_PER_BUCKET", rows_per_bucket)
+        meta = key_index.build(storage, Executor(log=lambda m: None), "basic", files, 5000, given=given)
+        assert (meta["buckets"], meta["ledgers_read"], meta["ledgers_handed"]) == (buckets, 0, 5), meta
+        assert all(key_index.lookup(storage, "basic", f"s{j:05d}") == f"dedup/ledger/p{j % 5}.parquet"
+                   for j in range(0, 5000, 37))
+    assert not [r for r in read if "/ledger/" in r], read
 
 
 def test_status_calls_the_shards_stale_when_clip_score_changed_and_not_when_the_tokenizer_did(tmp_path):
