@@ -137,10 +137,14 @@ CUT = "clip_score/cut/line.json"   # keep_fraction's cut kept for later runs (re
 # What the scorer is shown: the picture without a `border` resize's bars (dataplane.pictures). In
 # each partition's reuse key, so scores made from padded squares by an earlier version are not reused.
 SCORED_PICTURES = "unpadded"
+# What a scores file holds: each sample's state with its score, so the verdicts are written from it
+# alone (the input partition is read once, by the scoring task). Scores files of the format before
+# (key and score only) are not reused.
+SCORES_FILE = "with the samples"
 
 
 def _scored_key(scorer: dict, device: str, u) -> str:
-    text = json.dumps([scorer["kind"], scorer["sha256"], device, SCORED_PICTURES, u.part, u.sha256])
+    text = json.dumps([scorer["kind"], scorer["sha256"], device, SCORED_PICTURES, SCORES_FILE, u.part, u.sha256])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 _SCORERS: dict = {}
 
@@ -172,13 +176,13 @@ def _score_task(storage, part: str, file: str, out: str, folder: str, sha: str, 
                 kind: str = "checkpoint") -> dict:
     """Ray task: score one partition, write its scores (`out`.parquet, then the counts in
     `out`.json, which make them reusable), return how many of each value."""
-    rows = by_location(read_kept(storage, file, ["key", "caption", *PICTURE_COLUMNS]))
+    rows = by_location(read_kept(storage, file))
     scorer = _scorer(storage, folder, sha, device, kind) if rows.num_rows else None
     scores = np.concatenate([np.zeros(0), *(np.asarray(scorer.score(_decoded(batch, images), batch.column("caption").to_pylist()),
                                                        np.float64)
-                                            for batch, images in picture_batches(storage, rows))])
+                                            for batch, images in picture_batches(storage, rows.select(["key", "caption", *PICTURE_COLUMNS])))])
     ints = np.round(np.asarray(scores, np.float64) * SCALE).astype(np.int64)
-    return _write_scores(storage, out, part, rows.column("key"), ints)
+    return _write_scores(storage, out, part, rows, ints)
 
 
 def _decoded(batch: pa.Table, images: list) -> list:
@@ -190,8 +194,15 @@ def _decoded(batch: pa.Table, images: list) -> list:
     return images
 
 
-def _write_scores(storage, out: str, part: str, keys, ints: np.ndarray) -> dict:
-    storage.write_table(f"{out}.parquet", pa.table({"key": keys, "score": pa.array(ints, pa.int64())}))
+def _write_scores(storage, out: str, part: str, rows: pa.Table, ints: np.ndarray) -> dict:
+    """The partition's kept rows as they came (their state) with their integer scores: what the
+    verdict task reads instead of the input partition."""
+    from .dataplane import CARRIED
+
+    state = [c for c in CARRIED if c in rows.column_names]
+    table = pa.table({"key": rows.column("key"), "verdict": pa.array([KEPT] * rows.num_rows, pa.string()),
+                      "score": pa.array(ints, pa.int64()), **{c: rows.column(c) for c in state}})
+    storage.write_table(f"{out}.parquet", table)
     values, counts = np.unique(ints, return_counts=True)
     result = {"part": part, "values": values.tolist(), "counts": counts.tolist()}
     storage.write_json(f"{out}.json", result)
@@ -202,28 +213,26 @@ def _column_task(storage, part: str, file: str, out: str, column: str) -> dict:
     """Ray task: a partition's scores from the URL list's own column (in each sample's notes)."""
     import json
 
-    rows = read_kept(storage, file, ["key", "notes"])
+    rows = read_kept(storage, file)
     scores = []
     for n in rows.column("notes").to_pylist():
         got = json.loads(n) if n else {}
         v = got.get(column, got.get(f"source_{column}"))    # a list column named like capline's own is prefixed
         scores.append(float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else -1.0)
     ints = np.round(np.clip(np.asarray(scores, np.float64), -1.0, 1.0) * SCALE).astype(np.int64)
-    return _write_scores(storage, out, part, rows.column("key"), ints)
+    return _write_scores(storage, out, part, rows, ints)
 
 
 def _tied_task(storage, scores: str, cut: int) -> list[str]:
-    t = storage.read_table(f"{scores}.parquet")
+    t = storage.read_table(f"{scores}.parquet", ["key", "score"])
     return t.filter(pc.equal(t.column("score"), cut)).column("key").to_pylist()
 
 
-def _decide(table: pa.Table, storage, scores: str, threshold: float | None, cut: int | None, last_tied: str | None,
+def _decide(table: pa.Table, threshold: float | None, cut: int | None, last_tied: str | None,
             how: str) -> tuple[pa.Table, dict]:
-    t = storage.read_table(f"{scores}.parquet")
-    score = dict(zip(t.column("key").to_pylist(), t.column("score").to_pylist()))
+    """A partition's verdicts from its scores file (`table`: the samples with their integer scores)."""
     out = {c: [] for c in ("key", "verdict", "reason", "score", "detail")}
-    for k in table.column("key").to_pylist():
-        v = score[k]
+    for k, v in zip(table.column("key").to_pylist(), table.column("score").to_pylist()):
         kept = v >= round(threshold * SCALE) if threshold is not None else keeps(v, k, cut, last_tied)
         for c, x in zip(out, (k, KEPT if kept else DROPPED, "" if kept else "clip_score", v / SCALE,
                               "" if kept else f"below {how}")):
@@ -349,10 +358,11 @@ class ClipScoreStage(Decide):
     def apply(self, ctx: StageContext, measured: Scores, decision: Cut) -> StageResult:
         cfg: ClipScoreConfig = ctx.cfg
         counts, scorer, n = measured.counts, measured.scorer, ctx.n_in
-        # a partition with the same scores under the same cut (a dataset line's) is not judged again
-        tasks = [PartTask(u.part, u.file, u.part,
-                          kwargs={"storage": ctx.storage, "scores": measured.files[u.part], "threshold": cfg.threshold,
-                                  "cut": decision.cut, "last_tied": decision.last_tied, "how": decision.how},
+        # each partition judged from its scores file (its samples and their scores: the input is not
+        # read again); one with the same scores under the same cut (a dataset line's) not judged again
+        tasks = [PartTask(u.part, f"{measured.files[u.part]}.parquet", u.part,
+                          kwargs={"threshold": cfg.threshold, "cut": decision.cut, "last_tied": decision.last_tied,
+                                  "how": decision.how},
                           input_sha=u.sha256, depends=json.dumps([measured.files[u.part], cfg.threshold, decision.cut,
                                                                   decision.last_tied, decision.how]))
                  for u in ctx.upstream or []]
