@@ -192,6 +192,9 @@ def run(args) -> dict:
                 runs[name]["shuffle_requests"] = _shuffle_traffic(
                     proxy.entries[first:], {st: (stages.get(st) or {}).get("in") or 0 for st in ("dedup", "shard")})
                 runs[name]["bucket_objects"] = _objects(client)
+                if args.requests:     # every request of the run, for reading where the reads go
+                    Path(f"{args.requests}-{name}.tsv").write_text(
+                        "".join(f"{e[1]}\t{e[2]}\t{e[3]}\n" for e in proxy.entries[first:]))
                 src = stages.get("source", {})
                 runs[name]["every_url_accounted_for"] = src.get("in") == runs[name]["listed_urls"]
                 if name == "fresh":
@@ -275,6 +278,8 @@ def main():
     p.add_argument("--timeout", type=float, default=4 * 3600)
     p.add_argument("--label", default="current")
     p.add_argument("--remove", type=int, default=10, help="URLs a takedown then removes from the line (0: none)")
+    p.add_argument("--requests", metavar="PREFIX",
+                   help="write each run's requests (method, path, status) to PREFIX-fresh.tsv and PREFIX-append.tsv")
     p.add_argument("--profile", action="store_true",
                    help="run the append's driver under cProfile (benchmarks/results/partitions-LABEL-append.prof)")
     args = p.parse_args()
