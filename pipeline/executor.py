@@ -11,9 +11,10 @@ alone decides
   again (`map_parts(..., reuse=True)`);
 - what is measured: per call of `run`, the tasks, how many ran at once (from the start and end time
   each task reports), and the cluster's CPUs, kept in `records` for the stage's stats;
-- what stays in the object store: a partition's keys (a result's `ledger_keys`, set where its
-  ledger is written) go to the stage's key index as a second return of the task, never through the
-  driver and never read back from the bucket.
+- what stays in the object store: what a result sets aside for later tasks (its `aside`: a
+  partition's keys for the stage's key index, the rows a shard plan read for the shard writers) is
+  the task's second return; the driver holds its reference, never the data, and nothing reads it
+  back from the bucket.
 
 It runs every task through Ray; the driver holds only the calls and the small results.
 """
@@ -127,23 +128,23 @@ def _timed(what: str, fn: Callable, *args, **kwargs):
     return (t0, time.time(), out), _aside(out)
 
 
-ASIDE = "in the object store"    # what a result's ledger_keys says in the driver until it is the reference
+ASIDE = "in the object store"    # what a result's `aside` says on its way to the driver
 
 
 def _aside(out):
-    """A result's `ledger_keys` (a partition's keys, stages/dataplane.write_part), taken off it: the
-    task's second return, which the driver hands on to the key index by reference, never fetching it."""
-    keys = getattr(out, "ledger_keys", None)
-    if keys is None or isinstance(keys, str):
+    """What a result set aside for later tasks (`out.aside`: a partition's keys, a plan's rows), taken
+    off it: the task's second return, which the driver hands on by reference, never fetching it."""
+    data = getattr(out, "aside", None)
+    if data is None or isinstance(data, str):
         return None
-    out.ledger_keys = ASIDE
-    return keys
+    out.aside = ASIDE
+    return data
 
 
-def _with_aside(out, keys_ref):
-    """The result as the driver keeps it: its ledger keys the reference to the task's second return."""
-    if isinstance(getattr(out, "ledger_keys", None), str):
-        out.ledger_keys = keys_ref
+def _with_aside(out, ref):
+    """The result as the driver keeps it: its `aside` the reference to the task's second return."""
+    if isinstance(getattr(out, "aside", None), str):
+        out.aside = ref
     return out
 
 

@@ -360,9 +360,9 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
         index = build(ctx.storage, ctx.executor, stage.name, {p.file: p.sha256 for p in parts}, sum(p.n_in for p in parts),
                       # a stage that wrote from the driver (no task) and is small: its index there too
                       in_driver=len(ctx.executor.records) == first_record and sum(p.n_in for p in parts) <= 100_000,
-                      given={p.file: p.ledger_keys for p in parts if getattr(p, "ledger_keys", None) is not None})
+                      given={p.file: p.aside for p in parts if getattr(p, "aside", None) is not None})
     for p in result.parts:     # the keys' references let go: the object store frees them
-        p.__dict__.pop("ledger_keys", None)
+        p.__dict__.pop("aside", None)
     wall = time.time() - t0
     controls.write(stage.name, "parts.json", [p.to_json() for p in parts])
     from stages.dataplane import HIST_BINS, HIST_RANGE, sum_histograms

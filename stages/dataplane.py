@@ -251,8 +251,8 @@ def write_part(storage: Storage, stage: str, part: str, input_name: str | None, 
     """Check and write a partition's ledger; -> its PartResult. `pick` (per_reason, seed, cut): the
     examples page's picks from the rows in hand, as `result.picks` (an attribute, never in
     parts.json: stages/examples.py keeps them by partition), so no task reads the ledger to pick.
-    The ledger's keys ride along as `result.ledger_keys` for the stage's key index: a task's stay
-    in the object store (pipeline/executor.py), so nothing reads the ledger back to index it."""
+    The ledger's keys are set aside (`result.aside`) for the stage's key index: a task's stay in
+    the object store (pipeline/executor.py), so nothing reads the ledger back to index it."""
     out = add_notes(conform(out, stage), stage, notes)
     keys = out.column("key")
     if len(pc.unique(keys)) != len(keys):
@@ -268,7 +268,7 @@ def write_part(storage: Storage, stage: str, part: str, input_name: str | None, 
         extra = {**(extra or {}), "score_hist": hist}
     result = summarize(stage, part, input_name, in_keys, out, sha, nbytes, extra)
     result.file = rel
-    result.ledger_keys = out.select(["key"])
+    result.aside = out.select(["key"])
     if pick is not None and pick[0]:
         result.picks = {"choice": list(pick), "groups": pick_rows(out, *pick)}
     return result

@@ -107,18 +107,30 @@ def _new_rows(storage, t: pa.Table, part: str, line_shards: frozenset | None,
     return t.filter(pc.invert(pc.is_in(t.column("key"), published.column("key")))), published
 
 
-def _plan_task(storage, part: str, file: str, line_shards: frozenset | None) -> dict:
+# what the shard writers and the dataset line's records read of a sample
+PLACED_COLUMNS = ["key", "url", "caption", "notes", "tar", "member", "offset", "size", "sha256", "width", "height"]
+
+
+class Plan(dict):
+    """A partition's plan (samples, bytes, withdrawn, first_withdrawn, unlisted); its `aside` (the
+    rows to place, in tar order, and the partition's published rows) stays in the object store for
+    the shard writers and the line's records: the partition is read once, by the plan."""
+
+
+def _plan_task(storage, part: str, file: str, line_shards: frozenset | None) -> Plan:
     """Ray task: what a partition brings to new shards (samples, bytes) and, in a dataset line,
     how many samples it published before that are no longer kept (the first by key, to name), and
     the shards its published record names that the line's record does not list (a stale or
     crafted line.json: going on would write new shards over them)."""
-    t = read_kept(storage, file, ["key", "size", "caption"])
+    t = read_kept(storage, file, PLACED_COLUMNS)
     record = published_all(storage, part) if line_shards is not None else None
     new, published = _new_rows(storage, t, part, line_shards, record)
     gone = published.filter(pc.invert(pc.is_in(published.column("key"), t.column("key")))).column("key")
     unlisted = sorted(set(pc.unique(record.column("shard")).to_pylist()) - line_shards)[:3] if record is not None else []
-    return {"samples": new.num_rows, "bytes": int(pc.sum(new.column("size")).as_py() or 0) + 1600 * new.num_rows,
-            "withdrawn": len(gone), "first_withdrawn": pc.min(gone).as_py(), "unlisted": unlisted}
+    plan = Plan(samples=new.num_rows, bytes=int(pc.sum(new.column("size")).as_py() or 0) + 1600 * new.num_rows,
+                withdrawn=len(gone), first_withdrawn=pc.min(gone).as_py(), unlisted=unlisted)
+    plan.aside = (by_location(new), published)
+    return plan
 
 
 def _stored_size(data: bytes) -> tuple[int | None, int | None]:
@@ -138,15 +150,13 @@ def _placement(seed: int, keys: list[str], first: int, n_out: int) -> tuple[list
     return order, np.array([first + int(o[:16], 16) % n_out for o in order], np.int64)
 
 
-def _map_pieces(storage, part: str, file: str, seed: int, first: int, n_out: int, per_group: int, groups: int,
-                lo: int, hi: int, line_shards: frozenset | None = None) -> list[pa.Table]:
-    """Ray task (the shuffle's map): rows [lo, hi) of one partition's samples to place, in tar order,
-    images read once, a batch at a time, cut into `groups` pieces (reducer g takes shards first +
-    g*per_group ...). In a dataset line only the samples not yet published (`_publish_task` records
-    where they went once the shards are written)."""
-    rows = read_kept(storage, file, ["key", "url", "caption", "notes", "tar", "member", "offset", "size",
-                                     "sha256", "width", "height"])
-    rows = by_location(_new_rows(storage, rows, part, line_shards)[0])
+def _map_pieces(storage, part: str, planned: tuple, seed: int, first: int, n_out: int, per_group: int, groups: int,
+                lo: int, hi: int) -> list[pa.Table]:
+    """Ray task (the shuffle's map): rows [lo, hi) of one partition's samples to place (`planned`: the
+    plan's rows, in tar order; in a dataset line only those not yet published, `_publish_task`
+    records where they went once the shards are written), images read once, a batch at a time, cut
+    into `groups` pieces (reducer g takes shards first + g*per_group ...)."""
+    rows = planned[0]
     pieces: list[list[pa.Table]] = [[] for _ in range(groups)]      # per reducer, a piece per batch
     for batch, images in image_batches(storage, rows.slice(lo, hi - lo)):
         keys = batch.column("key").to_pylist()
@@ -289,7 +299,7 @@ class ShardStage(Sink):
                          "result": p.to_json()} for p in added]
         self._delete_stale(ctx, {s["name"] for s in shards})
         if cfg.append:      # the new shards are published once the line lists them: last
-            self._publish(ctx, line, [u for u, _ in todo], shards, [s["name"] for s in shards[len(old):]], n_new,
+            self._publish(ctx, line, todo, shards, [s["name"] for s in shards[len(old):]], n_new,
                           {p: seen[p] for p in published if seen.get(p)}, (first, n_out, line_shards))
         ctx.storage.delete("shard/_work")
         listed = [{k: s[k] for k in ("name", "samples", "bytes", "sha256")} for s in shards]
@@ -358,7 +368,7 @@ class ShardStage(Sink):
         for u, p in upstream:
             k = max(1, math.ceil(p["bytes"] / cfg.map_bytes))
             step = math.ceil(p["samples"] / k)
-            slices += [(u, lo, min(p["samples"], lo + step)) for lo in range(0, p["samples"], step)]
+            slices += [(u, p, lo, min(p["samples"], lo + step)) for lo in range(0, p["samples"], step)]
         per_group = max(1, math.ceil(len(slices) * n_out / cfg.shuffle_pieces))
         groups = math.ceil(n_out / per_group)
         if per_group > 1:
@@ -366,8 +376,8 @@ class ShardStage(Sink):
                     f"({cfg.shuffle_pieces}) objects: each reducer writes {per_group} consecutive shards")
         reducers = [[s for s in range(first + g * per_group, min(first + n_out, first + (g + 1) * per_group))]
                     for g in range(groups)]
-        made = ctx.shuffle(_map_pieces, [(ctx.storage, u.part, u.file, ctx.seed, first, n_out, per_group, groups,
-                                          lo, hi, line_shards) for u, lo, hi in slices],
+        made = ctx.shuffle(_map_pieces, [(ctx.storage, u.part, p.aside, ctx.seed, first, n_out, per_group, groups,
+                                          lo, hi) for u, p, lo, hi in slices],
                            groups, _reduce_group, [(ctx.storage, r) for r in reducers], "shard write",
                            num_cpus=1, unit="reducers")
         return [p for group in made for p in group], n_out
@@ -378,17 +388,19 @@ class ShardStage(Sink):
             ctx.storage.delete_files([stale for stale in ctx.storage.list(folder, suffix)
                                       if stale.rsplit("/", 1)[-1][:-len(suffix)] + ".tar" not in names])
 
-    def _publish(self, ctx: StageContext, line: dict | None, mapped: list, shards: list[dict], added: list[str],
+    def _publish(self, ctx: StageContext, line: dict | None, planned: list, shards: list[dict], added: list[str],
                  n_new: int, seen: dict[str, dict], placed: tuple) -> None:
         """The partitions' published keys, their states in one table, then the line's record (its last
-        write: what it lists is published). `placed`: (first new shard, new shards, the line's shards
-        before), as the shuffle placed the new samples."""
+        write: what it lists is published). `planned`: (partition, its Plan) of those placed;
+        `placed`: (first new shard, new shards, the line's shards before), as the shuffle placed the
+        new samples."""
+        mapped = [u for u, _ in planned]
         run = len((line or {}).get("runs", [])) + 1
         first, n_out, line_shards = placed
         # the published records, and this run's lookup of what it added (stages/line_lookup.py)
         buckets = line_lookup.buckets_for(n_new)
-        ctx.shuffle(_publish_task, [(ctx.storage, u.part, u.file, ctx.seed, first, n_out, line_shards, buckets)
-                                    for u in mapped], buckets, line_lookup.write_bucket,
+        ctx.shuffle(_publish_task, [(ctx.storage, u.part, p.aside, ctx.seed, first, n_out, buckets)
+                                    for u, p in planned], buckets, line_lookup.write_bucket,
                     [(ctx.storage, line_lookup.bucket_file(run, b)) for b in range(buckets)], "shard publish",
                     num_cpus=0.25, unit="buckets")
         write_states(ctx.storage, {**seen, **{u.part: {"kept": u.kept, "kept_sum": u.kept_sum, "run": run}
@@ -400,14 +412,13 @@ class ShardStage(Sink):
         ctx.storage.write_json(RECORD, {**(line or {}), "shards": shards, "runs": runs})
 
 
-def _publish_task(storage, part: str, file: str, seed: int, first: int, n_out: int, line_shards: frozenset,
+def _publish_task(storage, part: str, planned: tuple, seed: int, first: int, n_out: int,
                   buckets: int) -> list[pa.Table]:
     """Ray task (the publish shuffle's map): a partition's published keys after this run, where the
     line keeps them: what it had published and where this run placed the rest (from the keys alone,
-    as the shuffle placed them); -> the lookup rows of what it added, in `buckets` pieces."""
-    new, published = _new_rows(storage, read_kept(storage, file, ["key", "url", "sha256", "tar", "offset"]), part,
-                               line_shards)
-    new = by_location(new)
+    as the shuffle placed them; `planned`: the plan's rows to place, in tar order, and its published
+    rows); -> the lookup rows of what it added, in `buckets` pieces."""
+    new, published = planned
     keys = new.column("key").to_pylist()
     _, shard = _placement(seed, keys, first, n_out)
     names = [f"{s:06d}.tar" for s in shard]

@@ -44,11 +44,11 @@ def s3():
 
 def test_workers_killed_and_object_store_faults_through_a_whole_run_change_nothing(undisturbed, s3, tmp_path):
     """Both at once (each run of the pipeline costs a minute of CI): the run folder in a bucket behind
-    a proxy that answers 4 % of requests with 503 SlowDown, 500, a reset or a stall, and a Ray
+    a proxy that answers 5 % of requests with 503 SlowDown, 500, a reset or a stall, and a Ray
     worker SIGKILLed in the first task of every group of tasks of every stage (failpoints)."""
     env, client = s3
     moto = env["AWS_ENDPOINT_URL"].rsplit(":", 1)
-    proxy = CountingProxy((moto[0].split("//")[1], int(moto[1])), latency=0.0, faults=0.04, seed=7, stall=1.0).start()
+    proxy = CountingProxy((moto[0].split("//")[1], int(moto[1])), latency=0.0, faults=0.05, seed=7, stall=1.0).start()
     points = tmp_path / "failpoints"
     points.mkdir()
     try:

@@ -278,9 +278,9 @@ def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces
 
 
 @pytest.mark.slow   # starts Ray
-def test_a_partitions_keys_stay_in_the_object_store_and_the_driver_holds_a_reference(ray_local, tmp_path):
-    """A task's result with `ledger_keys` (as write_part sets them) reaches the driver without them:
-    they are the task's second return, a reference the key index hands to its tasks. On a task and
+def test_what_a_result_sets_aside_stays_in_the_object_store_and_the_driver_holds_a_reference(ray_local, tmp_path):
+    """A task's result with data set aside (`aside`: write_part's keys) reaches the driver without
+    it: the data is the task's second return, a reference the driver hands to later tasks. On a task and
     on a model's actor pool; a result without keys, or a plain value, arrives as it was."""
     import ray
 
@@ -294,13 +294,13 @@ def test_a_partitions_keys_stay_in_the_object_store_and_the_driver_holds_a_refer
 
         out = SimpleNamespace(part=f"p{i}")
         if i % 2 == 0:
-            out.ledger_keys = pa.table({"key": [f"k{i}-{j}" for j in range(1000)]})
+            out.aside = pa.table({"key": [f"k{i}-{j}" for j in range(1000)]})
         return out
 
     ex = Executor(log=lambda m: None)
     for model in (None, SharedModel("no model", None, (), memory_mb=0)):
         out = ex.run(_part, [(i,) for i in range(4)], "parts", model=model)
         assert [o.part for o in out] == ["p0", "p1", "p2", "p3"]
-        assert isinstance(out[0].ledger_keys, ray.ObjectRef) and not hasattr(out[1], "ledger_keys")
-        assert ray.get(out[2].ledger_keys).column("key").to_pylist() == [f"k2-{j}" for j in range(1000)]
+        assert isinstance(out[0].aside, ray.ObjectRef) and not hasattr(out[1], "aside")
+        assert ray.get(out[2].aside).column("key").to_pylist() == [f"k2-{j}" for j in range(1000)]
     assert ex.run(lambda x: {"x": x}, [(1,)], "plain") == [{"x": 1}]
