@@ -135,9 +135,12 @@ def test_main_job_ends_with_an_evaluated_model(data_run):
     run, cache = data_run
     args = sum((["--set", d] for d in DATA + [f"stages.dedup.cache_dir={cache}", "train.model=cappa",
                                               "train.steps=40", "train.checkpoint_every=20"]), [])
-    out = capline("run", "--run-dir", str(run), *args, timeout=900)
+    tmp = run.parent / "tmp"            # the job's temp folder: the training workers' scratch goes here
+    tmp.mkdir()
+    out = capline("run", "--run-dir", str(run), *args, timeout=900, env={"TMPDIR": str(tmp)})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "evaluation of cappa/tiny:" in out.stdout
+    assert not list(tmp.glob("capline-train-*")), list(tmp.iterdir())   # removed when the loop ended
     for line in ("    demo_shape", "captioning demo greedy", "zero-shot demo_shape ar", "zero-shot demo_shape parallel",
                  "word order demo precision@1", "word order demo relation_order (pairwise)",
                  "word order demo_aro precision@1", "word order demo_aro shuffle_nouns_and_adj (pairwise)",
