@@ -119,9 +119,9 @@ def _failpoint(what: str) -> None:
 
 
 def _timed(what: str, fn: Callable, *args, **kwargs):
-    """Runs in the worker: the result and when it ran (this node's clock), and the result's ledger
-    keys apart (`_aside`). The call's arguments stay top-level arguments of the task, so Ray resolves
-    any ObjectRef among them (an index put once)."""
+    """Runs in the worker: the result and when it ran (this node's clock), and what the result set
+    aside as a second return (`_aside`). The call's arguments stay top-level arguments of the task,
+    so Ray resolves any ObjectRef among them (an index put once, a plan's rows set aside)."""
     _failpoint(what)
     t0 = time.time()
     out = fn(*args, **kwargs)
