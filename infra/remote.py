@@ -71,6 +71,18 @@ def get(ref) -> Any:
         raise Gone(str(err).splitlines()[0] if str(err) else type(err).__name__) from err
 
 
+def lost(err: BaseException) -> bool:
+    """Whether `err`, or an error it came from, says an object is gone (its owner or node died, or it
+    could not be rebuilt): what a caller that has another way to the data may recover from."""
+    import ray
+
+    while err is not None:
+        if isinstance(err, ray.exceptions.ObjectLostError):
+            return True
+        err = err.__cause__ or getattr(err, "cause", None)
+    return False
+
+
 def node_id() -> str:
     import ray
 

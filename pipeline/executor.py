@@ -141,6 +141,17 @@ def _aside(out):
     return data
 
 
+def _settle(ref) -> None:
+    """A failed call's second return holds its error too: read it here, so Ray does not log it as
+    an unhandled error when the reference is dropped."""
+    import ray
+
+    try:
+        ray.get(ref, timeout=10)
+    except Exception:   # noqa: BLE001 - the error was the first return's, and is reported from there
+        pass
+
+
 def _with_aside(out, ref):
     """The result as the driver keeps it: its `aside` the reference to the task's second return."""
     if isinstance(getattr(out, "aside", None), str):
@@ -235,6 +246,7 @@ class Executor:
                     results[i] = _with_aside(out, asides[i])
                 except Exception as err:
                     progress.close()
+                    _settle(asides[i])
                     failure = _task_error(err, what, describe(calls[i]) or f"task {i}")
                     raise failure from (None if isinstance(failure, UserError) else err)
                 intervals.append((t0, t1))
@@ -310,6 +322,7 @@ class Executor:
                     try:
                         t0, t1, out, err = ray.get(ref)
                     except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as died:
+                        _settle(asides[i])
                         if "creation task" in str(died):      # restarts are unlimited: its model never loaded
                             err, label = died, f"loading {model.name}"
                         elif "is restarting" in str(died):    # sent while it came back: not a try
@@ -324,6 +337,7 @@ class Executor:
                             err = died
                             label = f"{describe(calls[i]) or f'task {i}'} (its actor died 3 times running it: out of memory?)"
                     except Exception as lost:    # noqa: BLE001 - a result lost with its node: said as a task's is
+                        _settle(asides[i])
                         err, label = lost, describe(calls[i]) or f"task {i}"
                     else:
                         label = describe(calls[i]) or f"task {i}"

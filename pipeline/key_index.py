@@ -22,16 +22,11 @@ ROWS_PER_BUCKET = 2_000_000
 ROW_GROUP = 8192
 
 
-def _keys(storage, file: str, given) -> pa.ChunkedArray:
-    """A ledger's keys: as its writing task returned them (`given`), else read from the ledger."""
-    return given.column("key") if given is not None else storage.read_table(file, ["key"]).column("key")
-
-
 def _map_task(storage, file: str, buckets: int, given: pa.Table | None = None) -> list[pa.Table]:
     """A shuffle's map (Executor.shuffle): one ledger's (key, file) rows, a piece per index bucket."""
     from stages.dataplane import hash_pieces
 
-    keys = _keys(storage, file, given)
+    keys = (given if given is not None else storage.read_table(file, ["key"])).column("key")
     table = pa.table({"key": keys, "file": pa.array([file] * len(keys), pa.string())})
     return hash_pieces(table, keys.to_pylist(), buckets)
 
@@ -85,12 +80,14 @@ def build(storage, executor, stage: str, files: dict[str, str], rows: int, in_dr
     the task that wrote it returned them (a reference into the object store, or the table), read
     instead of the ledger. `in_driver`: the stage wrote its partitions from the driver (no task), so
     the index is built there too (a cluster's workers may not reach what the driver wrote)."""
+    from infra import remote
+
     try:
         return _build(storage, executor, stage, files, rows, in_driver, given or {})
-    except Exception:   # noqa: BLE001 - keys lost with a node (an actor's returns are not rebuilt): read the ledgers
-        if not given:
+    except Exception as err:   # noqa: BLE001 - only keys lost with their node are recovered from
+        if not given or not remote.lost(err):
             raise
-        return _build(storage, executor, stage, files, rows, in_driver, {})
+        return _build(storage, executor, stage, files, rows, in_driver, {})     # the ledgers have them too
 
 
 def _build(storage, executor, stage: str, files: dict[str, str], rows: int, in_driver: bool, given: dict) -> dict:

@@ -246,6 +246,27 @@ def test_a_stage_key_index_names_the_one_ledger_file_of_a_key(tmp_path, ray_loca
         assert all(key_index.lookup(storage, "basic", f"s{j:05d}") == f"dedup/ledger/p{j % 5}.parquet"
                    for j in range(0, 5000, 37))
     assert not [r for r in read if "/ledger/" in r], read
+    # keys lost with their node (Ray says ObjectLostError): built from the ledgers instead; any other
+    # failure of the build is said, not hidden behind a second try
+
+    class Failing(Executor):
+        def __init__(self, error):
+            super().__init__(log=lambda m: None)
+            self.error = error
+
+        def run(self, fn, calls, *a, **k):
+            if self.error is not None and any(isinstance(x, ray.ObjectRef) for c in calls for x in c):
+                error, self.error = self.error, None
+                raise RuntimeError("clip_score key index: task 0 failed") from error
+            return super().run(fn, calls, *a, **k)
+
+    lost = ray.exceptions.ObjectLostError("00" * 28, "", "")
+    meta = key_index.build(storage, Failing(lost), "clip_score", files, 5000, given=given)
+    assert (meta["ledgers_read"], meta["ledgers_handed"]) == (5, 0), meta
+    assert all(key_index.lookup(storage, "clip_score", f"s{j:05d}") == f"dedup/ledger/p{j % 5}.parquet"
+               for j in range(0, 5000, 37))
+    with pytest.raises(RuntimeError, match="task 0 failed"):
+        key_index.build(storage, Failing(ValueError("a bug")), "shard", files, 5000, given=given)
 
 
 def test_status_calls_the_shards_stale_when_clip_score_changed_and_not_when_the_tokenizer_did(tmp_path):
