@@ -1,6 +1,8 @@
 """End to end: Ray Train workers pretrain tiny CapPa and CLIP* from the pipeline's shards, tracked in
 MLflow; a training worker killed mid-run is replaced and the job resumes from its checkpoint."""
 import json
+from pathlib import Path
+import tempfile
 import re
 import os
 import signal
@@ -135,8 +137,9 @@ def test_main_job_ends_with_an_evaluated_model(data_run):
     run, cache = data_run
     args = sum((["--set", d] for d in DATA + [f"stages.dedup.cache_dir={cache}", "train.model=cappa",
                                               "train.steps=40", "train.checkpoint_every=20"]), [])
-    tmp = run.parent / "tmp"            # the job's temp folder: the training workers' scratch goes here
-    tmp.mkdir()
+    # the job's temp folder, where the training workers' scratch goes: short, since Ray puts its
+    # sockets under it too (an AF_UNIX path holds 107 bytes)
+    tmp = Path(tempfile.mkdtemp(prefix="ct-", dir="/tmp"))
     out = capline("run", "--run-dir", str(run), *args, timeout=900, env={"TMPDIR": str(tmp)})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "evaluation of cappa/tiny:" in out.stdout
