@@ -182,7 +182,7 @@ def run(args) -> dict:
                     stages[stage] = {"wall_seconds": stats["wall_seconds"], "partitions": stats.get("partitions"),
                                      "in": stats.get("in"), "kept": stats.get("kept"),
                                      "driver_seconds_outside_tasks": round(max(0.0, stats["wall_seconds"] - in_tasks), 2),
-                                     "task_groups": [{k: g.get(k) for k in ("what", "tasks", "at_once", "seconds")}
+                                     "task_groups": [{k: g.get(k) for k in ("what", "tasks", "at_once", "seconds", "first_start_s", "task_s_median", "task_s_max") if k in g}
                                                      for g in stats.get("tasks", [])]}
                 report = re.search(r"report: \S+ \((\d+(?:\.\d+)?) s\)", log)
                 runs[name] = {"wall_seconds": round(wall, 1), "stages": stages,

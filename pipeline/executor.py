@@ -84,6 +84,16 @@ def in_flight(num_cpus: float, shape: NodeShape) -> int:
     return max(2, int(2 * math.ceil(shape.cpus / per_task)))
 
 
+def spans(intervals: list[tuple[float, float]], t_start: float) -> dict:
+    """Where a group of tasks' time went: the most running at once, how long the first waited to
+    start (worker processes starting, a busy cluster), and the median and longest task."""
+    if not intervals:
+        return {"at_once": 0}
+    took = sorted(t1 - t0 for t0, t1 in intervals)
+    return {"at_once": max_overlap(intervals), "first_start_s": round(min(t0 for t0, _ in intervals) - t_start, 3),
+            "task_s_median": round(took[len(took) // 2], 3), "task_s_max": round(took[-1], 3)}
+
+
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
     """The most intervals that hold at one instant (an end at t comes before a start at t)."""
     events = sorted([(t0, 1) for t0, _ in intervals] + [(t1, -1) for _, t1 in intervals], key=lambda e: (e[0], e[1]))
@@ -260,7 +270,7 @@ class Executor:
                     progress.update(counted)
         progress.close()
         if total:
-            self.records.append({"what": what, "tasks": total, "at_once": max_overlap(intervals),
+            self.records.append({"what": what, "tasks": total, **spans(intervals, t_start),
                                  "cpus_per_task": cpus, "cluster_cpus": shape.cpus, "nodes": shape.nodes,
                                  "seconds": round(time.time() - t_start, 3)})
         return results
@@ -353,7 +363,7 @@ class Executor:
             for a in actors:
                 ray.kill(a, no_restart=True)
         progress.close()
-        self.records.append({"what": what, "tasks": len(calls), "at_once": max_overlap(intervals),
+        self.records.append({"what": what, "tasks": len(calls), **spans(intervals, t_start),
                              "cpus_per_task": cpus, "cluster_cpus": shape.cpus, "nodes": shape.nodes,
                              "actors": size, "model": model.name, "seconds": round(time.time() - t_start, 3)})
         return results
@@ -392,7 +402,7 @@ class Executor:
                     raise failure from (None if isinstance(failure, UserError) else err)
                 progress.update(len(calls) - len(pending))
         progress.close()
-        self.records.append({"what": f"{what} (map)", "tasks": len(calls), "at_once": max_overlap(intervals),
+        self.records.append({"what": f"{what} (map)", "tasks": len(calls), **spans(intervals, t0),
                              "cpus_per_task": cpus, "cluster_cpus": shape.cpus, "nodes": shape.nodes,
                              "seconds": round(time.time() - t0, 3)})
         # each reducer's pieces as top-level arguments: Ray hands it their values, fetched from

@@ -14,9 +14,15 @@ import pytest
 from infra.errors import UserError
 from infra.storage import Storage
 from infra.tars import plan_spans, read_members
-from pipeline.executor import NodeShape, fit_request, in_flight, max_overlap
+from pipeline.executor import NodeShape, fit_request, in_flight, max_overlap, spans
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_spans_say_how_long_the_first_task_waited_and_how_long_tasks_took():
+    assert spans([], 5.0) == {"at_once": 0}
+    s = spans([(12.0, 13.0), (10.0, 14.0), (11.0, 11.5)], 4.0)
+    assert s == {"at_once": 2, "first_start_s": 6.0, "task_s_median": 1.0, "task_s_max": 4.0}
 
 
 def test_max_overlap_counts_tasks_running_at_one_instant():
