@@ -451,40 +451,22 @@ class Executor:
         whose input and the stage's fingerprint are those of an earlier run is taken as it is, even
         when other partitions changed (a scheduled run that appended a URL list file). `pick`
         (per_reason, seed, cut): each task picks the examples page's samples from the rows it wrote."""
-        from stages.dataplane import REUSE, PartResult, run_part, reuse_key
+        from stages.dataplane import REUSE, PartResult, reuse_key, reused_or_run, run_part
 
         what = what or ctx.name
         label = lambda c: f"partition {c[3].part}"   # noqa: E731
         if not reuse:
             return self.run(run_part, [(ctx.storage, ctx.name, fn, t, None, None, ctx.notes, pick) for t in tasks], what, num_cpus=num_cpus,
                             num_gpus=num_gpus, describe=label, setting=setting, model=model)
-        from stages import records
-
-        folder = f"{ctx.name}/{REUSE}"
-        keys = [reuse_key(ctx.fingerprint, t) for t in tasks]
-        # the earlier runs' records in one read (the folder's summary), listed and read only for
-        # keys it lacks: never a request per partition on the driver
-        previous = records.read_summary(ctx.storage, folder)
-        found = records.find(ctx.storage, {k: f"{folder}/{k}.json" for k in keys if k}, summaries={folder: previous})
-        results: list = [None] * len(tasks)
-        calls, where = [], []
-        for i, (t, key) in enumerate(zip(tasks, keys)):
-            if key in found:
-                results[i] = PartResult.from_json(found[key])
-            else:
-                calls.append((ctx.storage, ctx.name, fn, t, f"{folder}/{key}.parquet" if key else None,
-                              f"{folder}/{key}.json" if key else None, ctx.notes, pick))
-                where.append(i)
-        if len(calls) < len(tasks):
-            self.log(f"{ctx.name}: {len(tasks) - len(calls)} partitions unchanged since an earlier run, reused; "
-                     f"{len(calls)} to compute")
-        for i, r in zip(where, self.run(run_part, calls, what, num_cpus=num_cpus, num_gpus=num_gpus,
-                                        describe=label, setting=setting, model=model)):
-            results[i] = r
-        records.write_summary(ctx.storage, folder, {f"{folder}/{k}.json": r.to_json() for k, r in zip(keys, results) if k})
-        used = {f"{folder}/{k}.{suffix}" for k in keys if k for suffix in ("json", "parquet")}
-        # partitions no later run can match (the source lost them): deleted together
-        ctx.storage.delete_files(records.stale_files(ctx.storage, folder, used, previous))
+        # the one reuse mechanism (stages/dataplane.reused_or_run), keyed by the partition's input
+        # and the stage's fingerprint, its records under <stage>/_reuse
+        results, _ = reused_or_run(
+            ctx, run_part, f"{ctx.name}/{REUSE}", lambda t: reuse_key(ctx.fingerprint, t),
+            lambda t, out: (ctx.storage, ctx.name, fn, t, f"{out}.parquet" if out else None,
+                            f"{out}.json" if out else None, ctx.notes, pick),
+            what, "unchanged since an earlier run", "compute", items=tasks, encode=PartResult.to_json,
+            decode=PartResult.from_json, num_cpus=num_cpus, num_gpus=num_gpus, describe=label, setting=setting,
+            model=model)
         return results
 
 

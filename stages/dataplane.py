@@ -427,34 +427,44 @@ def picture_batches(storage: Storage, table: pa.Table, **options):
 
 def reused_or_run(ctx, fn: Callable, folder: str, key_of: Callable, call_of: Callable, what: str, done_before: str,
                   verb: str, items: list | None = None, given: dict | None = None,
+                  encode: Callable | None = None, decode: Callable | None = None,
                   **options) -> tuple[list, dict[str, str]]:
-    """`fn` over the upstream partitions (or `items`, other PartResults), except those an earlier
-    run already did with the same inputs: each partition's outputs are `<folder>/<key_of(u)>.*`,
-    the task writing `.json` (its result) last, so a record found means whole outputs.
-    `call_of(u, out)` makes a task's arguments; `given`: partition -> a result already in hand (made
-    by the task that wrote the partition), recorded as if a task had returned it. Records no
-    partition maps to now are deleted.
-    -> (results in upstream order, partition -> its output prefix)."""
+    """capline's one reuse mechanism: `fn` over the upstream partitions (or `items`: PartResults,
+    PartTasks), except those an earlier run already did with the same inputs. Each item's outputs are
+    `<folder>/<key_of(item)>.*`, the task writing `.json` (its record) last, so a record found means
+    whole outputs; a key of None means "not reusable": run, nothing recorded. `call_of(item, out)`
+    makes a task's arguments; `given`: partition -> a result already in hand (made by the task that
+    wrote the partition), recorded as if a task had returned it; `encode`/`decode`: a result to and
+    from its record (default: the result is the record). The records are read in one request (the
+    folder's summary; records.py), written back as one; files no item maps to now are deleted
+    together. -> (results in item order, partition -> its output prefix)."""
     from . import records
 
     upstream = items if items is not None else ctx.upstream or []
-    outs = {u.part: f"{folder}/{key_of(u)}" for u in upstream}
-    # earlier runs' results in one read (the folder's summary; records.py), not one per partition
+    outs = [f"{folder}/{k}" if (k := key_of(u)) else None for u in upstream]
     previous = records.read_summary(ctx.storage, folder)
-    found = records.find(ctx.storage, {u.part: f"{outs[u.part]}.json" for u in upstream}, summaries={folder: previous})
+    found = records.find(ctx.storage, {o: f"{o}.json" for o in outs if o}, summaries={folder: previous})
     given = given or {}
-    done = [u.part for u in upstream if u.part in found]
-    todo = [u for u in upstream if u.part not in found and u.part not in given]
-    if done:
-        ctx.log(f"{ctx.name}: {len(done)} partitions {done_before}, reused; {len(todo)} to {verb}")
-    results = {p: found[p] for p in done}
-    results.update({u.part: given[u.part] for u in upstream if u.part not in found and u.part in given})
-    ran = ctx.run(fn, [call_of(u, outs[u.part]) for u in todo], what, describe=lambda c: f"partition {c[1]}", **options)
-    results.update({u.part: r for u, r in zip(todo, ran)})
-    records.write_summary(ctx.storage, folder, {f"{outs[p]}.json": r for p, r in results.items()})
-    keep = set(outs.values())           # partition names hold no "." (ingest names them)
-    # partitions gone from the input, or made under another config: deleted together
+    results: list = [None] * len(upstream)
+    todo = []
+    for i, (u, o) in enumerate(zip(upstream, outs)):
+        if o in found:
+            results[i] = decode(found[o]) if decode else found[o]
+        elif u.part in given:
+            results[i] = given[u.part]
+        else:
+            todo.append(i)
+    reused = sum(o in found for o in outs)
+    if reused:
+        ctx.log(f"{ctx.name}: {reused} partitions {done_before}, reused; {len(todo)} to {verb}")
+    options.setdefault("describe", lambda c: f"partition {c[1]}")
+    for i, r in zip(todo, ctx.run(fn, [call_of(upstream[i], outs[i]) for i in todo], what, **options)):
+        results[i] = r
+    records.write_summary(ctx.storage, folder, {f"{o}.json": encode(r) if encode else r
+                                                for o, r in zip(outs, results) if o})
+    keep = {o for o in outs if o}           # keys hold no "."
+    # items gone from the input, or made under another config: deleted together
     ctx.storage.delete_files(records.stale_files(
         ctx.storage, folder, {f"{o}.json" for o in keep}, previous,
         keep=lambda f: f"{folder}/{f.rsplit('/', 1)[-1].split('.', 1)[0]}" in keep))
-    return [results[u.part] for u in upstream], outs
+    return results, {u.part: o for u, o in zip(upstream, outs)}

@@ -65,3 +65,42 @@ def test_a_record_no_longer_used_makes_the_folder_listed_and_its_files_stale(tmp
     used = {rel for rel in recs if rel != "reuse/p00003.json"}
     stale = records.stale_files(s, "reuse", used, previous)
     assert sorted(stale) == ["reuse/p00003.json", "reuse/p00003.parquet"] and s.listings == 1
+
+
+def test_one_reuse_mechanism_runs_only_what_no_earlier_run_did(tmp_path):
+    """dataplane.reused_or_run, which map_parts(reuse=True) and dedup's steps share: an item whose
+    key has a record is taken from it (decoded), the others run and are recorded (encoded), a None
+    key always runs and leaves no record, and a key no item has any more is deleted with its files."""
+    from types import SimpleNamespace
+
+    from stages.dataplane import reused_or_run
+
+    ran, said = [], []
+
+    def task(storage, part, out):
+        ran.append(part)
+        if out:
+            storage.write_bytes(f"{out}.parquet", b"data")
+        return {"n": len(part)}
+
+    storage = Counting(tmp_path)
+    ctx = SimpleNamespace(storage=storage, name="s", log=said.append, upstream=None,
+                          run=lambda fn, calls, what, **o: [fn(*c) for c in calls])
+
+    def go(keys):
+        items = [SimpleNamespace(part=p) for p in keys]
+        return reused_or_run(ctx, task, "s/reuse", lambda u: keys[u.part], lambda u, out: (storage, u.part, out),
+                             "s", "done before", "do", items=items, encode=lambda r: {**r, "encoded": True},
+                             decode=lambda r: {"decoded": r["n"]})
+
+    results, outs = go({"a": "ka", "bb": "kb", "c": None})
+    assert ran == ["a", "bb", "c"] and results == [{"n": 1}, {"n": 2}, {"n": 1}]
+    assert outs == {"a": "s/reuse/ka", "bb": "s/reuse/kb", "c": None}
+    ran.clear()
+    results, _ = go({"a": "ka", "bb": "kb2", "c": None})     # bb changed
+    assert ran == ["bb", "c"]
+    assert results == [{"decoded": 1}, {"n": 2}, {"n": 1}]
+    assert said == ["s: 1 partitions done before, reused; 2 to do"]
+    left = sorted(storage.inner.list("s/reuse", recursive=True))
+    assert "s/reuse/kb.parquet" not in left and {"s/reuse/ka.parquet", "s/reuse/kb2.parquet"} <= set(left)
+    assert not any("None" in f for f in left)
