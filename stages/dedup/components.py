@@ -39,18 +39,40 @@ def component_roots(ia: np.ndarray, ib: np.ndarray, rank: np.ndarray) -> np.ndar
     return by_rank[lowest[labels]]
 
 
+def line_edges(storage, files: list[str], carried: tuple | None, keep_as: str | None) -> tuple[pa.Table, int]:
+    """This run's edges and, in an append, the dataset line's edges between partitions it did not
+    search again (`carried`: (the line's edges file, those partitions)); written as the line's edges
+    for the next run (`keep_as`), sorted. -> (the edges, how many were carried)."""
+    t = pa.concat_tables(storage.read_tables(files)) if files else EDGE_SCHEMA.empty_table()
+    n_carried = 0
+    if carried is not None:
+        old_file, stable = carried
+        old = storage.read_table(old_file)
+        kept = pa.array(sorted(stable), pa.string())
+        old = old.filter(pc.and_(pc.is_in(old.column("part_a"), value_set=kept),
+                                 pc.is_in(old.column("part_b"), value_set=kept)))
+        n_carried = old.num_rows
+        t = pa.concat_tables([t, old.cast(EDGE_SCHEMA)])
+    t = t.sort_by([("a", "ascending"), ("b", "ascending"), ("kind", "ascending")])
+    if keep_as:
+        storage.write_table(keep_as, t)
+    return t, n_carried
+
+
 def _components_task(storage, files: list[str], parts: list[str], shown_per_reason: int,
-                     line_shards: frozenset = frozenset(), published_parts: frozenset = frozenset()) -> dict:
+                     line_shards: frozenset = frozenset(), published_parts: frozenset = frozenset(),
+                     carried: tuple | None = None, keep_as: str | None = None) -> dict:
     """Ray task: every edge (exact pairs, verified near pairs) joined into clusters; of each the
     smallest key is kept, or, in a dataset line (stages/line.py), the samples it published (they
     are in shards already and stay kept; a new copy of one is the duplicate). Writes each dropped
     key's (reason, cosine, key kept) in one file, a row group per partition (its index in `parts`),
     for the partitions' tasks to read; -> per-partition counts and the first few drops of each
     reason (by key) for the report. Column-wise: its memory is a few arrays per key in an edge
-    (~60 bytes each), growing with the duplicates, never with the data; the driver gets counts."""
+    (~60 bytes each), growing with the duplicates, never with the data; the driver gets counts.
+    `carried`, `keep_as`: the dataset line's edges (line_edges)."""
     from ..line import published_mask
 
-    t = pa.concat_tables(storage.read_tables(files)) if files else EDGE_SCHEMA.empty_table()
+    t, n_carried = line_edges(storage, files, carried, keep_as)
     n_e = t.num_rows
     enc = pc.dictionary_encode(pa.concat_arrays([t.column("a").combine_chunks(), t.column("b").combine_chunks()]))
     ends, keys = enc.indices.to_numpy().astype(np.int32), enc.dictionary
@@ -103,5 +125,5 @@ def _components_task(storage, files: list[str], parts: list[str], shown_per_reas
             rows = zip(*(piece.column(c).to_pylist() for c in ("key", "reason", "score", "root")))
             digests[parts[piece.column("part")[0].as_py()]] = hashlib.sha256(
                 json.dumps(list(rows)).encode()).hexdigest()[:24]
-    return {"duplicates": len(drop), "per_part": per_part, "shown": shown, "digests": digests,
+    return {"duplicates": len(drop), "per_part": per_part, "edges": n_e, "edges_carried": n_carried, "shown": shown, "digests": digests,
             "published_kept": int((published & (roots != np.arange(n))).sum())}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from infra.shuffle import range_pieces, read_range, write_buckets
 
@@ -35,32 +36,40 @@ def _sig_pieces(storage, files: list[str], n_buckets: int) -> list[pa.Table]:
 
 
 def _group_reduce(storage, bucket: int, cfg: DedupConfig, n_pair_buckets: int, n_fetch: int,
-                  *pieces: pa.Table) -> dict:
+                  fresh: frozenset | None, *pieces: pa.Table) -> dict:
     """Ray task (the group shuffle's reduce): one signature bucket's pieces from every partition."""
     return _group_rows(storage, bucket, cfg, pa.concat_tables(pieces) if pieces else SIG_SCHEMA.empty_table(),
-                       n_pair_buckets, n_fetch)
+                       n_pair_buckets, n_fetch, fresh)
 
 
-def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str], n_buckets: int, n_pair_buckets: int) -> dict:
+def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str], n_buckets: int, n_pair_buckets: int,
+                fresh: frozenset | None = None) -> dict:
     """One signature bucket read from the signature files themselves (`benchmarks/dedup_within.py`
     runs the group step alone this way)."""
     return _group_rows(storage, bucket, cfg, read_range(storage, files, "h32", bucket, n_buckets, SIG_SCHEMA),
-                       n_pair_buckets)
+                       n_pair_buckets, fresh=fresh)
 
 
 def _group_rows(storage, bucket: int, cfg: DedupConfig, t: pa.Table, n_pair_buckets: int,
-                n_fetch: int | None = None) -> dict:
+                n_fetch: int | None = None, fresh: frozenset | None = None) -> dict:
     """One signature bucket -> its pairs (a < b, with their partitions and kind), written to one file
     bucketed by pair (infra/shuffle.py); -> counts. Equal exact signatures pair every member with the
     group's smallest key; equal band values pair the members whose codes are within the Hamming
-    radius and whose colours agree (stages/dedup/lsh.py), the whole group, never cut."""
+    radius and whose colours agree (stages/dedup/lsh.py), the whole group, never cut. `fresh`: the
+    partitions new since the dataset line's edges were found (an append): only groups holding a row
+    of one are searched (in full), and only pairs with a side in one are kept; the others are the
+    line's edges already."""
     t = t.sort_by([("sig_kind", "ascending"), ("sig_hi", "ascending"), ("sig_lo", "ascending"), ("key", "ascending")])
     kind, hi, lo = (t.column(c).to_numpy() for c in ("sig_kind", "sig_hi", "sig_lo"))
     starts, lengths = runs(kind, hi, lo)
-    exact = (kind[starts] < 2) & (lengths > 1)
+    touched = np.ones(len(starts), bool)
+    if fresh is not None and len(starts):
+        is_fresh = pc.is_in(t.column("part"), value_set=pa.array(sorted(fresh), pa.string()))
+        touched = np.add.reduceat(is_fresh.to_numpy(zero_copy_only=False).astype(np.int64), starts) > 0
+    exact = (kind[starts] < 2) & (lengths > 1) & touched
     firsts = np.repeat(starts[exact], lengths[exact] - 1)
     ex_i, ex_j = [firsts], [firsts + _ranks(lengths[exact] - 1)]
-    near = (kind[starts] >= 2) & (lengths > 1)
+    near = (kind[starts] >= 2) & (lengths > 1) & touched
     largest = int(lengths[near].max()) if near.any() else 0
     nr_i, nr_j = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
     if near.any():
@@ -81,7 +90,7 @@ def _group_rows(storage, bucket: int, cfg: DedupConfig, t: pa.Table, n_pair_buck
         i, j = np.concatenate(i_list).astype(np.int64), np.concatenate(j_list).astype(np.int64)
         # only the rows in a pair become Python strings
         ka, pa_, kb, pb = (t.column(c).take(x).to_pylist() for x in (i, j) for c in ("key", "part"))
-        pairs |= {Pair(*p, what) for p in zip(ka, pa_, kb, pb)}
+        pairs |= {Pair(*p, what) for p in zip(ka, pa_, kb, pb) if fresh is None or p[1] in fresh or p[3] in fresh}
     rows = sorted(pairs)
     cols = {f: [getattr(p, f) for p in rows] for f in Pair._fields}
     pair_bucket = _pair_buckets(cols["a"], cols["b"], n_pair_buckets)

@@ -20,6 +20,12 @@ PAIR_DIR, EDGE_DIR, DECISIONS = "dedup/_work/pairs", "dedup/_work/edges", "dedup
 
 WANTED_DIR = "dedup/_work/wanted"
 
+# the dataset line's edges (every exact pair and verified near pair of the partitions it holds), kept
+# across runs (DedupStage.preserve): `line.json` names the file and each partition's signatures it was
+# found from, so an append searches only the groups its new partitions touch (stage.py: incremental)
+LINE_EDGES = "dedup/edges"
+LINE_EDGES_RECORD = f"{LINE_EDGES}/line.json"
+
 # a near candidate's side: its descriptor is wanted by a pair bucket; fetched by the task of its partition's group
 WANTED_SCHEMA = pa.schema([("key", pa.string()), ("part", pa.string()), ("pair_bucket", pa.int32()),
                            ("fetch_bucket", pa.int32())])

@@ -1,6 +1,7 @@
 """The dedup stage top to bottom: it plans the steps and reads their counts (the steps are this package's modules)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from infra.shuffle import map_groups
 
 from ..base import Decide, StageContext, StageResult
 from ..dataplane import PartTask, reused_or_run
-from .layout import EDGE_DIR, PAIR_DIR, WANTED_DIR
+from .layout import EDGE_DIR, LINE_EDGES, LINE_EDGES_RECORD, PAIR_DIR, WANTED_DIR
 from .report import PAIRS_PER_REASON
 from .eval_sets import build_reference, check_exists
 from .lsh import band_plan
@@ -40,6 +41,9 @@ class Candidates:
     lsh: str = ""                 # the band plan for this N, and its expected recall at the threshold
     desc: dict = field(default_factory=dict)   # partition -> its descriptors' file
     reduce_tasks: dict = field(default_factory=dict)
+    signed: dict = field(default_factory=dict)  # partition -> its signatures' prefix (what its edges come from)
+    carried: tuple | None = None  # an append: (the dataset line's edges file, the partitions not searched again)
+    line_file: str | None = None  # the dataset line's edges file before this run
 
 
 class DedupStage(Decide):
@@ -49,7 +53,7 @@ class DedupStage(Decide):
     report = "dedup/report.html"
     score_cuts = ("eval_threshold", "within_threshold")
     # partitions described, and examples picked, before: by what decided them (a scheduled run's reuse)
-    preserve = ("described", "signed", "examples", "reuse")
+    preserve = ("described", "signed", "examples", "reuse", "edges")
     audits = (("eval_near_copy", "eval_duplicate"), ("repeat_row", "exact_duplicate"), ("train_near_copy", ""),
               ("eval_caption", "eval_caption"))
 
@@ -121,6 +125,12 @@ class DedupStage(Decide):
             lambda u, out: (ctx.storage, u.part, f"{outs[u.part]}.desc.parquet", cfg, plan, n_buckets, out),
             "dedup sign", f"signed before for {plan.bands} bands of {plan.width} bits", "sign",
             num_cpus=cfg.cpus_per_worker)
+        # an append to a dataset line searches only the groups its new partitions touch: the line's
+        # edges between the partitions it had (same signatures, so the same pairs) are carried
+        fresh, carried, line_file = _fresh_since_line(ctx.storage, {u.part: signed[u.part] for u in upstream})
+        if fresh is not None:
+            ctx.log(f"dedup: {len(upstream) - len(fresh)} partitions' pairs carried from the dataset line's edges; "
+                    f"searching the groups of {len(fresh)} new ones")
         # pairs are few next to signatures: fewer pair buckets, so the fetch and verify tasks each
         # open the group tasks' files n_buckets / PAIR_FAN_IN times fewer
         n_pairs = max(1, math.ceil(n_buckets / PAIR_FAN_IN))
@@ -133,8 +143,9 @@ class DedupStage(Decide):
         files = [f"{signed[u.part]}.sig.parquet" for u in upstream]
         maps = map_groups([u.kept * sigs_per_sample(plan) for u in upstream], MAP_SIGNATURES, int(ctx.cluster_cpus()))
         found = ctx.shuffle(_sig_pieces, [(ctx.storage, [files[i] for i in g], n_buckets) for g in maps],
-                            n_buckets, _group_reduce, [(ctx.storage, b, cfg, n_pairs, n_fetch) for b in range(n_buckets)],
-                            "dedup group", num_cpus=cfg.cpus_per_worker)
+                            n_buckets, _group_reduce, [(ctx.storage, b, cfg, n_pairs, n_fetch, fresh)
+                                                       for b in range(n_buckets)],
+                            "dedup group", num_cpus=cfg.cpus_per_worker) if fresh is None or fresh else []
         # only the files written (no empty ones): a reducer opens just those
         pair_files = [f"{PAIR_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f["pairs"]]
         wanted_files = [f"{WANTED_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f["wanted"]]
@@ -150,7 +161,8 @@ class DedupStage(Decide):
                           sum(c["candidates"] for c in checked), edge_files,
                           set_stats, max((f["largest_group"] for f in found), default=0), n_buckets,
                           plan.describe(cfg.within_threshold), desc,
-                          {"group": n_buckets, "fetch": n_fetch if wanted_files and pair_files else 0, "verify": len(checked)})
+                          {"group": len(found), "fetch": n_fetch if wanted_files and pair_files else 0, "verify": len(checked)},
+                          {u.part: signed[u.part] for u in upstream}, carried, line_file)
 
     def decide(self, ctx: StageContext, found: Candidates) -> dict:
         """Pairs joined into clusters, in a task; of each the smallest key is kept. -> counts per
@@ -161,10 +173,16 @@ class DedupStage(Decide):
         line = read_line(ctx.storage)      # an append-only dataset line: what it published stays kept
         shards = frozenset(s["name"] for s in line["shards"]) if line else frozenset()
         pub = frozenset(published_parts(ctx.storage) & set(parts)) if line else frozenset()
+        keep_as = f"{LINE_EDGES}/{_digest(found.signed)}.parquet"
         out = ctx.call(_components_task, ctx.storage, found.edge_files, parts, PAIRS_PER_REASON, shards, pub,
-                       what="dedup components", num_cpus=ctx.cfg.cpus_per_worker)
+                       found.carried, keep_as, what="dedup components", num_cpus=ctx.cfg.cpus_per_worker)
+        # the line's edges now: named last (the file above is whole), the one they replace deleted
+        ctx.storage.write_json(LINE_EDGES_RECORD, {"file": keep_as, "signed": found.signed})
+        if found.line_file not in (None, keep_as):
+            ctx.storage.delete_files([found.line_file])
         ctx.log(f"dedup: {found.exact} exact pairs, {found.n_candidates} near candidates, {found.near} "
-                f"near pairs, {out['duplicates']} within-data duplicates"
+                f"near pairs" + (f" (searched for the new partitions; {out['edges_carried']} pairs carried)"
+                                 if found.carried else "") + f", {out['duplicates']} within-data duplicates"
                 + (f"; {out['published_kept']} published sample(s) of this dataset line kept beside the one "
                    "their cluster keeps" if out["published_kept"] else ""))
         return out
@@ -204,6 +222,8 @@ class DedupStage(Decide):
                                    "largest_lsh_group": found.largest_group,
                                    "reduce_tasks": found.reduce_tasks,
                                    "published_kept": decisions.get("published_kept", 0),
+                                   "edges": {"total": decisions.get("edges", 0), "carried": decisions.get("edges_carried", 0),
+                                             "searched": "new partitions" if found.carried else "all"},
                                    "pairs": {"exact": found.exact, "near_candidates": found.n_candidates,
                                              "near": found.near},
                                    "method": {"descriptor": WITHIN_DESCRIPTOR, "eval_threshold": cfg.eval_threshold,
@@ -212,3 +232,21 @@ class DedupStage(Decide):
                                                      f"{hamming_radius(cfg.within_threshold, cfg.bits)}",
                                               "encoder_checkpoint": cfg.encoder_checkpoint}},
                            artifacts={"report": "dedup/report.html"})
+
+
+def _digest(signed: dict) -> str:
+    return hashlib.sha256(json.dumps(signed, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _fresh_since_line(storage, signed: dict[str, str]) -> tuple[frozenset | None, tuple | None, str | None]:
+    """Which partitions an append must search pairs for: those the dataset line's edges were not
+    found from. Incremental only when every partition the edges came from is still here with the
+    same signatures (an exact group pairs its members with its smallest key, so a partition gone
+    or changed could leave two others joined through it: then everything is searched again).
+    -> (the new partitions, (the edges file, the others)), or (None, None): search everything; and
+    the edges file the line names now."""
+    line = storage.read_json(LINE_EDGES_RECORD, default=None) or {}
+    file, before = line.get("file"), line.get("signed")
+    if not before or not storage.exists(file) or any(signed.get(p) != s for p, s in before.items()):
+        return None, None, file
+    return frozenset(p for p in signed if p not in before), (file, frozenset(before)), file

@@ -47,6 +47,9 @@ def test_appending_a_partition(tmp_path, ray_local):
         # dedup describes only the new partitions; pairs across old and new are still found (below)
         assert any("dedup: 3 partitions described before with the same input, reused; 2 to describe" in m
                    for m in logs), logs
+        # ... and searches pairs only in the groups the new partitions touch, carrying the line's edges
+        assert any("dedup: 3 partitions' pairs carried from the dataset line's edges; searching the groups of 2 new"
+                   in m for m in logs), logs
         assert sorted(p.stat().st_mtime_ns for p in (part_a / "shards").glob("*.tar")) == stamp
         _write_partition(one / "a.csv", rows[:150], server.base_url)
         _write_partition(one / "b.csv", rows[150:], server.base_url)
@@ -63,6 +66,10 @@ def test_appending_a_partition(tmp_path, ray_local):
     assert shards(tmp_path / "inc") == shards(tmp_path / "one")
     dedup = read_ledger(tmp_path / "inc", "dedup").to_pylist()
     assert any(r["reason"] == "near_duplicate" for r in dedup)   # duplicates across partitions found
+    # the append's dedup verdicts are those of one run over both lists
+    verdicts = lambda run: sorted((r["key"], r["verdict"], r["reason"], r["detail"])   # noqa: E731
+                                  for r in read_ledger(run, "dedup").to_pylist())
+    assert verdicts(tmp_path / "inc") == verdicts(tmp_path / "one")
 
 
 def test_a_dataset_line_keeps_its_scorer_and_scores_what_it_added(tmp_path, ray_local):

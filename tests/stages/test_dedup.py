@@ -163,8 +163,12 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local, 
     # several buckets is verified once, in its pair bucket): same verdicts, same duplicate_of, same counts
     cut = ["stages.dedup.cpus_per_worker=2", "stages.dedup.bucket_rows=1000"]
     logs = []
-    # how the work is cut decides nothing (not in the fingerprint): run the stage again by hand
+    # how the work is cut decides nothing (not in the fingerprint): run the stage again by hand,
+    # without the pairs it found (else it carries them and searches nothing: below)
+    import shutil
+
     (tmp_path / "run" / "dedup" / "_SUCCESS").unlink()
+    shutil.rmtree(tmp_path / "run" / "dedup" / "edges")
     run_pipeline(load_config(None, base + cut), tmp_path / "run", until="dedup", log=logs.append)
     assert kept() == first
     # the signatures reached the group tasks through the object store: no merged or bucketed copies
@@ -174,7 +178,9 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local, 
     assert again["pairs"] == stats["pairs"] and stats["pairs"]["near"] > 0 and stats["pairs"]["exact"] > 0
     (tmp_path / "run" / "dedup" / "_SUCCESS").unlink()
     run_pipeline(load_config(None, base + ["stages.dedup.cpus_per_worker=2"]), tmp_path / "run", until="dedup", log=lambda m: None)
-    assert kept() == first                       # rerun: same again
+    assert kept() == first                       # rerun: same again, every pair carried, nothing searched
+    rerun = json.loads((tmp_path / "run" / "dedup" / "stats.json").read_text())
+    assert rerun["reduce_tasks"]["group"] == 0 and rerun["edges"]["carried"] == rerun["edges"]["total"] > 0
     details = first[1]
     assert any(d.startswith("duplicate_of=s") for d in details.values())
     rows = read_ledger(tmp_path / "run", "dedup", ["key", "reason", "match_set", "match_key", "detail"]).to_pylist()
@@ -268,6 +274,63 @@ def test_a_group_task_pairs_exact_and_near_signatures(tmp_path):
     # the near candidate's two sides are asked of their partitions (the exact pair needs no descriptor)
     wanted = storage.read_table(f"{WANTED_DIR}/000000.parquet").select(["key", "part"]).to_pylist()
     assert wanted == [{"key": "s0", "part": "p0"}, {"key": "s1", "part": "p1"}]
+    # an append adds p2, whose s6 has s4's pixels: only the groups p2 touches are searched, and only
+    # pairs with a side in p2 are kept (s4-s5 and s0-s1 are the line's edges already)
+    t = signature_table(["s6"], "p2", codes[[4]], means[[4]], [pixels[4]], [bytes([106]) * 16], plan)
+    write_ranges(storage, "sig/p2.parquet", t, "h32", 3)
+    files = ["sig/p0.parquet", "sig/p1.parquet", "sig/p2.parquet"]
+    out = _group_task(storage, 0, DedupConfig(), files, 1, 1, fresh=frozenset({"p2"}))
+    got = storage.read_table(f"{PAIR_DIR}/000000.parquet").select(list(PAIR_SCHEMA.names[:5])).to_pylist()
+    assert got == [{"a": "s4", "part_a": "p0", "b": "s6", "part_b": "p2", "kind": k}      # its code too: a candidate
+                   for k in ("exact_duplicate", "near_duplicate")]
+    assert out["pairs"] == 2
+    _group_task(storage, 0, DedupConfig(), files, 1, 1)              # everything searched
+    got = storage.read_table(f"{PAIR_DIR}/000000.parquet").select(["a", "b", "kind"]).to_pylist()
+    assert [(r["a"], r["b"], r["kind"][:4]) for r in got] == [("s0", "s1", "near"), ("s4", "s5", "exac"),
+                                                                ("s4", "s6", "exac"), ("s4", "s6", "near")]
+
+
+def test_an_appends_edges_are_the_lines_edges_between_old_partitions_and_its_own(tmp_path):
+    """line_edges: the line's edges whose partitions both stayed are carried, the rest dropped; with
+    this run's edges they are written sorted as the line's edges for the next run."""
+    import pyarrow as pa
+
+    from infra.storage import Storage
+    from stages.dedup.components import line_edges
+    from stages.dedup.layout import EDGE_SCHEMA
+
+    def edges(rows):
+        return pa.table({"a": [r[0] for r in rows], "part_a": [r[1] for r in rows], "b": [r[2] for r in rows],
+                         "part_b": [r[3] for r in rows], "kind": ["near_duplicate"] * len(rows),
+                         "cosine": [0.99] * len(rows)}, schema=EDGE_SCHEMA)
+
+    storage = Storage.local(tmp_path)
+    storage.write_table("line.parquet", edges([("c", "p0", "d", "p1"), ("a", "p0", "e", "p9")]))
+    storage.write_table("new/0.parquet", edges([("b", "p2", "z", "p0")]))
+    t, carried = line_edges(storage, ["new/0.parquet"], ("line.parquet", frozenset({"p0", "p1"})), "next.parquet")
+    assert carried == 1                      # c-d; a-e lost its partition p9
+    assert t.select(["a", "b"]).to_pylist() == [{"a": "b", "b": "z"}, {"a": "c", "b": "d"}]
+    assert storage.read_table("next.parquet").equals(t)
+    t, carried = line_edges(storage, [], None, None)
+    assert (t.num_rows, carried) == (0, 0)
+
+
+def test_an_append_searches_only_its_new_partitions_while_the_line_stands(tmp_path):
+    """_fresh_since_line: incremental only when every partition the line's edges came from is here
+    with the same signatures; a changed or gone one means a full search."""
+    from infra.storage import Storage
+    from stages.dedup.layout import LINE_EDGES_RECORD
+    from stages.dedup.stage import _fresh_since_line
+
+    storage = Storage.local(tmp_path)
+    assert _fresh_since_line(storage, {"p0": "s0"}) == (None, None, None)            # no line yet
+    storage.write_bytes("dedup/edges/e1.parquet", b"x")
+    storage.write_json(LINE_EDGES_RECORD, {"file": "dedup/edges/e1.parquet", "signed": {"p0": "s0", "p1": "s1"}})
+    fresh, carried, file = _fresh_since_line(storage, {"p0": "s0", "p1": "s1", "p2": "s2"})
+    assert fresh == {"p2"} and carried == ("dedup/edges/e1.parquet", {"p0", "p1"}) and file == "dedup/edges/e1.parquet"
+    assert _fresh_since_line(storage, {"p0": "s0", "p1": "s1"})[0] == frozenset()      # nothing new: nothing searched
+    assert _fresh_since_line(storage, {"p0": "s0", "p1": "CHANGED", "p2": "s2"})[:2] == (None, None)
+    assert _fresh_since_line(storage, {"p0": "s0", "p2": "s2"})[:2] == (None, None)    # p1 gone
 
 
 def test_a_dataset_lines_published_samples_stay_kept_in_their_clusters(tmp_path):
