@@ -84,6 +84,40 @@ def test_a_partition_of_images_is_one_request_per_tar(tmp_path):
     assert scattered == [a["000.jpg"], a["199.jpg"]] and counter["requests"] == 2   # far apart: no reading between
 
 
+def test_many_tars_are_read_a_window_at_a_time_within_the_bytes_in_flight(tmp_path, monkeypatch):
+    """read_members keeps TARS_AT_ONCE tars in flight, starting one as each finishes (no waves that
+    wait for their slowest), and never more planned bytes than IN_FLIGHT_BYTES (one tar always)."""
+    import threading
+    import time
+
+    import infra.tars as tars
+
+    storage = Storage.local(tmp_path)
+    for t in range(40):
+        storage.write_bytes(f"{t:02d}.tar", bytes([t]) * 100)
+    live, most, lock, finished = [0], [0], threading.Lock(), []
+
+    class Slow:
+        def read_ranges(self, rel, spans):
+            with lock:
+                live[0] += 1
+                most[0] = max(most[0], live[0])
+            time.sleep(0.02 if rel != "00.tar" else 1.0)     # one slow read: the others go on around it
+            with lock:
+                live[0] -= 1
+                finished.append(rel)
+            return storage.read_ranges(rel, spans)
+
+    names = [f"{t:02d}.tar" for t in range(40)]
+    got = read_members(Slow(), names, [10] * 40, [5] * 40)
+    assert got == [bytes([t]) * 5 for t in range(40)]
+    assert most[0] == tars.TARS_AT_ONCE and finished[-1] == "00.tar"     # 39 quick reads beside the slow one
+    most[0] = 0
+    monkeypatch.setattr(tars, "IN_FLIGHT_BYTES", 8)                # each tar's span (5 bytes) alone
+    assert read_members(Slow(), names[1:6], [10] * 5, [5] * 5) == [bytes([t]) * 5 for t in range(1, 6)]
+    assert most[0] == 1
+
+
 CLUSTER_SCRIPT = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
