@@ -55,10 +55,10 @@ def main() -> None:
     from infra.ray_runtime import RayConfig, ray_session
     from pipeline.config import load_config
     from pipeline.runner import run_pipeline
-    from stages import synthetic
-    from stages.demo_server import DemoServer
-    from stages.source import DefectFractions
-    from stages.synthetic import SERVER_PLACEHOLDER
+    from stages.source import synthetic
+    from stages.source.demo_server import DemoServer
+    from stages.source.stage import DefectFractions
+    from stages.source.synthetic import SERVER_PLACEHOLDER
 
     fresh_n = args.files * args.per_file
     added = max(1, fresh_n // 100)

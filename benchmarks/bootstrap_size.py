@@ -1,13 +1,13 @@
 """Below how many pairs is a bootstrapped CLIP-score scorer not to be trusted? Measured, not guessed.
 
-The demo's scenes (stages/synthetic.py), rendered as the demo source renders them, with 6 % of the
+The demo's scenes (stages/source/synthetic.py), rendered as the demo source renders them, with 6 % of the
 captions swapped for another scene's (the demo's `mismatched_caption` defect). For each number of
 pairs N, the bootstrap scorer is trained on those N pairs exactly as the clip_score stage trains it
-(stages/scorer.py: train_bootstrap, the stage's defaults), then scores them; the figure is the ROC
+(stages/filters/scorer.py: train_bootstrap, the stage's defaults), then scores them; the figure is the ROC
 AUC of the score, clean pairs against mismatched ones (1.0: every mismatch below every clean pair;
 0.5: chance). Two seeds per N. Writes benchmarks/results/bootstrap_size.json; the clip_score stage
 warns below the smallest N from which the AUC reached 0.8 on both seeds at every larger N too
-(stages/scorer.py: MIN_BOOTSTRAP_PAIRS).
+(stages/filters/scorer.py: MIN_BOOTSTRAP_PAIRS).
 
     .venv/bin/python benchmarks/bootstrap_size.py
 """
@@ -28,7 +28,7 @@ MISMATCHED = 0.06
 
 
 def pairs(n: int, seed: int) -> tuple[list[bytes], list[str], np.ndarray]:
-    from stages import synthetic
+    from stages.source import synthetic
 
     rng = np.random.default_rng(seed)
     scenes = [synthetic.random_scene(rng) for _ in range(n)]
@@ -47,7 +47,7 @@ def auc(scores: np.ndarray, bad: np.ndarray) -> float:
 
 
 def main() -> int:
-    from stages.scorer import BootstrapConfig, Scorer, train_bootstrap
+    from stages.filters.scorer import BootstrapConfig, Scorer, train_bootstrap
 
     from _common import write_results
 

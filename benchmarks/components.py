@@ -72,8 +72,8 @@ def _run(args) -> dict:
 
     parts = [f"part-{p:05d}" for p in range(PARTS)]
     t0 = time.time()
-    out = _components_task(Storage.local(root), files, parts, 12) if measure else {"duplicates": 0}
-    return {"seconds": round(time.time() - t0, 2), "duplicates": out["duplicates"],
+    duplicates = _components_task(Storage.local(root), files, parts, 12).duplicates if measure else 0
+    return {"seconds": round(time.time() - t0, 2), "duplicates": duplicates,
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 

@@ -49,9 +49,9 @@ def search_once(n: int, mode: str) -> dict:
 
 
 def describe_speed(n: int = 2000) -> float:
-    from stages import synthetic
+    from stages.source import synthetic
     from stages.dedup.imagehash import describe
-    from stages.synthetic import encode, random_scene, render
+    from stages.source.synthetic import encode, random_scene, render
 
     rng = np.random.default_rng(0)
     images = [encode(render(random_scene(rng), 64)) for _ in range(n)]

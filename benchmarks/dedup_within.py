@@ -22,6 +22,7 @@ Results: benchmarks/results/dedup_within.json, and under "dedup_alone" in cluste
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import resource
@@ -104,7 +105,7 @@ def group_one(args) -> dict:
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
     out = _group_task(Storage.local(root), bucket, DedupConfig(within_threshold=THRESHOLD, bits=BITS), files, n_buckets, 1)
-    return {**out, "seconds": time.perf_counter() - t0, "base_mb": base,
+    return {**dataclasses.asdict(out), "seconds": time.perf_counter() - t0, "base_mb": base,
             "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 

@@ -34,7 +34,7 @@ def captions(n: int) -> list[str]:
         out.append(synthetic.caption_en(sc) if i % 3 else synthetic.caption_foreign(sc, langs[i % 4]))
     root = Path("/usr/share/openclipart/svg")
     if root.is_dir():
-        from stages.openclipart import caption_of
+        from stages.source.openclipart import caption_of
 
         for f in sorted(root.rglob("*.svg"))[: n - len(out)]:
             try:
@@ -47,7 +47,7 @@ def captions(n: int) -> list[str]:
 
 
 def bench_language(texts: list[str]) -> dict:
-    from stages.langid import load_backend
+    from stages.filters.langid import load_backend
 
     res = {}
     for name in ("fasttext", "langid"):
@@ -64,7 +64,7 @@ def bench_language(texts: list[str]) -> dict:
 
 
 def bench_scorer(name: str, size: str, image_size: int, model_args: dict, n: int, batch: int) -> dict:
-    from stages.scorer import Scorer
+    from stages.filters.scorer import Scorer
     from stages.tokenizer import TokenizerConfig, train_sentencepiece
     from trainers.models import ModelConfig, build_model
     from trainers.models.checkpoint import save_model

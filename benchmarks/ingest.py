@@ -31,8 +31,8 @@ SIZE, SHARD, THREADS, PROCS = 64, 500, 16, 2
 
 
 def make_site(root: Path, n: int) -> Path:
-    from stages import synthetic
-    from stages.source import DefectFractions
+    from stages.source import synthetic
+    from stages.source.stage import DefectFractions
 
     none = {k: 0 for k in vars(DefectFractions())}
     synthetic.generate(root, n, 5, 96, 0, none, 100, 100)
@@ -72,8 +72,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from infra.ray_runtime import RayConfig, ray_session
-    from stages.demo_server import DemoServer
-    from stages.synthetic import SERVER_PLACEHOLDER
+    from stages.source.demo_server import DemoServer
+    from stages.source.synthetic import SERVER_PLACEHOLDER
 
     work = Path(tempfile.mkdtemp(prefix="capline-bench-ingest-"))
     site = make_site(work / "site", args.samples)

@@ -26,7 +26,7 @@ THRESHOLDS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 def english_titles(limit: int = 3000) -> list[str]:
     import xml.etree.ElementTree as ET
 
-    from stages.openclipart import _DC, list_svgs, svg_root
+    from stages.source.openclipart import _DC, list_svgs, svg_root
 
     root = svg_root(None)
     files = list_svgs(root)
@@ -68,7 +68,7 @@ def foreign_lines(per_language: int = 400) -> dict[str, list[str]]:
 
 
 def main() -> int:
-    from stages.language import decide, load_backend
+    from stages.filters.language import decide, load_backend
 
     lid = load_backend("fasttext")
     english = english_titles()

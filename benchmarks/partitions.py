@@ -49,7 +49,7 @@ def _list(path: Path, rows: list[dict], base: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from stages.synthetic import SERVER_PLACEHOLDER
+    from stages.source.synthetic import SERVER_PLACEHOLDER
 
     pq.write_table(pa.table({"url": [r["url"].replace(SERVER_PLACEHOLDER, base) for r in rows],
                              "caption": [r["caption"] for r in rows],
@@ -123,8 +123,8 @@ def _shard_digests(client) -> dict[str, str]:
 
 def run(args) -> dict:
     from helpers import CountingProxy, moto_s3, synthetic_rows
-    from stages.demo_server import DemoServer
-    from stages.synthetic import SERVER_PLACEHOLDER
+    from stages.source.demo_server import DemoServer
+    from stages.source.synthetic import SERVER_PLACEHOLDER
 
     tmp = Path(tempfile.mkdtemp(prefix="capline-partitions-bench-"))
     n_fresh = args.partitions * args.per_shard

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks._common import write_results  # noqa: E402
 from stages import synthetic  # noqa: E402
-from stages.shard import write_shard  # noqa: E402
+from stages.shard.stage import write_shard  # noqa: E402
 from stages.tokenizer import TokenizerConfig, train_sentencepiece  # noqa: E402
 
 

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from benchmarks._common import write_results  # noqa: E402
 from stages import synthetic  # noqa: E402
-from stages.shard import write_shard  # noqa: E402
+from stages.shard.stage import write_shard  # noqa: E402
 from stages.tokenizer import TokenizerConfig, train_sentencepiece  # noqa: E402
 from trainers.data import LoaderState, ShardStream, list_shards, make_loader  # noqa: E402
 from trainers.models import ModelConfig, build_model  # noqa: E402

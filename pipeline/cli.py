@@ -579,7 +579,7 @@ def _compare_shards(a: list[dict], b: list[dict], src, dst, executor) -> dict:
 def _line_status(storage) -> list[str]:
     """A dataset line's shards, runs and removals, for status and verify."""
     from infra.storage import Storage
-    from stages.line import read_line
+    from stages.shard.line import read_line
 
     line = read_line(Storage.of(storage))
     if not line:

@@ -1,6 +1,6 @@
 """The run config: one typed section per component, loaded from YAML plus `--set` overrides.
 
-Sections are defined next to what they configure (stages/source.py, stages/ingest/stage.py,
+Sections are defined next to what they configure (stages/source/stage.py, stages/ingest/stage.py,
 infra/ray_runtime.py); this module only assembles them and loads files.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from stages.registry import sections
-from stages.source import SourceConfig
+from stages.source.stage import SourceConfig
 from infra.configtools import apply_override, build, require
 from trainers.evaluation.config import EvalConfig
 from trainers.train_config import TrainConfig

@@ -27,7 +27,7 @@ def _head(path: Path, fmt: str) -> pa.Table:
     import pyarrow.json as pajson
     import pyarrow.parquet as pq
 
-    from stages.source import _format
+    from stages.source.stage import _format
 
     fmt = _format(path, fmt)
     try:
@@ -73,7 +73,7 @@ def _strings(col: pa.ChunkedArray) -> list[str]:
 
 def detect(path: Path, fmt: str = "auto") -> dict:
     """-> {format, url_col, caption_col, key_col, rows_seen}; a UserError naming the columns if none fits."""
-    from stages.source import _format
+    from stages.source.stage import _format
 
     t = _head(path, fmt)
     if t.num_rows == 0:

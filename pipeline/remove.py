@@ -9,7 +9,7 @@ items named in FILE leave the line, and never come back.
   prefix `url `, `key `, `sha256 ` or `image ` says which where it could be read otherwise.
 - Matches are found in Ray tasks, one per input partition that may hold one: its published keys,
   its ingest ledger's URL and sha256, and (for image entries) dedup's descriptions of it. Without
-  image entries the line's lookup (stages/line_lookup.py) names those partitions in a read per
+  image entries the line's lookup (stages/shard/line_lookup.py) names those partitions in a read per
   run and bucket, so the cost grows with the matches, not the line; an image entry, or a line
   published before the lookup existed, checks every partition. No shard is read to find them.
 - Only the shards that hold a match are rewritten (a task each, by the shard stage's own tar
@@ -36,9 +36,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from infra.errors import UserError
-from stages import line_lookup
-from stages.line import LINE, RECORD, published_all, published_file, published_parts, read_line
-from stages.removals import DESCRIPTIONS, REMOVED, removal_digest, unit_rows  # noqa: F401 - the line's removals, as dedup applies them
+from stages.shard import line_lookup
+from stages.shard.line import LINE, RECORD, published_all, published_file, published_parts, read_line
+from stages.shard.removals import DESCRIPTIONS, REMOVED, removal_digest, unit_rows  # noqa: F401 - the line's removals, as dedup applies them
 
 VERSIONS = f"{LINE}/versions"
 KINDS = ("url", "key", "sha256", "image")
@@ -136,7 +136,7 @@ def _rewrite_task(storage, name: str, removed: frozenset, old_copy: str):
     """Ray task: shard `name` without the removed samples, by the shard stage's tar writer (what
     stays keeps its bytes, order and headers); the shard as it was copied to `old_copy` first."""
     from infra.tars import tar_samples
-    from stages.shard import write_shard_table
+    from stages.shard.stage import write_shard_table
 
     data = storage.read_bytes(f"shard/shards/{name}")
     storage.write_bytes(old_copy, data)          # the old version stays readable until pruned

@@ -8,14 +8,14 @@ section is a filter's thresholds, whether it writes the dataset) it declares on 
 from __future__ import annotations
 
 from .base import Stage
-from .basic import BasicStage
-from .clip_score import ClipScoreStage
+from .filters.basic import BasicStage
+from .filters.clip_score import ClipScoreStage
 from .dedup import DedupStage
 from .evaluate import EvalStage
 from .ingest import IngestStage
-from .language import LanguageStage
-from .shard import ShardStage
-from .source import SourceStage
+from .filters.language import LanguageStage
+from .shard.stage import ShardStage
+from .source.stage import SourceStage
 from .tokenizer import TokenizerStage
 from .train import TrainStage
 

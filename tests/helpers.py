@@ -329,8 +329,8 @@ def synthetic_rows(folder: Path, n: int, seed: int, **defects: float) -> list[di
     server placeholder, caption)."""
     import pyarrow.parquet as pq
 
-    from stages import synthetic
-    from stages.source import DefectFractions
+    from stages.source import synthetic
+    from stages.source.stage import DefectFractions
 
     fractions = {k: 0 for k in vars(DefectFractions())} | defects
     synthetic.generate(folder, n, 10, 48, seed, fractions, 100, 100)

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from infra.shuffle import write_buckets
-from .layout import DECISION_SCHEMA, DECISIONS, EDGE_SCHEMA
+from .layout import DECISION_SCHEMA, DECISIONS, EDGE_SCHEMA, Clusters
 
 
 
@@ -61,16 +61,16 @@ def line_edges(storage, files: list[str], carried: tuple | None, keep_as: str | 
 
 def _components_task(storage, files: list[str], parts: list[str], shown_per_reason: int,
                      line_shards: frozenset = frozenset(), published_parts: frozenset = frozenset(),
-                     carried: tuple | None = None, keep_as: str | None = None) -> dict:
+                     carried: tuple | None = None, keep_as: str | None = None) -> Clusters:
     """Ray task: every edge (exact pairs, verified near pairs) joined into clusters; of each the
-    smallest key is kept, or, in a dataset line (stages/line.py), the samples it published (they
+    smallest key is kept, or, in a dataset line (stages/shard/line.py), the samples it published (they
     are in shards already and stay kept; a new copy of one is the duplicate). Writes each dropped
     key's (reason, cosine, key kept) in one file, a row group per partition (its index in `parts`),
     for the partitions' tasks to read; -> per-partition counts and the first few drops of each
     reason (by key) for the report. Column-wise: its memory is a few arrays per key in an edge
     (~60 bytes each), growing with the duplicates, never with the data; the driver gets counts.
     `carried`, `keep_as`: the dataset line's edges (line_edges)."""
-    from ..line import published_mask
+    from ..shard.line import published_mask
 
     t, n_carried = line_edges(storage, files, carried, keep_as)
     n_e = t.num_rows
@@ -125,5 +125,4 @@ def _components_task(storage, files: list[str], parts: list[str], shown_per_reas
             rows = zip(*(piece.column(c).to_pylist() for c in ("key", "reason", "score", "root")))
             digests[parts[piece.column("part")[0].as_py()]] = hashlib.sha256(
                 json.dumps(list(rows)).encode()).hexdigest()[:24]
-    return {"duplicates": len(drop), "per_part": per_part, "edges": n_e, "edges_carried": n_carried, "shown": shown, "digests": digests,
-            "published_kept": int((published & (roots != np.arange(n))).sum())}
+    return Clusters(len(drop), per_part, shown, digests, int((published & (roots != np.arange(n))).sum()), n_e, n_carried)

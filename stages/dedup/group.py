@@ -9,7 +9,7 @@ import pyarrow.compute as pc
 from infra.shuffle import range_pieces, read_range, write_buckets
 
 from ..dataplane import hash_buckets
-from .layout import PAIR_DIR, PAIR_SCHEMA, SIG_SCHEMA, WANTED_DIR, WANTED_SCHEMA, Pair
+from .layout import PAIR_DIR, PAIR_SCHEMA, SIG_SCHEMA, WANTED_DIR, WANTED_SCHEMA, Grouped, Pair
 from .lsh import SMALL_GROUP, close_in_groups, collapse_copies, runs
 from .components import _ranks
 from .config import DedupConfig, hamming_radius
@@ -36,14 +36,14 @@ def _sig_pieces(storage, files: list[str], n_buckets: int) -> list[pa.Table]:
 
 
 def _group_reduce(storage, bucket: int, cfg: DedupConfig, n_pair_buckets: int, n_fetch: int,
-                  fresh: frozenset | None, *pieces: pa.Table) -> dict:
+                  fresh: frozenset | None, *pieces: pa.Table) -> Grouped:
     """Ray task (the group shuffle's reduce): one signature bucket's pieces from every partition."""
     return _group_rows(storage, bucket, cfg, pa.concat_tables(pieces) if pieces else SIG_SCHEMA.empty_table(),
                        n_pair_buckets, n_fetch, fresh)
 
 
 def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str], n_buckets: int, n_pair_buckets: int,
-                fresh: frozenset | None = None) -> dict:
+                fresh: frozenset | None = None) -> Grouped:
     """One signature bucket read from the signature files themselves (`benchmarks/dedup_within.py`
     runs the group step alone this way)."""
     return _group_rows(storage, bucket, cfg, read_range(storage, files, "h32", bucket, n_buckets, SIG_SCHEMA),
@@ -51,7 +51,7 @@ def _group_task(storage, bucket: int, cfg: DedupConfig, files: list[str], n_buck
 
 
 def _group_rows(storage, bucket: int, cfg: DedupConfig, t: pa.Table, n_pair_buckets: int,
-                n_fetch: int | None = None, fresh: frozenset | None = None) -> dict:
+                n_fetch: int | None = None, fresh: frozenset | None = None) -> Grouped:
     """One signature bucket -> its pairs (a < b, with their partitions and kind), written to one file
     bucketed by pair (infra/shuffle.py); -> counts. Equal exact signatures pair every member with the
     group's smallest key; equal band values pair the members whose codes are within the Hamming
@@ -106,7 +106,7 @@ def _group_rows(storage, bucket: int, cfg: DedupConfig, t: pa.Table, n_pair_buck
             "key": [w[0] for w in wanted], "part": [w[1] for w in wanted], "pair_bucket": pa.array([w[2] for w in wanted], pa.int32()),
             "fetch_bucket": pa.array(hash_buckets([w[1] for w in wanted], n_fetch or n_pair_buckets))},
             schema=WANTED_SCHEMA), "fetch_bucket")
-    return {"pairs": len(rows), "wanted": len(wanted), "largest_group": largest, "rows": t.num_rows}
+    return Grouped(len(rows), len(wanted), largest, t.num_rows)
 
 
 MAP_SIGNATURES = 2_000_000   # signature rows a group map task holds (~70 bytes each)

@@ -1,6 +1,7 @@
 """What the dedup steps hand each other: their files, folders and schemas."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import pyarrow as pa
@@ -13,6 +14,36 @@ class Pair(NamedTuple):
     b: str
     part_b: str
     kind: str       # exact_duplicate | near_duplicate (a candidate until verified)
+
+@dataclass(frozen=True)
+class Grouped:
+    """What one group task found (its pairs and wanted descriptors are in its files)."""
+    pairs: int
+    wanted: int
+    largest_group: int     # the most codes one band value held, compared in full
+    rows: int              # signature rows in its bucket
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What one verify task decided of its pair bucket (its edges are in its file)."""
+    exact: int
+    candidates: int
+    near: int
+    edges: int
+
+
+@dataclass(frozen=True)
+class Clusters:
+    """The components task's decisions as counts (the decisions themselves are in DECISIONS)."""
+    duplicates: int
+    per_part: dict          # partition -> its dropped samples
+    shown: dict             # reason -> the first few drops (key, cosine, kept key, their partitions)
+    digests: dict           # partition -> a digest of its decisions (what reuse of its verdicts keys on)
+    published_kept: int     # published samples kept beside the sample their cluster keeps
+    edges: int = 0
+    edges_carried: int = 0  # of the edges, those carried from the dataset line's
+
 
 PIXELS, URL_CAPTION = 0, 1   # sig_kind of the exact signatures; band b is 2 + b
 

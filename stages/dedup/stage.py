@@ -12,7 +12,7 @@ from infra.shuffle import map_groups
 
 from ..base import Decide, StageContext, StageResult
 from ..dataplane import PartTask, reused_or_run
-from .layout import EDGE_DIR, LINE_EDGES, LINE_EDGES_RECORD, PAIR_DIR, WANTED_DIR
+from .layout import EDGE_DIR, LINE_EDGES, LINE_EDGES_RECORD, PAIR_DIR, WANTED_DIR, Clusters
 from .report import PAIRS_PER_REASON
 from .eval_sets import build_reference, check_exists
 from .lsh import band_plan
@@ -147,8 +147,8 @@ class DedupStage(Decide):
                                                        for b in range(n_buckets)],
                             "dedup group", num_cpus=cfg.cpus_per_worker) if fresh is None or fresh else []
         # only the files written (no empty ones): a reducer opens just those
-        pair_files = [f"{PAIR_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f["pairs"]]
-        wanted_files = [f"{WANTED_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f["wanted"]]
+        pair_files = [f"{PAIR_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f.pairs]
+        wanted_files = [f"{WANTED_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f.wanted]
         desc = {p: f"{o}.desc.parquet" for p, o in outs.items()}
         # the candidates' descriptors, fetched by partition, reach the verify task of their pair
         # bucket through Ray's object store (no file between them)
@@ -156,18 +156,18 @@ class DedupStage(Decide):
                               if wanted_files else [], n_pairs, _verify_reduce,
                               [(ctx.storage, b, pair_files, cfg.within_threshold) for b in range(n_pairs)],
                               "dedup verify", num_cpus=cfg.cpus_per_worker) if pair_files else []
-        edge_files = [f"{EDGE_DIR}/{b:06d}.parquet" for b, c in enumerate(checked) if c["edges"]]
-        return Candidates(sum(c["exact"] for c in checked), sum(c["near"] for c in checked),
-                          sum(c["candidates"] for c in checked), edge_files,
-                          set_stats, max((f["largest_group"] for f in found), default=0), n_buckets,
+        edge_files = [f"{EDGE_DIR}/{b:06d}.parquet" for b, c in enumerate(checked) if c.edges]
+        return Candidates(sum(c.exact for c in checked), sum(c.near for c in checked),
+                          sum(c.candidates for c in checked), edge_files,
+                          set_stats, max((f.largest_group for f in found), default=0), n_buckets,
                           plan.describe(cfg.within_threshold), desc,
                           {"group": len(found), "fetch": n_fetch if wanted_files and pair_files else 0, "verify": len(checked)},
                           {u.part: signed[u.part] for u in upstream}, carried, line_file)
 
-    def decide(self, ctx: StageContext, found: Candidates) -> dict:
+    def decide(self, ctx: StageContext, found: Candidates) -> Clusters:
         """Pairs joined into clusters, in a task; of each the smallest key is kept. -> counts per
         partition and a few drops to show (the decisions themselves stay in the run folder)."""
-        from ..line import published_parts, read_line
+        from ..shard.line import published_parts, read_line
 
         parts = sorted(u.part for u in ctx.upstream or [])
         line = read_line(ctx.storage)      # an append-only dataset line: what it published stays kept
@@ -181,14 +181,14 @@ class DedupStage(Decide):
         if found.line_file not in (None, keep_as):
             ctx.storage.delete_files([found.line_file])
         ctx.log(f"dedup: {found.exact} exact pairs, {found.n_candidates} near candidates, {found.near} "
-                f"near pairs" + (f" (searched for the new partitions; {out['edges_carried']} pairs carried)"
-                                 if found.carried else "") + f", {out['duplicates']} within-data duplicates"
-                + (f"; {out['published_kept']} published sample(s) of this dataset line kept beside the one "
-                   "their cluster keeps" if out["published_kept"] else ""))
+                f"near pairs" + (f" (searched for the new partitions; {out.edges_carried} pairs carried)"
+                                 if found.carried else "") + f", {out.duplicates} within-data duplicates"
+                + (f"; {out.published_kept} published sample(s) of this dataset line kept beside the one "
+                   "their cluster keeps" if out.published_kept else ""))
         return out
 
-    def apply(self, ctx: StageContext, found: Candidates, decisions: dict) -> StageResult:
-        from ..removals import DESCRIPTIONS, removal_digest
+    def apply(self, ctx: StageContext, found: Candidates, decisions: Clusters) -> StageResult:
+        from ..shard.removals import DESCRIPTIONS, removal_digest
 
         cfg: DedupConfig = ctx.cfg
         index = {p: i for i, p in enumerate(sorted(u.part for u in ctx.upstream or []))}
@@ -198,17 +198,17 @@ class DedupStage(Decide):
         removals = removal_digest(ctx.storage)
         captions = _eval_captions(ctx.storage, cfg, ctx.run_dir)
         tasks = [PartTask(u.part, u.file, u.part,
-                          kwargs={"part": u.part, "index": index[u.part], "has_decisions": u.part in decisions["per_part"],
+                          kwargs={"part": u.part, "index": index[u.part], "has_decisions": u.part in decisions.per_part,
                                   "cfg": cfg, "storage": ctx.storage, "desc": found.desc[u.part],
                                   "removals": removals, "captions": captions},
-                          input_sha=u.sha256, depends=f"{found.desc[u.part]}:{decisions['digests'].get(u.part, '')}"
+                          input_sha=u.sha256, depends=f"{found.desc[u.part]}:{decisions.digests.get(u.part, '')}"
                                                       + (f":{removals}" if removals else "")
                                                       + (f":{captions[1]}" if captions else ""))
                  for u in ctx.upstream or []]
         parts = ctx.map_parts(_verdicts, tasks, num_cpus=0.5, reuse=True, pick=(PAIRS_PER_REASON, None))
         from .report import write_report
 
-        ctx.log(f"dedup: pairs side by side in {write_report(ctx, decisions['shown'], parts)}")
+        ctx.log(f"dedup: pairs side by side in {write_report(ctx, decisions.shown, parts)}")
         evals: dict[str, int] = {}
         caption_hits: dict[str, int] = {}
         for p in parts:
@@ -221,8 +221,8 @@ class DedupStage(Decide):
                                                        "by_set": caption_hits},
                                    "largest_lsh_group": found.largest_group,
                                    "reduce_tasks": found.reduce_tasks,
-                                   "published_kept": decisions.get("published_kept", 0),
-                                   "edges": {"total": decisions.get("edges", 0), "carried": decisions.get("edges_carried", 0),
+                                   "published_kept": decisions.published_kept,
+                                   "edges": {"total": decisions.edges, "carried": decisions.edges_carried,
                                              "searched": "new partitions" if found.carried else "all"},
                                    "pairs": {"exact": found.exact, "near_candidates": found.n_candidates,
                                              "near": found.near},

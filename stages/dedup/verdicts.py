@@ -50,7 +50,7 @@ def _verdicts(table: pa.Table, part: str, index: int, has_decisions: bool, cfg: 
     desc = storage.read_table(desc, ["key", "ok", "eval_set", "eval_id", "eval_sim"] + (["vec"] if removals else []))
     removed = {}
     if removals:
-        from ..removals import blocked
+        from ..shard.removals import blocked
 
         removed = blocked(storage, table, dict(zip(desc.column("key").to_pylist(), desc.column("vec").to_pylist())))
         desc = desc.drop_columns(["vec"])

@@ -8,7 +8,7 @@ import pyarrow.compute as pc
 from infra.shuffle import read_bucket
 
 from ..dataplane import bucket_pieces
-from .layout import EDGE_DIR, EDGE_SCHEMA, PAIR_SCHEMA, VEC_SCHEMA, WANTED_SCHEMA, Pair
+from .layout import EDGE_DIR, EDGE_SCHEMA, PAIR_SCHEMA, VEC_SCHEMA, WANTED_SCHEMA, Pair, Verified
 
 
 FETCH_PARTS = 512      # partitions whose descriptors one fetch task reads, at most, where CPUs allow (each reads every wanted file)
@@ -44,7 +44,7 @@ def _unit(v: bytes) -> np.ndarray:
     return x / (np.linalg.norm(x) + 1e-6)
 
 
-def _verify_reduce(storage, bucket: int, files: list[str], threshold: float, *pieces: pa.Table) -> dict:
+def _verify_reduce(storage, bucket: int, files: list[str], threshold: float, *pieces: pa.Table) -> Verified:
     """Ray task (the verify shuffle's reduce): one pair bucket from every group file, and its
     candidates' descriptors from every fetch task -> its exact pairs and its candidate near pairs at
     cosine >= threshold (a pair also found exact is exact), written as edges; -> counts."""
@@ -61,4 +61,4 @@ def _verify_reduce(storage, bucket: int, files: list[str], threshold: float, *pi
         storage.write_table(f"{EDGE_DIR}/{bucket:06d}.parquet", pa.table(
             {**{f: [getattr(p, f) for p, _ in edges] for f in Pair._fields}, "cosine": [c for _, c in edges]},
             schema=EDGE_SCHEMA))
-    return {"exact": len(exact), "candidates": len(cand), "near": len(near), "edges": len(edges)}
+    return Verified(len(exact), len(cand), len(near), len(edges))

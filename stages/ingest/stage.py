@@ -41,8 +41,8 @@ from .. import records
 from . import shared_urls
 from ..base import Source, StageContext, StageResult
 from ..dataplane import DROPPED, KEPT, SAMPLE_SCHEMA, PartResult, read_kept, write_part
-from ..source import safe_name
-from ..synthetic import SERVER_PLACEHOLDER
+from ..source.stage import safe_name
+from ..source.synthetic import SERVER_PLACEHOLDER
 
 
 # the formats a pretraining image can be; PIL opens ~40 (EPS runs Ghostscript where it is installed)
@@ -496,7 +496,7 @@ class IngestStage(Source):
     def run(self, ctx: StageContext) -> StageResult:
         from contextlib import nullcontext
 
-        from ..demo_server import DemoServer
+        from ..source.demo_server import DemoServer
 
         cfg: IngestConfig = ctx.cfg
         site = ctx.artifact("source", "site")

@@ -82,9 +82,9 @@ def test_no_shared_filesystem_two_nodes_s3_and_a_kill_mid_ingest(tmp_path):
     nodes, reading the shards from the bucket. The credentials are written nowhere; status and
     explain on the bucket read summaries and rows, not tars."""
     from infra.mlflow.serve import start, stop
-    from stages import synthetic
-    from stages.source import DefectFractions
-    from stages.synthetic import SERVER_PLACEHOLDER
+    from stages.source import synthetic
+    from stages.source.stage import DefectFractions
+    from stages.source.synthetic import SERVER_PLACEHOLDER
 
     driver = tmp_path / "driver"          # everything of the driver's: working copies, URL list, caches
     (driver / "urls").mkdir(parents=True)

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from helpers import capline, synthetic_rows
-from stages.demo_server import DemoServer
-from stages.synthetic import SERVER_PLACEHOLDER
+from stages.source.demo_server import DemoServer
+from stages.source.synthetic import SERVER_PLACEHOLDER
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from helpers import bucket_keys, capline, moto_s3, synthetic_rows
-from stages.demo_server import DemoServer
-from stages.synthetic import SERVER_PLACEHOLDER
+from stages.source.demo_server import DemoServer
+from stages.source.synthetic import SERVER_PLACEHOLDER
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from helpers import capline, synthetic_rows
-from stages.demo_server import DemoServer
-from stages.synthetic import SERVER_PLACEHOLDER
+from stages.source.demo_server import DemoServer
+from stages.source.synthetic import SERVER_PLACEHOLDER
 
 pytestmark = pytest.mark.slow
 
@@ -146,7 +146,7 @@ def test_removals_leave_the_line_only_where_they_were_and_never_come_back(tmp_pa
                if n not in {final[k][0] for k in out_keys})      # and nothing else already there changed
     # each dropped by dedup as removed, saying which removal and how it matched
     from stages.base import read_ledger
-    from stages.source import sample_key
+    from stages.source.stage import sample_key
 
     ledger = read_ledger(run, "dedup", ["key", "reason", "detail"]).to_pylist()
     why = {r["key"]: (r["reason"], r["detail"]) for r in ledger}

@@ -281,7 +281,7 @@ def _source(tmp_path, path, *extra):
 def _read_list(tmp_path, path, *extra):
     from infra.storage import Storage
     from stages.base import read_ledger
-    from stages.source import _read_file_task
+    from stages.source.stage import _read_file_task
 
     storage = Storage.local(tmp_path / "run")
     parts = _read_file_task(storage, str(path), _source(tmp_path, path, *extra))
@@ -349,7 +349,7 @@ def test_a_large_text_list_is_keyed_a_batch_at_a_time(tmp_path):
         for i in range(300_000):
             f.write(f"http://x.example/{i}.jpg,caption number {i} of a long list\n")
     from infra.storage import Storage
-    from stages.source import _read_file_task
+    from stages.source.stage import _read_file_task
 
     parts = _read_file_task(Storage.local(tmp_path / "run"), str(path), _source(tmp_path, path, "source.rows_per_part=50000"))
     assert [p.n_in for p in parts] == [50_000] * 6

@@ -172,7 +172,7 @@ def test_a_list_file_is_pinned_in_the_bucket_once_by_its_content(s3, tmp_path):
     an unchanged file is not uploaded again on the next run, a changed one is, and the copy of a
     file no longer listed is deleted."""
     from infra.storage import Storage
-    from stages.source import INPUT, pin_inputs
+    from stages.source.stage import INPUT, pin_inputs
 
     storage = Storage.from_uri(f"s3://{BUCKET}/pins")
     a, b = tmp_path / "a.csv", tmp_path / "b.csv"

@@ -90,7 +90,7 @@ def test_a_parallelism_cap_of_an_older_capline_is_ignored_with_a_note(capsys):
 def test_an_append_only_line_refuses_filters_that_would_move_published_samples():
     """stages.shard.append needs a cut and a scorer that judge a sample the same every run."""
     from pipeline.runner import preflight
-    from stages.shard import check_line_settings
+    from stages.shard.stage import check_line_settings
 
     line = ["stages.shard.append=true"]
     with pytest.raises(UserError, match=r"stages.shard.append: .*set stages.clip_score.reuse_cut=true"):

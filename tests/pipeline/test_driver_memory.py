@@ -18,7 +18,7 @@ import ray.cloudpickle
 from pipeline.config import load_config
 from pipeline.runner import run_pipeline
 from stages.base import KEPT, Stage, StageResult
-from stages.basic import BasicStage
+from stages.filters.basic import BasicStage
 from stages.dataplane import write_part
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # Ray workers cannot import tests/

@@ -9,8 +9,8 @@ from stages.base import read_ledger
 from pipeline.config import load_config
 from pipeline.runner import run_pipeline
 from pipeline.verify import sample_digests
-from stages.demo_server import DemoServer
-from stages.synthetic import SERVER_PLACEHOLDER
+from stages.source.demo_server import DemoServer
+from stages.source.synthetic import SERVER_PLACEHOLDER
 from helpers import synthetic_rows
 
 pytestmark = pytest.mark.slow
@@ -112,7 +112,7 @@ def test_an_append_only_line_adds_shards_and_never_changes_published_ones(tmp_pa
     import hashlib
 
     from infra.errors import UserError
-    from stages.source import sample_key
+    from stages.source.stage import sample_key
 
     rows = synthetic_rows(tmp_path / "site", 200, 5, http_404=0.05, train_near_copy=0.05)
     urls = tmp_path / "urls"

@@ -6,7 +6,7 @@ import pytest
 from infra.errors import UserError
 from infra.storage import Storage
 from pipeline import remove
-from stages import removals
+from stages.shard import removals
 
 
 def test_a_list_names_urls_keys_hashes_and_images_by_their_shape_or_prefix(tmp_path):
@@ -72,7 +72,7 @@ def test_a_later_sample_is_blocked_by_key_url_hash_or_as_a_near_copy(tmp_path):
 def test_the_lookup_finds_entries_in_the_buckets_they_hash_to_over_every_run(tmp_path):
     """Two runs' lookups (3 and 1 buckets): a URL, a key and a sha256 are found in whichever run added
     them, by reading only the bucket files they hash to; a value nobody published finds nothing."""
-    from stages import line_lookup as lk
+    from stages.shard import line_lookup as lk
 
     storage = Storage.local(tmp_path)
     runs = []

@@ -35,8 +35,8 @@ def test_plan_names_what_is_new(tmp_path):
 
 @pytest.mark.slow
 def test_scheduled_incremental_runs_and_a_concurrent_one(tmp_path):
-    from stages.demo_server import DemoServer
-    from stages.synthetic import SERVER_PLACEHOLDER
+    from stages.source.demo_server import DemoServer
+    from stages.source.synthetic import SERVER_PLACEHOLDER
     from helpers import synthetic_rows
 
     rows = synthetic_rows(tmp_path / "site", 300, 3)

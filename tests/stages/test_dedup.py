@@ -12,11 +12,11 @@ from PIL import Image
 
 from pipeline.config import load_config
 from pipeline.runner import run_pipeline
-from stages import synthetic
+from stages.source import synthetic
 from stages.dedup.eval_sets import EvalSetConfig, build_reference, iter_images
 from stages.dedup.imagehash import describe, to_rgb_array
 from stages.dedup.neardup import NearDupIndex
-from stages.source import DefectFractions
+from stages.source.stage import DefectFractions
 from infra.errors import UserError
 
 PARAMS = {"descriptor": "thumb16-v2", "bits": 256, "colour_tol": 12.0}
@@ -270,7 +270,7 @@ def test_a_group_task_pairs_exact_and_near_signatures(tmp_path):
     got = storage.read_table(f"{PAIR_DIR}/000000.parquet").select(list(PAIR_SCHEMA.names[:5])).to_pylist()
     assert got == [{"a": "s0", "part_a": "p0", "b": "s1", "part_b": "p1", "kind": "near_duplicate"},
                    {"a": "s4", "part_a": "p0", "b": "s5", "part_b": "p1", "kind": "exact_duplicate"}]
-    assert out["pairs"] == 2 and out["rows"] == 6 * (2 + plan.bands) and out["largest_group"] >= 2
+    assert out.pairs == 2 and out.rows == 6 * (2 + plan.bands) and out.largest_group >= 2
     # the near candidate's two sides are asked of their partitions (the exact pair needs no descriptor)
     wanted = storage.read_table(f"{WANTED_DIR}/000000.parquet").select(["key", "part"]).to_pylist()
     assert wanted == [{"key": "s0", "part": "p0"}, {"key": "s1", "part": "p1"}]
@@ -283,7 +283,7 @@ def test_a_group_task_pairs_exact_and_near_signatures(tmp_path):
     got = storage.read_table(f"{PAIR_DIR}/000000.parquet").select(list(PAIR_SCHEMA.names[:5])).to_pylist()
     assert got == [{"a": "s4", "part_a": "p0", "b": "s6", "part_b": "p2", "kind": k}      # its code too: a candidate
                    for k in ("exact_duplicate", "near_duplicate")]
-    assert out["pairs"] == 2
+    assert out.pairs == 2
     _group_task(storage, 0, DedupConfig(), files, 1, 1)              # everything searched
     got = storage.read_table(f"{PAIR_DIR}/000000.parquet").select(["a", "b", "kind"]).to_pylist()
     assert [(r["a"], r["b"], r["kind"][:4]) for r in got] == [("s0", "s1", "near"), ("s4", "s5", "exac"),
@@ -343,7 +343,7 @@ def test_a_dataset_lines_published_samples_stay_kept_in_their_clusters(tmp_path)
     from infra.storage import Storage
     from stages.dedup.components import _components_task, component_roots
     from stages.dedup.layout import DECISION_SCHEMA, DECISIONS, EDGE_SCHEMA
-    from stages.line import PUBLISHED_SCHEMA, published_file
+    from stages.shard.line import PUBLISHED_SCHEMA, published_file
 
     # nodes 0-1-2 and 3-4, 5 alone: each node's root is its component's lowest-ranked node
     ia, ib = np.array([0, 1, 3]), np.array([1, 2, 4])
@@ -367,7 +367,7 @@ def test_a_dataset_lines_published_samples_stay_kept_in_their_clusters(tmp_path)
     assert plain == {"b": "a", "d": "c", "f": "e", "g": "e"}
     ruled, out = dropped(frozenset({"000000.tar", "000001.tar"}), frozenset({"p1"}))
     assert ruled == {"a": "b", "d": "c", "e": "f"}        # f and g both published: both stay
-    assert out["published_kept"] == 1
+    assert out.published_kept == 1
 
 
 def test_how_dedup_cuts_its_work_is_not_in_its_fingerprint():
@@ -542,7 +542,7 @@ def test_a_placeholder_repeated_in_every_partition_costs_pairs_linear_in_its_cop
     exact = {(r["a"], r["b"]) for r in got if r["kind"] == "exact_duplicate"}
     copies = sorted(f"p{p}s{i:04d}" for p in range(3) for i in range(1000))
     assert near == exact == {(copies[0], c) for c in copies[1:]}
-    assert out["largest_group"] >= 3000 and out["pairs"] == 2 * 2999
+    assert out.largest_group >= 3000 and out.pairs == 2 * 2999
 
 
 @pytest.mark.slow   # a few seconds of training or many images: not in the fast set

@@ -10,7 +10,7 @@ from PIL import Image
 
 from stages.ingest.polite import Manners
 from stages.ingest.fetch import FetchPolicy, Refused, check_image, check_url, reason_of, safe_download_image
-from stages.synthetic import png_bomb
+from stages.source.synthetic import png_bomb
 
 POLICY = FetchPolicy(max_bytes=10_000, max_pixels=1_000_000)
 

@@ -132,7 +132,7 @@ def test_bootstrap_on_a_trusted_subset(demo_filtered, tmp_path):
 def test_openclipart_through_the_data_pipeline(tmp_path):
     from pathlib import Path
 
-    from stages.openclipart import DEFAULT_ROOT
+    from stages.source.openclipart import DEFAULT_ROOT
 
     if not Path(DEFAULT_ROOT).is_dir():
         pytest.fail("Debian's openclipart-svg is not installed; `make test` installs it (apt, as root)")

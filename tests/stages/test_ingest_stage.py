@@ -11,8 +11,8 @@ import webdataset as wds
 
 from pipeline.config import load_config
 from pipeline.runner import run_pipeline
-from stages.demo_server import DemoServer
-from stages.synthetic import SERVER_PLACEHOLDER
+from stages.source.demo_server import DemoServer
+from stages.source.synthetic import SERVER_PLACEHOLDER
 
 pytestmark = pytest.mark.slow
 
@@ -110,8 +110,8 @@ def test_the_ingest_report_table_is_merged_beside_the_shards_and_kept_per_unit(t
 
 def test_urls_source_csv_with_allow_list(tmp_path, ray_local):
     """kind: urls reads a CSV with other column names; refused addresses and empty URLs are recorded."""
-    from stages import synthetic
-    from stages.source import DefectFractions
+    from stages.source import synthetic
+    from stages.source.stage import DefectFractions
 
     none = {k: 0 for k in vars(DefectFractions())}
     synthetic.generate(tmp_path / "site", 40, 5, 48, 3, none, 100, 100)
@@ -177,8 +177,8 @@ def test_rerun_resumes_only_missing_shards(tmp_path, ray_local):
 def test_a_list_of_private_urls_stops_after_ingest_naming_allow_hosts(tmp_path, ray_local):
     """Every URL on a loopback mirror and no allow_hosts: the run ends after ingest in one line that
     names the setting, instead of running four more stages on nothing."""
-    from stages import synthetic
-    from stages.source import DefectFractions
+    from stages.source import synthetic
+    from stages.source.stage import DefectFractions
     from infra.errors import UserError
 
     none = {k: 0 for k in vars(DefectFractions())}
@@ -204,8 +204,8 @@ def test_a_list_under_one_shard_shows_its_urls_and_an_eta_while_it_downloads(tmp
     counts URLs as they finish, with a rate and an ETA, where it said '0/1 done' until the end."""
     import re
 
-    from stages import synthetic
-    from stages.source import DefectFractions
+    from stages.source import synthetic
+    from stages.source.stage import DefectFractions
 
     synthetic.generate(tmp_path / "site", 20, 5, 48, 3, {k: 0 for k in vars(DefectFractions())}, 100, 100)
     rows = pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()

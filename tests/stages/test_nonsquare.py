@@ -74,9 +74,9 @@ def test_mixed_aspect_pictures_through_ingest_and_dedup_are_all_kept(tmp_path, r
     img2dataset with its default `border` resize: dedup keeps every one."""
     from pipeline.config import load_config
     from pipeline.runner import run_pipeline
-    from stages.demo_server import DemoServer
-    from stages.synthetic import SERVER_PLACEHOLDER
-    from stages.web_shapes import mixed_aspect
+    from stages.source.demo_server import DemoServer
+    from stages.source.synthetic import SERVER_PLACEHOLDER
+    from stages.source.web_shapes import mixed_aspect
     from stages.base import read_ledger
 
     rows = mixed_aspect(tmp_path / "site", 200, seed=0)

@@ -120,9 +120,9 @@ def _ingest_list(tmp_path, server, lines: list[str], *settings: str) -> dict:
 
 @pytest.mark.slow
 def test_rate_limit_retry_after_and_robots_through_ingest(tmp_path, ray_local):
-    from stages import synthetic
+    from stages.source import synthetic
     from stages.base import read_ledger
-    from stages.source import DefectFractions
+    from stages.source.stage import DefectFractions
 
     synthetic.generate(tmp_path / "site", 36, 5, 48, 3, {k: 0 for k in vars(DefectFractions())}, 100, 100)
     rows = pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()
@@ -173,9 +173,9 @@ def test_a_url_repeated_200_times_is_downloaded_once(tmp_path, ray_local):
     across the 11 shards, stages/ingest/shared_urls.py), every row gets the verdict and the bytes of that
     one download, and nothing is lost (each row keeps its own member, as before: the shards and
     ledgers of a list without repeats do not change)."""
-    from stages import synthetic
+    from stages.source import synthetic
     from stages.base import read_ledger
-    from stages.source import DefectFractions
+    from stages.source.stage import DefectFractions
 
     synthetic.generate(tmp_path / "site", 12, 5, 48, 3, {k: 0 for k in vars(DefectFractions())}, 100, 100)
     rows = pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()

@@ -10,8 +10,8 @@ import webdataset as wds
 
 from pipeline.config import load_config
 from pipeline.runner import run_pipeline
-from stages.demo_server import DemoServer
-from stages.synthetic import SERVER_PLACEHOLDER
+from stages.source.demo_server import DemoServer
+from stages.source.synthetic import SERVER_PLACEHOLDER
 
 pytestmark = pytest.mark.slow
 
@@ -21,8 +21,8 @@ COMMON = ["stages.ingest.samples_per_shard=20", "stages.dedup.eval_sets=[]", "st
 
 
 def _site(tmp_path, n):
-    from stages import synthetic
-    from stages.source import DefectFractions
+    from stages.source import synthetic
+    from stages.source.stage import DefectFractions
 
     synthetic.generate(tmp_path / "site", n, 5, 48, 3, {k: 0 for k in vars(DefectFractions())}, 100, 100)
     return pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()

@@ -5,14 +5,14 @@ import tarfile
 
 import sentencepiece as spm
 
-from stages.shard import write_shard
+from stages.shard.stage import write_shard
 from infra.hashing import order_key
 from stages.tokenizer import TokenizerConfig, train_sentencepiece
 from helpers import capline
 
 
 def _captions(n=400):
-    from stages import synthetic
+    from stages.source import synthetic
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -141,7 +141,7 @@ def test_an_append_refuses_a_lost_line_record_and_a_missing_published_shard(tmp_
 
     from infra.errors import UserError
     from infra.storage import Storage
-    from stages.shard import ShardConfig, ShardStage
+    from stages.shard.stage import ShardConfig, ShardStage
 
     storage = Storage.local(tmp_path)
     ctx = SimpleNamespace(storage=storage, cfg=ShardConfig(append=True), log=lambda m: None)
@@ -171,7 +171,7 @@ def test_a_crafted_line_record_is_refused(tmp_path, record):
 
     from infra.errors import UserError
     from infra.storage import Storage
-    from stages.shard import ShardConfig, ShardStage
+    from stages.shard.stage import ShardConfig, ShardStage
 
     storage = Storage.local(tmp_path)
     storage.write_bytes("shard/shards/000000.tar", b"t0")
@@ -182,7 +182,7 @@ def test_a_crafted_line_record_is_refused(tmp_path, record):
 
 
 def test_new_shards_of_a_line_never_take_a_listed_number():
-    from stages.shard import next_shard
+    from stages.shard.stage import next_shard
 
     assert next_shard([]) == 0
     assert next_shard([{"name": "000000.tar"}, {"name": "000001.tar"}]) == 2

@@ -1,4 +1,4 @@
-"""Keys unique across a URL list's files (stages/source_keys.py): the logic in-process, and a whole
+"""Keys unique across a URL list's files (stages/source/keys.py): the logic in-process, and a whole
 run through the shards with two files that share rows."""
 import json
 from types import SimpleNamespace
@@ -10,8 +10,8 @@ from infra.errors import UserError
 from infra.storage import Storage
 from pipeline.config import load_config
 from stages.base import read_ledger
-from stages.source import _read_file_task
-from stages.source_keys import unique_across_files
+from stages.source.stage import _read_file_task
+from stages.source.keys import unique_across_files
 
 
 def _in_process(fn, calls, what, **_):
@@ -82,10 +82,10 @@ def test_the_users_own_keys_in_two_files_are_refused_naming_both(tmp_path):
 @pytest.mark.slow
 def test_two_url_files_sharing_rows_run_to_shards_and_every_copy_has_a_verdict(tmp_path, ray_local):
     from pipeline.runner import run_pipeline
-    from stages import synthetic
-    from stages.demo_server import DemoServer
-    from stages.source import DefectFractions
-    from stages.synthetic import SERVER_PLACEHOLDER
+    from stages.source import synthetic
+    from stages.source.demo_server import DemoServer
+    from stages.source.stage import DefectFractions
+    from stages.source.synthetic import SERVER_PLACEHOLDER
 
     synthetic.generate(tmp_path / "site", 40, 5, 48, 3, {k: 0 for k in vars(DefectFractions())}, 100, 100)
     rows = pq.read_table(tmp_path / "site" / "urls.parquet").to_pylist()
@@ -113,7 +113,7 @@ def test_an_append_keys_only_the_list_files_it_added(tmp_path):
     """The source stage takes a file keyed before with the same content and settings as it is: the
     second run (a file added) reads and keys that file alone, and the first files' partitions are
     the same files; a changed file is keyed again, one no longer listed is deleted."""
-    from stages.source import KEYED, SourceStage
+    from stages.source.stage import KEYED, SourceStage
 
     urls = tmp_path / "urls"
     urls.mkdir()

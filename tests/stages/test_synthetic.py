@@ -5,8 +5,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from stages import synthetic
-from stages.source import DefectFractions
+from stages.source import synthetic
+from stages.source.stage import DefectFractions
 
 
 def _digest(folder):

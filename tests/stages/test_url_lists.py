@@ -10,7 +10,7 @@ from helpers import capline
 from pipeline.config import load_config
 from stages.base import read_ledger
 from stages.dataplane import Storage
-from stages.source import _read_file_task
+from stages.source.stage import _read_file_task
 from infra.errors import UserError
 
 
@@ -166,7 +166,7 @@ def test_a_headerless_tsv_keeps_its_first_row_columns_by_position(tmp_path, suff
 
 
 def test_a_headerless_file_read_with_a_header_says_how_to_fix_it(tmp_path):
-    from stages.source import check_url_list
+    from stages.source.stage import check_url_list
 
     path = tmp_path / "cc3m.tsv"
     _cc3m(path)
@@ -192,7 +192,7 @@ def test_init_detects_a_headerless_compressed_list(tmp_path):
 
 def test_init_writes_the_one_measured_language_default(tmp_path):
     from pipeline.init_config import detect, write_config
-    from stages.language import LanguageConfig
+    from stages.filters.language import LanguageConfig
 
     path = tmp_path / "list.csv"
     path.write_text("url,caption\n" + "".join(f"http://a.example/{i}.jpg,a photo of thing {i}\n" for i in range(5)))
@@ -281,7 +281,7 @@ def test_a_folder_reads_every_documented_compression_and_names_what_it_cannot(tm
     import gzip
     import json as _json
 
-    from stages.source import check_url_list, partition_files
+    from stages.source.stage import check_url_list, partition_files
 
     folder = tmp_path / "lists"
     folder.mkdir()
@@ -347,6 +347,6 @@ def test_explain_takes_the_lists_own_id_as_written(tmp_path):
 
 def test_the_names_list_columns_may_not_take_are_every_stages_notes():
     from stages.registry import STAGES
-    from stages.source import STAGE_NOTES
+    from stages.source.stage import STAGE_NOTES
 
     assert {n for stage in STAGES for n in stage.note_names() if n} <= STAGE_NOTES

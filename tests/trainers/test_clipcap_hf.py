@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from stages import synthetic
+from stages.source import synthetic
 from trainers.models import build_model
 from trainers.models.checkpoint import load_model, save_model
 from trainers.models.config import ModelConfig

@@ -2,11 +2,11 @@
 import numpy as np
 import pytest
 
-from stages import synthetic
+from stages.source import synthetic
 from infra.errors import UserError
 from trainers.evaluation.fewshot import few_shot_split, probe, ridge_fit_predict
 from trainers.evaluation.textmetrics import caption_scores, tokenize
-from stages.synthetic import hard_negatives, heldout_wordorder
+from stages.source.synthetic import hard_negatives, heldout_wordorder
 from trainers.evaluation.wordorder import word_order_eval
 
 

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from stages import synthetic
-from stages.shard import write_shard
+from stages.source import synthetic
+from stages.shard.stage import write_shard
 from stages.tokenizer import TokenizerConfig, train_sentencepiece
 from trainers.data import LoaderState, ShardStream, check_readers, list_shards, make_loader, next_state
 from infra.errors import UserError

@@ -248,7 +248,7 @@ def test_every_dispatch_on_a_family_reads_its_spec():
     the scorer's families and CapPa's parallel fraction all come from it."""
     import typing
 
-    from stages.scorer import SCORING_FAMILIES
+    from stages.filters.scorer import SCORING_FAMILIES
     from trainers.families import SPECS, spec
     from trainers.models import FAMILIES, ModelConfig, build_model
     from trainers.tasks import make_task

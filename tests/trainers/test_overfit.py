@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from stages import synthetic
+from stages.source import synthetic
 from trainers.models import ModelConfig, build_model
 
 L = 20

@@ -9,10 +9,10 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.runner import run_pipeline
-from stages import synthetic
-from stages.demo_server import DemoServer
-from stages.source import DefectFractions
-from stages.synthetic import SERVER_PLACEHOLDER
+from stages.source import synthetic
+from stages.source.demo_server import DemoServer
+from stages.source.stage import DefectFractions
+from stages.source.synthetic import SERVER_PLACEHOLDER
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """Keys unique across the whole URL list, not only within one file.
 
 A key is `u` + a hash of (url, caption); a repeat within one file gets `_1`, `_2`, ... in row order
-(stages/source.py: keyed_rows). Two files holding the same row would give two samples one key, and
+(stages/source/stage.py: keyed_rows). Two files holding the same row would give two samples one key, and
 the shard stage would find "a sample got two verdicts" after writing tars. So, once every file is
 keyed, the repeats across files are found and renamed in file order, as if the files were one:
 the first occurrence keeps the plain key, the n-th gets `_n`. Every copy stays a sample with its
@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 
 from infra.errors import UserError
 
-from .dataplane import PartResult, write_part
+from ..dataplane import PartResult, write_part
 
 RENAMES = "source/_work/renames"
 
@@ -38,7 +38,7 @@ PIECE_SCHEMA = pa.schema([("order", pa.int32()), ("part", pa.string()), ("key", 
 def _key_pieces(storage, part: str, file: str, order: int, n: int, own_keys: bool) -> list[pa.Table]:
     """Ray task (a shuffle's map): one partition's keys, read once, split into `n` pieces by the hash
     of each key's base (the user's key itself with key_col), so every copy of a row meets the others."""
-    from .dataplane import hash_pieces
+    from ..dataplane import hash_pieces
 
     t = storage.read_table(file, ["key", "detail"])
     keys = t.column("key").to_pylist()

@@ -153,7 +153,7 @@ def train_bootstrap(images: list[bytes], captions: list[str], cfg: BootstrapConf
     from trainers.fit import fit
     from trainers.optim import lr_factor
 
-    from .tokenizer import TokenizerConfig, train_sentencepiece
+    from ..tokenizer import TokenizerConfig, train_sentencepiece
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

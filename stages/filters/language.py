@@ -1,6 +1,6 @@
 """The language stage: keep captions in the configured languages.
 
-Per caption the backend (stages/langid.py; fastText's lid.176 by default) gives the most likely
+Per caption the backend (stages/filters/langid.py; fastText's lid.176 by default) gives the most likely
 languages with probabilities. The caption's confidence is the probability of the allowed
 `languages` together; it is kept when that is >= `min_confidence`. That confidence is every
 caption's score, kept or dropped, so one histogram against one cut shows the stage's decision. A
@@ -27,10 +27,10 @@ import pyarrow as pa
 from infra.configtools import join, require
 from infra.errors import UserError
 
-from .base import DROPPED, KEPT, Filter, StageContext, StageResult
-from .examples import write_examples
+from ..base import DROPPED, KEPT, Filter, StageContext, StageResult
+from ..examples import write_examples
 from .langid import fasttext_model_path, load_backend
-from .shared_model import WORKER_MB, SharedModel
+from ..shared_model import WORKER_MB, SharedModel
 from infra.hashing import file_sha256
 
 

@@ -5,7 +5,7 @@ them in English with a spatial relation ("a large red circle to the left of a sm
 Defects are planted at fixed fractions and recorded in `_ground_truth.parquet`, which exists to
 *measure* stages against; no stage may read it.
 
-Files land in `www/` (served by stages/demo_server.py); the URL list uses the `{DEMO_SERVER}`
+Files land in `www/` (served by stages/source/demo_server.py); the URL list uses the `{DEMO_SERVER}`
 placeholder, which ingest replaces with the live loopback address, so the list itself (and every
 digest over it) does not depend on the port.
 """

@@ -5,7 +5,7 @@ shorter side is at least 200 px with an aspect ratio under 3; LAION drops alt-te
 characters. Those are the defaults; every bound is a config value.
 
 Per sample, in this order (the first failing check names the reason):
-  caption: cleaned (stages/captions.py: ftfy, HTML entities, tags, control characters, whitespace);
+  caption: cleaned (stages/filters/captions.py: ftfy, HTML entities, tags, control characters, whitespace);
     empty after cleaning -> `empty_caption`; mostly U+FFFD -> `undecodable_caption`;
     characters outside [min_chars, max_chars] -> `caption_too_short` / `caption_too_long`;
     words outside [min_words, max_words] -> `caption_too_few_words` / `caption_too_many_words`.
@@ -22,9 +22,9 @@ import pyarrow as pa
 
 from infra.configtools import join, require
 
-from .base import DROPPED, KEPT, Filter, PartResult, StageContext, StageResult
+from ..base import DROPPED, KEPT, Filter, PartResult, StageContext, StageResult
 from .captions import clean_caption
-from .examples import write_examples
+from ..examples import write_examples
 
 
 @dataclass

@@ -2,7 +2,7 @@
 so a removal finds its matches in a few reads, however many partitions the line holds.
 
 Each run that publishes writes the lookup of the samples it added, as the last step of its
-publish shuffle (stages/shard.py): each partition's publish task hands every bucket its (kind,
+publish shuffle (stages/shard/stage.py): each partition's publish task hands every bucket its (kind,
 value) rows through Ray's object store, and a task per bucket writes
 `shard/line/lookup/<run>/<bucket>.parquet` (kind, value, key, part, shard). The line's record
 keeps each run's bucket count (`runs[i].lookup`). A removal reads, for each run, only the buckets
@@ -17,7 +17,7 @@ import math
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .dataplane import hash_buckets, hash_pieces
+from ..dataplane import hash_buckets, hash_pieces
 from .line import LINE
 
 LOOKUP = f"{LINE}/lookup"

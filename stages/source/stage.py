@@ -1,9 +1,9 @@
 """The source stage: turn the configured source into partitions of a URL list, `source/ledger/*.parquet`.
 
-- `kind: synthetic` generates the demo's captioned scenes (stages/synthetic.py), served later over
+- `kind: synthetic` generates the demo's captioned scenes (stages/source/synthetic.py), served later over
   loopback by the ingest stage.
 - `kind: openclipart` renders Debian's openclipart-svg drawings, captioned by their titles and
-  keywords (stages/openclipart.py), served like the demo over loopback; `limit` takes a seeded subset.
+  keywords (stages/source/openclipart.py), served like the demo over loopback; `limit` takes a seeded subset.
 - `kind: urls` reads a user's URL list (Parquet, CSV, TSV or JSON lines) with `url_col` and
   `caption_col`, as CC3M / CC12M / DataComp / LAION metadata come. `path` may be one file or a
   folder of partition files (read in name order; a new file is a new partition, see ingest).
@@ -39,11 +39,13 @@ from infra.bombs import Counted, check_parquet, decoded_lengths, limit_for, text
 from infra.configtools import join, require
 from infra.errors import UserError
 
-from . import openclipart, synthetic
+from . import openclipart
+
+from . import synthetic
 from infra.hashing import file_sha256
 
-from .base import Source, StageContext, StageResult
-from .dataplane import DROPPED, KEPT, PartResult, write_part
+from ..base import Source, StageContext, StageResult
+from ..dataplane import DROPPED, KEPT, PartResult, write_part
 
 
 @dataclass
@@ -826,7 +828,7 @@ class SourceStage(Source):
         stale = [d for d in ctx.storage.list_dirs(KEYED) if d not in keep]
         ctx.storage.delete_all([f"{KEYED}/{d}" for d in stale] + [f"{KEYED}/{d}.json" for d in stale])
         parts = [p for r in results for p in r]
-        from .source_keys import unique_across_files
+        from .keys import unique_across_files
 
         parts, renamed = unique_across_files(ctx, parts, {p.part: i for i, r in enumerate(results) for p in r},
                                              own_keys=bool(cfg.key_col))

@@ -45,8 +45,8 @@ from infra.configtools import join, require
 from infra.errors import UserError
 
 from . import line_lookup
-from .base import KEPT, Sink, StageContext, StageResult
-from .dataplane import PartResult, bucket_pieces, by_location, image_batches, read_kept, write_part
+from ..base import KEPT, Sink, StageContext, StageResult
+from ..dataplane import PartResult, bucket_pieces, by_location, image_batches, read_kept, write_part
 from .line import (LINE, PUBLISHED, PUBLISHED_SCHEMA, RECORD, published_all, published_file, published_parts,
                    published_state, read_line, read_states, write_states)
 from infra.hashing import order_key
@@ -70,7 +70,7 @@ class ShardConfig:
     shuffle_pieces: int = 1_000_000
     # a dataset line that only grows (scheduled runs over an appended URL list): the shards earlier
     # runs published stay as they are, byte for byte, and only samples not in them go to new shards,
-    # numbered after them; the manifest names the shards each run added (stages/line.py).
+    # numbered after them; the manifest names the shards each run added (stages/shard/line.py).
     # false: every run writes every shard anew (the same shards as one run over all the data)
     append: bool = False
 
@@ -397,7 +397,7 @@ class ShardStage(Sink):
         mapped = [u for u, _ in planned]
         run = len((line or {}).get("runs", [])) + 1
         first, n_out, line_shards = placed
-        # the published records, and this run's lookup of what it added (stages/line_lookup.py)
+        # the published records, and this run's lookup of what it added (stages/shard/line_lookup.py)
         buckets = line_lookup.buckets_for(n_new)
         ctx.shuffle(_publish_task, [(ctx.storage, u.part, p.aside, ctx.seed, first, n_out, buckets)
                                     for u, p in planned], buckets, line_lookup.write_bucket,

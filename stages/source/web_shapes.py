@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .dedup.imagehash import describe
+from ..dedup.imagehash import describe
 from .synthetic import SERVER_PLACEHOLDER
 
 ASPECTS = ((4, 3), (3, 4), (16, 9), (9, 16), (3, 2), (2, 3))

@@ -1,6 +1,6 @@
 """The CLIP-score stage: keep image-caption pairs whose embeddings agree.
 
-The score is the cosine of the image and caption embeddings of a scorer (stages/scorer.py):
+The score is the cosine of the image and caption embeddings of a scorer (stages/filters/scorer.py):
 - `scorer: checkpoint`: a capline CLIP* / SigLIP / CoCa checkpoint folder (and its tokenizer);
 - `scorer: bootstrap`: a small CLIP* trained here, first, on a trusted subset
   (`bootstrap.trusted_keys`) or on this stage's own input (deduplicated, language-filtered data).
@@ -33,10 +33,10 @@ import pyarrow.compute as pc
 from infra.configtools import join, require
 from infra.errors import UserError
 
-from .base import DROPPED, KEPT, Decide, PartTask, StageContext, StageResult
-from .dataplane import PICTURE_COLUMNS, by_location, picture_batches, pictures, read_images, read_kept, reused_or_run
-from .examples import write_examples
-from .shared_model import TORCH_MB, WORKER_MB, SharedModel
+from ..base import DROPPED, KEPT, Decide, PartTask, StageContext, StageResult
+from ..dataplane import PICTURE_COLUMNS, by_location, picture_batches, pictures, read_images, read_kept, reused_or_run
+from ..examples import write_examples
+from ..shared_model import TORCH_MB, WORKER_MB, SharedModel
 from .scorer import BootstrapConfig, Scorer, check_scorer, read_trusted_keys, small_bootstrap, train_bootstrap
 from infra.hashing import order_key
 
@@ -197,7 +197,7 @@ def _decoded(batch: pa.Table, images: list) -> list:
 def _write_scores(storage, out: str, part: str, rows: pa.Table, ints: np.ndarray) -> dict:
     """The partition's kept rows as they came (their state) with their integer scores: what the
     verdict task reads instead of the input partition."""
-    from .dataplane import CARRIED
+    from ..dataplane import CARRIED
 
     state = [c for c in CARRIED if c in rows.column_names]
     table = pa.table({"key": rows.column("key"), "verdict": pa.array([KEPT] * rows.num_rows, pa.string()),
@@ -285,14 +285,14 @@ class ClipScoreStage(Decide):
         preflight(config.stages.clip_score)
         cfg = config.stages.clip_score
         if cfg.enabled and cfg.scorer == "column" and config.source.kind == "urls":
-            from .source import require_columns
+            from ..source.stage import require_columns
 
             # a misspelled column would score every sample -1 and keep nothing: said before the download
             require_columns(config.source, {"stages.clip_score.column": cfg.column})
 
     def run(self, ctx: StageContext) -> StageResult:
         if not ctx.cfg.enabled or not ctx.n_in:
-            from .dataplane import passthrough
+            from ..dataplane import passthrough
 
             return StageResult(ctx.map_parts(passthrough), {"enabled": ctx.cfg.enabled})
         return super().run(ctx)
