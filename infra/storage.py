@@ -363,11 +363,23 @@ def _fetched(storage: "Storage", rel: str):
     files = sorted(i.path[len(storage.root) + 1:] for i in infos)
     key = (storage.uri(rel), tuple(sorted((i.path, i.size, i.mtime_ns) for i in infos)))
     if key not in _FETCHED:
+        if not _FETCHED:      # the copies go when the process ends (they were left in /tmp, one per worker)
+            import atexit
+
+            atexit.register(_remove_fetched)
         out = Path(tempfile.mkdtemp(prefix="capline-fetch-"))
         for f in files:
             (out / f.rsplit("/", 1)[-1]).write_bytes(storage.read_bytes(f))
         _FETCHED[key] = out
     return _FETCHED[key]
+
+
+def _remove_fetched() -> None:
+    import shutil
+
+    for out in _FETCHED.values():
+        shutil.rmtree(out, ignore_errors=True)
+    _FETCHED.clear()
 
 
 # -- paths that may be URIs ------------------------------------------------------------------------

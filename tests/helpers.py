@@ -335,3 +335,17 @@ def synthetic_rows(folder: Path, n: int, seed: int, **defects: float) -> list[di
     fractions = {k: 0 for k in vars(DefectFractions())} | defects
     synthetic.generate(folder, n, 10, 48, seed, fractions, 100, 100)
     return pq.read_table(folder / "urls.parquet").to_pylist()
+
+
+_EVAL_CACHE: list[str] = []
+
+
+def eval_index_cache() -> str:
+    """A folder for `stages.dedup.cache_dir` (evaluation indexes built once and reused), one per test
+    process and removed when it ends (each test module made its own and none was removed)."""
+    if not _EVAL_CACHE:
+        import atexit
+
+        _EVAL_CACHE.append(tempfile.mkdtemp(prefix="capline-eval-index-"))
+        atexit.register(shutil.rmtree, _EVAL_CACHE[0], True)
+    return _EVAL_CACHE[0]

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import pyarrow.parquet as pq
@@ -17,7 +16,7 @@ import pytest
 from stages.base import read_ledger
 import webdataset as wds
 
-from helpers import ROOT, capline, kill_driver
+from helpers import ROOT, capline, kill_driver, eval_index_cache
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +24,7 @@ ARGS = ["--set", "source.num_samples=600", "--set", "source.eval_size=30", "--se
         "--set", "stages.ingest.timeout=2", "--set", "stages.ingest.samples_per_shard=40",
         "--set", "stages.shard.samples_per_shard=130", "--set", "train.steps=0",
         "--set", "stages.clip_score.bootstrap.steps=50",
-        "--set", f"stages.dedup.cache_dir={tempfile.mkdtemp(prefix='capline-eval-index-')}"]
+        "--set", f"stages.dedup.cache_dir={eval_index_cache()}"]
 
 
 def _content(run_dir):

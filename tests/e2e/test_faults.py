@@ -7,12 +7,11 @@ import hashlib
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, CountingProxy, bucket_keys, capline, moto_s3
+from helpers import ROOT, CountingProxy, bucket_keys, capline, moto_s3, eval_index_cache
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +19,7 @@ BUCKET = "capline-faults"
 ARGS = ["--set", "source.num_samples=160", "--set", "source.eval_size=20", "--set", "stages.ingest.samples_per_shard=40",
         "--set", "stages.shard.samples_per_shard=60", "--set", "stages.clip_score.bootstrap.steps=20",
         "--set", "stages.tokenizer.vocab_size=300", "--set", "track_data=false",
-        "--set", f"stages.dedup.cache_dir={tempfile.mkdtemp(prefix='capline-eval-index-')}", "--until", "shard"]
+        "--set", f"stages.dedup.cache_dir={eval_index_cache()}", "--until", "shard"]
 
 
 def _shards_local(run_dir: Path) -> dict[str, str]:

@@ -3,17 +3,16 @@ IAM checks on): a missing bucket, wrong credentials and no tracking server are r
 work. A run folder in S3 resumed after a kill on a "new machine" (an empty working copy), training
 reading its shards from there, credentials written nowhere and status/explain reading in place: the
 two-node test (tests/e2e/test_cluster.py), which does all of it on a cluster that shares no disk."""
-import tempfile
 
 import pytest
 
-from helpers import capline, moto_s3
+from helpers import capline, moto_s3, eval_index_cache
 
 pytestmark = pytest.mark.slow
 BUCKET = "capline-runs"
 ARGS = ["--set", "source.num_samples=300", "--set", "source.eval_size=30", "--set", "stages.ingest.samples_per_shard=60",
         "--set", "stages.shard.samples_per_shard=100", "--set", "stages.clip_score.bootstrap.steps=30",
-        "--set", f"stages.dedup.cache_dir={tempfile.mkdtemp(prefix='capline-eval-index-')}",
+        "--set", f"stages.dedup.cache_dir={eval_index_cache()}",
         "--set", "train.steps=20", "--set", "train.checkpoint_every=10", "--set", "train.sample_every=10",
         "--until", "train"]
 

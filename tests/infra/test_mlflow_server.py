@@ -6,18 +6,17 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 
-from helpers import ROOT, capline
+from helpers import ROOT, capline, eval_index_cache
 from infra.mlflow.serve import start, stop
 from infra.tracking import MetricBuffer, client
 
 BASE = ["--set", "source.num_samples=300", "--set", "source.eval_size=30", "--set", "stages.ingest.samples_per_shard=60",
         "--set", "stages.shard.samples_per_shard=100", "--set", "stages.clip_score.bootstrap.steps=30",
-        "--set", f"stages.dedup.cache_dir={tempfile.mkdtemp(prefix='capline-eval-index-')}", "--until", "train"]
+        "--set", f"stages.dedup.cache_dir={eval_index_cache()}", "--until", "train"]
 
 
 def _free_port() -> int:

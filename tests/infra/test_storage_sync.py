@@ -189,3 +189,22 @@ def test_a_list_file_is_pinned_in_the_bucket_once_by_its_content(s3, tmp_path):
     assert second[0] == first[0] and second[1] != first[1] and uploads == first + [second[1]]
     assert sorted(bucket_keys(s3, BUCKET, f"pins/{INPUT}/")) == sorted(f"pins/{r}" for r in second)
     assert Storage.local(tmp_path / "run").is_local and pin_inputs(Storage.local(tmp_path / "run"), [a]) == [None]
+
+
+def test_a_model_folder_fetched_from_the_bucket_is_removed_when_the_process_ends(tmp_path):
+    """Storage.local_dir's per-process copy of a folder in the bucket (a scorer, a checkpoint, for
+    libraries that want a path) is fetched once and removed at exit: one was left in /tmp per worker."""
+    import subprocess
+    import sys
+
+    from infra.storage import Storage
+
+    Storage.local(tmp_path).write_bytes("model/weights.bin", b"w" * 10)
+    code = ("import sys; from infra.storage import Storage, _fetched; "
+            f"p = _fetched(Storage.local({str(tmp_path)!r}), 'model'); assert _fetched(Storage.local({str(tmp_path)!r}), 'model') == p; "
+            "print(p); assert (p / 'weights.bin').read_bytes() == b'w' * 10")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr
+    fetched = out.stdout.strip()
+    assert "capline-fetch-" in fetched and not os.path.exists(fetched)

@@ -6,18 +6,17 @@ Real Ray, real img2dataset on loopback, real fastText and a really trained boots
 import json
 import re
 import shutil
-import tempfile
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import ROOT, capline
+from helpers import ROOT, capline, eval_index_cache
 from stages.base import read_ledger
 
 pytestmark = pytest.mark.slow
 
-CACHE = ["--set", f"stages.dedup.cache_dir={tempfile.mkdtemp(prefix='capline-eval-index-')}"]
+CACHE = ["--set", f"stages.dedup.cache_dir={eval_index_cache()}"]
 
 
 def _kept(run_dir, stage):
