@@ -28,11 +28,21 @@ def _pair_buckets(a: list[str], b: list[str], n: int) -> np.ndarray:
     return hash_buckets([f"{x}\0{y}" for x, y in zip(a, b)], n)
 
 
-def _sig_pieces(storage, files: list[str], n_buckets: int) -> list[pa.Table]:
-    """Ray task (the group shuffle's map): a few partitions' signature files, each read once (in
-    parallel), cut into the `n_buckets` range buckets for the group tasks (through the object store,
-    not the bucket)."""
-    return range_pieces(pa.concat_tables(storage.read_tables(files)), "h32", n_buckets)
+def _sig_pieces(storage, units: list[tuple[str, list[str]]], n_buckets: int, keep_as: str | None = None) -> list[pa.Table]:
+    """Ray task (the group shuffle's map): a few units of signatures, each read once (in parallel),
+    cut into the `n_buckets` range buckets for the group tasks (through the object store, not the
+    bucket). A unit is (a file, the partitions' files it joins): a partition's signature file, or a
+    chunk of the dataset line's (several partitions' signatures in one file: an append reads a few
+    chunks, not a file per partition), read from its partitions' files if it is gone. `keep_as`:
+    what was read is written there as one chunk, for the next run."""
+    try:
+        tables = storage.read_tables([f for f, _ in units])
+    except FileNotFoundError:
+        tables = [pa.concat_tables(storage.read_tables(parts or [f])) for f, parts in units]
+    t = pa.concat_tables(tables)
+    if keep_as:
+        storage.write_table(keep_as, t)
+    return range_pieces(t, "h32", n_buckets)
 
 
 def _group_reduce(storage, bucket: int, cfg: DedupConfig, n_pair_buckets: int, n_fetch: int,

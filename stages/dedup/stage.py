@@ -44,6 +44,7 @@ class Candidates:
     signed: dict = field(default_factory=dict)  # partition -> its signatures' prefix (what its edges come from)
     carried: tuple | None = None  # an append: (the dataset line's edges file, the partitions not searched again)
     line_file: str | None = None  # the dataset line's edges file before this run
+    chunks: dict = field(default_factory=dict)  # the line's signatures in chunks: file -> {parts, rows}
 
 
 class DedupStage(Decide):
@@ -127,7 +128,7 @@ class DedupStage(Decide):
             num_cpus=cfg.cpus_per_worker)
         # an append to a dataset line searches only the groups its new partitions touch: the line's
         # edges between the partitions it had (same signatures, so the same pairs) are carried
-        fresh, carried, line_file = _fresh_since_line(ctx.storage, {u.part: signed[u.part] for u in upstream})
+        fresh, carried, line_file, chunks = _fresh_since_line(ctx.storage, {u.part: signed[u.part] for u in upstream})
         if fresh is not None:
             ctx.log(f"dedup: {len(upstream) - len(fresh)} partitions' pairs carried from the dataset line's edges; "
                     f"searching the groups of {len(fresh)} new ones")
@@ -139,13 +140,14 @@ class DedupStage(Decide):
         n_fetch = max(n_pairs, min(int(ctx.cluster_cpus()), math.ceil(len(upstream) / FETCH_PARTS)))
         # each partition's signatures read once and handed to the group tasks through Ray's object
         # store: a group task opens no file (it opened every signature file, or merged copies of them);
-        # a map task reads several partitions' files, up to MAP_SIGNATURES rows
-        files = [f"{signed[u.part]}.sig.parquet" for u in upstream]
-        maps = map_groups([u.kept * sigs_per_sample(plan) for u in upstream], MAP_SIGNATURES, int(ctx.cluster_cpus()))
-        found = ctx.shuffle(_sig_pieces, [(ctx.storage, [files[i] for i in g], n_buckets) for g in maps],
+        # a map task reads several partitions' files, up to MAP_SIGNATURES rows, and keeps them as one
+        # chunk of the line's signatures; an append's maps read those chunks and the new partitions'
+        # files (2,000 files of a few rows cost its map tasks 7 s of parsing)
+        maps, chunks = _sig_maps(ctx, upstream, signed, plan, fresh, chunks)
+        found = ctx.shuffle(_sig_pieces, [(ctx.storage, units, n_buckets, keep_as) for units, keep_as in maps],
                             n_buckets, _group_reduce, [(ctx.storage, b, cfg, n_pairs, n_fetch, fresh)
                                                        for b in range(n_buckets)],
-                            "dedup group", num_cpus=cfg.cpus_per_worker) if fresh is None or fresh else []
+                            "dedup group", num_cpus=cfg.cpus_per_worker) if maps else []
         # only the files written (no empty ones): a reducer opens just those
         pair_files = [f"{PAIR_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f.pairs]
         wanted_files = [f"{WANTED_DIR}/{b:06d}.parquet" for b, f in enumerate(found) if f.wanted]
@@ -162,7 +164,7 @@ class DedupStage(Decide):
                           set_stats, max((f.largest_group for f in found), default=0), n_buckets,
                           plan.describe(cfg.within_threshold), desc,
                           {"group": len(found), "fetch": n_fetch if wanted_files and pair_files else 0, "verify": len(checked)},
-                          {u.part: signed[u.part] for u in upstream}, carried, line_file)
+                          {u.part: signed[u.part] for u in upstream}, carried, line_file, chunks)
 
     def decide(self, ctx: StageContext, found: Candidates) -> Clusters:
         """Pairs joined into clusters, in a task; of each the smallest key is kept. -> counts per
@@ -177,9 +179,10 @@ class DedupStage(Decide):
         out = ctx.call(_components_task, ctx.storage, found.edge_files, parts, PAIRS_PER_REASON, shards, pub,
                        found.carried, keep_as, what="dedup components", num_cpus=ctx.cfg.cpus_per_worker)
         # the line's edges now: named last (the file above is whole), the one they replace deleted
-        ctx.storage.write_json(LINE_EDGES_RECORD, {"file": keep_as, "signed": found.signed})
-        if found.line_file not in (None, keep_as):
-            ctx.storage.delete_files([found.line_file])
+        ctx.storage.write_json(LINE_EDGES_RECORD, {"file": keep_as, "signed": found.signed, "chunks": found.chunks})
+        # the edges and chunks no longer named (one listing: a run that stopped early wrote some too)
+        ctx.storage.delete_files([f for f in ctx.storage.list(LINE_EDGES, recursive=True)
+                                  if f not in (keep_as, LINE_EDGES_RECORD) and f not in found.chunks])
         ctx.log(f"dedup: {found.exact} exact pairs, {found.n_candidates} near candidates, {found.near} "
                 f"near pairs" + (f" (searched for the new partitions; {out.edges_carried} pairs carried)"
                                  if found.carried else "") + f", {out.duplicates} within-data duplicates"
@@ -238,15 +241,40 @@ def _digest(signed: dict) -> str:
     return hashlib.sha256(json.dumps(signed, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _fresh_since_line(storage, signed: dict[str, str]) -> tuple[frozenset | None, tuple | None, str | None]:
+def _fresh_since_line(storage, signed: dict[str, str]) -> tuple[frozenset | None, tuple | None, str | None, dict]:
     """Which partitions an append must search pairs for: those the dataset line's edges were not
     found from. Incremental only when every partition the edges came from is still here with the
     same signatures (an exact group pairs its members with its smallest key, so a partition gone
     or changed could leave two others joined through it: then everything is searched again).
-    -> (the new partitions, (the edges file, the others)), or (None, None): search everything; and
-    the edges file the line names now."""
+    -> (the new partitions, (the edges file, the others)), or (None, None): search everything; the
+    edges file the line names now, and its signature chunks (when they still hold its partitions)."""
     line = storage.read_json(LINE_EDGES_RECORD, default=None) or {}
     file, before = line.get("file"), line.get("signed")
     if not before or not storage.exists(file) or any(signed.get(p) != s for p, s in before.items()):
-        return None, None, file
-    return frozenset(p for p in signed if p not in before), (file, frozenset(before)), file
+        return None, None, file, {}
+    return frozenset(p for p in signed if p not in before), (file, frozenset(before)), file, line.get("chunks") or {}
+
+
+MAX_CHUNKS = 256     # the line's signature chunks an append reads as they are; past it they are made anew
+
+
+def _sig_maps(ctx, upstream, signed: dict, plan, fresh: frozenset | None, chunks: dict) -> tuple[list, dict]:
+    """The group shuffle's map calls, (units, chunk to keep them as), and the line's chunks after it.
+    Everything searched: the partitions' files in groups of up to MAP_SIGNATURES rows, each group
+    kept as a chunk. An append: each chunk of the line as it is (a map task alone, nothing written),
+    and the new partitions' files grouped and kept as new chunks; nothing new: no map at all."""
+    rows = {u.part: u.kept * sigs_per_sample(plan) for u in upstream}
+    files = {u.part: f"{signed[u.part]}.sig.parquet" for u in upstream}
+    if fresh is not None and not fresh:
+        return [], chunks
+    old = chunks if fresh is not None and len(chunks) < MAX_CHUNKS else {}
+    held = {p for c in old.values() for p in c["parts"]}
+    todo = [u.part for u in upstream if u.part not in held]
+    maps = [([(f, [files[p] for p in c["parts"]])], None) for f, c in old.items()]
+    after = dict(old)
+    for g in map_groups([rows[p] for p in todo], MAP_SIGNATURES, int(ctx.cluster_cpus()) if not old else 1):
+        parts = [todo[i] for i in g]
+        name = f"{LINE_EDGES}/sigs/{_digest({p: signed[p] for p in parts})}.parquet"
+        maps.append(([(files[p], []) for p in parts], name))
+        after[name] = {"parts": parts, "rows": sum(rows[p] for p in parts)}
+    return maps, after

@@ -51,6 +51,11 @@ def test_appending_a_partition(tmp_path, ray_local):
         assert any("dedup: 3 partitions' pairs carried from the dataset line's edges; searching the groups of 2 new"
                    in m for m in logs), logs
         assert sorted(p.stat().st_mtime_ns for p in (part_a / "shards").glob("*.tar")) == stamp
+        # the line's signatures in chunks (the append read the first run's and kept its own as one)
+        line = json.loads((tmp_path / "inc" / "dedup" / "edges" / "line.json").read_text())
+        assert sorted(p for c in line["chunks"].values() for p in c["parts"]) == sorted(line["signed"])
+        assert sorted(f"dedup/edges/sigs/{f.name}" for f in (tmp_path / "inc" / "dedup" / "edges" / "sigs").iterdir()) \
+            == sorted(line["chunks"])
         _write_partition(one / "a.csv", rows[:150], server.base_url)
         _write_partition(one / "b.csv", rows[150:], server.base_url)
         # the single run cuts its partitions into map slices of 64 KiB of images and lets each reducer

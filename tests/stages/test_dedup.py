@@ -323,14 +323,58 @@ def test_an_append_searches_only_its_new_partitions_while_the_line_stands(tmp_pa
     from stages.dedup.stage import _fresh_since_line
 
     storage = Storage.local(tmp_path)
-    assert _fresh_since_line(storage, {"p0": "s0"}) == (None, None, None)            # no line yet
+    assert _fresh_since_line(storage, {"p0": "s0"}) == (None, None, None, {})            # no line yet
     storage.write_bytes("dedup/edges/e1.parquet", b"x")
-    storage.write_json(LINE_EDGES_RECORD, {"file": "dedup/edges/e1.parquet", "signed": {"p0": "s0", "p1": "s1"}})
-    fresh, carried, file = _fresh_since_line(storage, {"p0": "s0", "p1": "s1", "p2": "s2"})
+    chunks = {"dedup/edges/sigs/c.parquet": {"parts": ["p0", "p1"], "rows": 40}}
+    storage.write_json(LINE_EDGES_RECORD, {"file": "dedup/edges/e1.parquet", "signed": {"p0": "s0", "p1": "s1"},
+                                           "chunks": chunks})
+    fresh, carried, file, got = _fresh_since_line(storage, {"p0": "s0", "p1": "s1", "p2": "s2"})
     assert fresh == {"p2"} and carried == ("dedup/edges/e1.parquet", {"p0", "p1"}) and file == "dedup/edges/e1.parquet"
+    assert got == chunks
     assert _fresh_since_line(storage, {"p0": "s0", "p1": "s1"})[0] == frozenset()      # nothing new: nothing searched
     assert _fresh_since_line(storage, {"p0": "s0", "p1": "CHANGED", "p2": "s2"})[:2] == (None, None)
     assert _fresh_since_line(storage, {"p0": "s0", "p2": "s2"})[:2] == (None, None)    # p1 gone
+
+
+def test_an_append_reads_the_lines_signature_chunks_and_keeps_its_new_ones_as_one(tmp_path):
+    """_sig_maps and _sig_pieces: a full search keeps each map's signatures as a chunk; an append
+    reads each chunk as it is (no rewrite) and its new partitions' files, kept as one new chunk;
+    nothing new reads nothing; a chunk gone is read from its partitions' files."""
+    from types import SimpleNamespace
+
+    import pyarrow as pa
+
+    from infra.storage import Storage
+    from stages.dedup.group import _sig_pieces
+    from stages.dedup.layout import SIG_SCHEMA
+    from stages.dedup.lsh import band_plan
+    from stages.dedup.stage import _sig_maps
+
+    plan = band_plan(100, 0.97, 256)
+    ctx = SimpleNamespace(cluster_cpus=lambda: 2)
+    ups = [SimpleNamespace(part=f"p{i}", kept=10) for i in range(4)]
+    signed = {u.part: f"dedup/signed/{u.part}-x" for u in ups}
+    maps, chunks = _sig_maps(ctx, ups, signed, plan, None, {})              # everything searched
+    assert len(maps) == 2 and all(keep in chunks for _, keep in maps)
+    assert sorted(p for c in chunks.values() for p in c["parts"]) == ["p0", "p1", "p2", "p3"]
+    more = ups + [SimpleNamespace(part="p4", kept=10), SimpleNamespace(part="p5", kept=10)]
+    signed.update(p4="dedup/signed/p4-x", p5="dedup/signed/p5-x")
+    maps2, after = _sig_maps(ctx, more, signed, plan, frozenset({"p4", "p5"}), chunks)
+    assert [keep for _, keep in maps2[:2]] == [None, None]                  # the old chunks, as they are
+    assert [u[0] for u in maps2[0][0]] == [next(iter(chunks))]
+    assert maps2[2][0] == [("dedup/signed/p4-x.sig.parquet", []), ("dedup/signed/p5-x.sig.parquet", [])]
+    assert set(after) == set(chunks) | {maps2[2][1]} and after[maps2[2][1]]["parts"] == ["p4", "p5"]
+    assert _sig_maps(ctx, more, signed, plan, frozenset(), after) == ([], after)
+
+    storage = Storage.local(tmp_path)
+    row = lambda k, part: {"sig_kind": 2, "sig_hi": 1, "sig_lo": 2, "key": k, "part": part,   # noqa: E731
+                           "code": b"c", "mean": [0.0, 0.0, 0.0], "h32": 7}
+    for p in ("p0", "p1"):
+        storage.write_table(f"{p}.sig.parquet", pa.Table.from_pylist([row(f"k{p}", p)], schema=SIG_SCHEMA))
+    pieces = _sig_pieces(storage, [("p0.sig.parquet", []), ("p1.sig.parquet", [])], 1, "chunk.parquet")
+    assert pieces[0].num_rows == 2 and storage.read_table("chunk.parquet").num_rows == 2
+    gone = _sig_pieces(storage, [("gone.parquet", ["p0.sig.parquet", "p1.sig.parquet"])], 1)
+    assert sorted(gone[0].column("key").to_pylist()) == ["kp0", "kp1"]
 
 
 def test_a_dataset_lines_published_samples_stay_kept_in_their_clusters(tmp_path):
