@@ -443,8 +443,9 @@ def reused_or_run(ctx, fn: Callable, folder: str, key_of: Callable, call_of: Cal
     upstream = items if items is not None else ctx.upstream or []
     outs = [f"{folder}/{k}" if (k := key_of(u)) else None for u in upstream]
     previous = records.read_summary(ctx.storage, folder)
-    found = records.find(ctx.storage, {o: f"{o}.json" for o in outs if o}, summaries={folder: previous})
     given = given or {}
+    found = records.find(ctx.storage, {o: f"{o}.json" for u, o in zip(upstream, outs) if o and u.part not in given},
+                         summaries={folder: previous})
     results: list = [None] * len(upstream)
     todo = []
     for i, (u, o) in enumerate(zip(upstream, outs)):

@@ -54,12 +54,14 @@ def shared_describer(encoder_rel: str | None, cfg: DedupConfig, arrays: dict) ->
 
 
 def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
-                   encoder_checkpoint: str | None, cfg: DedupConfig, out: str) -> dict:
+                   encoder_checkpoint: str | None, cfg: DedupConfig, out: str, sign: tuple | None = None) -> dict:
     """Ray task: describe one partition's images (each decoded once), search the evaluation sets,
     write each sample's descriptor, SimHash code, mean colour and exact hashes to `<out>.desc.parquet`,
     then the record that makes them reusable by a later run with the same partition. -> small counts.
     Nothing here depends on how many samples the run has: the band signatures, which do, are the
-    sign step's (`_sign_task`), from this file, without decoding an image again."""
+    sign step's (`_sign_task`), from this file, without decoding an image again; `sign` (the band
+    plan, the bucket count, the signatures' prefix): this run's are made here too, and the result
+    says so (`signed`), sparing the partition a sign task."""
     from ..dataplane import read_kept
     from .imagehash import simhash
 
@@ -104,15 +106,24 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
     keys = rows.column("key").to_pylist()
     url_caption = [hashlib.blake2b(f"{u}\0{c}".encode(), digest_size=16).digest() for u, c in
                    zip(rows.column("url").to_pylist(), rows.column("caption").to_pylist())]
-    storage.write_table(f"{out}.desc.parquet", pa.table({
+    table = pa.table({
         "key": keys, "vec": pa.array([v.tobytes() for v in vec16], pa.binary()),
         "ok": ok, "eval_set": best_set, "eval_id": best_id, "eval_sim": best_sim,
         "code": pa.array([c.tobytes() for c in codes], pa.binary()),
         "mean": pa.FixedSizeListArray.from_arrays(pa.array(means.ravel()), 3),
-        "pixels": pa.array(pix, pa.binary()), "url_caption": pa.array(url_caption, pa.binary())}))
+        "pixels": pa.array(pix, pa.binary()), "url_caption": pa.array(url_caption, pa.binary())})
+    storage.write_table(f"{out}.desc.parquet", table)
     result = {"part": part, "described": n, "undecodable": int((~ok).sum())}
     storage.write_json(f"{out}.json", result)     # last: the file above is whole
-    return result
+    if sign is None:
+        return result
+    from .sign import SIGN_COLUMNS, sign_rows
+
+    # not in the record: what this task signed is said to this run only (a later run's plan, or a
+    # signature file deleted since, is the sign step's to judge)
+    plan, n_buckets, signed_out = sign
+    return {**result, "signed": {**sign_rows(storage, part, table.select(SIGN_COLUMNS), cfg, plan, n_buckets, signed_out),
+                                 "as": signed_out}}
 
 
 # How a partition's own images are described: the thumbnail of the picture without a `border`

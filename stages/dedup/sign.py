@@ -39,7 +39,12 @@ def _sign_task(storage, part: str, desc: str, cfg: DedupConfig, plan: BandPlan, 
     descriptions (`desc`): of the samples the within-data step considers (decodable, not an
     evaluation match), sorted by their hash, a row group per range bucket of `n_buckets`, as one
     file (infra/shuffle.py: no file per (partition, bucket)); then its record. -> small counts."""
-    t = storage.read_table(desc, SIGN_COLUMNS)
+    return sign_rows(storage, part, storage.read_table(desc, SIGN_COLUMNS), cfg, plan, n_buckets, out)
+
+
+def sign_rows(storage, part: str, t, cfg: DedupConfig, plan: BandPlan, n_buckets: int, out: str) -> dict:
+    """`_sign_task` on descriptions in hand (SIGN_COLUMNS): the describe task signs what it just
+    described, so an append's new partitions need no sign task of their own."""
     ok, sets, sims = (t.column(c).to_pylist() for c in ("ok", "eval_set", "eval_sim"))
     live = np.array([i for i in range(t.num_rows) if ok[i] and not _eval_hit(sets[i], sims[i], cfg)], np.int64)
     t = t.take(live)

@@ -114,18 +114,23 @@ class DedupStage(Decide):
         model = shared_describer(encoder_rel, cfg, arrays)
         # a partition described by an earlier run with the same input and config is reused (a
         # scheduled run that added 1 % describes the 1 %), whatever the run's size
+        # (a partition described now is signed in the same task for this run's band plan)
+        signed_as = lambda u, out: f"{SIGNED}/{_signed_key(u.part, out, plan)}"   # noqa: E731
         described, outs = reused_or_run(
             ctx, _describe_task, DESCRIBED, lambda u: _described_key(ctx.fingerprint, u),
-            lambda u, out: (ctx.storage, u.part, u.file, *args, cfg, out), "dedup describe",
-            "described before with the same input", "describe", num_cpus=cfg.cpus_per_worker, model=model)
+            lambda u, out: (ctx.storage, u.part, u.file, *args, cfg, out, (plan, n_buckets, signed_as(u, out))),
+            "dedup describe", "described before with the same input", "describe", num_cpus=cfg.cpus_per_worker,
+            model=model, encode=lambda r: {k: v for k, v in r.items() if k != "signed"})
         ctx.log(f"dedup: described {sum(d['described'] for d in described)} images")
-        # signatures for this size's band plan: a partition signed before under the same plan is
-        # reused; its file serves any bucket count (range buckets)
+        # signatures for this size's band plan: a partition signed before under the same plan, or
+        # just now by its describe task, is reused; its file serves any bucket count (range buckets)
+        just_signed = {u.part: {k: v for k, v in d["signed"].items() if k != "as"} for u, d in zip(upstream, described)
+                       if (d.get("signed") or {}).get("as") == signed_as(u, outs[u.part])}
         _, signed = reused_or_run(
             ctx, _sign_task, SIGNED, lambda u: _signed_key(u.part, outs[u.part], plan),
             lambda u, out: (ctx.storage, u.part, f"{outs[u.part]}.desc.parquet", cfg, plan, n_buckets, out),
             "dedup sign", f"signed before for {plan.bands} bands of {plan.width} bits", "sign",
-            num_cpus=cfg.cpus_per_worker)
+            given=just_signed, num_cpus=cfg.cpus_per_worker)
         # an append to a dataset line searches only the groups its new partitions touch: the line's
         # edges between the partitions it had (same signatures, so the same pairs) are carried
         fresh, carried, line_file, chunks = _fresh_since_line(ctx.storage, {u.part: signed[u.part] for u in upstream})

@@ -47,6 +47,8 @@ def test_appending_a_partition(tmp_path, ray_local):
         # dedup describes only the new partitions; pairs across old and new are still found (below)
         assert any("dedup: 3 partitions described before with the same input, reused; 2 to describe" in m
                    for m in logs), logs
+        # ... signs them in the same tasks (no sign task) ...
+        assert any(m.startswith("dedup: 3 partitions signed before") and m.endswith("reused; 0 to sign") for m in logs), logs
         # ... and searches pairs only in the groups the new partitions touch, carrying the line's edges
         assert any("dedup: 3 partitions' pairs carried from the dataset line's edges; searching the groups of 2 new"
                    in m for m in logs), logs
