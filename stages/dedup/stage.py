@@ -43,7 +43,6 @@ class Candidates:
     reduce_tasks: dict = field(default_factory=dict)
     signed: dict = field(default_factory=dict)  # partition -> its signatures' prefix (what its edges come from)
     carried: tuple | None = None  # an append: (the dataset line's edges file, the partitions not searched again)
-    line_file: str | None = None  # the dataset line's edges file before this run
     chunks: dict = field(default_factory=dict)  # the line's signatures in chunks: file -> {parts, rows}
 
 
@@ -133,7 +132,7 @@ class DedupStage(Decide):
             given=just_signed, num_cpus=cfg.cpus_per_worker)
         # an append to a dataset line searches only the groups its new partitions touch: the line's
         # edges between the partitions it had (same signatures, so the same pairs) are carried
-        fresh, carried, line_file, chunks = _fresh_since_line(ctx.storage, {u.part: signed[u.part] for u in upstream})
+        fresh, carried, chunks = _fresh_since_line(ctx.storage, {u.part: signed[u.part] for u in upstream})
         if fresh is not None:
             ctx.log(f"dedup: {len(upstream) - len(fresh)} partitions' pairs carried from the dataset line's edges; "
                     f"searching the groups of {len(fresh)} new ones")
@@ -169,7 +168,7 @@ class DedupStage(Decide):
                           set_stats, max((f.largest_group for f in found), default=0), n_buckets,
                           plan.describe(cfg.within_threshold), desc,
                           {"group": len(found), "fetch": n_fetch if wanted_files and pair_files else 0, "verify": len(checked)},
-                          {u.part: signed[u.part] for u in upstream}, carried, line_file, chunks)
+                          {u.part: signed[u.part] for u in upstream}, carried, chunks)
 
     def decide(self, ctx: StageContext, found: Candidates) -> Clusters:
         """Pairs joined into clusters, in a task; of each the smallest key is kept. -> counts per
@@ -246,18 +245,18 @@ def _digest(signed: dict) -> str:
     return hashlib.sha256(json.dumps(signed, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _fresh_since_line(storage, signed: dict[str, str]) -> tuple[frozenset | None, tuple | None, str | None, dict]:
+def _fresh_since_line(storage, signed: dict[str, str]) -> tuple[frozenset | None, tuple | None, dict]:
     """Which partitions an append must search pairs for: those the dataset line's edges were not
     found from. Incremental only when every partition the edges came from is still here with the
     same signatures (an exact group pairs its members with its smallest key, so a partition gone
     or changed could leave two others joined through it: then everything is searched again).
-    -> (the new partitions, (the edges file, the others)), or (None, None): search everything; the
-    edges file the line names now, and its signature chunks (when they still hold its partitions)."""
+    -> (the new partitions, (the edges file, the others)), or (None, None): search everything; and
+    the line's signature chunks (when they still hold its partitions)."""
     line = storage.read_json(LINE_EDGES_RECORD, default=None) or {}
     file, before = line.get("file"), line.get("signed")
     if not before or not storage.exists(file) or any(signed.get(p) != s for p, s in before.items()):
-        return None, None, file, {}
-    return frozenset(p for p in signed if p not in before), (file, frozenset(before)), file, line.get("chunks") or {}
+        return None, None, {}
+    return frozenset(p for p in signed if p not in before), (file, frozenset(before)), line.get("chunks") or {}
 
 
 MAX_CHUNKS = 256     # the line's signature chunks an append reads as they are; past it they are made anew

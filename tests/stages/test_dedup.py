@@ -323,13 +323,13 @@ def test_an_append_searches_only_its_new_partitions_while_the_line_stands(tmp_pa
     from stages.dedup.stage import _fresh_since_line
 
     storage = Storage.local(tmp_path)
-    assert _fresh_since_line(storage, {"p0": "s0"}) == (None, None, None, {})            # no line yet
+    assert _fresh_since_line(storage, {"p0": "s0"}) == (None, None, {})            # no line yet
     storage.write_bytes("dedup/edges/e1.parquet", b"x")
     chunks = {"dedup/edges/sigs/c.parquet": {"parts": ["p0", "p1"], "rows": 40}}
     storage.write_json(LINE_EDGES_RECORD, {"file": "dedup/edges/e1.parquet", "signed": {"p0": "s0", "p1": "s1"},
                                            "chunks": chunks})
-    fresh, carried, file, got = _fresh_since_line(storage, {"p0": "s0", "p1": "s1", "p2": "s2"})
-    assert fresh == {"p2"} and carried == ("dedup/edges/e1.parquet", {"p0", "p1"}) and file == "dedup/edges/e1.parquet"
+    fresh, carried, got = _fresh_since_line(storage, {"p0": "s0", "p1": "s1", "p2": "s2"})
+    assert fresh == {"p2"} and carried == ("dedup/edges/e1.parquet", {"p0", "p1"})
     assert got == chunks
     assert _fresh_since_line(storage, {"p0": "s0", "p1": "s1"})[0] == frozenset()      # nothing new: nothing searched
     assert _fresh_since_line(storage, {"p0": "s0", "p1": "CHANGED", "p2": "s2"})[:2] == (None, None)
