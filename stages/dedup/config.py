@@ -118,3 +118,13 @@ def preflight(cfg: DedupConfig, run_dir: Path | None) -> None:
             and not (Path(cfg.encoder_checkpoint) / "model.json").is_file():
         raise UserError(f"stages.dedup.encoder_checkpoint {cfg.encoder_checkpoint}: neither a capline model checkpoint "
                         f"(a folder with model.json) nor a TorchScript file ({', '.join(TORCHSCRIPT)})")
+
+
+def eval_hit(set_kind: str, sim: float, cfg: DedupConfig) -> bool:
+    """Whether a description's best evaluation match ("<set>|hash" or "<set>|encoder", its cosine)
+    is within the threshold of its kind: such a sample is dropped, and not searched within the data."""
+    if not set_kind:
+        return False
+    kind = set_kind.split("|")[1]
+    return sim >= (cfg.eval_threshold if kind == "hash" else cfg.encoder_threshold)
+

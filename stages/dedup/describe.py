@@ -142,11 +142,4 @@ def _described_key(fingerprint: str, u) -> str:
     return f"{u.part}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
-def _eval_hit(set_kind: str, sim: float, cfg: DedupConfig) -> bool:
-    if not set_kind:
-        return False
-    kind = set_kind.split("|")[1]
-    return sim >= (cfg.eval_threshold if kind == "hash" else cfg.encoder_threshold)
-
-
 DESCRIBED = "dedup/described"    # per partition, by what decided it: kept across runs (Stage.preserve)

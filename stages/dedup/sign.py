@@ -12,8 +12,7 @@ from infra.shuffle import write_ranges
 
 from .layout import PIXELS, SIG_SCHEMA, URL_CAPTION
 from .lsh import BandPlan, band_values, mix64
-from .config import DedupConfig
-from .describe import _eval_hit
+from .config import DedupConfig, eval_hit
 
 
 def sigs_per_sample(plan: BandPlan) -> int:
@@ -46,7 +45,7 @@ def sign_rows(storage, part: str, t, cfg: DedupConfig, plan: BandPlan, n_buckets
     """`_sign_task` on descriptions in hand (SIGN_COLUMNS): the describe task signs what it just
     described, so an append's new partitions need no sign task of their own."""
     ok, sets, sims = (t.column(c).to_pylist() for c in ("ok", "eval_set", "eval_sim"))
-    live = np.array([i for i in range(t.num_rows) if ok[i] and not _eval_hit(sets[i], sims[i], cfg)], np.int64)
+    live = np.array([i for i in range(t.num_rows) if ok[i] and not eval_hit(sets[i], sims[i], cfg)], np.int64)
     t = t.take(live)
     codes = _packed(t.column("code"), cfg.bits // 8)
     means = t.column("mean").combine_chunks().flatten().to_numpy().reshape(-1, 3)

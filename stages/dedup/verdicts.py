@@ -9,8 +9,7 @@ from infra.shuffle import read_bucket
 
 from ..dataplane import DROPPED, KEPT
 from .layout import DECISIONS, DECISION_SCHEMA
-from .config import DedupConfig
-from .describe import _eval_hit
+from .config import DedupConfig, eval_hit
 
 
 CAPTIONS = "dedup/eval_captions.parquet"    # the evaluation sets' captions, for the verdict tasks
@@ -79,7 +78,7 @@ def _verdicts(table: pa.Table, part: str, index: int, has_decisions: bool, cfg: 
             add(k, DROPPED, "undecodable_image", d="could not be described")
         elif k in removed:
             add(k, DROPPED, "removed", d=removed[k], match_set="removal")
-        elif _eval_hit(set_kind, sim, cfg):
+        elif eval_hit(set_kind, sim, cfg):
             name, kind = set_kind.split("|")
             add(k, DROPPED, "eval_duplicate", float(sim), f"matches {name}:{eval_id} ({kind})", name, str(eval_id))
             evals[name] = evals.get(name, 0) + 1
