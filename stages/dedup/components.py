@@ -54,7 +54,8 @@ def line_edges(storage, files: list[str], carried: tuple | None, keep_as: str | 
         n_carried = old.num_rows
         t = pa.concat_tables([t, old.cast(EDGE_SCHEMA)])
     t = t.sort_by([("a", "ascending"), ("b", "ascending"), ("kind", "ascending")])
-    if keep_as:
+    # nothing new and the same partitions: the line's file already holds exactly these edges
+    if keep_as and not (carried is not None and keep_as == carried[0] and not files):
         storage.write_table(keep_as, t)
     return t, n_carried
 
