@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks._common import write_results  # noqa: E402
-from stages import synthetic  # noqa: E402
+from stages.source import synthetic  # noqa: E402
 from trainers.evaluation.fewshot import probe  # noqa: E402
 from trainers.models import ModelConfig, build_model  # noqa: E402
 from trainers.models.decoding import beam_search, greedy  # noqa: E402

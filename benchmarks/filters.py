@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks._common import write_results  # noqa: E402
-from stages import synthetic  # noqa: E402
+from stages.source import synthetic  # noqa: E402
 
 
 def captions(n: int) -> list[str]:

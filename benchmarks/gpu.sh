@@ -18,7 +18,7 @@ print("torch", torch.__version__, "on", torch.cuda.get_device_name(0),
       f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
 PY
 echo "== 1. throughput and MFU (bf16)"
-timeout 240 "$PY" benchmarks/train.py --steps 10 --peak-tflops "${PEAK_TFLOPS:-989}" 2>&1 | tee "$OUT/gpu_train.txt"
+timeout 240 "$PY" benchmarks/train.py --steps 10 --loader-workers "${LOADER_WORKERS:-8}" --peak-tflops "${PEAK_TFLOPS:-989}" 2>&1 | tee "$OUT/gpu_train.txt"
 cp benchmarks/results/train.json "$OUT/gpu_train.json" 2>/dev/null || true
 echo "== 2. every family on CUDA"
 timeout 120 "$PY" - <<'PY' 2>&1 | tee "$OUT/gpu_families.txt"

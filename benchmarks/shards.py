@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from benchmarks._common import write_results  # noqa: E402
-from stages import synthetic  # noqa: E402
+from stages.source import synthetic  # noqa: E402
 from stages.shard.stage import write_shard  # noqa: E402
 from stages.tokenizer import TokenizerConfig, train_sentencepiece  # noqa: E402
 

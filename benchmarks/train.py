@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks._common import write_results  # noqa: E402
-from stages import synthetic  # noqa: E402
+from stages.source import synthetic  # noqa: E402
 from stages.shard.stage import write_shard  # noqa: E402
 from stages.tokenizer import TokenizerConfig, train_sentencepiece  # noqa: E402
 from trainers.data import LoaderState, ShardStream, list_shards, make_loader  # noqa: E402
@@ -80,7 +80,10 @@ def run(family: str, size: str, batch: int, steps: int, loader_workers: int, dev
     out = {"family": family, "size": size, "batch": batch, "device": device, "examples_per_s": round(eps, 2),
            "data_wait_fraction": round(wait / (wait + busy), 4)}
     if device == "cuda":
+        # Two figures: the whole step (what training gets, loader waits included) and the model's
+        # own time (what the GPU does once a batch is there): a gap between them is the loader's.
         out["model_tflops"] = round(flops_per_example(model, cfg) * eps / 1e12, 1)
+        out["model_tflops_compute_only"] = round(flops_per_example(model, cfg) * batch * steps / busy / 1e12, 1)
     return out
 
 
@@ -102,9 +105,11 @@ def main() -> None:
         r = run(fam, size, batch, steps, args.loader_workers, device, data)
         if "model_tflops" in r:
             r["mfu"] = round(r["model_tflops"] / args.peak_tflops, 3)
+            r["mfu_compute_only"] = round(r["model_tflops_compute_only"] / args.peak_tflops, 3)
         results.append(r)
         print(f"{fam:<6}{size:<5} batch {batch:>4}: {r['examples_per_s']:8.2f} examples/s, data wait "
-              f"{100 * r['data_wait_fraction']:.1f}%" + (f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else ""),
+              f"{100 * r['data_wait_fraction']:.1f}%" + (f", MFU {100 * r['mfu']:.1f}% ({100 * r['mfu_compute_only']:.1f}% of the model's own time)"
+                 if "mfu" in r else ""),
               flush=True)
     write_results("train", {"results": results, "goal_data_wait_fraction": 0.05})
 

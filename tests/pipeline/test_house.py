@@ -157,3 +157,39 @@ def test_the_registry_is_the_one_list_of_stages():
                     literal = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
                     assert len(literal & names) < 4 or path.name == "registry.py", \
                         f"{path.relative_to(ROOT)}:{node.lineno} lists stages itself: {sorted(literal & names)}"
+
+
+def _top_names(path: Path) -> set[str]:
+    """What a module defines or imports at its top level: what `from it import name` can take."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+def test_benchmarks_and_tests_import_only_what_exists():
+    """Scripts outside the packages are not imported by the suite (a benchmark runs for minutes), so a
+    module moved inside capline would break them silently: benchmarks/train.py, which gpu.sh runs on
+    a lent GPU, still took `synthetic` from `stages` after the stages moved into families."""
+    mods = _modules()
+    missing = []
+    for path in sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "tests").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            if node.module.split(".")[0] not in PACKAGES:
+                continue
+            if node.module not in mods:
+                missing.append(f"{path.relative_to(ROOT)}: {node.module}")
+                continue
+            defined = _top_names(mods[node.module])
+            for a in node.names:
+                if a.name != "*" and a.name not in defined and f"{node.module}.{a.name}" not in mods:
+                    missing.append(f"{path.relative_to(ROOT)}: {node.module}.{a.name}")
+    assert not missing, f"imports of names capline does not have: {missing}"
