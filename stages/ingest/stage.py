@@ -55,7 +55,8 @@ class IngestConfig:
     # (host_wait_budget only bounds how long a host that keeps saying "later" is waited on; in the
     # fingerprint it would have renamed every unit's tars and downloaded every list again on upgrade;
     # host_rate_max and host_limits, likewise: how fast hosts are asked, added after runs existed)
-    HOW: ClassVar[tuple] = ("compact_rows", "contact", "host_wait_budget", "host_rate_max", "host_limits")
+    HOW: ClassVar[tuple] = ("compact_rows", "contact", "host_wait_budget", "host_rate_max", "host_limits",
+                            "urls_per_worker")
     image_size: int = 256  # img2dataset resizes each image to this many pixels (see resize_mode)
     resize_mode: Literal["border", "keep_ratio", "center_crop", "no"] = "border"  # img2dataset's resize; border pads to a square (dedup and scorers see the picture without the bars)
     encode_format: Literal["jpg", "png", "webp"] = "jpg"  # how resized images are stored in the tars
@@ -78,6 +79,12 @@ class IngestConfig:
     formats: list[str] = field(default_factory=lambda: list(FORMATS))   # PIL formats a download may be
     pixels_in_flight: int = 100_000_000   # decoded at once per task: its decode memory is ~4 B x this
     task_retries: int = 2            # Ray retries of a shard whose worker died
+    # URLs a new worker process is started for, at least: its start (Ray's worker, then img2dataset's
+    # resizer with albumentations and OpenCV) is ~1.5 s of CPU, the download of ~30-60 URLs (the
+    # partitions benchmark spends ~50 ms of CPU per URL). A small run or an append runs on fewer
+    # processes than the cluster's CPUs (a 1 % append's 80 URLs ran in 16 new ones, 13 s a shard on 2
+    # real cores); raise the parallelism of a short list of slow hosts by lowering it
+    urls_per_worker: int = 64
     # politeness per host (stages/ingest/polite.py), for the whole cluster: each download task gets its share
     user_agent_token: str = "capline"    # in the User-Agent; the robots.txt / X-Robots-Tag token honoured
     host_wait_budget: float = 300.0  # seconds of Retry-After a download task grants one host in all; then its URLs are rate_limited
@@ -112,6 +119,8 @@ class IngestConfig:
             require(isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0,
                     join(prefix, "host_limits"), f"{who}: must be > 0 requests per second, got {limit!r}")
         require(self.host_concurrency >= 1, join(prefix, "host_concurrency"), "must be >= 1")
+        require(self.urls_per_worker >= 1, join(prefix, "urls_per_worker"),
+                f"must be >= 1 (1: a task per CPU whatever the list's size), got {self.urls_per_worker}")
         require(self.max_retry_after >= 0, join(prefix, "max_retry_after"), "must be >= 0 seconds")
         require(self.rate_limit_retries >= 0, join(prefix, "rate_limit_retries"), "must be >= 0")
         require(self.breaker_failures >= 1, join(prefix, "breaker_failures"), "must be >= 1")
@@ -535,7 +544,8 @@ class IngestStage(Source):
                     alive = (socket.gethostname(), os.getpid(), psutil.Process().create_time())
                 # the cluster-wide per-host manners, shared out among the tasks that may run at once: the
                 # executor's window, since a task waiting on a host gives its CPU to a queued one
-                at_once = max(1, min(len(jobs), ctx.executor.tasks_at_once(1)))
+                sizes = [j.stop - j.start for j in jobs]
+                at_once = max(1, min(len(jobs), ctx.executor.tasks_at_once(1, sizes, cfg.urls_per_worker)))
                 pacer = None if served else _pacer(ctx)     # capline's own loopback site is not paced
                 # built in the workers (img2dataset's import is seconds the driver need not spend)
                 downloader = (cfg, allow, at_once, (server.netloc,) if served else ())
@@ -548,7 +558,7 @@ class IngestStage(Source):
                                       "ingest",
                                       num_cpus=1, max_retries=cfg.task_retries,
                                       describe=lambda c: f"shard {c[1].unit}/{c[1].shard:05d}", unit="shards",
-                                      items=[j.stop - j.start for j in jobs])      # progress in URLs, not shards
+                                      items=sizes, items_per_worker=cfg.urls_per_worker)   # progress in URLs, not shards
                 finally:
                     across = shared_urls.close(registry)
                     _release(pacer)

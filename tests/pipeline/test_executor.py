@@ -45,6 +45,15 @@ def test_requests_fit_the_largest_node_and_in_flight_follows_the_cluster():
     assert in_flight(1, NodeShape(cpus=2, largest_cpus=2, largest_gpus=0, nodes=1)) >= 2
 
 
+def test_a_little_work_is_not_spread_over_a_new_worker_process_per_cpu():
+    head = NodeShape(cpus=16, largest_cpus=16, largest_gpus=0, nodes=1)
+    assert in_flight(1, head, [4] * 20, 64) == 2           # an append's 80 URLs: two processes, not 16
+    assert in_flight(1, head, [4] * 20, None) == 32        # no per-worker size given: the CPUs decide
+    assert in_flight(1, head, [4] * 2000, 64) == 32        # a fresh run's 8,000 URLs fill the cluster
+    assert in_flight(1, head, [10_000] * 3, 64) == 32      # three big shards: as many as the CPUs allow
+    assert in_flight(1, head, [0] * 5, 64) == 1            # nothing to fetch still runs its tasks
+
+
 def test_spans_merge_neighbours_and_stop_at_gaps_and_size():
     offsets, sizes = [0, 100, 200, 10_000], [100, 100, 50, 10]
     assert plan_spans(offsets, sizes, max_gap=0) == [(0, 250, [0, 1, 2]), (10_000, 10_010, [3])]

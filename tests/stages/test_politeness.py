@@ -134,7 +134,8 @@ def test_rate_limit_retry_after_and_robots_through_ingest(tmp_path, ray_local):
             folder = "private" if i < 6 else "img"
             lines.append(f"{server.base}/{folder}/{r['key']}.jpg,\"{r['caption']}\"")
         summary = _ingest_list(tmp_path, server, lines, "stages.ingest.samples_per_shard=12", "stages.ingest.host_rate=6",
-                               "stages.ingest.host_rate_max=6")     # a fixed rate: the bound below holds
+                               "stages.ingest.host_rate_max=6",     # a fixed rate: the bound below holds
+                               "stages.ingest.urls_per_worker=1")   # three shards at once, however few URLs
     finally:
         server.shutdown()
     ledger = {r["url"]: r for r in read_ledger(tmp_path / "run", "ingest").to_pylist()}
