@@ -13,11 +13,29 @@ only one written before (a resumed stage) or whose keys were lost with a node is
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 KEYS = "keys"
+
+
+@dataclass(frozen=True)
+class Indexed:
+    """What the one-file index task wrote: its rows, and where the keys came from."""
+    rows: int
+    ledgers_read: int       # ledgers read back for their keys (written before this run, or keys lost)
+    ledgers_handed: int     # ledgers whose keys the task that wrote them handed on (the object store)
+
+
+@dataclass(frozen=True)
+class IndexMeta:
+    """A stage's key index as `build` left it (`<stage>/keys/meta.json` holds buckets and rows)."""
+    buckets: int
+    rows: int
+    ledgers_read: int
+    ledgers_handed: int
 ROWS_PER_BUCKET = 2_000_000
 ROW_GROUP = 8192
 
@@ -39,7 +57,7 @@ def _reduce_task(storage, out: str, row_group: int, *pieces: pa.Table) -> int:
 
 
 def _single_task(storage, files: list[str], out: str, row_group: int, unchanged: list[str] = (),
-                 given_files: list[str] = (), *given: pa.Table | None) -> dict:
+                 given_files: list[str] = (), *given: pa.Table | None) -> Indexed:
     """The one index file from the keys of `files`: the rows of the `unchanged` ones taken from the
     index already at `out` (read here, in the task), those of `given_files` from `given` (their keys as
     the writing tasks returned them, in that order), the others' keys read from their ledgers: an
@@ -62,7 +80,7 @@ def _single_task(storage, files: list[str], out: str, row_group: int, unchanged:
         pieces.append(pa.table({"key": keys.cast(pa.string()), "file": pa.array([f] * len(keys), pa.string())}))
     new = pa.concat_tables(pieces) if pieces else pa.table({"key": pa.array([], pa.string()), "file": pa.array([], pa.string())})
     rows = _write_index(storage, new, out, row_group)
-    return {"rows": rows, "ledgers_read": len(missing), "ledgers_handed": len(in_hand)}
+    return Indexed(rows, len(missing), len(in_hand))
 
 
 def _write_index(storage, t: pa.Table, out: str, row_group: int) -> int:
@@ -74,7 +92,7 @@ def _write_index(storage, t: pa.Table, out: str, row_group: int) -> int:
 
 
 def build(storage, executor, stage: str, files: dict[str, str], rows: int, in_driver: bool = False,
-          given: dict | None = None) -> dict:
+          given: dict | None = None) -> IndexMeta:
     """The index of `stage`'s ledger `files` (path -> sha256; `rows` keys in all), in Ray tasks; ->
     its meta and how many ledgers were read for it (`ledgers_read`). `given`: ledger -> its keys as
     the task that wrote it returned them (a reference into the object store, or the table), read
@@ -90,7 +108,7 @@ def build(storage, executor, stage: str, files: dict[str, str], rows: int, in_dr
         return _build(storage, executor, stage, files, rows, in_driver, {})     # the ledgers have them too
 
 
-def _build(storage, executor, stage: str, files: dict[str, str], rows: int, in_driver: bool, given: dict) -> dict:
+def _build(storage, executor, stage: str, files: dict[str, str], rows: int, in_driver: bool, given: dict) -> IndexMeta:
     if in_driver:
         from types import SimpleNamespace
 
@@ -110,7 +128,7 @@ def _build(storage, executor, stage: str, files: dict[str, str], rows: int, in_d
         (done,) = executor.run(_single_task, [(storage, sorted(files), index, ROW_GROUP, unchanged, handing,
                                                *(given[f] for f in handing))],
                                f"{stage} key index", num_cpus=0.25, quiet=True)
-        read, handed = done["ledgers_read"], done["ledgers_handed"]
+        read, handed = done.ledgers_read, done.ledgers_handed
         # buckets of an earlier, larger index: deleted together
         storage.delete_files([f for f in storage.list(folder) if f not in (index, f"{folder}/meta.json")])
     else:   # a shuffle through Ray's object store: the map pieces never touch the bucket
@@ -122,7 +140,7 @@ def _build(storage, executor, stage: str, files: dict[str, str], rows: int, in_d
         handed = len(files) - read
     meta = {"buckets": buckets, "rows": rows, **({"files": dict(sorted(files.items()))} if buckets == 1 else {})}
     storage.write_json(f"{folder}/meta.json", meta)
-    return {**meta, "ledgers_read": read, "ledgers_handed": handed}
+    return IndexMeta(buckets, rows, read, handed)
 
 
 def lookup(storage, stage: str, key: str) -> str | None:

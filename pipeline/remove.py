@@ -361,7 +361,15 @@ def _host_pieces(storage, part: str, ingest_file: str, buckets: int) -> list[lis
     return out
 
 
-def _recheck_reduce(policy, token: str, directives: tuple, timeout: float, *pieces: list[str]) -> dict:
+@dataclass(frozen=True)
+class Rechecked:
+    """What one recheck task found of its hosts' URLs."""
+    opted_out: dict          # URL -> why (robots_disallowed...): the URLs that opt out now
+    unreachable: int
+    hosts: dict              # host -> {"checked", "opted_out", "unreachable"}
+
+
+def _recheck_reduce(policy, token: str, directives: tuple, timeout: float, *pieces: list[str]) -> Rechecked:
     """Ray task (the recheck shuffle's reduce): every URL of its hosts asked again (stages/ingest/fetch.py:
     recheck): -> the URLs that opt out now, with why, and counts per host."""
     import urllib.parse
@@ -378,8 +386,8 @@ def _recheck_reduce(policy, token: str, directives: tuple, timeout: float, *piec
             h["opted_out"] += 1
         elif why:
             h["unreachable"] += 1
-    return {"opted_out": {u: why for u, why in got.items() if why.startswith("robots_disallowed")},
-            "unreachable": sum(1 for why in got.values() if why.startswith("unreachable")), "hosts": hosts}
+    return Rechecked({u: why for u, why in got.items() if why.startswith("robots_disallowed")},
+                     sum(1 for why in got.values() if why.startswith("unreachable")), hosts)
 
 
 def recheck_line(where: str, address: str | None, log=print) -> dict:
@@ -408,12 +416,12 @@ def recheck_line(where: str, address: str | None, log=print) -> dict:
         got = ex.shuffle(_host_pieces, [(storage, p, parts[p], buckets) for p in published if p in parts], buckets,
                          _recheck_reduce, [(policy, ing.user_agent_token, HEADER_DIRECTIVES, ing.timeout)] * buckets,
                          "recheck: robots.txt and headers", num_cpus=1)
-    opted = dict(sorted((u, why) for g in got for u, why in g["opted_out"].items()))
-    hosts = {h: c for g in got for h, c in g["hosts"].items()}
+    opted = dict(sorted((u, why) for g in got for u, why in g.opted_out.items()))
+    hosts = {h: c for g in got for h, c in g.hosts.items()}
     number = len(storage.list(RECHECKS, ".json")) + 1
     report = {"recheck": number, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "checked": sum(c["checked"] for c in hosts.values()), "opted_out": len(opted),
-              "unreachable": sum(g["unreachable"] for g in got), "hosts": dict(sorted(hosts.items())),
+              "unreachable": sum(g.unreachable for g in got), "hosts": dict(sorted(hosts.items())),
               "urls": opted, "removal": None}
     if opted:
         with tempfile.TemporaryDirectory(prefix="capline-recheck-") as tmp:

@@ -302,7 +302,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
                                    fingerprint=fingerprint, executor=Executor(log=log) if apart else executor,
                                    notes=stage.note_names())
                 run = functools.partial(_run_stage, stage, ctx, in_digest, controls, store, upstream_digest=read,
-                                        judged_digest=state["judged"], sinks=also)
+                                        judged_digest=state["judged"], sinks=also, last=marker)
                 if apart:
                     log(f"{stage.name}: runs beside {nxt.name}, which reads none of it")
                     pending = (stage, beside.submit(run))
@@ -326,9 +326,10 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
 
 def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Controls,
                store, upstream_digest: str = "", judged_digest: str = "",
-               sinks: tuple = ()) -> tuple[dict, dict, list[dict], dict]:
+               sinks: tuple = (), last: dict | None = None) -> tuple[dict, dict, list[dict], dict]:
     """upstream_digest: the previous stage's output digest, kept in `_SUCCESS` so `capline status`
-    can tell a stage made from an earlier stage's older output (stale) without the config."""
+    can tell a stage made from an earlier stage's older output (stale) without the config. `last`:
+    the stage's `_SUCCESS` as the caller just read it (None: none)."""
     sdir = ctx.stage_dir
     started = controls.read(stage.name, "_STARTED")
     if started is None or started.get("input_digest") != in_digest:
@@ -338,8 +339,9 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
         from .key_index import KEYS
 
         controls.wipe(stage.name, stage.preserve + (KEYS,))
+        last = None     # its _SUCCESS went with the rest
     sdir.mkdir(parents=True, exist_ok=True)
-    before = (controls.read(stage.name, "_SUCCESS") or {}).get("files", {})   # what the last finish produced
+    before = (last or {}).get("files", {})   # what the last finish produced
     controls.remove(stage.name, "_SUCCESS")
     controls.write(stage.name, "_STARTED", {"input_digest": in_digest})
     # resuming only what the same input began: after a config or input change the stage starts over
@@ -353,7 +355,7 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     # partitions of an earlier, larger input: deleted together (1,000 a request on an object store)
     ctx.storage.delete_files([f for f in ctx.storage.list(f"{stage.name}/ledger", ".parquet") if f not in written])
     parts = sorted(result.parts, key=lambda p: p.part)
-    index = {}
+    index = None
     if parts:   # before _SUCCESS: a finished stage can always say where a key's row is
         from .key_index import build
 
@@ -370,8 +372,8 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     hist = sum_histograms(parts)
     stats = {"stage": stage.name, **counts, "partitions": len(parts), "wall_seconds": round(wall, 3),
              **result.extra_stats, "tasks": ctx.executor.records[first_record:],
-             **({"key_index": {"ledgers": len(parts), "ledgers_read": index["ledgers_read"],
-                                "ledgers_handed": index["ledgers_handed"]}} if index else {}),
+             **({"key_index": {"ledgers": len(parts), "ledgers_read": index.ledgers_read,
+                                "ledgers_handed": index.ledgers_handed}} if index else {}),
              **({"score_hist": {"bins": HIST_BINS, "range": list(HIST_RANGE), **hist}} if hist else {})}
     controls.write(stage.name, "stats.json", stats)
     files = {p.file: p.sha256 for p in parts}

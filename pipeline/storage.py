@@ -129,47 +129,62 @@ class RunStore:
     def pull(self, log=print, full: bool = False) -> int:
         """Bring the bucket's finished stages into the working copy. The run itself needs only what the
         driver reads (control files, driver-written files); `full` takes every file (for the tools
-        that inspect a run locally). -> files fetched."""
+        that inspect a run locally). Stages side by side, each file one GET (a file that is not
+        there is not asked about first): an append's start read 35 files one after another. ->
+        files fetched."""
         if not self.uri:
             return 0
+        from concurrent.futures import ThreadPoolExecutor
+
+        storage = self.storage()
+        n = sum(self._download_if_any(storage, rel) for rel in TOP_FILES)
+        dirs = storage.list_dirs("")
+        with ThreadPoolExecutor(max(1, min(8, len(dirs)))) as pool:
+            got = list(pool.map(lambda d: self._pull_stage(storage, d, full), dirs))
+        n += sum(g for g in got if g is not None)
+        if n:
+            log(f"storage: fetched {n} files of {sum(g is not None for g in got)} finished stages from {self.uri}")
+        return n
+
+    def _download_if_any(self, storage, rel: str) -> int:
+        try:
+            return int(self._download(storage, rel, None))
+        except FileNotFoundError:
+            return 0
+
+    def _pull_stage(self, storage, stage: str, full: bool) -> int | None:
+        """One stage's files, if it finished (its `_SUCCESS` read once: the copy validated below is the
+        copy kept, where a re-download could be another). -> files fetched, None if unfinished."""
         from stages.dataplane import parts_from_json
 
         from .runner import output_digest
 
-        storage = self.storage()
-        n = 0
-        for rel in TOP_FILES:
-            if storage.exists(rel):
-                n += self._download(storage, rel, None)
-        stages = [d for d in storage.list_dirs("") if storage.exists(f"{d}/_SUCCESS")]
-        for stage in stages:
-            # read once: the copy validated below is the copy kept (a re-download could be another)
+        try:
             raw = storage.read_bytes(f"{stage}/_SUCCESS")
-            try:
-                marker = json.loads(raw) if raw.strip() else {}
-            except ValueError:
-                raise UserError(f"storage: {self.uri}/{stage}/_SUCCESS is not JSON; rerun the stage") from None
-            files = marker.get("files", {})
-            wanted = set(marker.get("driver_files", []))
-            if full:
-                wanted |= set(files) | {r for r in storage.list(stage, recursive=True)
-                                        if not any(p in SKIP for p in r.split("/"))}
-            for rel in sorted(wanted - {f"{stage}/{c}" for c in CONTROL}):
-                n += self._download(storage, rel, files.get(rel))
-            for name in CONTROL[:-1]:
-                if storage.exists(f"{stage}/{name}"):
-                    n += self._download(storage, f"{stage}/{name}", None)
-            parts = parts_from_json(json.loads((self.local / stage / "parts.json").read_text())) \
-                if (self.local / stage / "parts.json").is_file() else []
-            outputs = marker.get("outputs", {})
-            if "files" in marker and (output_digest(parts, outputs, marker.get("chain")) != marker.get("output_digest") or any(
-                    files.get(p.file) != p.sha256 for p in parts)):
-                raise UserError(f"storage: {self.uri}/{stage}: its _SUCCESS does not match its parts.json "
-                                "(a stale _SUCCESS, or files rewritten after it); rerun the stage")
-            n += self._keep(f"{stage}/_SUCCESS", raw)   # last: finished here once whole
-        if n:
-            log(f"storage: fetched {n} files of {len(stages)} finished stages from {self.uri}")
-        return n
+        except FileNotFoundError:
+            return None
+        try:
+            marker = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            raise UserError(f"storage: {self.uri}/{stage}/_SUCCESS is not JSON; rerun the stage") from None
+        n = 0
+        files = marker.get("files", {})
+        wanted = set(marker.get("driver_files", []))
+        if full:
+            wanted |= set(files) | {r for r in storage.list(stage, recursive=True)
+                                    if not any(p in SKIP for p in r.split("/"))}
+        for rel in sorted(wanted - {f"{stage}/{c}" for c in CONTROL}):
+            n += self._download(storage, rel, files.get(rel))
+        for name in CONTROL[:-1]:
+            n += self._download_if_any(storage, f"{stage}/{name}")
+        parts = parts_from_json(json.loads((self.local / stage / "parts.json").read_text())) \
+            if (self.local / stage / "parts.json").is_file() else []
+        outputs = marker.get("outputs", {})
+        if "files" in marker and (output_digest(parts, outputs, marker.get("chain")) != marker.get("output_digest") or any(
+                files.get(p.file) != p.sha256 for p in parts)):
+            raise UserError(f"storage: {self.uri}/{stage}: its _SUCCESS does not match its parts.json "
+                            "(a stale _SUCCESS, or files rewritten after it); rerun the stage")
+        return n + self._keep(f"{stage}/_SUCCESS", raw)   # last: finished here once whole
 
     def push_stage(self, stage: str, log=print, before: dict | None = None) -> dict[str, str]:
         """Upload the files of `stage` the driver wrote in the working copy (the workers wrote theirs
@@ -198,10 +213,9 @@ class RunStore:
         """Upload the working copy's top files (manifest, config, report)."""
         if not self.uri:
             return 0
+        from infra.storage import _in_parallel
+
         storage = self.storage()
-        n = 0
-        for rel in TOP_FILES:
-            if (self.local / rel).is_file():
-                storage.write_bytes(rel, (self.local / rel).read_bytes())
-                n += 1
-        return n
+        here = [rel for rel in TOP_FILES if (self.local / rel).is_file()]
+        _in_parallel(lambda rel: storage.write_bytes(rel, (self.local / rel).read_bytes()), here)
+        return len(here)

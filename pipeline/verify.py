@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -171,7 +172,14 @@ def _drift_pieces(storage, file: str, buckets: int) -> list[pa.Table]:
     return hash_pieces(t, t.column("key").to_pylist(), buckets)
 
 
-def _drift_reduce(storage, bucket: int, n_old: int, *pieces: pa.Table) -> dict:
+@dataclass(frozen=True)
+class Drifted:
+    """One drift bucket's URLs (in drift/<bucket>.parquet), as counts and the first few of each kind."""
+    counts: dict            # died / changed / revived -> how many
+    first: dict             # died / changed / revived -> the first DRIFT_LISTED URLs
+
+
+def _drift_reduce(storage, bucket: int, n_old: int, *pieces: pa.Table) -> Drifted:
     """Ray task (the drift shuffle's reduce): one key bucket of both runs (the original's pieces
     first) -> its died / changed / revived URLs, written to drift/<bucket>.parquet; -> counts and
     the first DRIFT_LISTED URLs of each kind."""
@@ -192,8 +200,8 @@ def _drift_reduce(storage, bucket: int, n_old: int, *pieces: pa.Table) -> dict:
     storage.write_table(f"drift/{bucket:06d}.parquet",
                         pa.table({"url": [r[0] for r in rows], "key": [r[1] for r in rows], "drift": [r[2] for r in rows]},
                                  schema=pa.schema([("url", pa.string()), ("key", pa.string()), ("drift", pa.string())])))
-    return {kind: {"count": len(keys), "first": sorted(old[k][2] or k for k in keys)[:DRIFT_LISTED]}
-            for kind, keys in found.items()}
+    return Drifted({kind: len(keys) for kind, keys in found.items()},
+                   {kind: sorted(old[k][2] or k for k in keys)[:DRIFT_LISTED] for kind, keys in found.items()})
 
 
 def drift(old_run, new_run, executor) -> dict:
@@ -213,10 +221,10 @@ def drift(old_run, new_run, executor) -> dict:
     maps = [(old_s, f, buckets) for f in old_files] + [(new_s, f, buckets) for f in new_files]
     got = executor.shuffle(_drift_pieces, maps, buckets, _drift_reduce,
                            [(new_s, b, len(old_files)) for b in range(buckets)], "drift: compare", num_cpus=0.5)
-    out = {"counts": {k: sum(g[k]["count"] for g in got) for k in DRIFT_KINDS},
+    out = {"counts": {k: sum(g.counts[k] for g in got) for k in DRIFT_KINDS},
            "listed": DRIFT_LISTED, "all": new_s.uri("drift")}
     for kind in DRIFT_KINDS:
-        out[kind] = list(heapq.merge(*(g[kind]["first"] for g in got)))[:DRIFT_LISTED]
+        out[kind] = list(heapq.merge(*(g.first[kind] for g in got)))[:DRIFT_LISTED]
     return out
 
 
@@ -242,7 +250,18 @@ def _sample_pieces(storage, rel: str, buckets: int) -> list[pa.Table]:
     return hash_pieces(t, keys, buckets)
 
 
-def _sample_reduce(n_old: int, *pieces: pa.Table) -> dict:
+@dataclass(frozen=True)
+class Compared:
+    """One key bucket of two runs' shards, compared sample by sample."""
+    samples: int            # in the original
+    rebuilt: int            # in the rebuild
+    only_in_original: int
+    only_in_rebuild: int
+    changed: int
+    first: list             # the first COMPARE_LISTED differences of each kind, said in a line each
+
+
+def _sample_reduce(n_old: int, *pieces: pa.Table) -> Compared:
     """Ray task (the sample comparison's reduce): one key bucket of both runs' shards (the
     original's pieces first) -> counts and the first COMPARE_LISTED keys of each kind of difference."""
     def load(tables):
@@ -255,10 +274,9 @@ def _sample_reduce(n_old: int, *pieces: pa.Table) -> dict:
             a, b = (dict(p.split("=", 1) for p in m.split(",") if p) for m in (old[k], new[k]))
             changed.append(f"{k}: {', '.join(sorted(e for e in set(a) | set(b) if a.get(e) != b.get(e)))} differ")
     only_old, only_new = sorted(set(old) - set(new)), sorted(set(new) - set(old))
-    return {"samples": len(old), "rebuilt": len(new), "only_in_original": len(only_old), "only_in_rebuild": len(only_new),
-            "changed": len(changed),
-            "first": sorted([f"{k}: only in the original" for k in only_old[:COMPARE_LISTED]]
-                            + [f"{k}: only in the rebuild" for k in only_new[:COMPARE_LISTED]] + changed[:COMPARE_LISTED])}
+    return Compared(len(old), len(new), len(only_old), len(only_new), len(changed),
+                    sorted([f"{k}: only in the original" for k in only_old[:COMPARE_LISTED]]
+                           + [f"{k}: only in the rebuild" for k in only_new[:COMPARE_LISTED]] + changed[:COMPARE_LISTED]))
 
 
 def compare_samples(old_run, new_run, executor) -> dict:
@@ -277,7 +295,7 @@ def compare_samples(old_run, new_run, executor) -> dict:
             + [(new_s, f"shard/shards/{s['name']}", buckets) for s in new_shards])
     got = executor.shuffle(_sample_pieces, maps, buckets, _sample_reduce, [(len(old_shards),)] * buckets,
                            "shards: compare sample by sample", num_cpus=0.5)
-    out = {k: sum(g[k] for g in got) for k in ("samples", "rebuilt", "only_in_original", "only_in_rebuild", "changed")}
+    out = {k: sum(getattr(g, k) for g in got) for k in ("samples", "rebuilt", "only_in_original", "only_in_rebuild", "changed")}
     out["identical"] = not (out["only_in_original"] or out["only_in_rebuild"] or out["changed"])
-    out["first"] = sorted(line for g in got for line in g["first"])[:COMPARE_LISTED]
+    out["first"] = sorted(line for g in got for line in g.first)[:COMPARE_LISTED]
     return out

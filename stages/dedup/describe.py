@@ -2,6 +2,7 @@
 actor pool: each actor holds the indexes and the encoder once, stages/shared_model.py)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -15,6 +16,7 @@ from .imagehash import describe, to_rgb_array
 from .neardup import NearDupIndex
 from .config import DedupConfig
 from .encoder import EncoderDescriber
+from .layout import Described
 
 
 _LOADED: dict = {}
@@ -54,7 +56,7 @@ def shared_describer(encoder_rel: str | None, cfg: DedupConfig, arrays: dict) ->
 
 
 def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
-                   encoder_checkpoint: str | None, cfg: DedupConfig, out: str, sign: tuple | None = None) -> dict:
+                   encoder_checkpoint: str | None, cfg: DedupConfig, out: str, sign: tuple | None = None) -> Described:
     """Ray task: describe one partition's images (each decoded once), search the evaluation sets,
     write each sample's descriptor, SimHash code, mean colour and exact hashes to `<out>.desc.parquet`,
     then the record that makes them reusable by a later run with the same partition. -> small counts.
@@ -113,8 +115,8 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
         "mean": pa.FixedSizeListArray.from_arrays(pa.array(means.ravel()), 3),
         "pixels": pa.array(pix, pa.binary()), "url_caption": pa.array(url_caption, pa.binary())})
     storage.write_table(f"{out}.desc.parquet", table)
-    result = {"part": part, "described": n, "undecodable": int((~ok).sum())}
-    storage.write_json(f"{out}.json", result)     # last: the file above is whole
+    result = Described(part, n, int((~ok).sum()))
+    storage.write_json(f"{out}.json", result.to_json())     # last: the file above is whole
     if sign is None:
         return result
     from .sign import SIGN_COLUMNS, sign_rows
@@ -122,8 +124,8 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
     # not in the record: what this task signed is said to this run only (a later run's plan, or a
     # signature file deleted since, is the sign step's to judge)
     plan, n_buckets, signed_out = sign
-    return {**result, "signed": {**sign_rows(storage, part, table.select(SIGN_COLUMNS), cfg, plan, n_buckets, signed_out),
-                                 "as": signed_out}}
+    return dataclasses.replace(result, signed=sign_rows(storage, part, table.select(SIGN_COLUMNS), cfg, plan,
+                                                        n_buckets, signed_out))
 
 
 # How a partition's own images are described: the thumbnail of the picture without a `border`

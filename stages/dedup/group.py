@@ -37,12 +37,21 @@ def _sig_pieces(storage, units: list[tuple[str, list[str]]], n_buckets: int, kee
     what was read is written there as one chunk, for the next run."""
     try:
         tables = storage.read_tables([f for f, _ in units])
-    except FileNotFoundError:
-        tables = [pa.concat_tables(storage.read_tables(parts or [f])) for f, parts in units]
+    except FileNotFoundError:     # a chunk gone: that one read from its partitions' files
+        tables = [_unit(storage, f, parts) for f, parts in units]
     t = pa.concat_tables(tables)
     if keep_as:
         storage.write_table(keep_as, t)
     return range_pieces(t, "h32", n_buckets)
+
+
+def _unit(storage, file: str, parts: list[str]) -> pa.Table:
+    try:
+        return storage.read_table(file)
+    except FileNotFoundError:
+        if not parts:
+            raise
+        return pa.concat_tables(storage.read_tables(parts))
 
 
 def _group_reduce(storage, bucket: int, cfg: DedupConfig, n_pair_buckets: int, n_fetch: int,

@@ -16,6 +16,40 @@ class Pair(NamedTuple):
     kind: str       # exact_duplicate | near_duplicate (a candidate until verified)
 
 @dataclass(frozen=True)
+class Signed:
+    """What one partition's sign step wrote (its signatures are in `<out>.sig.parquet`); its record
+    is this as JSON. `as_`: the prefix it was written under, said to this run only by a describe
+    task that signed too (a later run's plan, or a file deleted since, is the sign step's to judge)."""
+    part: str
+    signed: int             # signature rows' samples: decodable, no evaluation match
+    as_: str | None = None
+
+    def to_json(self) -> dict:
+        return {"part": self.part, "signed": self.signed}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Signed":
+        return cls(d["part"], int(d["signed"]))
+
+
+@dataclass(frozen=True)
+class Described:
+    """What one partition's describe step wrote (its descriptors are in `<out>.desc.parquet`); its
+    record is this as JSON, without `signed` (the signatures made in the same task, this run's)."""
+    part: str
+    described: int
+    undecodable: int
+    signed: Signed | None = None
+
+    def to_json(self) -> dict:
+        return {"part": self.part, "described": self.described, "undecodable": self.undecodable}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Described":
+        return cls(d["part"], int(d["described"]), int(d["undecodable"]))
+
+
+@dataclass(frozen=True)
 class Grouped:
     """What one group task found (its pairs and wanted descriptors are in its files)."""
     pairs: int

@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from infra.shuffle import write_ranges
 
-from .layout import PIXELS, SIG_SCHEMA, URL_CAPTION
+from .layout import PIXELS, SIG_SCHEMA, URL_CAPTION, Signed
 from .lsh import BandPlan, band_values, mix64
 from .config import DedupConfig, eval_hit
 
@@ -33,7 +33,7 @@ MIN_BUCKET_ROWS = 100_000
 SIGN_COLUMNS = ["key", "ok", "eval_set", "eval_sim", "code", "mean", "pixels", "url_caption"]
 
 
-def _sign_task(storage, part: str, desc: str, cfg: DedupConfig, plan: BandPlan, n_buckets: int, out: str) -> dict:
+def _sign_task(storage, part: str, desc: str, cfg: DedupConfig, plan: BandPlan, n_buckets: int, out: str) -> Signed:
     """Ray task: one partition's signatures for the band plan of this run's size, from its
     descriptions (`desc`): of the samples the within-data step considers (decodable, not an
     evaluation match), sorted by their hash, a row group per range bucket of `n_buckets`, as one
@@ -41,7 +41,7 @@ def _sign_task(storage, part: str, desc: str, cfg: DedupConfig, plan: BandPlan, 
     return sign_rows(storage, part, storage.read_table(desc, SIGN_COLUMNS), cfg, plan, n_buckets, out)
 
 
-def sign_rows(storage, part: str, t, cfg: DedupConfig, plan: BandPlan, n_buckets: int, out: str) -> dict:
+def sign_rows(storage, part: str, t, cfg: DedupConfig, plan: BandPlan, n_buckets: int, out: str) -> Signed:
     """`_sign_task` on descriptions in hand (SIGN_COLUMNS): the describe task signs what it just
     described, so an append's new partitions need no sign task of their own."""
     ok, sets, sims = (t.column(c).to_pylist() for c in ("ok", "eval_set", "eval_sim"))
@@ -52,8 +52,8 @@ def sign_rows(storage, part: str, t, cfg: DedupConfig, plan: BandPlan, n_buckets
     table = signature_table(t.column("key").to_pylist(), part, codes, means, t.column("pixels").to_pylist(),
                             t.column("url_caption").to_pylist(), plan)
     write_ranges(storage, f"{out}.sig.parquet", table, "h32", n_buckets)
-    result = {"part": part, "signed": t.num_rows}
-    storage.write_json(f"{out}.json", result)     # last: the file above is whole
+    result = Signed(part, t.num_rows, out)
+    storage.write_json(f"{out}.json", result.to_json())     # last: the file above is whole
     return result
 
 

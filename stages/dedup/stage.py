@@ -12,7 +12,7 @@ from infra.shuffle import map_groups
 
 from ..base import Decide, StageContext, StageResult
 from ..dataplane import PartTask, reused_or_run
-from .layout import EDGE_DIR, LINE_EDGES, LINE_EDGES_RECORD, PAIR_DIR, WANTED_DIR, Clusters
+from .layout import EDGE_DIR, LINE_EDGES, LINE_EDGES_RECORD, PAIR_DIR, WANTED_DIR, Clusters, Described, Signed
 from .report import PAIRS_PER_REASON
 from .eval_sets import build_reference, check_exists
 from .lsh import band_plan
@@ -119,17 +119,17 @@ class DedupStage(Decide):
             ctx, _describe_task, DESCRIBED, lambda u: _described_key(ctx.fingerprint, u),
             lambda u, out: (ctx.storage, u.part, u.file, *args, cfg, out, (plan, n_buckets, signed_as(u, out))),
             "dedup describe", "described before with the same input", "describe", num_cpus=cfg.cpus_per_worker,
-            model=model, encode=lambda r: {k: v for k, v in r.items() if k != "signed"})
-        ctx.log(f"dedup: described {sum(d['described'] for d in described)} images")
+            model=model, encode=Described.to_json, decode=Described.from_json)
+        ctx.log(f"dedup: described {sum(d.described for d in described)} images")
         # signatures for this size's band plan: a partition signed before under the same plan, or
         # just now by its describe task, is reused; its file serves any bucket count (range buckets)
-        just_signed = {u.part: {k: v for k, v in d["signed"].items() if k != "as"} for u, d in zip(upstream, described)
-                       if (d.get("signed") or {}).get("as") == signed_as(u, outs[u.part])}
+        just_signed = {u.part: d.signed for u, d in zip(upstream, described)
+                       if d.signed is not None and d.signed.as_ == signed_as(u, outs[u.part])}
         _, signed = reused_or_run(
             ctx, _sign_task, SIGNED, lambda u: _signed_key(u.part, outs[u.part], plan),
             lambda u, out: (ctx.storage, u.part, f"{outs[u.part]}.desc.parquet", cfg, plan, n_buckets, out),
             "dedup sign", f"signed before for {plan.bands} bands of {plan.width} bits", "sign",
-            given=just_signed, num_cpus=cfg.cpus_per_worker)
+            given=just_signed, encode=Signed.to_json, decode=Signed.from_json, num_cpus=cfg.cpus_per_worker)
         # an append to a dataset line searches only the groups its new partitions touch: the line's
         # edges between the partitions it had (same signatures, so the same pairs) are carried
         fresh, carried, chunks = _fresh_since_line(ctx.storage, {u.part: signed[u.part] for u in upstream})
@@ -265,8 +265,10 @@ MAX_CHUNKS = 256     # the line's signature chunks an append reads as they are; 
 def _sig_maps(ctx, upstream, signed: dict, plan, fresh: frozenset | None, chunks: dict) -> tuple[list, dict]:
     """The group shuffle's map calls, (units, chunk to keep them as), and the line's chunks after it.
     Everything searched: the partitions' files in groups of up to MAP_SIGNATURES rows, each group
-    kept as a chunk. An append: each chunk of the line as it is (a map task alone, nothing written),
-    and the new partitions' files grouped and kept as new chunks; nothing new: no map at all."""
+    kept as a chunk. An append: the line's chunks as they are, several to a map task up to
+    MAP_SIGNATURES rows (nothing written; a task per chunk started 17 tasks, most in new worker
+    processes, for an append's 20 partitions), and the new partitions' files grouped and kept as new
+    chunks; nothing new: no map at all."""
     rows = {u.part: u.kept * sigs_per_sample(plan) for u in upstream}
     files = {u.part: f"{signed[u.part]}.sig.parquet" for u in upstream}
     if fresh is not None and not fresh:
@@ -274,7 +276,9 @@ def _sig_maps(ctx, upstream, signed: dict, plan, fresh: frozenset | None, chunks
     old = chunks if fresh is not None and len(chunks) < MAX_CHUNKS else {}
     held = {p for c in old.values() for p in c["parts"]}
     todo = [u.part for u in upstream if u.part not in held]
-    maps = [([(f, [files[p] for p in c["parts"]])], None) for f, c in old.items()]
+    names = list(old)
+    maps = [([(names[i], [files[p] for p in old[names[i]]["parts"]]) for i in g], None)
+            for g in map_groups([old[n]["rows"] for n in names], MAP_SIGNATURES, 1)]
     after = dict(old)
     for g in map_groups([rows[p] for p in todo], MAP_SIGNATURES, int(ctx.cluster_cpus()) if not old else 1):
         parts = [todo[i] for i in g]

@@ -173,7 +173,7 @@ def _shared_scorer(ctx: StageContext, scorer: dict, cfg: ClipScoreConfig) -> Sha
 
 
 def _score_task(storage, part: str, file: str, out: str, folder: str, sha: str, device: str,
-                kind: str = "checkpoint") -> dict:
+                kind: str = "checkpoint") -> Scored:
     """Ray task: score one partition, write its scores (`out`.parquet, then the counts in
     `out`.json, which make them reusable), return how many of each value."""
     rows = by_location(read_kept(storage, file))
@@ -194,7 +194,7 @@ def _decoded(batch: pa.Table, images: list) -> list:
     return images
 
 
-def _write_scores(storage, out: str, part: str, rows: pa.Table, ints: np.ndarray) -> dict:
+def _write_scores(storage, out: str, part: str, rows: pa.Table, ints: np.ndarray) -> Scored:
     """The partition's kept rows as they came (their state) with their integer scores: what the
     verdict task reads instead of the input partition."""
     from ..dataplane import CARRIED
@@ -204,12 +204,12 @@ def _write_scores(storage, out: str, part: str, rows: pa.Table, ints: np.ndarray
                       "score": pa.array(ints, pa.int64()), **{c: rows.column(c) for c in state}})
     storage.write_table(f"{out}.parquet", table)
     values, counts = np.unique(ints, return_counts=True)
-    result = {"part": part, "values": values.tolist(), "counts": counts.tolist()}
-    storage.write_json(f"{out}.json", result)
+    result = Scored(part, values.tolist(), counts.tolist())
+    storage.write_json(f"{out}.json", result.to_json())
     return result
 
 
-def _column_task(storage, part: str, file: str, out: str, column: str) -> dict:
+def _column_task(storage, part: str, file: str, out: str, column: str) -> Scored:
     """Ray task: a partition's scores from the URL list's own column (in each sample's notes)."""
     import json
 
@@ -246,6 +246,21 @@ def _sample_task(storage, file: str, seed: int, below: str, trusted: frozenset |
     rows = read_kept(storage, file, ["key", "caption", *PICTURE_COLUMNS]).to_pylist()
     return [dict(r, order=order_key(seed, r["key"])) for r in rows
             if order_key(seed, r["key"]) < below and (trusted is None or r["key"] in trusted)]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One partition's scores as counts: how many samples got each integer score (its record)."""
+    part: str
+    values: list
+    counts: list
+
+    def to_json(self) -> dict:
+        return {"part": self.part, "values": self.values, "counts": self.counts}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Scored":
+        return cls(d["part"], list(d["values"]), list(d["counts"]))
 
 
 @dataclass
@@ -316,10 +331,11 @@ class ClipScoreStage(Decide):
         found, outs = reused_or_run(
             ctx, fn, SCORED, lambda u: f"{u.part}-{_scored_key(scorer, cfg.device, u)}",
             lambda u, out: (ctx.storage, u.part, u.file, out, *args), "clip_score",
-            f"scored before by scorer {scorer['sha256'][:12]}", "score", **options)
+            f"scored before by scorer {scorer['sha256'][:12]}", "score", encode=Scored.to_json,
+            decode=Scored.from_json, **options)
         counts: Counter = Counter()
         for f in found:
-            counts.update(dict(zip(f["values"], f["counts"])))
+            counts.update(dict(zip(f.values, f.counts)))
         return Scores(scorer, counts, outs)
 
     def decide(self, ctx: StageContext, measured: Scores) -> Cut:

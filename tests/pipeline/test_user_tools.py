@@ -212,12 +212,12 @@ def test_a_stage_key_index_names_the_one_ledger_file_of_a_key(tmp_path, ray_loca
     monkeypatch.setattr(key_index, "ROWS_PER_BUCKET", 1500)
     monkeypatch.setattr(key_index, "ROW_GROUP", 100)
     meta = key_index.build(storage, Executor(log=lambda m: None), "dedup", files, 5000)
-    assert meta["buckets"] == 4 and not (tmp_path / "dedup" / "keys" / "_map").exists()
+    assert meta.buckets == 4 and not (tmp_path / "dedup" / "keys" / "_map").exists()
     assert all(key_index.lookup(storage, "dedup", f"s{j:05d}") == f"dedup/ledger/p{j % 5}.parquet"
                for j in range(0, 5000, 37))
     assert key_index.lookup(storage, "dedup", "s99999") == "" and key_index.lookup(storage, "basic", "s00001") is None
     monkeypatch.setattr(key_index, "ROWS_PER_BUCKET", 10**6)            # one bucket: one task, no map files
-    assert key_index.build(storage, Executor(log=lambda m: None), "language", files, 5000)["buckets"] == 1
+    assert key_index.build(storage, Executor(log=lambda m: None), "language", files, 5000).buckets == 1
     assert all(key_index.lookup(storage, "language", f"s{j:05d}") == f"dedup/ledger/p{j % 5}.parquet"
                for j in range(0, 5000, 37))
     index = pq.ParquetFile(tmp_path / "dedup" / "keys" / "000000.parquet")
@@ -242,7 +242,7 @@ def test_a_stage_key_index_names_the_one_ledger_file_of_a_key(tmp_path, ray_loca
     for rows_per_bucket, buckets in ((1500, 4), (10**6, 1)):
         monkeypatch.setattr(key_index, "ROWS_PER_BUCKET", rows_per_bucket)
         meta = key_index.build(storage, Executor(log=lambda m: None), "basic", files, 5000, given=given)
-        assert (meta["buckets"], meta["ledgers_read"], meta["ledgers_handed"]) == (buckets, 0, 5), meta
+        assert (meta.buckets, meta.ledgers_read, meta.ledgers_handed) == (buckets, 0, 5), meta
         assert all(key_index.lookup(storage, "basic", f"s{j:05d}") == f"dedup/ledger/p{j % 5}.parquet"
                    for j in range(0, 5000, 37))
     assert not [r for r in read if "/ledger/" in r], read
@@ -262,7 +262,7 @@ def test_a_stage_key_index_names_the_one_ledger_file_of_a_key(tmp_path, ray_loca
 
     lost = ray.exceptions.ObjectLostError("00" * 28, "", "")
     meta = key_index.build(storage, Failing(lost), "clip_score", files, 5000, given=given)
-    assert (meta["ledgers_read"], meta["ledgers_handed"]) == (5, 0), meta
+    assert (meta.ledgers_read, meta.ledgers_handed) == (5, 0), meta
     assert all(key_index.lookup(storage, "clip_score", f"s{j:05d}") == f"dedup/ledger/p{j % 5}.parquet"
                for j in range(0, 5000, 37))
     with pytest.raises(RuntimeError, match="task 0 failed"):

@@ -338,8 +338,9 @@ def test_an_append_searches_only_its_new_partitions_while_the_line_stands(tmp_pa
 
 def test_an_append_reads_the_lines_signature_chunks_and_keeps_its_new_ones_as_one(tmp_path):
     """_sig_maps and _sig_pieces: a full search keeps each map's signatures as a chunk; an append
-    reads each chunk as it is (no rewrite) and its new partitions' files, kept as one new chunk;
-    nothing new reads nothing; a chunk gone is read from its partitions' files."""
+    reads the chunks as they are (no rewrite), several to one map task, and its new partitions'
+    files, kept as one new chunk; nothing new reads nothing; a chunk gone is read from its
+    partitions' files, the others beside it as they are."""
     from types import SimpleNamespace
 
     import pyarrow as pa
@@ -360,10 +361,10 @@ def test_an_append_reads_the_lines_signature_chunks_and_keeps_its_new_ones_as_on
     more = ups + [SimpleNamespace(part="p4", kept=10), SimpleNamespace(part="p5", kept=10)]
     signed.update(p4="dedup/signed/p4-x", p5="dedup/signed/p5-x")
     maps2, after = _sig_maps(ctx, more, signed, plan, frozenset({"p4", "p5"}), chunks)
-    assert [keep for _, keep in maps2[:2]] == [None, None]                  # the old chunks, as they are
-    assert [u[0] for u in maps2[0][0]] == [next(iter(chunks))]
-    assert maps2[2][0] == [("dedup/signed/p4-x.sig.parquet", []), ("dedup/signed/p5-x.sig.parquet", [])]
-    assert set(after) == set(chunks) | {maps2[2][1]} and after[maps2[2][1]]["parts"] == ["p4", "p5"]
+    assert len(maps2) == 2 and maps2[0][1] is None                          # the old chunks, as they are,
+    assert [u[0] for u in maps2[0][0]] == list(chunks)                      # in one map task
+    assert maps2[1][0] == [("dedup/signed/p4-x.sig.parquet", []), ("dedup/signed/p5-x.sig.parquet", [])]
+    assert set(after) == set(chunks) | {maps2[1][1]} and after[maps2[1][1]]["parts"] == ["p4", "p5"]
     assert _sig_maps(ctx, more, signed, plan, frozenset(), after) == ([], after)
 
     storage = Storage.local(tmp_path)
@@ -375,6 +376,9 @@ def test_an_append_reads_the_lines_signature_chunks_and_keeps_its_new_ones_as_on
     assert pieces[0].num_rows == 2 and storage.read_table("chunk.parquet").num_rows == 2
     gone = _sig_pieces(storage, [("gone.parquet", ["p0.sig.parquet", "p1.sig.parquet"])], 1)
     assert sorted(gone[0].column("key").to_pylist()) == ["kp0", "kp1"]
+    storage.write_table("p2.sig.parquet", pa.Table.from_pylist([row("kp2", "p2")], schema=SIG_SCHEMA))
+    mixed = _sig_pieces(storage, [("gone.parquet", ["p2.sig.parquet"]), ("chunk.parquet", ["p0.sig.parquet"])], 1)
+    assert sorted(mixed[0].column("key").to_pylist()) == ["kp0", "kp1", "kp2"]   # the chunk as it is: p1 too
 
 
 def test_a_dataset_lines_published_samples_stay_kept_in_their_clusters(tmp_path):
