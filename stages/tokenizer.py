@@ -59,7 +59,31 @@ def train_sentencepiece(captions: list[str], cfg: TokenizerConfig) -> bytes:
     return buf.getvalue()
 
 
-def _sample_task(storage, file: str, seed: int, below: str) -> list[tuple[str, str]]:
+@dataclass(frozen=True)
+class Sampled:
+    """One partition's captions below the hash threshold, and what the partition held."""
+    rows: list              # (order key, caption)
+    n: int                  # samples read
+    sum: str                # their key-set checksum (decimal text)
+
+
+@dataclass(frozen=True)
+class Trained:
+    """The tokenizer as trained (or kept from the dataset line): its stats, and what it consumed."""
+    vocab_size: int
+    trained_on: int
+    sha256: str
+    mean_tokens: float
+    max_tokens: int
+    consumed: tuple = (0, "0")    # (samples, key-set checksum) of the upstream partitions
+
+    def stats(self) -> dict:
+        """As stats.json and the line's info.json say it (without `consumed`)."""
+        return {"vocab_size": self.vocab_size, "trained_on": self.trained_on, "sha256": self.sha256,
+                "mean_tokens": self.mean_tokens, "max_tokens": self.max_tokens}
+
+
+def _sample_task(storage, file: str, seed: int, below: str) -> Sampled:
     """Ray task: (order key, caption) of the partition's samples whose order key is below `below`,
     and how many it read (count and key-set checksum: what the stage consumed)."""
     from .dataplane import keyset_sum, read_kept
@@ -71,10 +95,10 @@ def _sample_task(storage, file: str, seed: int, below: str) -> list[tuple[str, s
         o = order_key(seed, k)
         if o < below:
             out.append((o, c or ""))
-    return {"rows": out, "n": len(keys), "sum": str(keyset_sum(keys))}
+    return Sampled(out, len(keys), str(keyset_sum(keys)))
 
 
-def _train_task(storage, files: list[str], n: int, seed: int, cfg: TokenizerConfig) -> dict:
+def _train_task(storage, files: list[str], n: int, seed: int, cfg: TokenizerConfig) -> Trained:
     """Ray task: sample the captions by a hash threshold, train, write spm.model to the run folder."""
     import sentencepiece as spm
 
@@ -84,7 +108,7 @@ def _train_task(storage, files: list[str], n: int, seed: int, cfg: TokenizerConf
     while True:
         below = "f" * 64 if frac >= 1 else format(int(frac * 16 ** 16), "016x") + "0" * 48
         found = fan_out(_sample_task, [(storage, f, seed, below) for f in files])
-        rows = [r for got in found for r in got["rows"]]
+        rows = [r for got in found for r in got.rows]
         if len(rows) >= min(n, cfg.max_sentences) or frac >= 1:
             break
         frac = min(1.0, frac * 2)
@@ -97,12 +121,11 @@ def _train_task(storage, files: list[str], n: int, seed: int, cfg: TokenizerConf
     lengths = [len(ids) + 1 for ids in sp.encode(captions[:2000])]  # + EOS
     from .dataplane import add_sums
 
-    return {"vocab_size": sp.get_piece_size(), "trained_on": len(captions), "sha256": sha,
-            "mean_tokens": sum(lengths) / len(lengths), "max_tokens": max(lengths),
-            "consumed": (sum(g["n"] for g in found), add_sums(*(g["sum"] for g in found)))}
+    return Trained(sp.get_piece_size(), len(captions), sha, sum(lengths) / len(lengths), max(lengths),
+                   (sum(g.n for g in found), add_sums(*(g.sum for g in found))))
 
 
-def _keep(ctx) -> dict:
+def _keep(ctx) -> Trained:
     """The dataset line's model as this run's (two requests on the driver), and what the stage
     consumed: the upstream partitions' kept counts and key-set checksums from their summaries (the
     upstream checked them when it wrote them): an append reads no partition here."""
@@ -111,7 +134,8 @@ def _keep(ctx) -> dict:
     info = ctx.storage.read_json(f"{LINE}/info.json")
     ctx.storage.write_bytes("tokenizer/spm.model", ctx.storage.read_bytes(f"{LINE}/spm.model"))
     upstream = ctx.upstream or []
-    return {**info, "consumed": (sum(u.kept for u in upstream), add_sums(*(u.kept_sum for u in upstream)))}
+    return Trained(**{k: info[k] for k in ("vocab_size", "trained_on", "sha256", "mean_tokens", "max_tokens")},
+                   consumed=(sum(u.kept for u in upstream), add_sums(*(u.kept_sum for u in upstream))))
 
 
 LINE = "tokenizer/line"      # the model kept for later runs (reuse)
@@ -127,18 +151,17 @@ class TokenizerStage(Sink):
         files = [u.file for u in ctx.upstream or [] if u.kept]
         if cfg.reuse and ctx.storage.exists(f"{LINE}/info.json"):
             info = _keep(ctx)
-            ctx.log(f"tokenizer: the model of this dataset line ({info['sha256'][:12]}, {info['vocab_size']} pieces), "
+            ctx.log(f"tokenizer: the model of this dataset line ({info.sha256[:12]}, {info.vocab_size} pieces), "
                     "not trained again (stages.tokenizer.reuse; set it false to retrain)")
         else:
             info = ctx.call(_train_task, ctx.storage, files, ctx.n_in, ctx.seed, cfg, what="tokenizer",
                             num_cpus=cfg.threads, setting="stages.tokenizer.threads")
-            ctx.log(f"tokenizer: trained a {cfg.model_type} model of {info['vocab_size']} pieces on "
-                    f"{info['trained_on']} captions")
+            ctx.log(f"tokenizer: trained a {cfg.model_type} model of {info.vocab_size} pieces on "
+                    f"{info.trained_on} captions")
             if cfg.reuse:
                 ctx.storage.write_bytes(f"{LINE}/spm.model", ctx.storage.read_bytes("tokenizer/spm.model"))
-                ctx.storage.write_json(f"{LINE}/info.json", {k: v for k, v in info.items() if k != "consumed"})
-        consumed = info.pop("consumed")
-        return StageResult([], {**info, "requested_vocab_size": cfg.vocab_size},
-                           artifacts={"model": "tokenizer/spm.model", "sha256": info["sha256"],
-                                      "vocab_size": info["vocab_size"]},
-                           files={"tokenizer/spm.model": info["sha256"]}, consumed=consumed)
+                ctx.storage.write_json(f"{LINE}/info.json", info.stats())
+        return StageResult([], {**info.stats(), "requested_vocab_size": cfg.vocab_size},
+                           artifacts={"model": "tokenizer/spm.model", "sha256": info.sha256,
+                                      "vocab_size": info.vocab_size},
+                           files={"tokenizer/spm.model": info.sha256}, consumed=info.consumed)

@@ -194,7 +194,7 @@ def _release(pacer) -> None:
 
 
 def _shard_task(storage, job: ShardJob, downloader, base: str, server, shared=None, pacer=None,
-                progress=None) -> dict:
+                progress=None) -> PartResult:
     """Ray task: download one shard in a local temporary folder, move it into the run folder, index it.
 
     `server`: (host, pid, start time) of the process serving a served source over loopback (the
