@@ -81,8 +81,8 @@ def fit_request(num_cpus: float, num_gpus: float, shape: NodeShape, what: str, s
 def in_flight(num_cpus: float, shape: NodeShape, items: list[int] | None = None,
               items_per_worker: int | None = None) -> int:
     """Tasks to keep submitted: every CPU busy, and as many again queued so none waits for the driver.
-    With `items_per_worker`, at most one task per that many of the `items` the calls work through, and
-    none queued: each task Ray starts at once may be a new worker process (seconds of start and
+    With `items_per_worker`, also no more than one task per that many of the `items` the calls work
+    through: each task Ray starts at once may be a new worker process (seconds of start and
     imports), worth it only for that much work. An append of 80 URLs in 20 shards on a head declaring
     16 CPUs started 16 processes for 1.2 s of downloads each, 13 s a shard on 2 real cores."""
     per_task = num_cpus if num_cpus > 0 else 0.25
