@@ -17,6 +17,8 @@ driver sees counts.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -47,17 +49,25 @@ def _key_pieces(storage, part: str, file: str, order: int, n: int, own_keys: boo
     return hash_pieces(t, keys if own_keys else [base_of(k) for k in keys], n)
 
 
-def _bucket_task(storage, bucket: int, own_keys: bool, *pieces: pa.Table):
-    """Ray task (a shuffle's reduce): the keys of one bucket from every partition; -> {partition:
-    renames} (written to storage), or, with the user's own keys, the repeats found (for a one-line
-    refusal)."""
+@dataclass(frozen=True)
+class KeyBucket:
+    """What one key bucket found: with the user's own keys, the repeats (`n`, the first few pairs of
+    rows that share a key, for a one-line refusal); else the renames per partition (written to
+    storage, RENAMES)."""
+    renamed: dict = field(default_factory=dict)     # partition -> rows renamed
+    repeats: list = field(default_factory=list)     # (row, row) described, the first five
+    n: int = 0                                      # keys repeated across files
+
+
+def _bucket_task(storage, bucket: int, own_keys: bool, *pieces: pa.Table) -> KeyBucket:
+    """Ray task (a shuffle's reduce): the keys of one bucket from every partition."""
     seen: dict[str, list] = {}
     for t in pieces:
         for order, part, key, detail in zip(*(t.column(c).to_pylist() for c in PIECE_SCHEMA.names)):
             seen.setdefault(key if own_keys else base_of(key), []).append((order, part, key, detail))
     repeats = {b: rows for b, rows in seen.items() if len({r[0] for r in rows}) > 1}
     if own_keys:
-        return {"repeats": sorted((rows[0][3], rows[1][3]) for rows in repeats.values())[:5], "n": len(repeats)}
+        return KeyBucket(repeats=sorted((rows[0][3], rows[1][3]) for rows in repeats.values())[:5], n=len(repeats))
     renames = {"part": [], "key": [], "new_key": [], "first": []}
     counts: dict[str, int] = {}
     for b, rows in repeats.items():
@@ -70,7 +80,7 @@ def _bucket_task(storage, bucket: int, own_keys: bool, *pieces: pa.Table):
                 counts[part] = counts.get(part, 0) + 1
     if counts:
         storage.write_table(f"{RENAMES}/b{bucket:03d}.parquet", pa.table(renames))
-    return {"renamed": counts}
+    return KeyBucket(renamed=counts)
 
 
 def _suffix(key: str) -> int:
@@ -105,9 +115,9 @@ def unique_across_files(ctx, parts: list[PartResult], file_of: dict[str, int], o
                         _bucket_task, [(ctx.storage, b, own_keys) for b in range(n)], "source: keys across files",
                         num_cpus=0.5)
     if own_keys:
-        n = sum(f["n"] for f in found)
+        n = sum(f.n for f in found)
         if n:
-            shown = "; ".join(f"{a} and {b}" for f in found for a, b in f["repeats"])[:600]
+            shown = "; ".join(f"{a} and {b}" for f in found for a, b in f.repeats)[:600]
             raise UserError(f"source: {n} key_col value(s) appear in more than one URL list file ({shown}); "
                             "keys must be unique across the files (drop key_col to let capline key rows by "
                             "URL and caption, which keeps every copy and drops repeats as exact_duplicate)")
@@ -115,7 +125,7 @@ def unique_across_files(ctx, parts: list[PartResult], file_of: dict[str, int], o
     touched: dict[str, list[int]] = {}
     renamed = 0
     for b, f in enumerate(found):
-        for part, n in f["renamed"].items():
+        for part, n in f.renamed.items():
             touched.setdefault(part, []).append(b)
             renamed += n
     if not touched:
