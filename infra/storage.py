@@ -193,7 +193,7 @@ class Storage:
     def read_tables(self, rels: list[str], columns=None) -> list[pa.Table]:
         """`read_table` of each, 32 at a time (a task that reads thousands of small ledgers would
         otherwise wait out each read's latency in turn)."""
-        return _in_parallel(lambda r: self.read_table(r, columns), rels)
+        return in_parallel(lambda r: self.read_table(r, columns), rels)
 
     def exists(self, rel: str) -> bool:
         import pyarrow.fs as pafs
@@ -280,7 +280,7 @@ class Storage:
 
     def read_jsons(self, rels: list[str], default=None) -> list:
         """`read_json` of each, 32 at a time (on an object store each read waits on latency)."""
-        return _in_parallel(lambda r: self.read_json(r, default), rels)
+        return in_parallel(lambda r: self.read_json(r, default), rels)
 
     def read_json(self, rel: str, default=None):
         """The JSON at rel; `default` if there is none or it is not whole JSON (a torn write). One
@@ -386,14 +386,15 @@ def _remove_fetched() -> None:
 SCHEMES = ("s3://", "gs://")
 
 
-def _in_parallel(read, rels: list[str], at_once: int = 32) -> list:
-    """`read(rel)` of each, in order, `at_once` at a time."""
+def in_parallel(fn, rels: list[str], at_once: int = 32) -> list:
+    """`fn(rel)` of each (requests to the store: threads wait on them side by side), results in
+    order, `at_once` at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
     if len(rels) < 2:
-        return [read(r) for r in rels]
+        return [fn(r) for r in rels]
     with ThreadPoolExecutor(min(at_once, len(rels))) as pool:
-        return list(pool.map(read, rels))
+        return list(pool.map(fn, rels))
 
 
 def is_uri(path) -> bool:

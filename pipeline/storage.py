@@ -134,13 +134,11 @@ class RunStore:
         files fetched."""
         if not self.uri:
             return 0
-        from concurrent.futures import ThreadPoolExecutor
+        from infra.storage import in_parallel
 
         storage = self.storage()
-        n = sum(self._download_if_any(storage, rel) for rel in TOP_FILES)
-        dirs = storage.list_dirs("")
-        with ThreadPoolExecutor(max(1, min(8, len(dirs)))) as pool:
-            got = list(pool.map(lambda d: self._pull_stage(storage, d, full), dirs))
+        n = sum(in_parallel(lambda rel: self._download_if_any(storage, rel), list(TOP_FILES)))
+        got = in_parallel(lambda d: self._pull_stage(storage, d, full), storage.list_dirs(""), at_once=8)
         n += sum(g for g in got if g is not None)
         if n:
             log(f"storage: fetched {n} files of {sum(g is not None for g in got)} finished stages from {self.uri}")
@@ -213,9 +211,9 @@ class RunStore:
         """Upload the working copy's top files (manifest, config, report)."""
         if not self.uri:
             return 0
-        from infra.storage import _in_parallel
+        from infra.storage import in_parallel
 
         storage = self.storage()
         here = [rel for rel in TOP_FILES if (self.local / rel).is_file()]
-        _in_parallel(lambda rel: storage.write_bytes(rel, (self.local / rel).read_bytes()), here)
+        in_parallel(lambda rel: storage.write_bytes(rel, (self.local / rel).read_bytes()), here)
         return len(here)

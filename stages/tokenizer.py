@@ -13,7 +13,7 @@ is in stats.json and the manifest. Every sample is kept; this stage only learns 
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 
@@ -79,8 +79,14 @@ class Trained:
 
     def stats(self) -> dict:
         """As stats.json and the line's info.json say it (without `consumed`)."""
-        return {"vocab_size": self.vocab_size, "trained_on": self.trained_on, "sha256": self.sha256,
-                "mean_tokens": self.mean_tokens, "max_tokens": self.max_tokens}
+        return {f: getattr(self, f) for f in STATS}
+
+    @classmethod
+    def from_stats(cls, info: dict, consumed: tuple) -> "Trained":
+        return cls(**{f: info[f] for f in STATS}, consumed=consumed)
+
+
+STATS = tuple(f.name for f in fields(Trained) if f.name != "consumed")
 
 
 def _sample_task(storage, file: str, seed: int, below: str) -> Sampled:
@@ -134,8 +140,7 @@ def _keep(ctx) -> Trained:
     info = ctx.storage.read_json(f"{LINE}/info.json")
     ctx.storage.write_bytes("tokenizer/spm.model", ctx.storage.read_bytes(f"{LINE}/spm.model"))
     upstream = ctx.upstream or []
-    return Trained(**{k: info[k] for k in ("vocab_size", "trained_on", "sha256", "mean_tokens", "max_tokens")},
-                   consumed=(sum(u.kept for u in upstream), add_sums(*(u.kept_sum for u in upstream))))
+    return Trained.from_stats(info, (sum(u.kept for u in upstream), add_sums(*(u.kept_sum for u in upstream))))
 
 
 LINE = "tokenizer/line"      # the model kept for later runs (reuse)
