@@ -81,10 +81,10 @@ def fit_request(num_cpus: float, num_gpus: float, shape: NodeShape, what: str, s
 def in_flight(num_cpus: float, shape: NodeShape, items: list[int] | None = None,
               items_per_worker: int | None = None) -> int:
     """Tasks to keep submitted: every CPU busy, and as many again queued so none waits for the driver.
-    With `items_per_worker`, also no more than one task per that many of the `items` the calls work
-    through: each task Ray starts at once may be a new worker process (seconds of start and
-    imports), worth it only for that much work. An append of 80 URLs in 20 shards on a head declaring
-    16 CPUs started 16 processes for 1.2 s of downloads each, 13 s a shard on 2 real cores."""
+    With `items_per_worker`, also no more than one task per that many of the `items` (URLs, rows) the
+    calls work through: each task Ray starts at once may be a new worker process (seconds of start
+    and imports), worth it only for that much work. An append of 80 URLs in 20 shards on a head
+    declaring 16 CPUs started 16 processes for 1.2 s of downloads each, 13 s a shard on 2 real cores."""
     per_task = num_cpus if num_cpus > 0 else 0.25
     most = max(2, int(2 * math.ceil(shape.cpus / per_task)))
     if items is not None and items_per_worker:
@@ -207,13 +207,14 @@ class Executor:
             describe: Callable[[tuple], str] | None = None, unit: str = "partitions", max_retries: int = 2,
             quiet: bool = False, setting: str | None = None, kwargs: list[dict] | None = None,
             items: list[int] | None = None, item_unit: str = "URLs", model=None,
-            items_per_worker: int | None = None) -> list:
+            items_per_worker: int | None = None, sizes: list[int] | None = None) -> list:
         """`fn(*call)` for every call, in Ray tasks; results in call order. Progress with rate and ETA
         (a bar on a terminal); a stall is reported, not waited out silently; a task's failure names
         it, and a UserError raised in a task is said in one line. `items`: how many `item_unit` each
         call works through; then each call gets `progress=` a counter it adds to as it goes, and the
         progress counts those (a list of one shard still shows its URLs and an ETA);
-        `items_per_worker`: no more tasks at once than one per that many items (`in_flight`). `model` (a
+        `items_per_worker`: no more tasks at once than one per that many items (`in_flight`), counted
+        in `sizes` (the work of each call, rows of a partition) when given, else in `items`. `model` (a
         stages.shared_model.SharedModel): the calls run on an actor pool that loads it once per actor."""
         import ray
 
@@ -224,7 +225,7 @@ class Executor:
                 raise ValueError(f"{what}: a run on a model's actor pool counts partitions, not items")
             return self._run_pool(fn, calls, kwargs, what, cpus, num_gpus, model, shape, describe, unit, quiet)
         remote = ray.remote(num_cpus=cpus, num_gpus=num_gpus or None, max_retries=max_retries, num_returns=2)(_timed)
-        limit = in_flight(cpus, shape, items, items_per_worker)
+        limit = in_flight(cpus, shape, sizes if sizes is not None else items, items_per_worker)
         describe = describe or (lambda c: "")
         total = len(calls)
         results: list = [None] * total

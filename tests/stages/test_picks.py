@@ -32,7 +32,7 @@ def test_picks_made_while_writing_are_those_a_read_of_the_ledger_makes(tmp_path)
 class _Ctx:
     """What stage_picks needs of a StageContext; `run` records the tasks it was asked for."""
     def __init__(self, storage):
-        self.storage, self.name, self.seed, self.asked = storage, "language", 7, []
+        self.storage, self.name, self.seed, self.asked, self.upstream = storage, "language", 7, [], None
         self.log = lambda m: None
 
     def run(self, fn, calls, what, **options):

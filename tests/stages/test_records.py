@@ -104,3 +104,38 @@ def test_one_reuse_mechanism_runs_only_what_no_earlier_run_did(tmp_path):
     left = sorted(storage.inner.list("s/reuse", recursive=True))
     assert "s/reuse/kb.parquet" not in left and {"s/reuse/ka.parquet", "s/reuse/kb2.parquet"} <= set(left)
     assert not any("None" in f for f in left)
+
+
+def test_reuse_sizes_the_task_window_by_the_rows_left_to_do(tmp_path):
+    """A few small partitions left to compute run on the worker processes a run already has: the
+    executor is told each task's rows (a PartResult's kept rows, a PartTask's slice or its upstream
+    partition's), so it starts no process per CPU for them (pipeline/executor.in_flight)."""
+    from types import SimpleNamespace
+
+    from pipeline.executor import NodeShape, in_flight
+    from stages.dataplane import ROWS_PER_WORKER, PartResult, PartTask, reused_or_run, rows_of
+
+    def result(part, kept):
+        return PartResult(part, f"up/{part}.parquet", None, "0" * 64, 1, kept, "0", kept, "0", {}, "0")
+
+    upstream = [result(f"p{i}", 4) for i in range(20)]
+    assert rows_of(upstream, None) == [4] * 20
+    tasks = [PartTask("p0", "up/p0.parquet", "p0"), PartTask("p1", "up/p1.parquet", "p1", start=1),
+             PartTask("p2", "up/p2.parquet", "p2", start=0, stop=3)]
+    assert rows_of(tasks, upstream) == [4, 3, 3]
+    assert rows_of([PartTask("x", "elsewhere.parquet", "x")], upstream) is None    # not told: no bound
+
+    asked = {}
+
+    def run(fn, calls, what, **options):
+        asked.update(options)
+        return [fn(*c) for c in calls]
+
+    storage = Storage.local(tmp_path)
+    ctx = SimpleNamespace(storage=storage, name="s", log=lambda m: None, upstream=upstream, run=run)
+    reused_or_run(ctx, lambda part, out: {"part": part}, "s/reuse", lambda u: u.part, lambda u, out: (u.part, out),
+                  "s", "done before", "do")
+    assert asked["sizes"] == [4] * 20 and asked["items_per_worker"] == ROWS_PER_WORKER
+    head = NodeShape(cpus=16, largest_cpus=16, largest_gpus=0, nodes=1)
+    assert in_flight(0.5, head, asked["sizes"], asked["items_per_worker"]) == 5         # not 64
+    assert in_flight(0.5, head, [4] * 2000, asked["items_per_worker"]) == 64            # a fresh run: all
