@@ -264,6 +264,21 @@ class Storage:
                                                         recursive=recursive))
         return sorted((i.path[base:], i.size) for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffix))
 
+    def entries(self, rel_dir: str) -> tuple[list[str], list[str]]:
+        """(`list`, `list_dirs`) of rel_dir from one listing."""
+        import pyarrow.fs as pafs
+
+        if self._objects:
+            from . import objects
+
+            base = len(self.root) + 1
+            files, dirs = objects.listing(self.path(rel_dir), recursive=False)
+            return sorted(p[base:] for p, _ in files), sorted(dirs)
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel_dir), allow_not_found=True))
+        base = len(self.root) + 1
+        return (sorted(i.path[base:] for i in infos if i.type == pafs.FileType.File),
+                sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory))
+
     def list_dirs(self, rel_dir: str) -> list[str]:
         """Names of the folders directly in rel_dir (an object store's common prefixes)."""
         import pyarrow.fs as pafs

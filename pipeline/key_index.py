@@ -129,8 +129,9 @@ def _build(storage, executor, stage: str, files: dict[str, str], rows: int, in_d
                                                *(given[f] for f in handing))],
                                f"{stage} key index", num_cpus=0.25, quiet=True)
         read, handed = done.ledgers_read, done.ledgers_handed
-        # buckets of an earlier, larger index: deleted together
-        storage.delete_files([f for f in storage.list(folder) if f not in (index, f"{folder}/meta.json")])
+        # buckets of an earlier, larger index (its meta says how many it had): deleted together
+        if before.get("buckets") != 1:
+            storage.delete_files([f for f in storage.list(folder) if f not in (index, f"{folder}/meta.json")])
     else:   # a shuffle through Ray's object store: the map pieces never touch the bucket
         storage.delete(folder)
         executor.shuffle(_map_task, [(storage, f, buckets, given.get(f)) for f in sorted(files)], buckets,

@@ -73,6 +73,16 @@ class Controls:
     def read(self, stage: str, name: str):
         return self.storage.read_json(f"{stage}/{name}")
 
+    def read_all(self, stage: str, names: tuple[str, ...]) -> list:
+        """`read` of each, side by side (each read waits on an object store's latency)."""
+        return self.storage.read_jsons([f"{stage}/{n}" for n in names])
+
+    def write_all(self, stage: str, objs: dict[str, object]) -> None:
+        """`write` of each, side by side."""
+        from infra.storage import in_parallel
+
+        in_parallel(lambda item: self.write(stage, *item), list(objs.items()))
+
     def write(self, stage: str, name: str, obj) -> None:
         self.storage.write_json(f"{stage}/{name}", obj)
         self.write_local(stage, name, obj)
@@ -82,15 +92,19 @@ class Controls:
             (self.run_dir / stage).mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.run_dir / stage / name, obj)
 
-    def remove(self, stage: str, name: str) -> None:
-        self.storage.delete(f"{stage}/{name}")
+    def remove(self, stage: str, name: str, stored: bool = True) -> None:
+        """A control file gone (`stored`: from the storage too, one request; else the local copy only)."""
+        if stored:
+            self.storage.delete_files([f"{stage}/{name}"])
         (self.run_dir / stage / name).unlink(missing_ok=True)
 
     def wipe(self, stage: str, keep: tuple[str, ...]) -> None:
-        """Remove a stage's files made from other inputs, except its content-addressed caches."""
+        """Remove a stage's files made from other inputs (its control files too), except its
+        content-addressed caches."""
         if self.mirror:   # the storage's copy; for a local run folder it is the folder below
-            self.storage.delete_files(self.storage.list(stage))
-            self.storage.delete_all([f"{stage}/{d}" for d in self.storage.list_dirs(stage) if d not in keep])
+            files, dirs = self.storage.entries(stage)
+            self.storage.delete_files(files)
+            self.storage.delete_all([f"{stage}/{d}" for d in dirs if d not in keep])
         local = self.run_dir / stage
         for child in local.iterdir() if local.exists() else ():
             if child.name not in keep:
@@ -273,8 +287,9 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
             fingerprint = stage.fingerprint(cfg)   # once: it may hash files (the source, evaluation sets)
             read, also = stage_inputs(stage, state["prev"], state["judged"], sinks)
             in_digest = input_digest(fingerprint, read, state["judged"], also)
-            marker = controls.read(stage.name, "_SUCCESS")
-            parts = parts_from_json(controls.read(stage.name, "parts.json")) if marker else None
+            # its control files side by side: one wait on the storage's latency, not three
+            marker, listed, started = controls.read_all(stage.name, ("_SUCCESS", "parts.json", "_STARTED"))
+            parts = parts_from_json(listed) if marker else None
             ran, artifacts = False, None
             if marker and marker.get("input_digest") == in_digest and parts is not None:
                 log(f"{stage.name}: done before with the same input, skipped")
@@ -302,7 +317,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
                                    fingerprint=fingerprint, executor=Executor(log=log) if apart else executor,
                                    notes=stage.note_names())
                 run = functools.partial(_run_stage, stage, ctx, in_digest, controls, store, upstream_digest=read,
-                                        judged_digest=state["judged"], sinks=also, last=marker)
+                                        judged_digest=state["judged"], sinks=also, last=marker, started=started)
                 if apart:
                     log(f"{stage.name}: runs beside {nxt.name}, which reads none of it")
                     pending = (stage, beside.submit(run))
@@ -326,13 +341,14 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
 
 def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Controls,
                store, upstream_digest: str = "", judged_digest: str = "",
-               sinks: tuple = (), last: dict | None = None) -> tuple[dict, dict, list[dict], dict]:
+               sinks: tuple = (), last: dict | None = None,
+               started: dict | None = None) -> tuple[dict, dict, list[dict], dict]:
     """upstream_digest: the previous stage's output digest, kept in `_SUCCESS` so `capline status`
-    can tell a stage made from an earlier stage's older output (stale) without the config. `last`:
-    the stage's `_SUCCESS` as the caller just read it (None: none)."""
+    can tell a stage made from an earlier stage's older output (stale) without the config. `last`,
+    `started`: the stage's `_SUCCESS` and `_STARTED` as the caller just read them (None: none)."""
     sdir = ctx.stage_dir
-    started = controls.read(stage.name, "_STARTED")
-    if started is None or started.get("input_digest") != in_digest:
+    wiped = started is None or started.get("input_digest") != in_digest
+    if wiped:
         # made from other inputs: nothing in it can be trusted, except the stage's own
         # content-addressed caches (ingest's per-partition downloads) and the key index, which
         # records the sha256 of each ledger it read: an append reads only the ledgers it lacks
@@ -342,7 +358,7 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
         last = None     # its _SUCCESS went with the rest
     sdir.mkdir(parents=True, exist_ok=True)
     before = (last or {}).get("files", {})   # what the last finish produced
-    controls.remove(stage.name, "_SUCCESS")
+    controls.remove(stage.name, "_SUCCESS", stored=not wiped)
     controls.write(stage.name, "_STARTED", {"input_digest": in_digest})
     # resuming only what the same input began: after a config or input change the stage starts over
     resuming = started is not None and started.get("input_digest") == in_digest
@@ -352,8 +368,10 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     result = stage.run(ctx)
     counts = _check(stage, ctx, result)
     written = {p.file for p in result.parts}
-    # partitions of an earlier, larger input: deleted together (1,000 a request on an object store)
-    ctx.storage.delete_files([f for f in ctx.storage.list(f"{stage.name}/ledger", ".parquet") if f not in written])
+    # partitions of an earlier, larger input: deleted together (1,000 a request on an object store);
+    # after a wipe only a ledger folder the stage keeps can hold any
+    if not wiped or "ledger" in stage.preserve:
+        ctx.storage.delete_files([f for f in ctx.storage.list(f"{stage.name}/ledger", ".parquet") if f not in written])
     parts = sorted(result.parts, key=lambda p: p.part)
     index = None
     if parts:   # before _SUCCESS: a finished stage can always say where a key's row is
@@ -366,7 +384,6 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     for p in result.parts:     # the keys' references let go: the object store frees them
         p.__dict__.pop("aside", None)
     wall = time.time() - t0
-    controls.write(stage.name, "parts.json", [p.to_json() for p in parts])
     from stages.dataplane import HIST_BINS, HIST_RANGE, sum_histograms
 
     hist = sum_histograms(parts)
@@ -375,7 +392,7 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
              **({"key_index": {"ledgers": len(parts), "ledgers_read": index.ledgers_read,
                                 "ledgers_handed": index.ledgers_handed}} if index else {}),
              **({"score_hist": {"bins": HIST_BINS, "range": list(HIST_RANGE), **hist}} if hist else {})}
-    controls.write(stage.name, "stats.json", stats)
+    controls.write_all(stage.name, {"parts.json": [p.to_json() for p in parts], "stats.json": stats})
     files = {p.file: p.sha256 for p in parts}
     files.update(result.files)
     driver = store.push_stage(stage.name, ctx.log, before) if store is not None and store.uri else {}

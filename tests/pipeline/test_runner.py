@@ -402,3 +402,35 @@ def test_resuming_is_said_only_for_work_begun_on_the_same_input(tmp_path, ray_lo
     said.clear()
     run_pipeline(_cfg(10), tmp_path, log=said.append, stages=[Numbers(), DropOdd()], observers=[])
     assert "dropodd: running" in said and "dropodd: running (resuming partial work)" not in said, said
+
+
+def test_a_stage_started_over_is_wiped_from_one_listing_and_its_marker_goes_with_it(tmp_path):
+    """On an object store each request waits out its latency: wiping a stage made from other inputs
+    lists its folder once (files and folders together), keeps its content-addressed caches, and takes
+    `_SUCCESS` with the rest (no separate delete after it)."""
+    from infra.storage import Storage
+    from pipeline.runner import Controls
+
+    class Counting(Storage):
+        asked: list = []
+
+        def __getattribute__(self, name):
+            if name in ("entries", "list", "list_dirs", "delete", "delete_files", "delete_all"):
+                type(self).asked.append(name)
+            return super().__getattribute__(name)
+
+    inner = Storage.local(tmp_path / "bucket")
+    storage = Counting(inner.fs, inner.root)
+    for rel in ("s/_SUCCESS", "s/stats.json", "s/reuse/a.json", "s/old/x.parquet", "s/old/deep/y.parquet"):
+        storage.write_bytes(rel, b"{}")
+    controls = Controls(storage, tmp_path / "copy")
+    assert controls.mirror
+    Counting.asked.clear()
+    controls.wipe("s", keep=("reuse",))
+    controls.remove("s", "_SUCCESS", stored=False)
+    assert [a for a in Counting.asked if a in ("entries", "list", "list_dirs")] == ["entries"]
+    assert storage.list("s", recursive=True) == ["s/reuse/a.json"]
+    assert storage.entries("s") == ([], ["reuse"])
+    Counting.asked.clear()
+    controls.remove("s", "_STARTED")       # a stage resumed: its marker alone, one batched delete
+    assert Counting.asked == ["delete_files"]
