@@ -656,7 +656,7 @@ class PartitionWriter:
         self.storage, self.name, self.per, self.folder = storage, name, rows_per_part, folder
         self.pending: list[pa.Table] = []
         self.held = 0
-        self.out: list = []
+        self.out: list[PartResult] = []
 
     def add(self, rows: pa.Table) -> None:
         self.pending.append(rows)
@@ -675,13 +675,13 @@ class PartitionWriter:
         self.out.append(write_part(self.storage, "source", part, None, chunk.column("key").to_pylist(), chunk,
                                    rel=f"{self.folder}/{part}.parquet" if self.folder else None))
 
-    def close(self) -> list:
+    def close(self) -> list[PartResult]:
         if self.held or not self.out:      # the rest, or an empty file's one empty partition
             self._write(self.held)
         return self.out
 
 
-def write_partitions(storage, rows: pa.Table, name: str, rows_per_part: int) -> list[dict]:
+def write_partitions(storage, rows: pa.Table, name: str, rows_per_part: int) -> list[PartResult]:
     """Split one source file's keyed rows into partitions `<name>-NNNNN` and write them."""
     out = PartitionWriter(storage, name, rows_per_part)
     out.add(rows)
@@ -689,7 +689,7 @@ def write_partitions(storage, rows: pa.Table, name: str, rows_per_part: int) -> 
 
 
 def _read_file_task(storage, path: str, cfg: SourceConfig, pinned: str | None = None,
-                    folder: str | None = None) -> list[dict]:
+                    folder: str | None = None) -> list[PartResult]:
     """Ray task: read one URL list file, key its rows, write its partitions. `pinned`: the file's copy
     in the run folder's storage, for a worker that cannot see the driver's disk. `folder`: where
     the partitions go, with the record that lets a later run take them as they are (`folder.json`,
