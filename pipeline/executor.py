@@ -380,12 +380,14 @@ class Executor:
         return results
 
     def shuffle(self, map_fn: Callable, calls: list[tuple], n_out: int, reduce_fn: Callable,
-                reduce_calls: list[tuple], what: str, num_cpus: float = 1.0, unit: str = "buckets") -> list:
+                reduce_calls: list[tuple], what: str, num_cpus: float = 1.0, unit: str = "buckets",
+                sizes: list[int] | None = None, items_per_worker: int | None = None) -> list:
         """A shuffle through Ray's object store, never the bucket: `map_fn(*call)` returns `n_out`
         pieces (a sequence), one per reducer; reducer b runs `reduce_fn(*reduce_calls[b], *pieces)`
         with the b-th piece of every map, in map order. Each piece is an object of the store
         (spilled to the node's disk when memory is short), each read once; the driver holds only
-        references. -> the reducers' results, in order."""
+        references. `sizes`, `items_per_worker`: the maps' window as `run`'s (all submitted at once
+        without them: Ray schedules them, a CPU each). -> the reducers' results, in order."""
         import ray
 
         if not calls:
@@ -393,12 +395,17 @@ class Executor:
         shape = self.shape()
         cpus = fit_request(num_cpus, 0, shape, what)
         remote = ray.remote(num_cpus=cpus, num_returns=n_out + 1, max_retries=2)(_map_pieces)
+        limit = in_flight(cpus, shape, sizes, items_per_worker) if sizes is not None else len(calls)
         t0 = time.time()
-        refs = [remote.remote(what, n_out, map_fn, *c) for c in calls]     # Ray schedules them, a CPU each
-        timing = [r[-1] for r in refs]
+        refs: list = [None] * len(calls)
+        nxt = 0
         progress = Progress(f"{what} (map)", len(calls), self.log, unit="tasks")
-        intervals, pending = [], {t: i for i, t in enumerate(timing)}
-        while pending:
+        intervals, pending = [], {}
+        while nxt < len(calls) or pending:
+            while nxt < len(calls) and len(pending) < limit:
+                refs[nxt] = remote.remote(what, n_out, map_fn, *calls[nxt])
+                pending[refs[nxt][-1]] = nxt
+                nxt += 1
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.poll_seconds)
             if not ready:
                 progress.stalled(time.time() - t0, len(pending))
@@ -411,7 +418,7 @@ class Executor:
                     progress.close()
                     failure = _task_error(err, what, f"map task {i}")
                     raise failure from (None if isinstance(failure, UserError) else err)
-                progress.update(len(calls) - len(pending))
+                progress.update(len(intervals))
         progress.close()
         self.records.append({"what": f"{what} (map)", "tasks": len(calls), **spans(intervals, t0),
                              "cpus_per_task": cpus, "cluster_cpus": shape.cpus, "nodes": shape.nodes,

@@ -437,6 +437,7 @@ def rows_of(items: list, upstream: list | None) -> list[int] | None:
     """How many rows each item (a PartResult, or a PartTask over an upstream partition) works through,
     for the task window; None when one cannot be told."""
     kept = {u.file: u.kept for u in upstream or []}
+    named = {u.part: u.kept for u in upstream or []}
     out = []
     for item in items:
         if isinstance(item, PartResult):
@@ -445,6 +446,8 @@ def rows_of(items: list, upstream: list | None) -> list[int] | None:
             out.append(item.stop - item.start)
         elif isinstance(item, PartTask) and item.file in kept:
             out.append(max(0, kept[item.file] - item.start))
+        elif isinstance(item, PartTask) and item.input in named:     # a file made from it (its scores)
+            out.append(max(0, named[item.input] - item.start))
         else:
             return None
     return out

@@ -46,7 +46,7 @@ from infra.errors import UserError
 
 from . import line_lookup
 from ..base import KEPT, Sink, StageContext, StageResult
-from ..dataplane import PartResult, bucket_pieces, by_location, image_batches, read_kept, write_part
+from ..dataplane import ROWS_PER_WORKER, PartResult, bucket_pieces, by_location, image_batches, read_kept, write_part
 from .line import (LINE, PUBLISHED, PUBLISHED_SCHEMA, RECORD, published_all, published_file, published_parts,
                    published_state, read_line, read_states, write_states)
 from infra.hashing import order_key
@@ -269,7 +269,7 @@ class ShardStage(Sink):
                     f"{len(upstream) - len(same)} to place")
         upstream = [u for u in upstream if u.part not in same]
         plans = ctx.run(_plan_task, [(ctx.storage, u.part, u.file, line_shards) for u in upstream], "shard plan",
-                        num_cpus=0.25, quiet=True)
+                        num_cpus=0.25, quiet=True, sizes=[u.kept for u in upstream], items_per_worker=ROWS_PER_WORKER)
         unlisted = sorted({s for p in plans for s in p["unlisted"]})
         if unlisted:
             raise UserError(f"shard: {ctx.storage.uri(RECORD)} does not list shard(s) {', '.join(unlisted[:3])} that "
@@ -379,7 +379,8 @@ class ShardStage(Sink):
         made = ctx.shuffle(_map_pieces, [(ctx.storage, u.part, p.aside, ctx.seed, first, n_out, per_group, groups,
                                           lo, hi) for u, p, lo, hi in slices],
                            groups, _reduce_group, [(ctx.storage, r) for r in reducers], "shard write",
-                           num_cpus=1, unit="reducers")
+                           num_cpus=1, unit="reducers", sizes=[hi - lo for _, _, lo, hi in slices],
+                           items_per_worker=ROWS_PER_WORKER)
         return [p for group in made for p in group], n_out
 
     def _delete_stale(self, ctx: StageContext, names: set[str]) -> None:
@@ -402,7 +403,7 @@ class ShardStage(Sink):
         ctx.shuffle(_publish_task, [(ctx.storage, u.part, p.aside, ctx.seed, first, n_out, buckets)
                                     for u, p in planned], buckets, line_lookup.write_bucket,
                     [(ctx.storage, line_lookup.bucket_file(run, b)) for b in range(buckets)], "shard publish",
-                    num_cpus=0.25, unit="buckets")
+                    num_cpus=0.25, unit="buckets", sizes=[u.kept for u, _ in planned], items_per_worker=ROWS_PER_WORKER)
         write_states(ctx.storage, {**seen, **{u.part: {"kept": u.kept, "kept_sum": u.kept_sum, "run": run}
                                               for u in mapped}})
         runs = (line or {}).get("runs", []) + [{"run": run, "added": added,

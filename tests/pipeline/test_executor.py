@@ -322,6 +322,12 @@ def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces
     out = ex.shuffle(lambda v: _split_by_parity(v, 3), calls, 3, _gather, [(b,) for b in range(3)], "parity")
     assert out == [(b, [[v for v in c[0] if v % 3 == b] for c in calls]) for b in range(3)]
     assert [r["what"] for r in ex.records[-2:]] == ["parity (map)", "parity"] and ex.records[-2]["tasks"] == 4
+    # a little work: the maps are windowed (one at a time for 4 rows a worker), the pieces as before
+    many = [([i, i + 1],) for i in range(0, 12, 2)]
+    out = ex.shuffle(lambda v: _split_by_parity(v, 3), many, 3, _gather, [(b,) for b in range(3)], "small",
+                     sizes=[1] * len(many), items_per_worker=6)
+    assert out == [(b, [[v for v in c[0] if v % 3 == b] for c in many]) for b in range(3)]
+    assert ex.records[-2]["what"] == "small (map)" and ex.records[-2]["at_once"] == 1
     with pytest.raises(UserError, match=r"odd: map task 1: thirteen is not allowed here"):
         ex.shuffle(lambda v: _split_or_fail(v, 2), [([1],), ([13],)], 2, _gather, [(0,), (1,)], "odd")
 

@@ -123,6 +123,7 @@ def test_reuse_sizes_the_task_window_by_the_rows_left_to_do(tmp_path):
     tasks = [PartTask("p0", "up/p0.parquet", "p0"), PartTask("p1", "up/p1.parquet", "p1", start=1),
              PartTask("p2", "up/p2.parquet", "p2", start=0, stop=3)]
     assert rows_of(tasks, upstream) == [4, 3, 3]
+    assert rows_of([PartTask("p3", "s/scored/p3.parquet", "p3")], upstream) == [4]   # a file made from p3
     assert rows_of([PartTask("x", "elsewhere.parquet", "x")], upstream) is None    # not told: no bound
 
     asked = {}
