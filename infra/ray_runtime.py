@@ -1,9 +1,10 @@
 """Start or join a Ray cluster with capline's defaults.
 
 Local by default (`ray.init()` sized from config); `--address` / RAY_ADDRESS / `ray.address` join a
-running cluster. The dashboard runs on loopback (Ray Train's placement-group cleaner reaches the
-State API through it); its start-up probe of cloud metadata addresses is disarmed in every process
-capline starts (infra/procenv). `ray.dashboard: false` leaves it out.
+running cluster. A local cluster starts Ray's dashboard, on loopback, when the command trains (Ray
+Train's placement-group cleaner reaches the State API through it) or `ray.dashboard: true` asks for
+it; otherwise not (it adds 1-2.5 s to every start, ~4 % of a small append's command). Its start-up
+probe of cloud metadata addresses is disarmed in every process capline starts (infra/procenv).
 
 A local cluster runs with Ray's token authentication (`RAY_AUTH_MODE=token`). Ray binds its GCS,
 raylets and agents to every interface whatever node address it is given (seen with Ray 2.60:
@@ -32,8 +33,13 @@ class RayConfig:
     address: str | None = None          # null: start a local cluster
     num_cpus: int | None = None         # local cluster only; null: all cores
     object_store_memory_mb: int = 1024  # local cluster only
-    dashboard: bool = True  # start Ray's dashboard with a local cluster (its cloud probes are switched off)
+    # Ray's dashboard with a local cluster: null starts it when the command trains (Ray Train needs
+    # it), true always (to watch a data run), false never; its cloud probes are switched off
+    dashboard: bool | None = None
+
     def validate(self, prefix: str) -> None:
+        require(self.dashboard in (None, True, False), join(prefix, "dashboard"),
+                f"must be true, false or null (started when the command trains), got {self.dashboard!r}")
         require(self.num_cpus is None or self.num_cpus >= 1, join(prefix, "num_cpus"), "must be >= 1 or null")
         require(self.object_store_memory_mb >= 80, join(prefix, "object_store_memory_mb"),
                 f"must be at least 80 (MB), got {self.object_store_memory_mb}")
@@ -87,9 +93,15 @@ def node_env() -> None:
         os.environ.setdefault(key, value)
 
 
+def wants_dashboard(cfg: RayConfig, trains: bool) -> bool:
+    """Whether a local cluster starts Ray's dashboard: as `ray.dashboard` says, else when it trains."""
+    return cfg.dashboard if cfg.dashboard is not None else trains
+
+
 @contextmanager
-def ray_session(cfg: RayConfig, address: str | None = None, log=print):
-    """Yield with Ray initialised; shut down what this call started."""
+def ray_session(cfg: RayConfig, address: str | None = None, log=print, trains: bool = True):
+    """Yield with Ray initialised; shut down what this call started. `trains`: the command runs Ray
+    Train (a local cluster then has the dashboard, unless `ray.dashboard: false`)."""
     import ray
 
     if ray.is_initialized():
@@ -121,7 +133,7 @@ def ray_session(cfg: RayConfig, address: str | None = None, log=print):
         # route to an outside address. address="local": a new cluster, never one that `ray start`
         # left in /tmp/ray/ray_current_cluster (plain ray.init() would join that, or its corpse).
         ray.init(address="local", num_cpus=num_cpus, object_store_memory=cfg.object_store_memory_mb * 2**20,
-                 include_dashboard=cfg.dashboard, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
+                 include_dashboard=wants_dashboard(cfg, trains), dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
                  _temp_dir=private_temp_dir(), **common)
     # Ray Data logs every operator's progress at INFO; capline prints its own per-stage progress.
     for name in ("ray.data", "ray.data._internal"):

@@ -309,7 +309,7 @@ def _cmd_run(args) -> int:
     from .lock import run_lock
     from infra.ray_runtime import ray_session
     from .storage import RunStore
-    from .runner import check_before, default_run_dir, preflight, run_pipeline, select
+    from .runner import check_before, default_run_dir, preflight, run_pipeline, select, trains
 
     cfg = _config(args)
     select(args.until, args.only)  # fail on a bad stage name before starting anything
@@ -335,7 +335,7 @@ def _cmd_run(args) -> int:
             print(why, flush=True)
             if not needed:
                 return 0
-        with ray_session(cfg.ray, args.address, log=_say):
+        with ray_session(cfg.ray, args.address, log=_say, trains=trains(args.until, args.only)):
             run_pipeline(cfg, run_dir, until=args.until, only=args.only, log=_say,
                          store=store)
         # the report and manifest are the run's last writes: under the lock too
@@ -471,7 +471,7 @@ def _cmd_rebuild(args) -> int:
 
     from .config import RunConfig
     from infra.ray_runtime import ray_session
-    from .runner import input_fingerprints, run_pipeline, select, stage_names
+    from .runner import input_fingerprints, run_pipeline, select, stage_names, trains
     from .storage import RunStore
     from .verify import drift
 
@@ -513,7 +513,7 @@ def _cmd_rebuild(args) -> int:
             for rel in src.list("source", recursive=True):
                 dst.write_bytes(rel, src.read_bytes(rel))
         new.pull(log=_say)
-        with ray_session(cfg.ray, args.address, log=_say):
+        with ray_session(cfg.ray, args.address, log=_say, trains=trains(until, None)):
             from .executor import Executor
 
             # the drift is known once the downloads are: said and written then, whatever comes after

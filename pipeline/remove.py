@@ -206,7 +206,7 @@ def remove(where: str, list_path: Path, reason: str, threshold: float | None, ad
     number = len(line.get("removals") or []) + 1
     with run_lock(store.local, log=log, uri=store.uri):
         store.pull(log=log)
-        with ray_session(cfg.ray, address, log=log):
+        with ray_session(cfg.ray, address, log=log, trains=False):
             ex = Executor(log=log)
             parts = {p["part"]: p["file"] for p in storage.read_json("ingest/parts.json") or []}
             published = sorted(published_parts(storage))
@@ -408,7 +408,7 @@ def recheck_line(where: str, address: str | None, log=print) -> dict:
     ing = cfg.stages.ingest
     parts = {p["part"]: p["file"] for p in storage.read_json("ingest/parts.json") or []}
     published = sorted(published_parts(storage))
-    with ray_session(cfg.ray, address, log=log):
+    with ray_session(cfg.ray, address, log=log, trains=False):
         ex = Executor(log=log)
         buckets = max(1, int(ex.shape().cpus))
         # a host's URLs all in one task: its rate and concurrency hold whole there, hosts in parallel

@@ -162,6 +162,12 @@ def select(until: str | None, only: str | None, stages: list[Stage] | None = Non
     return set(names)
 
 
+def trains(until: str | None, only: str | None, stages: list[Stage] | None = None) -> bool:
+    """Whether the selected stages run Ray Train."""
+    wanted = select(until, only, stages)
+    return any(s.trains for s in stages or STAGES if s.name in wanted)
+
+
 def check_before(cfg: RunConfig, storage: Storage, only: str, stages: list[Stage] | None = None) -> None:
     """For `--only STAGE` (and `capline train`): every stage before it finished with this config, read
     from the markers alone, so a wrong config or an unfinished run is said before a lock or a cluster."""

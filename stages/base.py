@@ -119,6 +119,7 @@ class Stage:
     audits: tuple[tuple[str, str], ...] = ()   # (demo defect, the reason prefix that catches it)
     thresholds: bool = False             # its section is a filter's thresholds (the dataset card lists them)
     final_data: bool = False             # it writes the dataset (observers of a finished dataset wait for it)
+    trains: bool = False                 # it runs Ray Train (a local cluster then starts Ray's dashboard)
     # a sink that reads only the last judge's samples, none of the sinks run since (the shard stage
     # never reads the tokenizer): it runs beside the sink before it, and its input leaves that out
     reads_sinks_before: bool = True

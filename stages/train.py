@@ -10,6 +10,7 @@ from .base import Sink, StageContext, StageResult
 
 class TrainStage(Sink):
     name = "train"
+    trains = True
 
     def section(self, config):
         return config.train

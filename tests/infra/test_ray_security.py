@@ -134,7 +134,7 @@ def test_a_manifest_or_run_folder_from_elsewhere_does_not_choose_the_cluster(tmp
     class Stop(Exception):
         pass
 
-    def record(cfg, address=None, log=print):
+    def record(cfg, address=None, log=print, trains=True):
         joined.append((cfg.address, address))
         raise Stop
 

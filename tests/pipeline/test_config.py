@@ -173,3 +173,19 @@ def test_no_numeric_setting_takes_a_negative_nan_or_infinite_value():
             section = key.rsplit(".", 1)[0] + "." if "." in key else key   # the key, or its section's pair check
             with pytest.raises(UserError, match=section.replace(".", r"\.")):
                 load_config(None, [f"{key}={bad}"])
+
+
+def test_the_dashboard_starts_when_the_command_trains_unless_the_config_says():
+    """Ray's dashboard costs every local start 1-2.5 s; Ray Train needs it (its placement-group
+    cleaner reads the State API through it), a data build does not."""
+    from infra.ray_runtime import wants_dashboard
+    from pipeline.runner import trains
+
+    cfg = load_config()
+    assert cfg.ray.dashboard is None
+    assert trains(None, None) and trains(None, "train") and not trains("shard", None) and not trains(None, "dedup")
+    assert wants_dashboard(cfg.ray, trains(None, None)) and not wants_dashboard(cfg.ray, trains("shard", None))
+    assert wants_dashboard(load_config(None, ["ray.dashboard=true"]).ray, False)
+    assert not wants_dashboard(load_config(None, ["ray.dashboard=false"]).ray, True)
+    with pytest.raises(ConfigError, match=r"ray.dashboard"):
+        load_config(None, ["ray.dashboard=sometimes"])
