@@ -121,6 +121,23 @@ def _shard_digests(client) -> dict[str, str]:
             for k in keys}
 
 
+def _cpu_probe() -> float:
+    """Seconds of a fixed one-CPU workload (the best of three): this machine's speed drifts between
+    runs by up to ~1.6x (pure-compute tasks of the same code), so each phase is stamped with it, and a
+    share across phases that ran at different speeds can be told from one that did not."""
+    import hashlib
+
+    block = bytes(range(256)) * (1 << 16)        # 16 MiB
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(24):
+            hashlib.sha256(block).digest()
+        sum(i * i for i in range(3_000_000))
+        best = min(best, time.perf_counter() - t0)
+    return round(best, 3)
+
+
 def run(args) -> dict:
     from helpers import CountingProxy, moto_s3, synthetic_rows
     from stages.source.demo_server import DemoServer
@@ -165,6 +182,7 @@ def run(args) -> dict:
                 _list(urls / f"{name}.parquet", part, server.base_url)
                 first = len(proxy.entries)
                 refused0 = proxy.slowdowns
+                probe_before = _cpu_probe()
                 t0 = time.time()
                 run_cmd = cmd
                 if args.profile and name == "append":   # where the driver's own time goes, by function
@@ -186,6 +204,7 @@ def run(args) -> dict:
                                                      for g in stats.get("tasks", [])]}
                 report = re.search(r"report: \S+ \((\d+(?:\.\d+)?) s\)", log)
                 runs[name] = {"wall_seconds": round(wall, 1), "stages": stages,
+                              "cpu_probe_s": {"before": probe_before, "after": _cpu_probe()},
                               "report_seconds": float(report.group(1)) if report else None,
                               "traffic": _traffic(proxy.entries[first:], proxy.slowdowns - refused0, BUCKET),
                               "listed_urls": sum(1 for _ in rows[:n_fresh + (n_more if name == "append" else 0)])}
@@ -243,7 +262,9 @@ def table(r: dict) -> str:
                      f"(goal <= 1.5), {t['requests_per_object_read']} per object read (goal <= 2), "
                      f"{t.get('requests_per_read')} per read ({t.get('head_requests')} HEADs); "
                      f"{t['slowdowns_answered']} SlowDowns answered; every URL accounted for: {run['every_url_accounted_for']}; "
-                     f"report {run['report_seconds']} s")
+                     f"report {run['report_seconds']} s"
+                     + (f"; machine speed probe {run['cpu_probe_s']['before']} s before, {run['cpu_probe_s']['after']} s "
+                        "after (a fixed one-CPU workload)" if run.get("cpu_probe_s") else ""))
         if t.get("reads_per_object_by_folder"):
             lines.append("    reads (GETs, per distinct object) by folder: " + ", ".join(
                 f"{f} {n} ({per})" for f, (n, per) in t["reads_per_object_by_folder"].items()))
