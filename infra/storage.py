@@ -268,27 +268,19 @@ class Storage:
         """(`list`, `list_dirs`) of rel_dir from one listing."""
         import pyarrow.fs as pafs
 
+        base = len(self.root) + 1
         if self._objects:
             from . import objects
 
-            base = len(self.root) + 1
             files, dirs = objects.listing(self.path(rel_dir), recursive=False)
             return sorted(p[base:] for p, _ in files), sorted(dirs)
         infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel_dir), allow_not_found=True))
-        base = len(self.root) + 1
         return (sorted(i.path[base:] for i in infos if i.type == pafs.FileType.File),
                 sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory))
 
     def list_dirs(self, rel_dir: str) -> list[str]:
         """Names of the folders directly in rel_dir (an object store's common prefixes)."""
-        import pyarrow.fs as pafs
-
-        if self._objects:
-            from . import objects
-
-            return sorted(objects.listing(self.path(rel_dir), recursive=False)[1])
-        infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel_dir), allow_not_found=True))
-        return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
+        return self.entries(rel_dir)[1]
 
     def write_json(self, rel: str, obj) -> str:
         return self.write_bytes(rel, json.dumps(obj, indent=1, sort_keys=True).encode())

@@ -488,7 +488,7 @@ def reused_or_run(ctx, fn: Callable, folder: str, key_of: Callable, call_of: Cal
         ctx.log(f"{ctx.name}: {reused} partitions {done_before}, reused; {len(todo)} to {verb}")
     options.setdefault("describe", lambda c: f"partition {c[1]}")
     rows = rows_of([upstream[i] for i in todo], ctx.upstream)
-    if rows is not None and "items" not in options:    # small work: the worker processes already started
+    if rows is not None:    # small work: on the worker processes already started
         options.setdefault("sizes", rows)
         options.setdefault("items_per_worker", ROWS_PER_WORKER)
     for i, r in zip(todo, ctx.run(fn, [call_of(upstream[i], outs[i]) for i in todo], what, **options)):
