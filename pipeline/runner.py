@@ -357,7 +357,8 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     if wiped:
         # made from other inputs: nothing in it can be trusted, except the stage's own
         # content-addressed caches (ingest's per-partition downloads) and the key index, which
-        # records the sha256 of each ledger it read: an append reads only the ledgers it lacks
+        # records the sha256 of each ledger it indexed: the ledgers rewritten are indexed anew, the
+        # old segments that held only them deleted unread
         from .key_index import KEYS
 
         controls.wipe(stage.name, stage.preserve + (KEYS,))
@@ -383,7 +384,7 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     if parts:   # before _SUCCESS: a finished stage can always say where a key's row is
         from .key_index import build
 
-        index = build(ctx.storage, ctx.executor, stage.name, {p.file: p.sha256 for p in parts}, sum(p.n_in for p in parts),
+        index = build(ctx.storage, ctx.executor, stage.name, {p.file: p.sha256 for p in parts}, {p.file: p.n_in for p in parts},
                       # a stage that wrote from the driver (no task) and is small: its index there too
                       in_driver=len(ctx.executor.records) == first_record and sum(p.n_in for p in parts) <= 100_000,
                       given={p.file: p.aside for p in parts if getattr(p, "aside", None) is not None})
@@ -396,7 +397,8 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
     stats = {"stage": stage.name, **counts, "partitions": len(parts), "wall_seconds": round(wall, 3),
              **result.extra_stats, "tasks": ctx.executor.records[first_record:],
              **({"key_index": {"ledgers": len(parts), "ledgers_read": index.ledgers_read,
-                                "ledgers_handed": index.ledgers_handed}} if index else {}),
+                                "ledgers_handed": index.ledgers_handed, "segments": index.segments,
+                                "rows_written": index.rows_written}} if index else {}),
              **({"score_hist": {"bins": HIST_BINS, "range": list(HIST_RANGE), **hist}} if hist else {})}
     controls.write_all(stage.name, {"parts.json": [p.to_json() for p in parts], "stats.json": stats})
     files = {p.file: p.sha256 for p in parts}

@@ -205,31 +205,35 @@ def test_a_stage_key_index_names_the_one_ledger_file_of_a_key(tmp_path, ray_loca
     from pipeline.executor import Executor
 
     storage = Storage.local(tmp_path)
-    files = {}
+    files, rows = {}, {}
     for i in range(5):
         rel = f"dedup/ledger/p{i}.parquet"
         files[rel] = storage.write_table(rel, pa.table({"key": [f"s{j:05d}" for j in range(i, 5000, 5)]}))[0]
+        rows[rel] = 1000
     monkeypatch.setattr(key_index, "ROWS_PER_BUCKET", 1500)
     monkeypatch.setattr(key_index, "ROW_GROUP", 100)
-    meta = key_index.build(storage, Executor(log=lambda m: None), "dedup", files, 5000)
-    assert meta.buckets == 4 and not (tmp_path / "dedup" / "keys" / "_map").exists()
+    meta = key_index.build(storage, Executor(log=lambda m: None), "dedup", files, rows)
+    assert (meta.segments, meta.rows, meta.rows_written) == (1, 5000, 5000)
+    assert sorted(p.name for p in (tmp_path / "dedup" / "keys").iterdir()) == [
+        "files.parquet", "meta.json", *(f"s000000-00000{b}.parquet" for b in range(4))]   # 4 buckets, no map files
     assert all(key_index.lookup(storage, "dedup", f"s{j:05d}") == f"dedup/ledger/p{j % 5}.parquet"
                for j in range(0, 5000, 37))
     assert key_index.lookup(storage, "dedup", "s99999") == "" and key_index.lookup(storage, "basic", "s00001") is None
-    monkeypatch.setattr(key_index, "ROWS_PER_BUCKET", 10**6)            # one bucket: one task, no map files
-    assert key_index.build(storage, Executor(log=lambda m: None), "language", files, 5000).buckets == 1
+    monkeypatch.setattr(key_index, "ROWS_PER_BUCKET", 10**6)            # one bucket: one task
+    assert key_index.build(storage, Executor(log=lambda m: None), "language", files, rows).rows_written == 5000
     assert all(key_index.lookup(storage, "language", f"s{j:05d}") == f"dedup/ledger/p{j % 5}.parquet"
                for j in range(0, 5000, 37))
-    index = pq.ParquetFile(tmp_path / "dedup" / "keys" / "000000.parquet")
+    index = pq.ParquetFile(tmp_path / "language" / "keys" / "s000000-000000.parquet")
     assert index.metadata.num_row_groups > 1       # a lookup reads one row group of it
-    # an append: p5 added, p0 gone; the index is rebuilt from the old one and reads only p5's ledger
+    # an append: p5 added, p0 gone; only p5's ledger is read, only its keys written (a new segment)
     storage.write_table("dedup/ledger/p5.parquet", pa.table({"key": ["t00001", "t00002"]}))
     grown = {f: sha for f, sha in files.items() if not f.endswith("p0.parquet")}
     grown["dedup/ledger/p5.parquet"] = "new"
     read = []
     monkeypatch.setattr(Storage, "read_table", lambda self, rel, columns=None, _r=Storage.read_table: (read.append(rel), _r(self, rel, columns))[1])
-    key_index.build(storage, Executor(log=lambda m: None), "language", grown, 4002, in_driver=True)
+    meta = key_index.build(storage, None, "language", grown, {**rows, "dedup/ledger/p5.parquet": 2}, in_driver=True)
     assert [r for r in read if "/ledger/" in r] == ["dedup/ledger/p5.parquet"], read
+    assert (meta.segments, meta.rows, meta.rows_written) == (2, 4002, 2)
     assert key_index.lookup(storage, "language", "t00002") == "dedup/ledger/p5.parquet"
     assert key_index.lookup(storage, "language", "s00001") == "dedup/ledger/p1.parquet"
     assert key_index.lookup(storage, "language", "s00000") == ""            # its partition is gone
@@ -239,11 +243,11 @@ def test_a_stage_key_index_names_the_one_ledger_file_of_a_key(tmp_path, ray_loca
 
     given = {f: ray.put(pa.table({"key": [f"s{j:05d}" for j in range(i, 5000, 5)]})) for i, f in enumerate(files)}
     read.clear()
-    for rows_per_bucket, buckets in ((1500, 4), (10**6, 1)):
+    for stage, rows_per_bucket in (("basic", 1500), ("tokenizer", 10**6)):
         monkeypatch.setattr(key_index, "ROWS_PER_BUCKET", rows_per_bucket)
-        meta = key_index.build(storage, Executor(log=lambda m: None), "basic", files, 5000, given=given)
-        assert (meta.buckets, meta.ledgers_read, meta.ledgers_handed) == (buckets, 0, 5), meta
-        assert all(key_index.lookup(storage, "basic", f"s{j:05d}") == f"dedup/ledger/p{j % 5}.parquet"
+        meta = key_index.build(storage, Executor(log=lambda m: None), stage, files, rows, given=given)
+        assert (meta.rows_written, meta.ledgers_read, meta.ledgers_handed) == (5000, 0, 5), meta
+        assert all(key_index.lookup(storage, stage, f"s{j:05d}") == f"dedup/ledger/p{j % 5}.parquet"
                    for j in range(0, 5000, 37))
     assert not [r for r in read if "/ledger/" in r], read
     # keys lost with their node (Ray says ObjectLostError): built from the ledgers instead; any other
@@ -261,12 +265,89 @@ def test_a_stage_key_index_names_the_one_ledger_file_of_a_key(tmp_path, ray_loca
             return super().run(fn, calls, *a, **k)
 
     lost = ray.exceptions.ObjectLostError("00" * 28, "", "")
-    meta = key_index.build(storage, Failing(lost), "clip_score", files, 5000, given=given)
+    meta = key_index.build(storage, Failing(lost), "clip_score", files, rows, given=given)
     assert (meta.ledgers_read, meta.ledgers_handed) == (5, 0), meta
     assert all(key_index.lookup(storage, "clip_score", f"s{j:05d}") == f"dedup/ledger/p{j % 5}.parquet"
                for j in range(0, 5000, 37))
     with pytest.raises(RuntimeError, match="task 0 failed"):
-        key_index.build(storage, Failing(ValueError("a bug")), "shard", files, 5000, given=given)
+        key_index.build(storage, Failing(ValueError("a bug")), "shard", files, rows, given=given)
+
+
+def test_the_key_index_writes_what_an_append_adds_and_merges_its_segments_geometrically(tmp_path, monkeypatch):
+    """Thirty 1 % appends: each writes its own keys and the small segments it merges, never the
+    stage's first segment, and the segments stay few; a ledger rewritten in place, ledgers removed,
+    and a stage rebuilt from other input are each answered right, with dead rows dropped by merges."""
+    from infra.storage import Storage
+    from pipeline import key_index
+
+    monkeypatch.setattr(key_index, "ROW_GROUP", 64)
+    storage = Storage.local(tmp_path)
+    files, rows, where = {}, {}, {}
+
+    def ledger(name: str, keys: list[str]) -> None:
+        rel = f"basic/ledger/{name}.parquet"
+        files[rel], _ = storage.write_table(rel, pa.table({"key": keys}))
+        rows[rel] = len(keys)
+        where.update({k: rel for k in keys})
+
+    def found() -> bool:
+        return all(key_index.lookup(storage, "basic", k) == f for k, f in list(where.items())[::7])
+
+    for i in range(10):
+        ledger(f"p{i:03d}", [f"a{i:03d}_{j:03d}" for j in range(100)])
+    assert key_index.build(storage, None, "basic", files, rows, in_driver=True).rows_written == 1000
+    written, most = [], 0
+    for i in range(30):
+        ledger(f"q{i:03d}", [f"b{i:03d}_{j:02d}" for j in range(10)])
+        meta = key_index.build(storage, None, "basic", files, rows, in_driver=True)
+        written.append(meta.rows_written)
+        most = max(most, meta.segments)
+        assert meta.rows == 1000 + 10 * (i + 1)
+    assert max(written) < 1000 and sum(written) <= 300 * 6, written     # never the first segment again
+    assert most <= 6 and found(), most
+    # a ledger rewritten in place: its old keys are gone from the stage, its new ones found
+    gone = [k for k, f in where.items() if f.endswith("p003.parquet")]
+    for k in gone:
+        del where[k]
+    ledger("p003", ["c_new_1", "c_new_2"])
+    meta = key_index.build(storage, None, "basic", files, rows, in_driver=True)
+    assert meta.rows_written == 2 and found() and all(key_index.lookup(storage, "basic", k) == "" for k in gone[::9])
+    # most of the first segment's ledgers removed: spent, merged away without its dead rows
+    for i in range(6):
+        rel = f"basic/ledger/p{i:03d}.parquet"
+        del files[rel], rows[rel]
+        where = {k: f for k, f in where.items() if f != rel}
+    meta = key_index.build(storage, None, "basic", files, rows, in_driver=True)
+    assert meta.rows == sum(rows.values()) and found()
+    on_disk = sum(pq.ParquetFile(p).metadata.num_rows for p in (tmp_path / "basic" / "keys").glob("s*.parquet"))
+    assert on_disk == sum(rows.values()), (on_disk, sum(rows.values()))
+    # the stage rebuilt from other input (every ledger new): the old segments deleted unread
+    old = sorted(p.name for p in (tmp_path / "basic" / "keys").glob("s*.parquet"))
+    files, rows, where = {}, {}, {}
+    for i in range(3):
+        ledger(f"p{i:03d}", [f"d{i}_{j}" for j in range(50)])
+    meta = key_index.build(storage, None, "basic", files, rows, in_driver=True)
+    assert (meta.segments, meta.rows, meta.rows_written) == (1, 150, 150) and found()
+    assert not set(old) & {p.name for p in (tmp_path / "basic" / "keys").glob("s*.parquet")}
+    assert key_index.lookup(storage, "basic", "a007_001") == ""
+
+
+def test_an_index_of_the_first_format_is_read_and_then_rebuilt(tmp_path):
+    """A run folder from before segments: `explain` still finds keys through it, and the next build
+    replaces it whole."""
+    from infra.storage import Storage
+    from pipeline import key_index
+
+    storage = Storage.local(tmp_path)
+    sha, _ = storage.write_table("dedup/ledger/p0.parquet", pa.table({"key": ["k1", "k2"]}))
+    storage.write_table("dedup/keys/000000.parquet", pa.table({"key": ["k1", "k2"], "file": ["dedup/ledger/p0.parquet"] * 2}))
+    storage.write_json("dedup/keys/meta.json", {"buckets": 1, "rows": 2, "files": {"dedup/ledger/p0.parquet": sha}})
+    assert key_index.lookup(storage, "dedup", "k2") == "dedup/ledger/p0.parquet"
+    assert key_index.lookup(storage, "dedup", "k9") == ""
+    meta = key_index.build(storage, None, "dedup", {"dedup/ledger/p0.parquet": sha}, {"dedup/ledger/p0.parquet": 2},
+                           in_driver=True)
+    assert meta.rows_written == 2 and not (tmp_path / "dedup" / "keys" / "000000.parquet").exists()
+    assert key_index.lookup(storage, "dedup", "k2") == "dedup/ledger/p0.parquet"
 
 
 def test_status_calls_the_shards_stale_when_clip_score_changed_and_not_when_the_tokenizer_did(tmp_path):
