@@ -9,14 +9,18 @@ own verdict: dedup drops the later copies as `exact_duplicate` (same URL and cap
 first in `match_key`. With `key_col` (the user's own keys), a key in two files is refused before
 anything downloads, naming the files and rows.
 
-Distributed, as a shuffle through Ray's object store (Executor.shuffle): a task per partition reads
-its keys once and hands each key bucket (by the hash of the key's base) its piece; a task per
-bucket finds keys in more than one file and writes its renames; a task per affected partition
-rewrites it. Every key is read once, and nothing but the renames passes through the bucket. The
-driver sees counts.
+Distributed, in two shuffles through Ray's object store (Executor.shuffle), the first over 12 bytes a
+row: each file's keys as 64-bit hashes of their bases, with the partition of each (`bases.parquet`,
+written beside the file's keyed partitions when it is keyed, so an append reads the files it did not
+key at that size, not their keys). A task per file hands each hash bucket its piece; a task per
+bucket returns the hashes found in more than one file. Only the partitions holding those are read:
+a task per partition hands each key bucket its rows of repeated bases, a task per bucket writes its
+renames, a task per affected partition rewrites it. Nothing but the renames passes through the
+bucket. The driver sees the repeated hashes and counts.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,21 +32,77 @@ from infra.errors import UserError
 from ..dataplane import PartResult, write_part
 
 RENAMES = "source/_work/renames"
+BASES = "bases.parquet"     # in a keyed file's folder: hash and partition of each row's key base
+BASES_SCHEMA = pa.schema([("hash", pa.uint64()), ("part", pa.int32())])
+# the first shuffle moves 16 bytes a row and does little with them: one process reads 2·10^6 rows'
+# hashes (~0.1 s) in less time than another takes to start (~1 s), and sorts a bucket of 10^6 in less
+HASHES_PER_WORKER = 2_000_000
+HASHES_PER_BUCKET = 1_000_000
 
 
 def base_of(key: str) -> str:
     return key.split("_", 1)[0]
 
 
+def base_hashes(keys: list[str], own_keys: bool) -> np.ndarray:
+    """64-bit hashes of the keys' bases (of the keys themselves with the user's own keys)."""
+    from ..dataplane import key_hashes
+
+    return key_hashes(keys if own_keys else [base_of(k) for k in keys])
+
+
+def bases_table(hashes: list[np.ndarray]) -> pa.Table:
+    """A file's BASES table from each partition's base hashes, in partition order."""
+    parts = [np.full(len(h), i, np.int32) for i, h in enumerate(hashes)]
+    return pa.table({"hash": np.concatenate(hashes) if hashes else np.zeros(0, np.uint64),
+                     "part": np.concatenate(parts) if parts else np.zeros(0, np.int32)}, schema=BASES_SCHEMA)
+
+
+def _hash_pieces(storage, order: int, bases: str | None, files: list[str], n: int, own_keys: bool) -> list[pa.Table]:
+    """Ray task (the first shuffle's map): one file's base hashes, from its BASES table (one read), or
+    from its partitions' keys where it has none (keyed before there were any), cut by hash into `n`."""
+    from ..dataplane import bucket_pieces
+
+    t = None
+    if bases is not None:
+        try:
+            t = storage.read_table(bases)
+        except (FileNotFoundError, OSError):
+            t = None
+    if t is None:
+        t = bases_table([base_hashes(k.column("key").to_pylist(), own_keys) for k in storage.read_tables(files, ["key"])])
+    t = t.append_column("order", pa.array(np.full(t.num_rows, order, np.int32)))
+    h = t.column("hash").to_numpy()
+    return bucket_pieces(t, (h % np.uint64(n)).astype(np.int32), n)
+
+
+def _repeated_task(*pieces: pa.Table) -> pa.Table:
+    """Ray task (the first shuffle's reduce): the (hash, order, part) rows of the hashes this bucket
+    holds in more than one file."""
+    t = pa.concat_tables(pieces)
+    h, o = t.column("hash").to_numpy(), t.column("order").to_numpy()
+    if not len(h):
+        return t
+    idx = np.lexsort((o, h))
+    hs, os_ = h[idx], o[idx]
+    starts = np.r_[True, hs[1:] != hs[:-1]]
+    files = np.add.reduceat((starts | np.r_[True, os_[1:] != os_[:-1]]).astype(np.int64), np.flatnonzero(starts))
+    return t.filter(pa.array(np.isin(h, hs[starts][files > 1])))
+
+
 PIECE_SCHEMA = pa.schema([("order", pa.int32()), ("part", pa.string()), ("key", pa.string()), ("detail", pa.string())])
 
 
-def _key_pieces(storage, part: str, file: str, order: int, n: int, own_keys: bool) -> list[pa.Table]:
-    """Ray task (a shuffle's map): one partition's keys, read once, split into `n` pieces by the hash
-    of each key's base (the user's key itself with key_col), so every copy of a row meets the others."""
+def _key_pieces(storage, part: str, file: str, order: int, n: int, own_keys: bool,
+                repeated: np.ndarray | None = None) -> list[pa.Table]:
+    """Ray task (the second shuffle's map): one partition's keys whose base hash is `repeated` (all of
+    them without it), split into `n` pieces by the hash of each key's base (the user's key itself with
+    key_col), so every copy of a row meets the others."""
     from ..dataplane import hash_pieces
 
     t = storage.read_table(file, ["key", "detail"])
+    if repeated is not None:
+        t = t.filter(pa.array(np.isin(base_hashes(t.column("key").to_pylist(), own_keys), repeated)))
     keys = t.column("key").to_pylist()
     t = pa.table({"order": pa.array(np.full(len(keys), order, np.int32)), "part": pa.array([part] * len(keys), pa.string()),
                   "key": t.column("key"), "detail": t.column("detail")}, schema=PIECE_SCHEMA)
@@ -106,13 +166,32 @@ def _rewrite_task(storage, p: PartResult, buckets: list[int]) -> PartResult:
     return write_part(storage, "source", p.part, None, new_keys, t)
 
 
-def unique_across_files(ctx, parts: list[PartResult], file_of: dict[str, int], own_keys: bool) -> tuple[list, int]:
-    """-> (the partitions, with those that held repeats rewritten; how many keys were renamed)."""
-    if len(set(file_of.values())) < 2:
+def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | None],
+                        own_keys: bool) -> tuple[list[PartResult], int]:
+    """`files`: each URL list file's partitions, in file order; `bases`: where each file's BASES table
+    is (None: read its partitions' keys). -> (the partitions, with those that held repeats rewritten;
+    how many keys were renamed)."""
+    parts = [p for f in files for p in f]
+    if len(files) < 2:
         return parts, 0       # one file: keyed_rows made its keys unique already
-    n = max(1, min(64, len(parts)))
-    found = ctx.shuffle(_key_pieces, [(ctx.storage, p.part, p.file, file_of[p.part], n, own_keys) for p in parts], n,
-                        _bucket_task, [(ctx.storage, b, own_keys) for b in range(n)], "source: keys across files",
+    rows = [sum(p.n_in for p in f) for f in files]
+    n = max(1, min(64, math.ceil(sum(rows) / HASHES_PER_BUCKET)))
+    found = ctx.shuffle(_hash_pieces, [(ctx.storage, i, bases[i], [p.file for p in f], n, own_keys)
+                                       for i, f in enumerate(files)], n,
+                        _repeated_task, [() for _ in range(n)], "source: keys across files", num_cpus=0.5,
+                        sizes=rows, items_per_worker=HASHES_PER_WORKER)
+    repeated = pa.concat_tables(found)
+    if not repeated.num_rows:
+        return parts, 0
+    # the partitions that hold a repeated base, each with the hashes to look for in it
+    held: dict[tuple[int, int], list] = {}
+    for h, o, p in zip(*(repeated.column(c).to_numpy() for c in ("hash", "order", "part"))):
+        held.setdefault((int(o), int(p)), []).append(h)
+    affected = sorted(held)
+    n = max(1, min(64, len(affected)))
+    found = ctx.shuffle(_key_pieces, [(ctx.storage, files[o][i].part, files[o][i].file, o, n, own_keys,
+                                       np.unique(np.array(held[o, i], np.uint64))) for o, i in affected], n,
+                        _bucket_task, [(ctx.storage, b, own_keys) for b in range(n)], "source: repeated keys",
                         num_cpus=0.5)
     if own_keys:
         n = sum(f.n for f in found)

@@ -46,6 +46,7 @@ from infra.hashing import file_sha256
 
 from ..base import Source, StageContext, StageResult
 from ..dataplane import DROPPED, KEPT, PartResult, write_part
+from .keys import BASES, base_hashes, bases_table
 
 
 @dataclass
@@ -652,11 +653,12 @@ class PartitionWriter:
     what a task holds is one partition's rows, whatever the file's size. `folder`: where their
     ledgers go (default: the stage's ledger folder)."""
 
-    def __init__(self, storage, name: str, rows_per_part: int, folder: str | None = None):
-        self.storage, self.name, self.per, self.folder = storage, name, rows_per_part, folder
+    def __init__(self, storage, name: str, rows_per_part: int, folder: str | None = None, own_keys: bool = False):
+        self.storage, self.name, self.per, self.folder, self.own_keys = storage, name, rows_per_part, folder, own_keys
         self.pending: list[pa.Table] = []
         self.held = 0
         self.out: list[PartResult] = []
+        self.hashes: list[np.ndarray] = []     # each partition's keys' base hashes (keys.base_hashes)
 
     def add(self, rows: pa.Table) -> None:
         self.pending.append(rows)
@@ -672,13 +674,19 @@ class PartitionWriter:
         if chunk is None:   # an empty file: one empty partition, of the rows' columns
             chunk = pa.table({c: pa.array([], pa.string()) for c in
                               ("key", "url", "caption", "partition", "verdict", "reason", "detail", "notes")})
-        self.out.append(write_part(self.storage, "source", part, None, chunk.column("key").to_pylist(), chunk,
+        keys = chunk.column("key").to_pylist()
+        self.hashes.append(base_hashes(keys, self.own_keys))
+        self.out.append(write_part(self.storage, "source", part, None, keys, chunk,
                                    rel=f"{self.folder}/{part}.parquet" if self.folder else None))
 
     def close(self) -> list[PartResult]:
         if self.held or not self.out:      # the rest, or an empty file's one empty partition
             self._write(self.held)
         return self.out
+
+    def bases(self) -> pa.Table:
+        """The file's key bases as hashes, with the partition (its index in the file) of each."""
+        return bases_table(self.hashes)
 
 
 def write_partitions(storage, rows: pa.Table, name: str, rows_per_part: int) -> list[PartResult]:
@@ -702,12 +710,14 @@ def _read_file_task(storage, path: str, cfg: SourceConfig, pinned: str | None = 
         if pinned is not None:
             local = Path(tmp) / name
             storage.download(pinned, local)
-        state, out = KeyState(), PartitionWriter(storage, name, cfg.rows_per_part, folder)
+        state, out = KeyState(), PartitionWriter(storage, name, cfg.rows_per_part, folder, own_keys=bool(cfg.key_col))
         for table, lines, malformed in iter_list(local, cfg.format, _text_cols(cfg, local), cfg.header, cfg.columns,
                                                  cfg.max_field_bytes, cfg.max_list_bytes):
             out.add(keyed_rows(table, cfg, name, lines, malformed, state))
         parts = out.close()
         if folder:
+            # what the check across files reads of this file from now on: 12 bytes a row, not its keys
+            storage.write_table(f"{folder}/{BASES}", out.bases())
             storage.write_json(f"{folder}.json", {"parts": [p.to_json() for p in parts]})
         return parts
 
@@ -827,11 +837,9 @@ class SourceStage(Source):
         keep = {d.rsplit("/", 1)[-1] for d in folders}
         stale = [d for d in ctx.storage.list_dirs(KEYED) if d not in keep]
         ctx.storage.delete_all([f"{KEYED}/{d}" for d in stale] + [f"{KEYED}/{d}.json" for d in stale])
-        parts = [p for r in results for p in r]
         from .keys import unique_across_files
 
-        parts, renamed = unique_across_files(ctx, parts, {p.part: i for i, r in enumerate(results) for p in r},
-                                             own_keys=bool(cfg.key_col))
+        parts, renamed = unique_across_files(ctx, results, [f"{d}/{BASES}" for d in folders], own_keys=bool(cfg.key_col))
         rows = sum(p.n_in for p in parts)
         ctx.log(f"source: {rows} rows from {cfg.path} in {len(files)} file(s), {len(parts)} partitions"
                 + (f"; {renamed} rows repeat a row of an earlier file (kept under their own keys, for dedup "

@@ -39,10 +39,9 @@ def _run(tmp_path, paths, *overrides, rows_per_part=2):
                              *overrides]).source
     storage = Storage.local(tmp_path / "run")
     results = [_read_file_task(storage, str(p), cfg) for p in paths]
-    parts = [p for r in results for p in r]
     ctx = SimpleNamespace(run=_in_process, shuffle=_shuffle_in_process, storage=storage)
-    out, renamed = unique_across_files(ctx, parts, {p.part: i for i, r in enumerate(results) for p in r},
-                                       own_keys=bool(cfg.key_col))
+    # no BASES tables (files keyed outside a keyed folder): the hashes come from the partitions' keys
+    out, renamed = unique_across_files(ctx, results, [None] * len(results), own_keys=bool(cfg.key_col))
     (tmp_path / "run" / "source").mkdir(parents=True, exist_ok=True)
     (tmp_path / "run" / "source" / "parts.json").write_text(json.dumps([p.to_json() for p in out]))
     return out, renamed, read_ledger(storage, "source").to_pylist()
@@ -132,11 +131,21 @@ def test_an_append_keys_only_the_list_files_it_added(tmp_path):
     first = SourceStage().run(ctx).parts
     assert sorted(p.rsplit("/", 1)[-1] for p in read) == ["list0.csv", "list1.csv"]
     read.clear()
+    tables = []
+    storage.read_table = lambda rel, columns=None, _r=storage.read_table: (tables.append(rel), _r(rel, columns))[1]
+    storage.read_tables = lambda rels, columns=None: [storage.read_table(r, columns) for r in rels]
     (urls / "list2.csv").write_text("url,caption\nhttp://x/5.jpg,five\nhttp://x/1.jpg,one\n")
     second = SourceStage().run(ctx).parts
     assert [p.rsplit("/", 1)[-1] for p in read] == ["list2.csv"]
+    # the check across files read each file's base hashes and, of the first files' partitions, only
+    # list0's first (it holds the row list2 repeats), to rename the copy
+    assert sorted(t.rsplit("/", 1)[-1] for t in tables if t.endswith("bases.parquet")) == ["bases.parquet"] * 3
+    old = [t for t in tables if "/keyed/" in t and not t.endswith("bases.parquet") and "list2" not in t]
+    assert [t.rsplit("/", 1)[-1] for t in old] == ["list0_csv-00000.parquet"], tables
     assert [(p.file, p.sha256) for p in second[:len(first)]] == [(p.file, p.sha256) for p in first]
     assert second[-1].n_in == 2 and len({p.part for p in second}) == len(second)
+    copies = [r for p in second for r in pq.read_table(storage.path(p.file)).to_pylist() if r["url"] == "http://x/1.jpg"]
+    assert sorted(r["key"][-2:] == "_1" for r in copies) == [False, True], copies
     read.clear()
     (urls / "list0.csv").write_text("url,caption\nhttp://x/9.jpg,nine\n")
     (urls / "list1.csv").unlink()
