@@ -34,9 +34,9 @@ from ..dataplane import PartResult, write_part
 RENAMES = "source/_work/renames"
 BASES = "bases.parquet"     # in a keyed file's folder: hash and partition of each row's key base
 BASES_SCHEMA = pa.schema([("hash", pa.uint64()), ("part", pa.int32())])
-# the first shuffle moves 16 bytes a row and does little with them: one process reads 2·10^6 rows'
-# hashes (~0.1 s) in less time than another takes to start (~1 s), and sorts a bucket of 10^6 in less
-HASHES_PER_WORKER = 2_000_000
+# the first shuffle moves 16 bytes a row and does little with them: a map reads the hashes of 10^6
+# rows' files side by side (~0.1-0.3 s, less than a task takes to start), a reducer sorts 10^6 in less
+HASHES_PER_MAP = 1_000_000
 HASHES_PER_BUCKET = 1_000_000
 
 
@@ -58,20 +58,26 @@ def bases_table(hashes: list[np.ndarray]) -> pa.Table:
                      "part": np.concatenate(parts) if parts else np.zeros(0, np.int32)}, schema=BASES_SCHEMA)
 
 
-def _hash_pieces(storage, order: int, bases: str | None, files: list[str], n: int, own_keys: bool) -> list[pa.Table]:
-    """Ray task (the first shuffle's map): one file's base hashes, from its BASES table (one read), or
-    from its partitions' keys where it has none (keyed before there were any), cut by hash into `n`."""
+def _hash_pieces(storage, files: list[tuple[int, str | None, list[str]]], n: int, own_keys: bool) -> list[pa.Table]:
+    """Ray task (the first shuffle's map): the base hashes of a few files ((order, BASES table, partition
+    files) each), read side by side: from each BASES table (one read), or from the partitions' keys
+    where a file has none (keyed before there were any); cut by hash into `n` pieces."""
     from ..dataplane import bucket_pieces
 
-    t = None
-    if bases is not None:
-        try:
-            t = storage.read_table(bases)
-        except (FileNotFoundError, OSError):
-            t = None
-    if t is None:
-        t = bases_table([base_hashes(k.column("key").to_pylist(), own_keys) for k in storage.read_tables(files, ["key"])])
-    t = t.append_column("order", pa.array(np.full(t.num_rows, order, np.int32)))
+    def hashes(order: int, bases: str | None, parts: list[str]) -> pa.Table:
+        t = None
+        if bases is not None:
+            try:
+                t = storage.read_table(bases)
+            except (FileNotFoundError, OSError):
+                t = None
+        if t is None:
+            t = bases_table([base_hashes(k.column("key").to_pylist(), own_keys) for k in storage.read_tables(parts, ["key"])])
+        return t.append_column("order", pa.array(np.full(t.num_rows, order, np.int32)))
+
+    from infra.storage import in_parallel
+
+    t = pa.concat_tables(in_parallel(lambda f: hashes(*f), files))
     h = t.column("hash").to_numpy()
     return bucket_pieces(t, (h % np.uint64(n)).astype(np.int32), n)
 
@@ -176,10 +182,17 @@ def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | No
         return parts, 0       # one file: keyed_rows made its keys unique already
     rows = [sum(p.n_in for p in f) for f in files]
     n = max(1, min(64, math.ceil(sum(rows) / HASHES_PER_BUCKET)))
-    found = ctx.shuffle(_hash_pieces, [(ctx.storage, i, bases[i], [p.file for p in f], n, own_keys)
-                                       for i, f in enumerate(files)], n,
-                        _repeated_task, [() for _ in range(n)], "source: keys across files", num_cpus=0.5,
-                        sizes=rows, items_per_worker=HASHES_PER_WORKER)
+    # files in runs of up to HASHES_PER_MAP rows, a map each: reads side by side, not a task's start each
+    maps, run, held = [], [], 0
+    for i, f in enumerate(files):
+        if run and held + rows[i] > HASHES_PER_MAP:
+            maps.append(run)
+            run, held = [], 0
+        run.append((i, bases[i], [p.file for p in f]))
+        held += rows[i]
+    maps.append(run)
+    found = ctx.shuffle(_hash_pieces, [(ctx.storage, m, n, own_keys) for m in maps], n,
+                        _repeated_task, [() for _ in range(n)], "source: keys across files", num_cpus=0.5)
     repeated = pa.concat_tables(found)
     if not repeated.num_rows:
         return parts, 0
