@@ -15,8 +15,8 @@ written beside the file's keyed partitions when it is keyed, so an append reads 
 key at that size, not their keys). A task per file hands each hash bucket its piece; a task per
 bucket returns the hashes found in more than one file. Only the partitions holding those are read:
 a task per partition hands each key bucket its rows of repeated bases, a task per bucket writes its
-renames, a task per affected partition rewrites it. Nothing but the renames passes through the
-bucket. The driver sees the repeated hashes and counts.
+renames, a task per affected partition rewrites it with its own. Nothing passes through the bucket;
+the driver holds the repeated hashes and the renames, a row per copy past the first.
 """
 from __future__ import annotations
 
@@ -25,18 +25,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from infra.errors import UserError
 
 from ..dataplane import PartResult, write_part
 
-RENAMES = "source/_work/renames"
 BASES = "bases.parquet"     # in a keyed file's folder: hash and partition of each row's key base
 BASES_SCHEMA = pa.schema([("hash", pa.uint64()), ("part", pa.int32())])
 # the first shuffle moves 16 bytes a row and does little with them: a map reads the hashes of 10^6
-# rows' files side by side (~0.1-0.3 s, less than a task takes to start), a reducer sorts 10^6 in less
+# rows' files side by side (~0.1-0.3 s, less than a process takes to start), a process takes maps of
+# 4·10^6 rows in turn, a reducer sorts 10^6 in less than a second
 HASHES_PER_MAP = 1_000_000
+HASHES_PER_WORKER = 4_000_000
 HASHES_PER_BUCKET = 1_000_000
 
 
@@ -118,14 +118,17 @@ def _key_pieces(storage, part: str, file: str, order: int, n: int, own_keys: boo
 @dataclass(frozen=True)
 class KeyBucket:
     """What one key bucket found: with the user's own keys, the repeats (`n`, the first few pairs of
-    rows that share a key, for a one-line refusal); else the renames per partition (written to
-    storage, RENAMES)."""
-    renamed: dict = field(default_factory=dict)     # partition -> rows renamed
+    rows that share a key, for a one-line refusal); else its renames (RENAME_SCHEMA), which go to
+    the rewriting tasks through Ray's object store."""
+    renames: pa.Table | None = None
     repeats: list = field(default_factory=list)     # (row, row) described, the first five
     n: int = 0                                      # keys repeated across files
 
 
-def _bucket_task(storage, bucket: int, own_keys: bool, *pieces: pa.Table) -> KeyBucket:
+RENAME_SCHEMA = pa.schema([("part", pa.string()), ("key", pa.string()), ("new_key", pa.string()), ("first", pa.string())])
+
+
+def _bucket_task(own_keys: bool, *pieces: pa.Table) -> KeyBucket:
     """Ray task (a shuffle's reduce): the keys of one bucket from every partition."""
     seen: dict[str, list] = {}
     for t in pieces:
@@ -134,8 +137,7 @@ def _bucket_task(storage, bucket: int, own_keys: bool, *pieces: pa.Table) -> Key
     repeats = {b: rows for b, rows in seen.items() if len({r[0] for r in rows}) > 1}
     if own_keys:
         return KeyBucket(repeats=sorted((rows[0][3], rows[1][3]) for rows in repeats.values())[:5], n=len(repeats))
-    renames = {"part": [], "key": [], "new_key": [], "first": []}
-    counts: dict[str, int] = {}
+    renames = {c: [] for c in RENAME_SCHEMA.names}
     for b, rows in repeats.items():
         rows.sort(key=lambda r: (r[0], _suffix(r[2])))   # file order, then row order within the file
         for n, (_, part, key, _) in enumerate(rows):
@@ -143,10 +145,7 @@ def _bucket_task(storage, bucket: int, own_keys: bool, *pieces: pa.Table) -> Key
             if new != key:
                 for c, v in zip(renames, (part, key, new, rows[0][3])):
                     renames[c].append(v)
-                counts[part] = counts.get(part, 0) + 1
-    if counts:
-        storage.write_table(f"{RENAMES}/b{bucket:03d}.parquet", pa.table(renames))
-    return KeyBucket(renamed=counts)
+    return KeyBucket(renames=pa.table(renames, schema=RENAME_SCHEMA))
 
 
 def _suffix(key: str) -> int:
@@ -154,14 +153,10 @@ def _suffix(key: str) -> int:
     return int(n) if n.isdigit() else 0
 
 
-def _rewrite_task(storage, p: PartResult, buckets: list[int]) -> PartResult:
-    """Ray task: one partition with its renamed keys (and where the first copy is, in its detail)."""
+def _rewrite_task(storage, p: PartResult, r: pa.Table) -> PartResult:
+    """Ray task: one partition with its renamed keys `r` (and where the first copy is, in its detail)."""
     t = storage.read_table(p.file)
-    renames = {}
-    for b in buckets:
-        r = storage.read_table(f"{RENAMES}/b{b:03d}.parquet")
-        r = r.filter(pc.equal(r.column("part"), p.part))
-        renames.update({k: (n, f) for k, n, f in zip(*(r.column(c).to_pylist() for c in ("key", "new_key", "first")))})
+    renames = {k: (n, f) for k, n, f in zip(*(r.column(c).to_pylist() for c in ("key", "new_key", "first")))}
     keys = t.column("key").to_pylist()
     details = t.column("detail").to_pylist()
     new_keys = [renames[k][0] if k in renames else k for k in keys]
@@ -183,16 +178,21 @@ def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | No
     rows = [sum(p.n_in for p in f) for f in files]
     n = max(1, min(64, math.ceil(sum(rows) / HASHES_PER_BUCKET)))
     # files in runs of up to HASHES_PER_MAP rows, a map each: reads side by side, not a task's start each
-    maps, run, held = [], [], 0
+    maps, run, held, sizes = [], [], 0, []
     for i, f in enumerate(files):
         if run and held + rows[i] > HASHES_PER_MAP:
             maps.append(run)
+            sizes.append(held)
             run, held = [], 0
         run.append((i, bases[i], [p.file for p in f]))
         held += rows[i]
     maps.append(run)
+    sizes.append(held)
+    # windowed by rows: an append's maps run on the few processes the run has started (9 cold ones
+    # at once took 31 s on 2 cores at 10^7 rows; warm, the same maps take 2 s)
     found = ctx.shuffle(_hash_pieces, [(ctx.storage, m, n, own_keys) for m in maps], n,
-                        _repeated_task, [() for _ in range(n)], "source: keys across files", num_cpus=0.5)
+                        _repeated_task, [() for _ in range(n)], "source: keys across files", num_cpus=0.5,
+                        sizes=sizes, items_per_worker=HASHES_PER_WORKER)
     repeated = pa.concat_tables(found)
     if not repeated.num_rows:
         return parts, 0
@@ -204,7 +204,7 @@ def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | No
     n = max(1, min(64, len(affected)))
     found = ctx.shuffle(_key_pieces, [(ctx.storage, files[o][i].part, files[o][i].file, o, n, own_keys,
                                        np.unique(np.array(held[o, i], np.uint64))) for o, i in affected], n,
-                        _bucket_task, [(ctx.storage, b, own_keys) for b in range(n)], "source: repeated keys",
+                        _bucket_task, [(own_keys,) for _ in range(n)], "source: repeated keys",
                         num_cpus=0.5)
     if own_keys:
         n = sum(f.n for f in found)
@@ -214,17 +214,15 @@ def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | No
                             "keys must be unique across the files (drop key_col to let capline key rows by "
                             "URL and caption, which keeps every copy and drops repeats as exact_duplicate)")
         return parts, 0
-    touched: dict[str, list[int]] = {}
-    renamed = 0
-    for b, f in enumerate(found):
-        for part, n in f.renamed.items():
-            touched.setdefault(part, []).append(b)
-            renamed += n
-    if not touched:
+    renames = pa.concat_tables([f.renames for f in found]).sort_by("part")
+    if not renames.num_rows:
         return parts, 0
+    # each affected partition's renames, a slice of the sorted table (its rows only go to its task)
+    names = renames.column("part").to_numpy(zero_copy_only=False)
+    starts = np.flatnonzero(np.r_[True, names[1:] != names[:-1]])
+    ends = np.r_[starts[1:], len(names)]
     by_name = {p.part: p for p in parts}
-    redone = ctx.run(_rewrite_task, [(ctx.storage, by_name[name], bs) for name, bs in sorted(touched.items())],
+    redone = ctx.run(_rewrite_task, [(ctx.storage, by_name[names[a]], renames.slice(a, b - a)) for a, b in zip(starts, ends)],
                      "source: renaming repeats", num_cpus=0.5)
     new = {p.part: p for p in redone}
-    ctx.storage.delete(RENAMES)
-    return [new.get(p.part, p) for p in parts], renamed
+    return [new.get(p.part, p) for p in parts], renames.num_rows
