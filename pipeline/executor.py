@@ -387,7 +387,8 @@ class Executor:
         with the b-th piece of every map, in map order. Each piece is an object of the store
         (spilled to the node's disk when memory is short), each read once; the driver holds only
         references. `sizes`, `items_per_worker`: the maps' window as `run`'s (all submitted at once
-        without them: Ray schedules them, a CPU each). -> the reducers' results, in order."""
+        without them: Ray schedules them, a CPU each), and the reducers' by the same rule, each taking
+        an equal share of the rows. -> the reducers' results, in order."""
         import ray
 
         if not calls:
@@ -426,8 +427,9 @@ class Executor:
         # each reducer's pieces as top-level arguments: Ray hands it their values, fetched from
         # wherever the maps ran
         pieces = [[r[b] for r in refs] for b in range(n_out)]
+        share = [math.ceil(sum(sizes) / n_out)] * n_out if sizes is not None else None
         return self.run(reduce_fn, [(*reduce_calls[b], *pieces[b]) for b in range(n_out)], what,
-                        num_cpus=num_cpus, unit=unit)
+                        num_cpus=num_cpus, unit=unit, sizes=share, items_per_worker=items_per_worker)
 
     def put(self, obj):
         """`obj` in Ray's object store, once; the reference is what tasks get."""

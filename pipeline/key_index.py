@@ -37,6 +37,7 @@ FORMAT = 2
 ROWS_PER_BUCKET = 2_000_000
 ROW_GROUP = 8192
 MERGE_RATIO = 2
+KEYS_PER_WORKER = 1_000_000
 MAX_DEAD_FILES = 1000       # a segment naming more dead ledgers is merged (meta.json stays small)
 PAIRS = pa.schema([("key", pa.string()), ("file", pa.string())])
 FILES = pa.schema([("file", pa.string()), ("sha256", pa.string()), ("segment", pa.int64()), ("rows", pa.int64())])
@@ -187,7 +188,7 @@ def _build(storage, executor, stage: str, files: dict[str, str], rows: dict[str,
         new_rows = sum(rows.get(f, 0) for f in todo)
         seg = {"id": nxt, "buckets": max(1, math.ceil(new_rows / ROWS_PER_BUCKET)), "rows": 0, "dead": [], "dead_rows": 0}
         nxt += 1
-        inputs = [("ledger", f, [], given.get(f)) for f in todo]
+        inputs = [("ledger", f, [], given.get(f), rows.get(f, 0)) for f in todo]
         seg["rows"], read, handed = _write_segment(storage, executor, folder, stage, seg, inputs)
         written += seg["rows"]
         segments.append(seg)
@@ -200,7 +201,8 @@ def _build(storage, executor, stage: str, files: dict[str, str], rows: dict[str,
         seg = {"id": nxt, "buckets": max(1, math.ceil(sum(_live(s) for s in merged) / ROWS_PER_BUCKET)),
                "rows": 0, "dead": [], "dead_rows": 0}
         nxt += 1
-        inputs = [("segment", segment_file(folder, s["id"], b), s["dead"], None) for s in merged for b in range(s["buckets"])]
+        inputs = [("segment", segment_file(folder, s["id"], b), s["dead"], None, s["rows"] // s["buckets"])
+                  for s in merged for b in range(s["buckets"])]
         seg["rows"], _, _ = _write_segment(storage, executor, folder, stage, seg, inputs)
         written += seg["rows"]
         ids = {s["id"] for s in merged}
@@ -218,21 +220,25 @@ def _build(storage, executor, stage: str, files: dict[str, str], rows: dict[str,
 
 
 def _write_segment(storage, executor, folder: str, stage: str, seg: dict, inputs: list[tuple]) -> tuple[int, int, int]:
-    """Write segment `seg` from `inputs` ((kind, path, dead, keys in hand) each); -> (rows, ledgers
-    read, ledgers handed)."""
+    """Write segment `seg` from `inputs` ((kind, path, dead, keys in hand, rows) each); -> (rows,
+    ledgers read, ledgers handed)."""
     if seg["buckets"] == 1:    # one task, no pieces
-        ledgers = [p for kind, p, _, g in inputs if kind == "ledger" and g is None]
-        handed = [p for kind, p, _, g in inputs if kind == "ledger" and g is not None]
-        segs = [(p, dead) for kind, p, dead, _ in inputs if kind == "segment"]
+        ledgers = [p for kind, p, _, g, _ in inputs if kind == "ledger" and g is None]
+        handed = [p for kind, p, _, g, _ in inputs if kind == "ledger" and g is not None]
+        segs = [(p, dead) for kind, p, dead, _, _ in inputs if kind == "segment"]
         (done,) = executor.run(_one_task, [(storage, segment_file(folder, seg["id"], 0), ROW_GROUP, ledgers, segs,
-                                            handed, *(g for kind, _, _, g in inputs if kind == "ledger" and g is not None))],
+                                            handed, *(g for kind, _, _, g, _ in inputs if kind == "ledger" and g is not None))],
                                f"{stage} key index", num_cpus=0.25, quiet=True)
         return done.rows, done.ledgers_read, done.ledgers_handed
     n = seg["buckets"]
-    counts = executor.shuffle(_map_task, [(storage, kind, p, n, dead, g) for kind, p, dead, g in inputs], n,
+    # the maps windowed by the keys they hold: a process hashes 10^6 keys in about a second, and
+    # asking for a task per CPU slot started processes instead (45 at once on 2 cores: 53 s of maps
+    # for 10^7 keys)
+    counts = executor.shuffle(_map_task, [(storage, kind, p, n, dead, g) for kind, p, dead, g, _ in inputs], n,
                               _reduce_task, [(storage, segment_file(folder, seg["id"], b), ROW_GROUP) for b in range(n)],
-                              f"{stage} key index", num_cpus=0.25)
-    ledgers = [g for kind, _, _, g in inputs if kind == "ledger"]
+                              f"{stage} key index", num_cpus=0.25, sizes=[size for *_, size in inputs],
+                              items_per_worker=KEYS_PER_WORKER)
+    ledgers = [g for kind, _, _, g, _ in inputs if kind == "ledger"]
     return sum(counts), sum(1 for g in ledgers if g is None), sum(1 for g in ledgers if g is not None)
 
 

@@ -312,6 +312,12 @@ def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces
     def _gather(bucket, *pieces):
         return bucket, list(pieces)
 
+    def _slow_gather(bucket, *pieces):      # long enough for two reducers to overlap where allowed
+        import time
+
+        time.sleep(0.5)
+        return bucket, list(pieces)
+
     def _split_or_fail(values, n):
         if 13 in values:
             raise UserError("thirteen is not allowed here")
@@ -322,12 +328,14 @@ def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces
     out = ex.shuffle(lambda v: _split_by_parity(v, 3), calls, 3, _gather, [(b,) for b in range(3)], "parity")
     assert out == [(b, [[v for v in c[0] if v % 3 == b] for c in calls]) for b in range(3)]
     assert [r["what"] for r in ex.records[-2:]] == ["parity (map)", "parity"] and ex.records[-2]["tasks"] == 4
-    # a little work: the maps are windowed (one at a time for 4 rows a worker), the pieces as before
+    # a little work: the maps are windowed (one at a time for 6 rows a worker), the reducers too (an
+    # equal share of the 6 rows each), the pieces as before
     many = [([i, i + 1],) for i in range(0, 12, 2)]
-    out = ex.shuffle(lambda v: _split_by_parity(v, 3), many, 3, _gather, [(b,) for b in range(3)], "small",
+    out = ex.shuffle(lambda v: _split_by_parity(v, 3), many, 3, _slow_gather, [(b,) for b in range(3)], "small",
                      sizes=[1] * len(many), items_per_worker=6)
     assert out == [(b, [[v for v in c[0] if v % 3 == b] for c in many]) for b in range(3)]
     assert ex.records[-2]["what"] == "small (map)" and ex.records[-2]["at_once"] == 1
+    assert ex.records[-1]["what"] == "small" and ex.records[-1]["at_once"] == 1
     with pytest.raises(UserError, match=r"odd: map task 1: thirteen is not allowed here"):
         ex.shuffle(lambda v: _split_or_fail(v, 2), [([1],), ([13],)], 2, _gather, [(0,), (1,)], "odd")
 
