@@ -197,13 +197,13 @@ def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | No
     if not repeated.num_rows:
         return parts, 0
     # the partitions that hold a repeated base, each with the hashes to look for in it
-    held: dict[tuple[int, int], list] = {}
+    holding: dict[tuple[int, int], list] = {}
     for h, o, p in zip(*(repeated.column(c).to_numpy() for c in ("hash", "order", "part"))):
-        held.setdefault((int(o), int(p)), []).append(h)
-    affected = sorted(held)
+        holding.setdefault((int(o), int(p)), []).append(h)
+    affected = sorted(holding)
     n = max(1, min(64, len(affected)))
     found = ctx.shuffle(_key_pieces, [(ctx.storage, files[o][i].part, files[o][i].file, o, n, own_keys,
-                                       np.unique(np.array(held[o, i], np.uint64))) for o, i in affected], n,
+                                       np.unique(np.array(holding[o, i], np.uint64))) for o, i in affected], n,
                         _bucket_task, [(own_keys,) for _ in range(n)], "source: repeated keys",
                         num_cpus=0.5)
     if own_keys:

@@ -34,24 +34,34 @@ def _files(tmp_path, *contents):
     return paths
 
 
-def _run(tmp_path, paths, *overrides, rows_per_part=2):
+def _run(tmp_path, paths, *overrides, rows_per_part=2, keyed=False):
+    """`keyed`: each file keyed into a folder of its own, with its BASES table, which the check reads;
+    else the check hashes the partitions' keys (files keyed before there were BASES tables)."""
     cfg = load_config(None, ["source.kind=urls", f"source.path={tmp_path}", f"source.rows_per_part={rows_per_part}",
                              *overrides]).source
     storage = Storage.local(tmp_path / "run")
-    results = [_read_file_task(storage, str(p), cfg) for p in paths]
+    folders = [f"source/keyed/f{i}" if keyed else None for i in range(len(paths))]
+    results = [_read_file_task(storage, str(p), cfg, None, d) for p, d in zip(paths, folders)]
     ctx = SimpleNamespace(run=_in_process, shuffle=_shuffle_in_process, storage=storage)
-    # no BASES tables (files keyed outside a keyed folder): the hashes come from the partitions' keys
-    out, renamed = unique_across_files(ctx, results, [None] * len(results), own_keys=bool(cfg.key_col))
+    hashed_from_keys = []
+    storage.read_tables = lambda rels, columns=None, _r=storage.read_tables: (hashed_from_keys.extend(rels), _r(rels, columns))[1]
+    out, renamed = unique_across_files(ctx, results, [d and f"{d}/bases.parquet" for d in folders],
+                                       own_keys=bool(cfg.key_col))
+    if len(paths) > 1:       # BASES tables read where there are any, else the keys hashed
+        assert bool(hashed_from_keys) != keyed, hashed_from_keys
     (tmp_path / "run" / "source").mkdir(parents=True, exist_ok=True)
     (tmp_path / "run" / "source" / "parts.json").write_text(json.dumps([p.to_json() for p in out]))
     return out, renamed, read_ledger(storage, "source").to_pylist()
 
 
-def test_rows_repeated_across_files_get_keys_as_if_the_files_were_one(tmp_path):
+@pytest.mark.parametrize("keyed", [False, True], ids=["from-keys", "from-bases"])
+def test_rows_repeated_across_files_get_keys_as_if_the_files_were_one(tmp_path, keyed):
     a = [("http://x/1.jpg", "one"), ("http://x/2.jpg", "two"), ("http://x/1.jpg", "one")]
     b = [("http://x/3.jpg", "three"), ("http://x/1.jpg", "one"), ("http://x/2.jpg", "two")]
     c = [("http://x/1.jpg", "one")]
-    parts, renamed, rows = _run(tmp_path, _files(tmp_path, a, b, c))
+    parts, renamed, rows = _run(tmp_path, _files(tmp_path, a, b, c), keyed=keyed)
+    if keyed:
+        assert (tmp_path / "run" / "source" / "keyed" / "f2" / "bases.parquet").is_file()
     keys = [r["key"] for r in rows]
     assert len(keys) == len(set(keys)) == 7                       # every copy a sample, each its own key
     ones = sorted((r["key"], r["detail"]) for r in rows if r["url"] == "http://x/1.jpg")
@@ -75,7 +85,7 @@ def test_the_users_own_keys_in_two_files_are_refused_naming_both(tmp_path):
     (tmp_path / "b.csv").write_text("id,url,caption\nk3,http://x/3.jpg,three\nk1,http://x/9.jpg,other\n")
     with pytest.raises(UserError, match=r"1 key_col value\(s\) appear in more than one URL list file "
                                         r"\(a.csv line 2 and b.csv line 3\)"):
-        _run(tmp_path, [tmp_path / "a.csv", tmp_path / "b.csv"], "source.key_col=id")
+        _run(tmp_path, [tmp_path / "a.csv", tmp_path / "b.csv"], "source.key_col=id", keyed=True)
 
 
 @pytest.mark.slow
