@@ -21,3 +21,12 @@ def write_results(name: str, data: dict) -> Path:
     path.write_text(json.dumps({"machine": machine(), **data}, indent=2, sort_keys=True))
     print(f"wrote {path}")
     return path
+
+
+def merge_run(name: str, label: str, result: dict) -> Path:
+    """`result` written into results/<name>.json under runs[label], the file's other runs and keys kept."""
+    path = RESULTS / f"{name}.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data.pop("machine", None)
+    data["runs"] = {**data.get("runs", {}), label: result}
+    return write_results(name, data)

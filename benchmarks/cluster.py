@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from benchmarks._common import RESULTS, write_results  # noqa: E402
+from benchmarks._common import RESULTS, merge_run  # noqa: E402
 
 STAGES = ["source", "ingest", "dedup", "basic", "language", "clip_score", "tokenizer", "shard"]
 BUCKET = "capline-bench"
@@ -175,11 +175,7 @@ def main():
     args = p.parse_args()
     result = run(args)
     print(table(result))
-    path = RESULTS / "cluster.json"
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    data.pop("machine", None)
-    data["runs"] = {**data.get("runs", {}), args.label: result}     # other keys (dedup_alone) stay
-    write_results("cluster", data)
+    merge_run("cluster", args.label, result)     # other keys (dedup_alone) stay
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from benchmarks._common import RESULTS, write_results  # noqa: E402
+from benchmarks._common import RESULTS, merge_run  # noqa: E402
 from benchmarks.cluster import STAGES  # noqa: E402
 
 BUCKET = "capline-parts"
@@ -307,11 +307,7 @@ def main():
     RESULTS.mkdir(parents=True, exist_ok=True)
     result = run(args)
     print(table(result))
-    path = RESULTS / "partitions.json"
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    data.pop("machine", None)
-    data["runs"] = {**data.get("runs", {}), args.label: result}
-    write_results("partitions", data)
+    merge_run("partitions", args.label, result)
 
 
 if __name__ == "__main__":
