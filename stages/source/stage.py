@@ -46,7 +46,7 @@ from infra.hashing import file_sha256
 
 from ..base import Source, StageContext, StageResult
 from ..dataplane import DROPPED, KEPT, PartResult, write_part
-from .keys import BASES, base_hashes, bases_table
+from .keys import BASES, base_hashes, bases_table, unique_across_files
 
 
 @dataclass
@@ -658,7 +658,7 @@ class PartitionWriter:
         self.pending: list[pa.Table] = []
         self.held = 0
         self.out: list[PartResult] = []
-        self.hashes: list[np.ndarray] = []     # each partition's keys' base hashes (keys.base_hashes)
+        self.hashes: list[np.ndarray] = []     # with a folder: each partition's base hashes (keys.base_hashes)
 
     def add(self, rows: pa.Table) -> None:
         self.pending.append(rows)
@@ -675,7 +675,8 @@ class PartitionWriter:
             chunk = pa.table({c: pa.array([], pa.string()) for c in
                               ("key", "url", "caption", "partition", "verdict", "reason", "detail", "notes")})
         keys = chunk.column("key").to_pylist()
-        self.hashes.append(base_hashes(keys, self.own_keys))
+        if self.folder:     # a list file keyed for the check across files (not a generated source)
+            self.hashes.append(base_hashes(keys, self.own_keys))
         self.out.append(write_part(self.storage, "source", part, None, keys, chunk,
                                    rel=f"{self.folder}/{part}.parquet" if self.folder else None))
 
@@ -837,8 +838,6 @@ class SourceStage(Source):
         keep = {d.rsplit("/", 1)[-1] for d in folders}
         stale = [d for d in ctx.storage.list_dirs(KEYED) if d not in keep]
         ctx.storage.delete_all([f"{KEYED}/{d}" for d in stale] + [f"{KEYED}/{d}.json" for d in stale])
-        from .keys import unique_across_files
-
         parts, renamed = unique_across_files(ctx, results, [f"{d}/{BASES}" for d in folders], own_keys=bool(cfg.key_col))
         rows = sum(p.n_in for p in parts)
         ctx.log(f"source: {rows} rows from {cfg.path} in {len(files)} file(s), {len(parts)} partitions"
