@@ -193,8 +193,11 @@ def _build(storage, executor, stage: str, files: dict[str, str], rows: dict[str,
         written += seg["rows"]
         segments.append(seg)
         indexed.update({f: {"file": f, "sha256": files[f], "segment": seg["id"], "rows": rows.get(f, 0)} for f in todo})
-    gone = [s for s in segments if _live(s) <= 0]        # wholly dead: deleted unread
-    segments = [s for s in segments if _live(s) > 0]
+    # wholly dead, deleted unread: no ledger indexed there is current (by the files, not the rows,
+    # which are the stage's counts and only steer merging)
+    holding = {r["segment"] for r in indexed.values()}
+    gone = [s for s in segments if s["id"] not in holding]
+    segments = [s for s in segments if s["id"] in holding]
     k = merge_from(segments)
     merged = segments[k:] if k < len(segments) else []
     if merged:

@@ -332,6 +332,24 @@ def test_the_key_index_writes_what_an_append_adds_and_merges_its_segments_geomet
     assert key_index.lookup(storage, "basic", "a007_001") == ""
 
 
+def test_a_segment_stays_while_any_ledger_it_indexed_is_current(tmp_path):
+    """The rows the runner gives are the stage's counts; a segment is deleted only when none of its
+    ledgers is current, whatever those counts say (here they overstate the ledger that goes)."""
+    from infra.storage import Storage
+    from pipeline import key_index
+
+    storage = Storage.local(tmp_path)
+    files = {f"basic/ledger/{n}.parquet": storage.write_table(f"basic/ledger/{n}.parquet",
+                                                              pa.table({"key": [f"{n}{j}" for j in range(100)]}))[0]
+             for n in ("a", "b")}
+    key_index.build(storage, None, "basic", files, {"basic/ledger/a.parquet": 250, "basic/ledger/b.parquet": 100},
+                    in_driver=True)
+    del files["basic/ledger/a.parquet"]
+    meta = key_index.build(storage, None, "basic", files, {"basic/ledger/b.parquet": 100}, in_driver=True)
+    assert meta.segments == 1 and key_index.lookup(storage, "basic", "b7") == "basic/ledger/b.parquet"
+    assert key_index.lookup(storage, "basic", "a7") == ""
+
+
 def test_an_index_of_the_first_format_is_read_and_then_rebuilt(tmp_path):
     """A run folder from before segments: `explain` still finds keys through it, and the next build
     replaces it whole."""
