@@ -169,8 +169,11 @@ def _build(storage, executor, stage: str, files: dict[str, str], rows: dict[str,
             known = storage.read_table(f"{folder}/files.parquet").to_pylist()
         except (FileNotFoundError, OSError):
             known = None
+        ids = {s["id"] for s in meta["segments"]}
+        if known is not None and any(r["segment"] not in ids for r in known):
+            known = None    # the file list written, the meta not (a build stopped between the two)
     if known is None:
-        if meta:    # an index of capline's first format, or one whose file list is gone: rebuilt whole
+        if meta:    # an index of capline's first format, or torn: rebuilt whole
             storage.delete(folder)
         meta, known = {"format": FORMAT, "next": 0, "segments": []}, []
     segments = [dict(s) for s in meta["segments"]]

@@ -348,6 +348,14 @@ def test_a_segment_stays_while_any_ledger_it_indexed_is_current(tmp_path):
     meta = key_index.build(storage, None, "basic", files, {"basic/ledger/b.parquet": 100}, in_driver=True)
     assert meta.segments == 1 and key_index.lookup(storage, "basic", "b7") == "basic/ledger/b.parquet"
     assert key_index.lookup(storage, "basic", "a7") == ""
+    # a build stopped between its file list and its meta (the list names a segment the meta does not):
+    # the next build starts the index over rather than failing the stage
+    known = storage.read_table("basic/keys/files.parquet").to_pylist()
+    storage.write_table("basic/keys/files.parquet", pa.Table.from_pylist([{**r, "segment": 99} for r in known],
+                                                                         schema=key_index.FILES))
+    meta = key_index.build(storage, None, "basic", files, {"basic/ledger/b.parquet": 100}, in_driver=True)
+    assert (meta.segments, meta.rows_written) == (1, 100)
+    assert key_index.lookup(storage, "basic", "b7") == "basic/ledger/b.parquet"
 
 
 def test_an_index_of_the_first_format_is_read_and_then_rebuilt(tmp_path):
