@@ -73,7 +73,7 @@ def _pairs(storage, kind: str, path: str, given: pa.Table | None = None, dead=()
     if kind == "ledger":
         keys = (given if given is not None else storage.read_table(path, ["key"])).column("key").cast(pa.string())
         return pa.table({"key": keys, "file": pa.array([path] * len(keys), pa.string())}, schema=PAIRS)
-    t = storage.read_table(path).select(PAIRS.names).cast(PAIRS)
+    t = storage.read_table(path)
     return t.filter(pc.invert(pc.is_in(t.column("file"), pa.array(list(dead), pa.string())))) if dead else t
 
 
@@ -180,11 +180,13 @@ def _build(storage, executor, stage: str, files: dict[str, str], rows: dict[str,
     by_id = {s["id"]: s for s in segments}
     indexed = {r["file"]: r for r in known}
     died = [f for f, r in indexed.items() if files.get(f) != r["sha256"]]
+    dead: dict[int, set] = {}
     for f in died:      # gone, or rewritten since its segment took its keys
         r = indexed.pop(f)
-        seg = by_id[r["segment"]]
-        seg["dead"] = sorted({*seg["dead"], f})
-        seg["dead_rows"] += r["rows"]
+        dead.setdefault(r["segment"], set()).add(f)
+        by_id[r["segment"]]["dead_rows"] += r["rows"]
+    for i, names in dead.items():     # each list sorted once (a stage rebuilt kills every ledger at once)
+        by_id[i]["dead"] = sorted({*by_id[i]["dead"], *names})
     todo = sorted(f for f in files if f not in indexed)
     nxt, written, read, handed = meta["next"], 0, 0, 0
     if todo:

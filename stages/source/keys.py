@@ -197,13 +197,15 @@ def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | No
     if not repeated.num_rows:
         return parts, 0
     # the partitions that hold a repeated base, each with the hashes to look for in it
-    holding: dict[tuple[int, int], list] = {}
-    for h, o, p in zip(*(repeated.column(c).to_numpy() for c in ("hash", "order", "part"))):
-        holding.setdefault((int(o), int(p)), []).append(h)
-    affected = sorted(holding)
+    h, o, p = (repeated.column(c).to_numpy() for c in ("hash", "order", "part"))
+    idx = np.lexsort((h, p, o))      # grouped by partition (file order, then partition), hashes sorted
+    h, o, p = h[idx], o[idx], p[idx]
+    starts = np.flatnonzero(np.r_[True, (o[1:] != o[:-1]) | (p[1:] != p[:-1])])
+    ends = np.r_[starts[1:], len(h)]
+    affected = [(int(o[a]), int(p[a]), np.unique(h[a:b])) for a, b in zip(starts, ends)]
     n = max(1, min(64, len(affected)))
-    found = ctx.shuffle(_key_pieces, [(ctx.storage, files[o][i].part, files[o][i].file, o, n, own_keys,
-                                       np.unique(np.array(holding[o, i], np.uint64))) for o, i in affected], n,
+    found = ctx.shuffle(_key_pieces, [(ctx.storage, files[f][i].part, files[f][i].file, f, n, own_keys, hashes)
+                                      for f, i, hashes in affected], n,
                         _bucket_task, [(own_keys,) for _ in range(n)], "source: repeated keys",
                         num_cpus=0.5)
     if own_keys:
