@@ -17,9 +17,18 @@ bucket returns the hashes found in more than one file. Only the partitions holdi
 a task per partition hands each key bucket its rows of repeated bases, a task per bucket writes its
 renames, a task per affected partition rewrites it with its own. Nothing passes through the bucket;
 the driver holds the repeated hashes and the renames, a row per copy past the first.
+
+An append checks what it added against what was checked (`CHECKED`): a check records the files it
+covered (by their BASES tables' names, which name their content and keying settings) and every copy
+it found of a row held by more than one of them. When those files are all still listed, in the same
+order, the added files' hashes are read first (the probe), then each earlier file's once, a map
+keeping only the rows the probe holds: the first shuffle moves the added rows and their matches,
+not every row, and its reducers add the record's copies (rows repeated among the earlier files are
+repeated still). Any other change (a file gone, changed or reordered; no record) checks every file.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -38,6 +47,13 @@ BASES_SCHEMA = pa.schema([("hash", pa.uint64()), ("part", pa.int32())])
 HASHES_PER_MAP = 1_000_000
 HASHES_PER_WORKER = 4_000_000
 HASHES_PER_BUCKET = 1_000_000
+# against a probe a map keeps a few rows of what it reads, a file at a time: it may read more
+PROBED_PER_MAP = 10_000_000
+# the probe (the added files' hashes, 8 bytes a row) goes through the driver to every map: past this,
+# or past the rows checked before, checking every file again costs about the same
+PROBE_MAX = 20_000_000
+CHECKED = "source/keyed/across_files.parquet"   # the last check's files and the copies it found
+CHECKED_SCHEMA = pa.schema([("hash", pa.uint64()), ("file", pa.int32()), ("part", pa.int32())])
 
 
 def base_of(key: str) -> str:
@@ -58,28 +74,45 @@ def bases_table(hashes: list[np.ndarray]) -> pa.Table:
                      "part": np.concatenate(parts) if parts else np.zeros(0, np.int32)}, schema=BASES_SCHEMA)
 
 
-def _hash_pieces(storage, files: list[tuple[int, str | None, list[str]]], n: int, own_keys: bool) -> list[pa.Table]:
+def _file_hashes(storage, order: int, bases: str | None, parts: list[str], own_keys: bool,
+                 probe: np.ndarray | None = None) -> pa.Table:
+    """One file's (hash, part, order) rows: from its BASES table (one read), or from its partitions'
+    keys where it has none (keyed before there were any); with `probe` (sorted), only the rows whose
+    hash it holds."""
+    t = None
+    if bases is not None:
+        try:
+            t = storage.read_table(bases)
+        except (FileNotFoundError, OSError):
+            t = None
+    if t is None:
+        t = bases_table([base_hashes(k.column("key").to_pylist(), own_keys) for k in storage.read_tables(parts, ["key"])])
+    if probe is not None:
+        h = t.column("hash").to_numpy()
+        held = probe[np.minimum(np.searchsorted(probe, h), len(probe) - 1)] == h if len(probe) else np.zeros(len(h), bool)
+        t = t.filter(pa.array(held))
+    return t.append_column("order", pa.array(np.full(t.num_rows, order, np.int32)))
+
+
+def _hash_pieces(storage, files: list[tuple[int, str | None, list[str]]], n: int, own_keys: bool,
+                 probe: np.ndarray | None = None) -> list[pa.Table]:
     """Ray task (the first shuffle's map): the base hashes of a few files ((order, BASES table, partition
-    files) each), read side by side: from each BASES table (one read), or from the partitions' keys
-    where a file has none (keyed before there were any); cut by hash into `n` pieces."""
+    files) each), read side by side (_file_hashes; with `probe`, the rows it holds); cut by hash into
+    `n` pieces."""
     from ..dataplane import bucket_pieces
-
-    def hashes(order: int, bases: str | None, parts: list[str]) -> pa.Table:
-        t = None
-        if bases is not None:
-            try:
-                t = storage.read_table(bases)
-            except (FileNotFoundError, OSError):
-                t = None
-        if t is None:
-            t = bases_table([base_hashes(k.column("key").to_pylist(), own_keys) for k in storage.read_tables(parts, ["key"])])
-        return t.append_column("order", pa.array(np.full(t.num_rows, order, np.int32)))
-
     from infra.storage import in_parallel
 
-    t = pa.concat_tables(in_parallel(lambda f: hashes(*f), files))
+    t = pa.concat_tables(in_parallel(lambda f: _file_hashes(storage, *f, own_keys, probe), files))
     h = t.column("hash").to_numpy()
     return bucket_pieces(t, (h % np.uint64(n)).astype(np.int32), n)
+
+
+def _probe_task(storage, files: list[tuple[int, str | None, list[str]]], own_keys: bool) -> np.ndarray:
+    """Ray task: the distinct base hashes of the files an append added, sorted."""
+    from infra.storage import in_parallel
+
+    tables = in_parallel(lambda f: _file_hashes(storage, *f, own_keys), files)
+    return np.unique(np.concatenate([t.column("hash").to_numpy() for t in tables]))
 
 
 def _repeated_task(*pieces: pa.Table) -> pa.Table:
@@ -167,34 +200,111 @@ def _rewrite_task(storage, p: PartResult, r: pa.Table) -> PartResult:
     return write_part(storage, "source", p.part, None, new_keys, t)
 
 
-def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | None],
-                        own_keys: bool) -> tuple[list[PartResult], int]:
-    """`files`: each URL list file's partitions, in file order; `bases`: where each file's BASES table
-    is (None: read its partitions' keys). -> (the partitions, with those that held repeats rewritten;
-    how many keys were renamed)."""
-    parts = [p for f in files for p in f]
-    if len(files) < 2:
-        return parts, 0       # one file: keyed_rows made its keys unique already
-    rows = [sum(p.n_in for p in f) for f in files]
+def _runs(files: list[int], rows: list[int], most: int) -> list[list[int]]:
+    """`files` (indices) in runs of up to `most` rows (a file larger than that alone)."""
+    runs, run, held = [], [], 0
+    for i in files:
+        if run and held + rows[i] > most:
+            runs.append(run)
+            run, held = [], 0
+        run.append(i)
+        held += rows[i]
+    return runs + [run] if run else runs
+
+
+EMPTY = pa.schema([("hash", pa.uint64()), ("part", pa.int32()), ("order", pa.int32())]).empty_table()
+
+
+def _checked_before(storage, record: str | None, bases: list[str | None]) -> tuple[list[int], pa.Table] | None:
+    """The files the last check covered (indices among these) and the copies it found (hash, part,
+    order as these files are ordered now), if those files are all still here in the same order; else
+    None (check every file)."""
+    if record is None or any(b is None for b in bases):
+        return None
+    try:
+        t = storage.read_table(record)
+        ids = json.loads((t.schema.metadata or {}).get(b"files", b"null"))
+    except (FileNotFoundError, OSError, ValueError, pa.ArrowException):
+        return None       # none yet, or unreadable: a full check writes it again
+    pos = {b: i for i, b in enumerate(bases)}
+    if not isinstance(ids, list) or not ids or any(not isinstance(b, str) or b not in pos for b in ids) \
+            or not t.schema.equals(CHECKED_SCHEMA):
+        return None
+    order = np.array([pos[b] for b in ids], np.int32)
+    f = t.column("file").to_numpy()
+    if np.any(np.diff(order) <= 0) or (len(f) and (f.min() < 0 or f.max() >= len(order))):
+        return None
+    return order.tolist(), pa.table({"hash": t.column("hash"), "part": t.column("part"), "order": pa.array(order[f])})
+
+
+def _remember(storage, record: str | None, bases: list[str | None], repeated: pa.Table) -> None:
+    """What this check covered and found, for the next run's (`_checked_before`)."""
+    if record is None or any(b is None for b in bases):
+        return
+    t = repeated.group_by(["hash", "order", "part"]).aggregate([]).sort_by(
+        [("order", "ascending"), ("part", "ascending"), ("hash", "ascending")])
+    t = pa.table({"hash": t.column("hash"), "file": t.column("order"), "part": t.column("part")}, schema=CHECKED_SCHEMA)
+    storage.write_table(record, t.replace_schema_metadata({"files": json.dumps(bases)}))
+
+
+def _repeated_everywhere(ctx, files, bases, rows: list[int], own_keys: bool) -> pa.Table:
+    """The first shuffle over every file's hashes: the (hash, part, order) rows of each hash that more
+    than one file holds."""
     n = max(1, min(64, math.ceil(sum(rows) / HASHES_PER_BUCKET)))
     # files in runs of up to HASHES_PER_MAP rows, a map each: reads side by side, not a task's start each
-    maps, run, held, sizes = [], [], 0, []
-    for i, f in enumerate(files):
-        if run and held + rows[i] > HASHES_PER_MAP:
-            maps.append(run)
-            sizes.append(held)
-            run, held = [], 0
-        run.append((i, bases[i], [p.file for p in f]))
-        held += rows[i]
-    maps.append(run)
-    sizes.append(held)
+    maps = _runs(list(range(len(files))), rows, HASHES_PER_MAP)
     # windowed by rows: an append's maps run on the few processes the run has started (9 cold ones
     # at once took 31 s on 2 cores at 10^7 rows; warm, the same maps take 2 s)
-    found = ctx.shuffle(_hash_pieces, [(ctx.storage, m, n, own_keys) for m in maps], n,
+    found = ctx.shuffle(_hash_pieces, [(ctx.storage, [_spec(files, bases, i) for i in m], n, own_keys) for m in maps], n,
                         _repeated_task, [() for _ in range(n)], "source: keys across files", num_cpus=0.5,
-                        sizes=sizes, items_per_worker=HASHES_PER_WORKER)
-    repeated = pa.concat_tables(found)
+                        sizes=[sum(rows[i] for i in m) for m in maps], items_per_worker=HASHES_PER_WORKER)
+    return pa.concat_tables(found)
+
+
+def _repeated_since(ctx, files, bases, rows: list[int], checked: list[int], before: pa.Table,
+                    own_keys: bool) -> pa.Table:
+    """`_repeated_everywhere` when the files `checked` (finding `before`) are unchanged: the added
+    files' hashes are the probe, and the earlier files give only the rows it holds."""
+    new = [i for i in range(len(files)) if i not in set(checked)]
+    if not new:
+        return before
+    probe = ctx.put(ctx.call(_probe_task, ctx.storage, [_spec(files, bases, i) for i in new], own_keys,
+                             what="source: keys of the files added", num_cpus=0.5))
+    n = max(1, min(64, math.ceil((sum(rows[i] for i in new) + before.num_rows) / HASHES_PER_BUCKET)))
+    maps = [(m, probe) for m in _runs(checked, rows, PROBED_PER_MAP)] + [(m, None) for m in _runs(new, rows, HASHES_PER_MAP)]
+    from ..dataplane import bucket_pieces
+
+    h = before.column("hash").to_numpy()
+    earlier = bucket_pieces(before, (h % np.uint64(n)).astype(np.int32), n)
+    found = ctx.shuffle(_hash_pieces, [(ctx.storage, [_spec(files, bases, i) for i in m], n, own_keys, p) for m, p in maps],
+                        n, _repeated_task, [(earlier[b],) for b in range(n)], "source: keys across files",
+                        num_cpus=0.5, sizes=[sum(rows[i] for i in m) for m, _ in maps],
+                        items_per_worker=HASHES_PER_WORKER)
+    return pa.concat_tables(found)
+
+
+def _spec(files, bases, i: int) -> tuple[int, str | None, list[str]]:
+    return i, bases[i], [p.file for p in files[i]]
+
+
+def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | None],
+                        own_keys: bool, record: str | None = None) -> tuple[list[PartResult], int]:
+    """`files`: each URL list file's partitions, in file order; `bases`: where each file's BASES table
+    is (None: read its partitions' keys); `record`: where the check keeps what it covered and found
+    (CHECKED; None: every run checks every file). -> (the partitions, with those that held repeats
+    rewritten; how many keys were renamed)."""
+    parts = [p for f in files for p in f]
+    rows = [sum(p.n_in for p in f) for f in files]
+    before = _checked_before(ctx.storage, record, bases) if len(files) > 1 else None
+    added = sum(rows) - sum(rows[i] for i in before[0]) if before else 0
+    if len(files) < 2:
+        repeated = EMPTY           # keyed_rows made one file's keys unique
+    elif before and added <= min(PROBE_MAX, sum(rows) - added):
+        repeated = _repeated_since(ctx, files, bases, rows, *before, own_keys)
+    else:
+        repeated = _repeated_everywhere(ctx, files, bases, rows, own_keys)
     if not repeated.num_rows:
+        _remember(ctx.storage, record, bases, repeated)
         return parts, 0
     # the partitions that hold a repeated base, each with the hashes to look for in it
     h, o, p = (repeated.column(c).to_numpy() for c in ("hash", "order", "part"))
@@ -215,9 +325,11 @@ def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | No
             raise UserError(f"source: {n} key_col value(s) appear in more than one URL list file ({shown}); "
                             "keys must be unique across the files (drop key_col to let capline key rows by "
                             "URL and caption, which keeps every copy and drops repeats as exact_duplicate)")
+        _remember(ctx.storage, record, bases, repeated)
         return parts, 0
     renames = pa.concat_tables([f.renames for f in found]).sort_by("part")
-    if not renames.num_rows:
+    if not renames.num_rows:        # 64-bit hashes alike, bases not
+        _remember(ctx.storage, record, bases, repeated)
         return parts, 0
     # each affected partition's renames, a slice of the sorted table (its rows only go to its task)
     names = renames.column("part").to_numpy(zero_copy_only=False)
@@ -227,4 +339,5 @@ def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | No
     redone = ctx.run(_rewrite_task, [(ctx.storage, by_name[names[a]], renames.slice(a, b - a)) for a, b in zip(starts, ends)],
                      "source: renaming repeats", num_cpus=0.5)
     new = {p.part: p for p in redone}
+    _remember(ctx.storage, record, bases, repeated)     # last: a record found means its renames were written
     return [new.get(p.part, p) for p in parts], renames.num_rows

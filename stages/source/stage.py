@@ -46,7 +46,7 @@ from infra.hashing import file_sha256
 
 from ..base import Source, StageContext, StageResult
 from ..dataplane import DROPPED, KEPT, PartResult, write_part
-from .keys import BASES, base_hashes, bases_table, unique_across_files
+from .keys import BASES, CHECKED, base_hashes, bases_table, unique_across_files
 
 
 @dataclass
@@ -838,7 +838,7 @@ class SourceStage(Source):
         keep = {d.rsplit("/", 1)[-1] for d in folders}
         stale = [d for d in ctx.storage.list_dirs(KEYED) if d not in keep]
         ctx.storage.delete_all([f"{KEYED}/{d}" for d in stale] + [f"{KEYED}/{d}.json" for d in stale])
-        parts, renamed = unique_across_files(ctx, results, [f"{d}/{BASES}" for d in folders], own_keys=bool(cfg.key_col))
+        parts, renamed = unique_across_files(ctx, results, [f"{d}/{BASES}" for d in folders], bool(cfg.key_col), CHECKED)
         rows = sum(p.n_in for p in parts)
         ctx.log(f"source: {rows} rows from {cfg.path} in {len(files)} file(s), {len(parts)} partitions"
                 + (f"; {renamed} rows repeat a row of an earlier file (kept under their own keys, for dedup "

@@ -11,7 +11,7 @@ from infra.storage import Storage
 from pipeline.config import load_config
 from stages.base import read_ledger
 from stages.source.stage import _read_file_task
-from stages.source.keys import unique_across_files
+from stages.source.keys import CHECKED, unique_across_files
 
 
 def _in_process(fn, calls, what, **_):
@@ -135,7 +135,8 @@ def test_an_append_keys_only_the_list_files_it_added(tmp_path):
         return _in_process(fn, calls, what)
 
     ctx = SimpleNamespace(cfg=cfg, storage=storage, run=run, shuffle=_shuffle_in_process, log=lambda m: None,
-                          stage_dir=tmp_path / "run" / "source")
+                          stage_dir=tmp_path / "run" / "source", put=lambda o: o,
+                          call=lambda fn, *a, what=None, **_: fn(*a))
     _files(urls, [("http://x/1.jpg", "one"), ("http://x/2.jpg", "two"), ("http://x/3.jpg", "three")],
            [("http://x/4.jpg", "four")])
     first = SourceStage().run(ctx).parts
@@ -147,11 +148,14 @@ def test_an_append_keys_only_the_list_files_it_added(tmp_path):
     (urls / "list2.csv").write_text("url,caption\nhttp://x/5.jpg,five\nhttp://x/1.jpg,one\n")
     second = SourceStage().run(ctx).parts
     assert [p.rsplit("/", 1)[-1] for p in read] == ["list2.csv"]
-    # the check across files read each file's base hashes and, of the first files' partitions, only
-    # list0's first (it holds the row list2 repeats), to rename the copy
-    assert sorted(t.rsplit("/", 1)[-1] for t in tables if t.endswith("bases.parquet")) == ["bases.parquet"] * 3
-    old = [t for t in tables if "/keyed/" in t and not t.endswith("bases.parquet") and "list2" not in t]
+    # the check across files read the added file's base hashes (the probe, then its rows), the first
+    # files' once each (against the probe) and, of their partitions, only list0's first (it holds
+    # the row list2 repeats), to rename the copy
+    bases = sorted(t.split("/")[-2].split("-")[0] for t in tables if t.endswith("bases.parquet"))
+    assert bases == ["list0_csv", "list1_csv", "list2_csv", "list2_csv"], tables
+    old = [t for t in tables if "/keyed/list" in t and not t.endswith("bases.parquet") and "list2" not in t]
     assert [t.rsplit("/", 1)[-1] for t in old] == ["list0_csv-00000.parquet"], tables
+    assert tables.count(CHECKED) == 1         # what the first run's check covered, read once
     assert [(p.file, p.sha256) for p in second[:len(first)]] == [(p.file, p.sha256) for p in first]
     assert second[-1].n_in == 2 and len({p.part for p in second}) == len(second)
     copies = [r for p in second for r in pq.read_table(storage.path(p.file)).to_pylist() if r["url"] == "http://x/1.jpg"]
@@ -162,3 +166,71 @@ def test_an_append_keys_only_the_list_files_it_added(tmp_path):
     third = SourceStage().run(ctx).parts
     assert [p.rsplit("/", 1)[-1] for p in read] == ["list0.csv"]
     assert len(storage.list_dirs(KEYED)) == 2 and sum(p.n_in for p in third) == 3
+
+
+def _check(tmp_path, paths, record="source/keyed/across_files.parquet"):
+    """The check over `paths`, each file keyed into a folder named by its file (as if by its content),
+    remembering what it checked in `record` -> (each key with its detail, the tasks `call` ran and then
+    the rows the first shuffle's maps handed on)."""
+    cfg = load_config(None, ["source.kind=urls", f"source.path={tmp_path}", "source.rows_per_part=2"]).source
+    storage = Storage.local(tmp_path / "run")
+    folders = [f"source/keyed/{p.stem}" for p in paths]
+    results = [_read_file_task(storage, str(p), cfg, None, d) for p, d in zip(paths, folders)]
+    called, moved = [], []
+
+    def shuffle(map_fn, calls, *rest, **kw):       # counts the rows the first shuffle's maps hand on
+        if map_fn.__name__ == "_hash_pieces":
+            moved.extend(sum(t.num_rows for t in map_fn(*c)) for c in calls)
+        return _shuffle_in_process(map_fn, calls, *rest, **kw)
+
+    ctx = SimpleNamespace(run=_in_process, shuffle=shuffle, storage=storage, put=lambda o: o,
+                          call=lambda fn, *a, what=None, **_: (called.append(fn.__name__), fn(*a))[1])
+    out, renamed = unique_across_files(ctx, results, [f"{d}/bases.parquet" for d in folders], False, record)
+    called.append(sum(moved))
+    (tmp_path / "run" / "source").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "run" / "source" / "parts.json").write_text(json.dumps([p.to_json() for p in out]))
+    rows = read_ledger(storage, "source").to_pylist()
+    assert len({r["key"] for r in rows}) == len(rows) == sum(p.n_in for p in out)
+    return sorted((r["key"], r["detail"]) for r in rows), called
+
+
+def test_an_append_is_checked_against_the_last_check_and_finds_what_checking_every_file_finds(tmp_path):
+    """A check records the files it covered and the copies it found; a run that adds files probes the
+    earlier files with the added rows' hashes and must rename exactly as a check of every file does
+    (rows repeated among the earlier files, the added files repeating those and each other); a file
+    gone, or no record, checks every file again."""
+    rows = {"a": [("http://x/1.jpg", "one"), ("http://x/2.jpg", "two"), ("http://x/1.jpg", "one"), ("http://x/3.jpg", "three")],
+            "b": [("http://x/3.jpg", "three"), ("http://x/1.jpg", "one"), ("http://x/2.jpg", "two")],
+            "c": [("http://x/1.jpg", "one"), ("http://x/5.jpg", "five"), ("http://x/7.jpg", "seven")],
+            "d": [("http://x/7.jpg", "seven"), ("http://x/8.jpg", "eight"), ("http://x/2.jpg", "two")],
+            "e": [("http://x/9.jpg", "nine")]}
+    here, fresh = tmp_path / "line", tmp_path / "fresh"
+    here.mkdir()
+    fresh.mkdir()
+
+    def lists(folder, names):
+        for n in names:
+            (folder / f"{n}.csv").write_text("url,caption\n" + "".join(f"{u},{c}\n" for u, c in rows[n]))
+        return [folder / f"{n}.csv" for n in names]
+
+    _, called = _check(here, lists(here, "ab"))
+    assert called == [7]                                    # no record yet: every file checked, all 7 rows
+    record = pq.read_table(here / "run" / "source" / "keyed" / "across_files.parquet")
+    assert json.loads(record.schema.metadata[b"files"]) == ["source/keyed/a/bases.parquet", "source/keyed/b/bases.parquet"]
+    assert record.num_rows == 7          # 1.jpg in a's two partitions and in b; 2.jpg and 3.jpg in a and in b
+    # c added before the others (its copies come first now: a's and b's are renamed), d after them
+    appended, called = _check(here, lists(here, "cabd"))
+    # the added files' hashes probed the earlier ones: of their 7 rows, the 5 the added files repeat
+    # moved on, with the 6 added
+    assert called == ["_probe_task", 11]
+    full, called = _check(fresh, lists(fresh, "cabd"), record=None)
+    assert called == [13] and appended == full              # the same keys, the same details
+    # renamed: 1.jpg's copies in a (2) and b; 2.jpg's in b and d; 7.jpg's in d; 3.jpg's in b (which no
+    # added row repeats: found by the last check alone)
+    assert len([d for _, d in appended if "the same URL and caption as" in d]) == 7
+    for f in (here / "a.csv", here / "b.csv"):
+        f.unlink()
+    gone, called = _check(here, [here / "c.csv", here / "d.csv", *lists(here, "e")])
+    full, _ = _check(fresh, [fresh / "c.csv", fresh / "d.csv", *lists(fresh, "e")], record=None)
+    assert called == [7] and gone == full                   # a file gone: every file checked again
+    assert len([d for _, d in gone if "the same URL and caption as" in d]) == 1
