@@ -726,6 +726,24 @@ def _read_file_task(storage, path: str, cfg: SourceConfig, pinned: str | None = 
 KEYED = "source/keyed"     # each list file's keyed partitions, by its content and the keying config (preserved)
 
 
+RECORDS = f"{KEYED}/records.parquet"    # every keyed file's record (folder, its `folder.json`) as of the last run
+
+
+def keyed_records(storage) -> dict[str, dict]:
+    """The last run's table of keyed files' records: {folder: record}; {} if none or unreadable."""
+    try:
+        t = storage.read_table(RECORDS)
+        return {d: json.loads(r) for d, r in zip(t.column("folder").to_pylist(), t.column("record").to_pylist())}
+    except (FileNotFoundError, OSError, KeyError, ValueError, TypeError, pa.ArrowException):
+        return {}
+
+
+def write_keyed_records(storage, folders: list[str], results: list[list[PartResult]]) -> None:
+    storage.write_table(RECORDS, pa.table({
+        "folder": pa.array(folders, pa.string()),
+        "record": pa.array([json.dumps({"parts": [p.to_json() for p in r]}) for r in results], pa.string())}))
+
+
 def keyed_folder(f: Path, sha: str, cfg: SourceConfig) -> str:
     """Where a list file's partitions are kept: by its content, its name (the partitions' names come
     from it) and the settings that key and filter rows (not the list's path)."""
@@ -821,10 +839,15 @@ class SourceStage(Source):
         # a run folder in object storage means nodes that share no disk: the list travels through it,
         # each file once: named by its content, a file an earlier run pinned is not uploaded again
         pinned = pin_inputs(ctx.storage, files)
-        # a file keyed before, with the same content and settings, is taken as it is (its record, read
-        # with the others 32 at a time): an append reads and keys only the files it added
+        # a file keyed before, with the same content and settings, is taken as it is: its record comes
+        # from the last run's table of them (one read), or from its own file (a keying task writes it
+        # last; read 32 at a time) where that table does not name it: an append reads and keys only
+        # the files it added
         folders = [keyed_folder(f, list_sha256(f), cfg) for f in files]
-        records = ctx.storage.read_jsons([f"{d}.json" for d in folders])
+        known = keyed_records(ctx.storage)
+        unknown = [d for d in folders if d not in known]
+        records = {**known, **dict(zip(unknown, ctx.storage.read_jsons([f"{d}.json" for d in unknown])))}
+        records = [records[d] for d in folders]
         todo = [i for i, r in enumerate(records) if not (isinstance(r, dict) and isinstance(r.get("parts"), list))]
         if len(todo) < len(files):
             ctx.log(f"source: {len(files) - len(todo)} URL list file(s) keyed before with the same content, reused; "
@@ -835,6 +858,8 @@ class SourceStage(Source):
                    for i, r in enumerate(records)]
         for i, r in zip(todo, ran):
             results[i] = r
+        if set(known) != set(folders) or todo:      # before the deletes: the table never names a deleted folder
+            write_keyed_records(ctx.storage, folders, results)
         keep = {d.rsplit("/", 1)[-1] for d in folders}
         stale = [d for d in ctx.storage.list_dirs(KEYED) if d not in keep]
         ctx.storage.delete_all([f"{KEYED}/{d}" for d in stale] + [f"{KEYED}/{d}.json" for d in stale])

@@ -122,7 +122,7 @@ def test_an_append_keys_only_the_list_files_it_added(tmp_path):
     """The source stage takes a file keyed before with the same content and settings as it is: the
     second run (a file added) reads and keys that file alone, and the first files' partitions are
     the same files; a changed file is keyed again, one no longer listed is deleted."""
-    from stages.source.stage import KEYED, SourceStage
+    from stages.source.stage import KEYED, RECORDS, SourceStage
 
     urls = tmp_path / "urls"
     urls.mkdir()
@@ -145,9 +145,14 @@ def test_an_append_keys_only_the_list_files_it_added(tmp_path):
     tables = []
     storage.read_table = lambda rel, columns=None, _r=storage.read_table: (tables.append(rel), _r(rel, columns))[1]
     storage.read_tables = lambda rels, columns=None: [storage.read_table(r, columns) for r in rels]
+    records = []
+    storage.read_jsons = lambda rels, default=None, _r=storage.read_jsons: (records.extend(rels), _r(rels, default))[1]
     (urls / "list2.csv").write_text("url,caption\nhttp://x/5.jpg,five\nhttp://x/1.jpg,one\n")
     second = SourceStage().run(ctx).parts
     assert [p.rsplit("/", 1)[-1] for p in read] == ["list2.csv"]
+    # the first files' records came from the first run's table of them, in one read; only the added
+    # file's own record was looked for
+    assert tables.count(RECORDS) == 1 and [r.split("/")[-1].split("-")[0] for r in records] == ["list2_csv"]
     # the check across files read the added file's base hashes (the probe, then its rows), the first
     # files' once each (against the probe) and, of their partitions, only list0's first (it holds
     # the row list2 repeats), to rename the copy
@@ -166,6 +171,12 @@ def test_an_append_keys_only_the_list_files_it_added(tmp_path):
     third = SourceStage().run(ctx).parts
     assert [p.rsplit("/", 1)[-1] for p in read] == ["list0.csv"]
     assert len(storage.list_dirs(KEYED)) == 2 and sum(p.n_in for p in third) == 3
+    # the table names the files as they are now (list1's folder deleted, list0's new one keyed)
+    named = pq.read_table(storage.path(RECORDS)).column("folder").to_pylist()
+    assert sorted(f"{KEYED}/{d}" for d in storage.list_dirs(KEYED)) == sorted(named)
+    read.clear()
+    assert [(p.file, p.sha256) for p in SourceStage().run(ctx).parts] == [(p.file, p.sha256) for p in third]
+    assert read == []                          # nothing changed: nothing keyed again
 
 
 def _check(tmp_path, paths, record="source/keyed/across_files.parquet"):
