@@ -85,17 +85,17 @@ def ray_nodes(n: int, cpus: int, env: dict, tree: Path):
 
 
 def run(args) -> dict:
-    from helpers import CountingProxy, moto_s3
+    from helpers import s3_behind_proxy
 
+    with s3_behind_proxy(BUCKET, args.latency_ms / 1000) as (env_s3, client, proxy):
+        return _run(args, env_s3, client, proxy)
+
+
+def _run(args, env_s3: dict, client, proxy) -> dict:
     tree = Path(args.tree).resolve() if args.tree else ROOT
-    gen = moto_s3(BUCKET)
-    env_s3, client = next(gen)
-    upstream = env_s3["AWS_ENDPOINT_URL"].rsplit(":", 1)
-    proxy = CountingProxy(("127.0.0.1", int(upstream[1])), args.latency_ms / 1000)
-    proxy.start()
     tmp = Path(tempfile.mkdtemp(prefix="capline-cluster-bench-"))
     prefix = f"runs/{args.label}"
-    env = {**os.environ, **env_s3, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.server_address[1]}",
+    env = {**os.environ, **env_s3,
            "CAPLINE_CACHE": str(tmp / "cache"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
            "PYTHONPATH": str(tree), "CAPLINE_PROGRESS": "0", "CAPLINE_NETGUARD": "1"}
     if args.nodes > 1:
@@ -116,12 +116,7 @@ def run(args) -> dict:
         print(proc.stdout[-4000:], proc.stderr[-4000:])
         raise SystemExit(f"capline run failed ({proc.returncode})")
     windows = _stage_windows(client, prefix)
-    proxy.shutdown()
     entries = list(proxy.entries)
-    try:
-        next(gen)
-    except StopIteration:
-        pass
     images = windows["ingest"][2]["kept"] if "ingest" in windows else None
     tar_gets = sum(1 for _, m, k, _, _ in entries if m == "GET" and "/ingest/" in k and k.endswith(".tar"))
     per_stage = {}

@@ -14,6 +14,7 @@ requests each step sent are counted too. Results to benchmarks/results/driver.js
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -92,35 +93,24 @@ def main():
     from infra.storage import Storage
 
     sizes = [int(s) for s in args.sizes.split(",")]
-    gen = proxy = None
-    if args.s3:
-        from helpers import CountingProxy, moto_s3
+    with contextlib.ExitStack() as stack:
+        if args.s3:
+            from helpers import s3_behind_proxy
 
-        gen = moto_s3("capline-driver")
-        env, _ = next(gen)
-        upstream = env["AWS_ENDPOINT_URL"].rsplit(":", 1)
-        proxy = CountingProxy(("127.0.0.1", int(upstream[1])), 0.025).start()
-        os.environ.update({**env, "AWS_ENDPOINT_URL": proxy.endpoint})
-        storage = Storage.from_uri("s3://capline-driver/bench")
-        counter = lambda: len(proxy.entries)   # noqa: E731
-    else:
-        storage = Storage.local(tempfile.mkdtemp(prefix="capline-driver-bench-"))
-        counter = lambda: 0   # noqa: E731
-    results = []
-    try:
+            env, _, proxy = stack.enter_context(s3_behind_proxy("capline-driver", 0.025))
+            os.environ.update(env)
+            storage = Storage.from_uri("s3://capline-driver/bench")
+            counter = lambda: len(proxy.entries)   # noqa: E731
+        else:
+            storage = Storage.local(tempfile.mkdtemp(prefix="capline-driver-bench-"))
+            counter = lambda: 0   # noqa: E731
+        results = []
         for n in sizes:
             r = measure(storage, n, counter)
             results.append(r)
             print(f"{n:>7} partitions: {r['seconds']:.2f} s, {r['us_per_partition']} us per partition; "
                   + "; ".join(f"{k} {v['us_per_partition']} us/part {v['requests']} req {v['peak_rss_growth_mb']} MB"
                               for k, v in r["steps"].items()))
-    finally:
-        if proxy:
-            proxy.shutdown()
-            try:
-                next(gen)
-            except StopIteration:
-                pass
     path = Path(__file__).resolve().parent / "results" / "driver.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
     data.pop("machine", None)

@@ -23,6 +23,7 @@ work is shaped (requests, objects, what the driver does), not how fast a real cl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -139,7 +140,7 @@ def _cpu_probe() -> float:
 
 
 def run(args) -> dict:
-    from helpers import CountingProxy, moto_s3, synthetic_rows
+    from helpers import s3_behind_proxy, synthetic_rows
     from stages.source.demo_server import DemoServer
     from stages.source.synthetic import SERVER_PLACEHOLDER
 
@@ -149,13 +150,11 @@ def run(args) -> dict:
     t0 = time.time()
     rows = synthetic_rows(tmp / "site", n_fresh + n_more, 7)
     print(f"generated {len(rows)} images in {time.time() - t0:.0f} s")
-    gen = moto_s3(BUCKET)
-    env_s3, client = next(gen)
-    upstream = env_s3["AWS_ENDPOINT_URL"].rsplit(":", 1)
-    proxy = CountingProxy(("127.0.0.1", int(upstream[1])), args.latency_ms / 1000, write_limit=args.write_limit).start()
+    stack = contextlib.ExitStack()
+    env_s3, client, proxy = stack.enter_context(s3_behind_proxy(BUCKET, args.latency_ms / 1000, write_limit=args.write_limit))
     urls = tmp / "urls"
     urls.mkdir()
-    env = {**os.environ, **env_s3, "AWS_ENDPOINT_URL": proxy.endpoint, "CAPLINE_CACHE": str(tmp / "cache"),
+    env = {**os.environ, **env_s3, "CAPLINE_CACHE": str(tmp / "cache"),
            "PYTHONPATH": str(ROOT), "CAPLINE_PROGRESS": "0", "CAPLINE_NETGUARD": "1"}
     out: dict = {"label": args.label, "partitions": args.partitions, "urls_per_shard": args.per_shard,
                  "cpus_declared": args.cpus, "latency_ms": args.latency_ms, "write_limit_per_s": args.write_limit,
@@ -239,11 +238,7 @@ def run(args) -> dict:
                                   "shards_rewritten": sum(1 for k in shards_after if after_removal.get(k) != shards_after[k]),
                                   "shards": len(shards_after), "said": log.strip().splitlines()[-1 - min(len(picked), 50)][:300]}
     finally:
-        proxy.shutdown()
-        try:
-            next(gen)
-        except StopIteration:
-            pass
+        stack.close()
     fresh, append = runs["fresh"], runs["append"]
     share = {s: round(append["stages"][s]["wall_seconds"] / fresh["stages"][s]["wall_seconds"], 3)
              for s in STAGES if s in fresh["stages"] and s in append["stages"] and fresh["stages"][s]["wall_seconds"]}

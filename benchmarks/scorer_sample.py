@@ -58,11 +58,9 @@ def main() -> None:
 
     import numpy as np
 
-    from helpers import CountingProxy, moto_s3
+    from helpers import s3_behind_proxy
 
-    gen = moto_s3(BUCKET)
-    env, client = next(gen)
-    try:
+    with s3_behind_proxy(BUCKET, args.latency_ms / 1000) as (env, client, proxy):
         t0 = time.time()
         index = []
         for key, data, members in _tars(args.tars, args.image_kb * 1024):
@@ -76,9 +74,7 @@ def main() -> None:
             key, members = index[rng.integers(len(index))]
             rows.append((key, *members[rng.integers(len(members))]))
         rows = rows[: args.samples]
-        upstream = env["AWS_ENDPOINT_URL"].rsplit(":", 1)
-        proxy = CountingProxy(("127.0.0.1", int(upstream[1])), args.latency_ms / 1000).start()
-        os.environ.update({**env, "AWS_ENDPOINT_URL": proxy.endpoint})
+        os.environ.update(env)        # the tars were written to moto directly, the reads go through the proxy
         from infra.storage import Storage
         from infra.tars import read_members
 
@@ -110,9 +106,6 @@ def main() -> None:
               f"({out['gets_per_tar']} per tar); one tar after another: {serial:.1f} s for {len(serial_tars)} "
               f"tars, {out['serial']['projected_seconds_for_all']:.0f} s projected for all")
         write_results("scorer_sample", out)
-        proxy.shutdown()
-    finally:
-        gen.close()
 
 
 if __name__ == "__main__":

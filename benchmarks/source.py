@@ -16,6 +16,7 @@ written, requests (on S3), and the append's share of the fresh stage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -57,22 +58,20 @@ def run(args) -> dict:
               "ray": {"num_cpus": args.cpus, "object_store_memory_mb": 1024}}
     (tmp / "source.yaml").write_text(json.dumps(config))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CAPLINE_PROGRESS": "0", "CAPLINE_NETGUARD": "1"}
-    proxy = gen = client = None
-    if args.local:
-        run_dir = str(tmp / "run")
-    else:
-        from helpers import CountingProxy, moto_s3
+    proxy = client = None
+    with contextlib.ExitStack() as stack:
+        if args.local:
+            run_dir = str(tmp / "run")
+        else:
+            from helpers import s3_behind_proxy
 
-        gen = moto_s3(BUCKET)
-        env_s3, client = next(gen)
-        upstream = env_s3["AWS_ENDPOINT_URL"].rsplit(":", 1)
-        proxy = CountingProxy(("127.0.0.1", int(upstream[1])), args.latency_ms / 1000, write_limit=args.write_limit).start()
-        env.update(env_s3, AWS_ENDPOINT_URL=proxy.endpoint)
-        run_dir = f"s3://{BUCKET}/{PREFIX}"
-    out = {"label": args.label, "files": args.files, "rows_per_file": args.rows, "urls": {"fresh": n_fresh, "append": n_more},
-           "cpus_declared": args.cpus, "run_folder": "local" if args.local else
-           f"S3 (moto) behind {args.latency_ms} ms, {args.write_limit} writes/s", "runs": {}}
-    try:
+            env_s3, client, proxy = stack.enter_context(s3_behind_proxy(BUCKET, args.latency_ms / 1000,
+                                                                        write_limit=args.write_limit))
+            env.update(env_s3)
+            run_dir = f"s3://{BUCKET}/{PREFIX}"
+        out = {"label": args.label, "files": args.files, "rows_per_file": args.rows, "urls": {"fresh": n_fresh, "append": n_more},
+               "cpus_declared": args.cpus, "run_folder": "local" if args.local else
+               f"S3 (moto) behind {args.latency_ms} ms, {args.write_limit} writes/s", "runs": {}}
         for name in ("fresh", "append"):
             if name == "append":
                 _write_list(urls / f"part-{args.files:05d}.parquet", n_fresh, n_more)
@@ -97,13 +96,6 @@ def run(args) -> dict:
                 "task_groups": [{k: g.get(k) for k in ("what", "tasks", "at_once", "seconds", "task_s_median")}
                                 for g in stats.get("tasks", [])],
                 **({"traffic": _traffic(proxy.entries[first:], 0, BUCKET)} if proxy else {})}
-    finally:
-        if proxy is not None:
-            proxy.shutdown()
-            try:
-                next(gen)
-            except StopIteration:
-                pass
     f, a = out["runs"]["fresh"], out["runs"]["append"]
     out["append_share"] = {"stage": round(a["stage_seconds"] / f["stage_seconds"], 3),
                            "command": round(a["command_seconds"] / f["command_seconds"], 3)}

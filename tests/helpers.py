@@ -1,6 +1,7 @@
 """Helpers the tests import (conftest.py is pytest's; importing it again would run its set-up twice)."""
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import os
@@ -97,6 +98,21 @@ def moto_s3(bucket: str):
     finally:
         server.terminate()
         server.wait(timeout=20)
+
+
+@contextlib.contextmanager
+def s3_behind_proxy(bucket: str, latency: float, **proxy):
+    """moto_s3(bucket) with a CountingProxy in front (`proxy`: its write_limit, faults, ...): yields (env
+    for a client process, naming the proxy as the endpoint; a boto3 client talking to moto directly;
+    the proxy, whose log counts requests); both stopped on leaving."""
+    gen = moto_s3(bucket)
+    env, client = next(gen)
+    counting = CountingProxy(("127.0.0.1", int(env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])), latency, **proxy).start()
+    try:
+        yield {**env, "AWS_ENDPOINT_URL": counting.endpoint}, client, counting
+    finally:
+        counting.shutdown()
+        gen.close()
 
 
 def bucket_keys(client, bucket: str, prefix: str) -> list[str]:
