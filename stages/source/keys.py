@@ -21,10 +21,11 @@ the driver holds the repeated hashes and the renames, a row per copy past the fi
 An append checks what it added against what was checked (`CHECKED`): a check records the files it
 covered (by their BASES tables' names, which name their content and keying settings) and every copy
 it found of a row held by more than one of them. When those files are all still listed, in the same
-order, the added files' hashes are read first (the probe), then each earlier file's once, a map
-keeping only the rows the probe holds: the first shuffle moves the added rows and their matches,
-not every row, and its reducers add the record's copies (rows repeated among the earlier files are
-repeated still). Any other change (a file gone, changed or reordered; no record) checks every file.
+order, and hold more rows than one map reads (PROBE_FROM), the added files' hashes are read first
+(the probe), then each earlier file's once, a map keeping only the rows the probe holds: the first
+shuffle moves the added rows and their matches, not every row, and its reducers add the record's
+copies (rows repeated among the earlier files are repeated still). Any other change (a file gone,
+changed or reordered; no record) checks every file.
 """
 from __future__ import annotations
 
@@ -50,8 +51,10 @@ HASHES_PER_BUCKET = 1_000_000
 # against a probe a map keeps a few rows of what it reads, a file at a time: it may read more
 PROBED_PER_MAP = 10_000_000
 # the probe (the added files' hashes, 8 bytes a row) goes through the driver to every map: past this,
-# or past the rows checked before, checking every file again costs about the same
+# or past the rows checked before, checking every file again costs about the same; and up to one
+# map's worth of rows checked before, one map reads them all sooner than a probe is made first
 PROBE_MAX = 20_000_000
+PROBE_FROM = HASHES_PER_MAP
 CHECKED = "source/keyed/across_files.parquet"   # the last check's files and the copies it found
 CHECKED_SCHEMA = pa.schema([("hash", pa.uint64()), ("file", pa.int32()), ("part", pa.int32())])
 
@@ -299,7 +302,7 @@ def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | No
     added = sum(rows) - sum(rows[i] for i in before[0]) if before else 0
     if len(files) < 2:
         repeated = EMPTY           # keyed_rows made one file's keys unique
-    elif before and added <= min(PROBE_MAX, sum(rows) - added):
+    elif before and PROBE_FROM < sum(rows) - added and added <= PROBE_MAX:
         repeated = _repeated_since(ctx, files, bases, rows, *before, own_keys)
     else:
         repeated = _repeated_everywhere(ctx, files, bases, rows, own_keys)

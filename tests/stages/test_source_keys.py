@@ -118,11 +118,14 @@ def test_two_url_files_sharing_rows_run_to_shards_and_every_copy_has_a_verdict(t
     assert summary["shard"]["kept"] == 40
 
 
-def test_an_append_keys_only_the_list_files_it_added(tmp_path):
+def test_an_append_keys_only_the_list_files_it_added(tmp_path, monkeypatch):
     """The source stage takes a file keyed before with the same content and settings as it is: the
     second run (a file added) reads and keys that file alone, and the first files' partitions are
     the same files; a changed file is keyed again, one no longer listed is deleted."""
+    from stages.source import keys
     from stages.source.stage import KEYED, RECORDS, SourceStage
+
+    monkeypatch.setattr(keys, "PROBE_FROM", 0)      # the probe at any size (else from 10^6 rows checked)
 
     urls = tmp_path / "urls"
     urls.mkdir()
@@ -205,11 +208,14 @@ def _check(tmp_path, paths, record="source/keyed/across_files.parquet"):
     return sorted((r["key"], r["detail"]) for r in rows), called
 
 
-def test_an_append_is_checked_against_the_last_check_and_finds_what_checking_every_file_finds(tmp_path):
+def test_an_append_is_checked_against_the_last_check_and_finds_what_checking_every_file_finds(tmp_path, monkeypatch):
     """A check records the files it covered and the copies it found; a run that adds files probes the
     earlier files with the added rows' hashes and must rename exactly as a check of every file does
     (rows repeated among the earlier files, the added files repeating those and each other); a file
-    gone, or no record, checks every file again."""
+    gone, or no record, checks every file again; so does a list of fewer rows than one map reads."""
+    from stages.source import keys
+
+    monkeypatch.setattr(keys, "PROBE_FROM", 6)      # the probe from 6 rows checked (else 10^6)
     rows = {"a": [("http://x/1.jpg", "one"), ("http://x/2.jpg", "two"), ("http://x/1.jpg", "one"), ("http://x/3.jpg", "three")],
             "b": [("http://x/3.jpg", "three"), ("http://x/1.jpg", "one"), ("http://x/2.jpg", "two")],
             "c": [("http://x/1.jpg", "one"), ("http://x/5.jpg", "five"), ("http://x/7.jpg", "seven")],
@@ -244,4 +250,7 @@ def test_an_append_is_checked_against_the_last_check_and_finds_what_checking_eve
     gone, called = _check(here, [here / "c.csv", here / "d.csv", *lists(here, "e")])
     full, _ = _check(fresh, [fresh / "c.csv", fresh / "d.csv", *lists(fresh, "e")], record=None)
     assert called == [7] and gone == full                   # a file gone: every file checked again
+    monkeypatch.setattr(keys, "PROBE_FROM", 7)
+    _, called = _check(here, [here / "c.csv", here / "d.csv", here / "e.csv", *lists(here, "a")])
+    assert called == [11]         # 7 rows checked before (c, d, e), not more than PROBE_FROM: all 11 read
     assert len([d for _, d in gone if "the same URL and caption as" in d]) == 1
