@@ -268,7 +268,8 @@ def _repeated_since(ctx, files, bases, rows: list[int], checked: list[int], befo
                     own_keys: bool) -> pa.Table:
     """`_repeated_everywhere` when the files `checked` (finding `before`) are unchanged: the added
     files' hashes are the probe, and the earlier files give only the rows it holds."""
-    new = [i for i in range(len(files)) if i not in set(checked)]
+    seen = set(checked)
+    new = [i for i in range(len(files)) if i not in seen]
     if not new:
         return before
     probe = ctx.put(ctx.call(_probe_task, ctx.storage, [_spec(files, bases, i) for i in new], own_keys,
@@ -342,5 +343,5 @@ def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | No
     redone = ctx.run(_rewrite_task, [(ctx.storage, by_name[names[a]], renames.slice(a, b - a)) for a, b in zip(starts, ends)],
                      "source: renaming repeats", num_cpus=0.5)
     new = {p.part: p for p in redone}
-    _remember(ctx.storage, record, bases, repeated)     # last: a record found means its renames were written
+    _remember(ctx.storage, record, bases, repeated)     # last: once every step of the check has succeeded
     return [new.get(p.part, p) for p in parts], renames.num_rows
