@@ -215,7 +215,12 @@ def _runs(files: list[int], rows: list[int], most: int) -> list[list[int]]:
     return runs + [run] if run else runs
 
 
-EMPTY = pa.schema([("hash", pa.uint64()), ("part", pa.int32()), ("order", pa.int32())]).empty_table()
+def _no_copies() -> pa.Table:
+    """An empty (hash, part, order) table; made when needed: building any table imports pandas, which
+    an ingest worker (importing this module through the stage registry) must not
+    (tests/stages/test_img2dataset_parts.py)."""
+    return pa.table({"hash": pa.array([], pa.uint64()), "part": pa.array([], pa.int32()),
+                     "order": pa.array([], pa.int32())})
 
 
 def _checked_before(storage, record: str | None, bases: list[str | None]) -> tuple[list[int], pa.Table] | None:
@@ -302,7 +307,7 @@ def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | No
     before = _checked_before(ctx.storage, record, bases) if len(files) > 1 else None
     added = sum(rows) - sum(rows[i] for i in before[0]) if before else 0
     if len(files) < 2:
-        repeated = EMPTY           # keyed_rows made one file's keys unique
+        repeated = _no_copies()           # keyed_rows made one file's keys unique
     elif before and PROBE_FROM < sum(rows) - added and added <= PROBE_MAX:
         repeated = _repeated_since(ctx, files, bases, rows, *before, own_keys)
     else:
