@@ -254,3 +254,35 @@ def test_an_append_is_checked_against_the_last_check_and_finds_what_checking_eve
     _, called = _check(here, [here / "c.csv", here / "d.csv", here / "e.csv", *lists(here, "a")])
     assert called == [11]         # 7 rows checked before (c, d, e), not more than PROBE_FROM: all 11 read
     assert len([d for _, d in gone if "the same URL and caption as" in d]) == 1
+
+
+@pytest.mark.slow
+def test_an_append_probed_on_ray_renames_as_checking_every_file_does(tmp_path, ray_local, monkeypatch):
+    """The probe on a real cluster (the probe task, its array through Ray's object store to the maps,
+    the recorded copies to the reducers): a line of two files, then a third that repeats rows of both,
+    gives the keys and details a check of all three files gives in a fresh run folder."""
+    from pipeline.runner import run_pipeline
+    from stages.source import keys
+
+    def lists(folder, spans):
+        folder.mkdir(exist_ok=True)
+        for name, rows in spans.items():
+            (folder / f"{name}.csv").write_text("url,caption\n" + "".join(f"http://x/{i}.jpg,photo {i}\n" for i in rows))
+        return folder
+
+    def source(urls, run):
+        cfg = load_config(None, ["source.kind=urls", f"source.path={urls}", "source.rows_per_part=8"])
+        summary = run_pipeline(cfg, run, until="source", log=lambda m: None)
+        rows = read_ledger(run, "source", ["key", "detail"]).to_pylist()
+        return summary["source"]["repeated_across_files"], sorted((r["key"], r["detail"]) for r in rows)
+
+    first, added = {"a": range(0, 30), "b": range(20, 45)}, {"c": [*range(40, 50), *range(0, 5), 25]}
+    line = lists(tmp_path / "line", first)
+    assert source(line, tmp_path / "run")[0] == 10
+    monkeypatch.setattr(keys, "PROBE_FROM", 0)          # the probe at this size (from 10^6 rows otherwise)
+    probed = source(lists(line, added), tmp_path / "run")
+    assert (tmp_path / "run" / "source" / "keyed" / "across_files.parquet").is_file()
+    monkeypatch.setattr(keys, "PROBE_FROM", 10**9)      # every file checked
+    full = source(lists(tmp_path / "fresh", {**first, **added}), tmp_path / "fresh-run")
+    assert probed == full and probed[0] == 10 + 5 + 5 + 1     # a-b; c-b (40..44); c-a (0..4); 25 in a, b and c
+    assert len({k for k, _ in probed[1]}) == len(probed[1]) == 30 + 25 + 16
