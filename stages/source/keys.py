@@ -308,7 +308,7 @@ def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | No
     added = sum(rows) - sum(rows[i] for i in before[0]) if before else 0
     if len(files) < 2:
         repeated = _no_copies()           # keyed_rows made one file's keys unique
-    elif before and PROBE_FROM < sum(rows) - added and added <= PROBE_MAX:
+    elif before and PROBE_FROM < sum(rows) - added and added <= min(PROBE_MAX, sum(rows) - added):
         repeated = _repeated_since(ctx, files, bases, rows, *before, own_keys)
     else:
         repeated = _repeated_everywhere(ctx, files, bases, rows, own_keys)
