@@ -44,6 +44,7 @@ from . import openclipart
 from . import synthetic
 from infra.hashing import file_sha256
 
+from .. import records
 from ..base import Source, StageContext, StageResult
 from ..dataplane import DROPPED, KEPT, PartResult, write_part
 from .keys import BASES, CHECKED, base_hashes, bases_table, unique_across_files
@@ -726,22 +727,8 @@ def _read_file_task(storage, path: str, cfg: SourceConfig, pinned: str | None = 
 KEYED = "source/keyed"     # each list file's keyed partitions, by its content and the keying config (preserved)
 
 
-RECORDS = f"{KEYED}/records.parquet"    # every keyed file's record (folder, its `folder.json`) as of the last run
-
-
-def keyed_records(storage) -> dict[str, dict]:
-    """The last run's table of keyed files' records: {folder: record}; {} if none or unreadable."""
-    try:
-        t = storage.read_table(RECORDS)
-        return {d: json.loads(r) for d, r in zip(t.column("folder").to_pylist(), t.column("record").to_pylist())}
-    except (FileNotFoundError, OSError, KeyError, ValueError, TypeError, pa.ArrowException):
-        return {}
-
-
-def write_keyed_records(storage, folders: list[str], results: list[list[PartResult]]) -> None:
-    storage.write_table(RECORDS, pa.table({
-        "folder": pa.array(folders, pa.string()),
-        "record": pa.array([json.dumps({"parts": [p.to_json() for p in r]}) for r in results], pa.string())}))
+# every keyed file's record, in the records' one summary table (stages/records.py), read in one request
+RECORDS = records.summary_path(KEYED)
 
 
 def keyed_folder(f: Path, sha: str, cfg: SourceConfig) -> str:
@@ -840,26 +827,25 @@ class SourceStage(Source):
         # each file once: named by its content, a file an earlier run pinned is not uploaded again
         pinned = pin_inputs(ctx.storage, files)
         # a file keyed before, with the same content and settings, is taken as it is: its record comes
-        # from the last run's table of them (one read), or from its own file (a keying task writes it
-        # last; read 32 at a time) where that table does not name it: an append reads and keys only
-        # the files it added
+        # from the records' summary the last run wrote (one read), or from its own file (a keying task
+        # writes it last) where the summary lacks it (records.find): an append keys only what it added
         folders = [keyed_folder(f, list_sha256(f), cfg) for f in files]
-        known = keyed_records(ctx.storage)
-        unknown = [d for d in folders if d not in known]
-        records = {**known, **dict(zip(unknown, ctx.storage.read_jsons([f"{d}.json" for d in unknown])))}
-        records = [records[d] for d in folders]
-        todo = [i for i, r in enumerate(records) if not (isinstance(r, dict) and isinstance(r.get("parts"), list))]
+        summary = records.read_summary(ctx.storage, KEYED)
+        found = records.find(ctx.storage, {d: f"{d}.json" for d in folders}, {KEYED: summary})
+        keyed = [found.get(d) for d in folders]
+        todo = [i for i, r in enumerate(keyed) if not (isinstance(r, dict) and isinstance(r.get("parts"), list))]
         if len(todo) < len(files):
             ctx.log(f"source: {len(files) - len(todo)} URL list file(s) keyed before with the same content, reused; "
                     f"{len(todo)} to read")
         ran = ctx.run(_read_file_task, [(ctx.storage, str(files[i]), cfg, pinned[i], folders[i]) for i in todo],
                       "source", num_cpus=1, describe=lambda c: f"URL list file {Path(c[1]).name}", unit="files")
         results = [[PartResult.from_json(p) for p in r["parts"]] if i not in todo else None
-                   for i, r in enumerate(records)]
+                   for i, r in enumerate(keyed)]
         for i, r in zip(todo, ran):
             results[i] = r
-        if set(known) != set(folders) or todo:      # before the deletes: the table never names a deleted folder
-            write_keyed_records(ctx.storage, folders, results)
+        if set(summary) != {f"{d}.json" for d in folders} or todo:   # before the deletes: it never names a deleted folder
+            records.write_summary(ctx.storage, KEYED, {f"{d}.json": {"parts": [p.to_json() for p in r]}
+                                                       for d, r in zip(folders, results)})
         keep = {d.rsplit("/", 1)[-1] for d in folders}
         stale = [d for d in ctx.storage.list_dirs(KEYED) if d not in keep]
         ctx.storage.delete_all([f"{KEYED}/{d}" for d in stale] + [f"{KEYED}/{d}.json" for d in stale])

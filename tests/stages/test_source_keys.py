@@ -175,8 +175,8 @@ def test_an_append_keys_only_the_list_files_it_added(tmp_path, monkeypatch):
     assert [p.rsplit("/", 1)[-1] for p in read] == ["list0.csv"]
     assert len(storage.list_dirs(KEYED)) == 2 and sum(p.n_in for p in third) == 3
     # the table names the files as they are now (list1's folder deleted, list0's new one keyed)
-    named = pq.read_table(storage.path(RECORDS)).column("folder").to_pylist()
-    assert sorted(f"{KEYED}/{d}" for d in storage.list_dirs(KEYED)) == sorted(named)
+    named = pq.read_table(storage.path(RECORDS)).column("path").to_pylist()
+    assert sorted(f"{KEYED}/{d}.json" for d in storage.list_dirs(KEYED)) == sorted(named)
     read.clear()
     assert [(p.file, p.sha256) for p in SourceStage().run(ctx).parts] == [(p.file, p.sha256) for p in third]
     assert read == []                          # nothing changed: nothing keyed again
