@@ -13,7 +13,8 @@ Sites block, and report, bulk downloaders that ignore them. For every host a pro
 - the time threads wait for a host is counted (`Hosts.pacing`): thread-seconds asleep, and the
   seconds all of a task's busy threads were asleep at once, when the task held a CPU for nothing.
   A wait that would hold it so (every busy thread waiting, 0.2 s or more) is spent blocked on the
-  run's `Pacer` actor instead: Ray takes the CPU back for another shard meanwhile (`yielded_s`);
+  run's `Pacer` actor instead: Ray takes the CPU back for another shard meanwhile (`yielded_s`); a
+  thread already asleep when the others end or stop giving the CPU back gives it back for the rest;
 - a circuit breaker: after `breaker_failures` consecutive failures (network errors, 5xx), the host
   is not asked again in this process; its remaining URLs end as `host_unavailable`;
 - robots.txt, fetched once per host through the same pinned, address-checked fetcher, honoured for
@@ -172,7 +173,8 @@ class Hosts:
         self.yield_wait = yield_wait
         self.yielding = 0
         self.yielded = 0.0
-        self.lock = threading.Lock()
+        # a Condition: threads waiting for a host wait on it (see _sleep)
+        self.lock = threading.Condition(threading.Lock())
         self.hosts: dict[str, Host] = {}
         # the paces an earlier shard of this process learned, under the same manners: a host that
         # answered quickly starts where it got to, one that pushed back where it was pushed to
@@ -209,23 +211,38 @@ class Hosts:
         """A thread starts (+1) or ends (-1) a URL."""
         with self.lock:
             self._count(delta, 0)
+            if delta < 0:
+                self.lock.notify_all()       # the threads left may all be asleep now: one of them gives the CPU back
+
+    def _may_give_back(self, left: float) -> bool:
+        """(Under the lock, the asking thread counted asleep.) Whether its wait of `left` seconds should be
+        spent blocked on the pacer: long enough, every busy thread asleep, and no other thread doing so."""
+        return (self.yield_wait is not None and left >= YIELD_S and not self.yielding
+                and self.busy > 0 and self.asleep >= self.busy)
 
     def _sleep(self, seconds: float) -> None:
+        """Wait `seconds` for a host. A thread waits on the lock's condition, not in time.sleep, so that it
+        is woken whenever the task's threads change (one ends its URL, the one giving the CPU back
+        returns): if every busy thread is asleep by then, it gives the CPU back for what is left of its
+        own wait, instead of holding it idle to the end of a sleep it began while others worked."""
+        deadline = time.monotonic() + seconds
         with self.lock:
-            give_back = (self.yield_wait is not None and seconds >= YIELD_S and not self.yielding
-                         and self.busy and self.asleep + 1 >= self.busy)
-            self.yielding += give_back
             self._count(0, 1)
-        if give_back:
-            try:
-                self.yield_wait(seconds)
-            finally:
-                with self.lock:
+            while (left := deadline - time.monotonic()) > 0:
+                if not self._may_give_back(left):
+                    self.lock.wait(left)
+                    continue
+                self.yielding += 1
+                self._count(0, 0)                  # the all-asleep interval closes: the CPU is given back
+                self.lock.release()
+                try:
+                    self.yield_wait(left)
+                finally:
+                    self.lock.acquire()
                     self.yielding -= 1
-                    self.yielded += seconds
-        else:
-            time.sleep(seconds)
-        with self.lock:
+                    self.yielded += left
+                    self._count(0, 0)
+                    self.lock.notify_all()         # another thread still waiting may give it back now
             self._count(0, -1)
             self.slept += seconds
 

@@ -155,11 +155,12 @@ def test_rate_limit_retry_after_and_robots_through_ingest(tmp_path, ray_local):
           f"429s: {len(server.limited)}")
     assert worst[1.0] <= 6 + 3 and worst[3.0] <= 18 + 3
     stats = json.loads((tmp_path / "run" / "ingest" / "stats.json").read_text())
+    print(f"seconds given back {stats['paced_yielded_seconds']}, held idle {stats['paced_idle_seconds']}")
     # every thread of a shard waiting on the host: the wait was spent blocked on the run's pacer, the
-    # CPU given back, not held idle. Some holding remains: a second thread that starts waiting while the
-    # first is blocked sleeps in place, and holds the CPU for what is left of its wait once the first
-    # returns (idle/given back was 0.25 in one full-suite run, under 0.25 in another)
-    assert stats["paced_yielded_seconds"] > 1 and stats["paced_idle_seconds"] < stats["paced_yielded_seconds"] / 2
+    # CPU given back, not held idle; a thread that began waiting while another was blocked takes over
+    # when that one returns (before it did, it slept in place: idle was 0.25 to 0.56 of the seconds given
+    # back; 0.0 in three runs since, one beside four busy processes). Waits under YIELD_S stay held.
+    assert stats["paced_yielded_seconds"] > 1 and stats["paced_idle_seconds"] < stats["paced_yielded_seconds"] / 5
     report = (tmp_path / "run" / "ingest" / "report.html").read_text()
     assert "Hosts that asked to slow down" in report and f"127.0.0.1:{server.server_address[1]}" in report
     paced = report.split("pushed back or answered slowly", 1)[1].split("</table>", 1)[0]
@@ -436,6 +437,54 @@ def test_pacing_counts_the_seconds_every_busy_thread_waited_on_a_host():
     after = hosts.pacing()
     assert after["thread_s"] >= alone["thread_s"] + 0.15            # ... while this one waited: not idle
     assert after["idle_s"] == pytest.approx(alone["idle_s"], abs=0.03)
+
+
+def test_a_thread_already_asleep_gives_the_cpu_back_once_every_other_thread_waits_or_ends():
+    from stages.ingest.polite import Hosts
+
+    given = []                                                      # (thread, seconds) blocked on the "pacer"
+
+    def yield_wait(seconds):
+        given.append((threading.current_thread().name, round(seconds, 2)))
+        time.sleep(seconds)
+
+    hosts = Hosts(Manners(rate=5.0, concurrency=4), yield_wait=yield_wait)
+    started = threading.Barrier(2)
+
+    def sleeper(name, seconds, then=None):
+        def run():
+            started.wait()
+            if then:
+                time.sleep(then)                                    # starts (and waits) while the other is blocked
+            hosts.working(+1)
+            hosts._sleep(seconds)
+            hosts.working(-1)
+        return threading.Thread(target=run, name=name)
+
+    # one thread gives the CPU back for 0.3 s; the other starts a 1.0 s wait meanwhile (it may not block
+    # on the pacer too, so it sleeps in place) and takes over when the first returns, for what is left
+    a, b = sleeper("a", 0.3), sleeper("b", 1.0, then=0.1)
+    a.start(), b.start(), a.join(5), b.join(5)
+    assert [n for n, _ in given] == ["a", "b"] and 0.6 <= given[1][1] <= 0.85, given
+    assert hosts.pacing()["idle_s"] < 0.1                            # was ~0.7 s held idle before (b sleeping in place)
+
+    # a thread asleep while another downloads gives the CPU back when that one ends its URL
+    given.clear()
+    started = threading.Barrier(2)
+    done = threading.Event()
+
+    def downloader():
+        hosts.working(+1)
+        started.wait()
+        time.sleep(0.3)
+        hosts.working(-1)
+        done.set()
+
+    c = sleeper("c", 1.0, then=0.05)                                 # starts while d downloads: sleeps in place
+    d = threading.Thread(target=downloader)
+    c.start(), d.start(), c.join(5), d.join(5)
+    assert done.is_set() and [n for n, _ in given] == ["c"] and 0.6 <= given[0][1] <= 0.8, given
+    assert hosts.pacing()["idle_s"] < 0.1
 
 
 def test_the_hosts_that_pushed_back_or_slowed_are_reported_at_the_pace_they_ended_at():
