@@ -162,13 +162,19 @@ def _build(storage, executor, stage: str, files: dict[str, str], rows: dict[str,
            given: dict) -> IndexMeta:
     executor = _in_driver() if in_driver else executor
     folder = f"{stage}/{KEYS}"
-    meta = storage.read_json(f"{folder}/meta.json") or {}
-    known = None
-    if meta.get("format") == FORMAT:
+    from infra.storage import in_parallel
+
+    def table_or_none(rel):
         try:
-            known = storage.read_table(f"{folder}/files.parquet").to_pylist()
+            return storage.read_table(rel)
         except (FileNotFoundError, OSError):
-            known = None
+            return None
+
+    # both read side by side (an append reads both for every stage; one wait on the store's latency)
+    meta, listed = in_parallel(lambda f: f(), [lambda: storage.read_json(f"{folder}/meta.json") or {},
+                                               lambda: table_or_none(f"{folder}/files.parquet")])
+    known = listed.to_pylist() if listed is not None and meta.get("format") == FORMAT else None
+    if meta.get("format") == FORMAT:
         ids = {s["id"] for s in meta["segments"]}
         if known is not None and any(r["segment"] not in ids for r in known):
             known = None    # the file list written, the meta not (a build stopped between the two)

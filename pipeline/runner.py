@@ -73,9 +73,13 @@ class Controls:
     def read(self, stage: str, name: str):
         return self.storage.read_json(f"{stage}/{name}")
 
-    def read_all(self, stage: str, names: tuple[str, ...]) -> list:
-        """`read` of each, side by side (each read waits on an object store's latency)."""
-        return self.storage.read_jsons([f"{stage}/{n}" for n in names])
+    def read_all(self, stage: str, names: tuple[str, ...], listing: bool = False) -> list:
+        """`read` of each, side by side (each read waits on an object store's latency); `listing`: and
+        the stage folder's entries (`Storage.entries`), last, for a wipe that is likely to follow."""
+        from infra.storage import in_parallel
+
+        reads = [functools.partial(self.read, stage, n) for n in names]
+        return in_parallel(lambda f: f(), reads + ([functools.partial(self.storage.entries, stage)] if listing else []))
 
     def write_all(self, stage: str, objs: dict[str, object]) -> None:
         """`write` of each, side by side."""
@@ -98,11 +102,11 @@ class Controls:
             self.storage.delete_files([f"{stage}/{name}"])
         (self.run_dir / stage / name).unlink(missing_ok=True)
 
-    def wipe(self, stage: str, keep: tuple[str, ...]) -> None:
+    def wipe(self, stage: str, keep: tuple[str, ...], entries: tuple | None = None) -> None:
         """Remove a stage's files made from other inputs (its control files too), except its
-        content-addressed caches."""
+        content-addressed caches. `entries`: its folder's listing, if read already."""
         if self.mirror:   # the storage's copy; for a local run folder it is the folder below
-            files, dirs = self.storage.entries(stage)
+            files, dirs = entries if entries is not None else self.storage.entries(stage)
             self.storage.delete_files(files)
             self.storage.delete_all([f"{stage}/{d}" for d in dirs if d not in keep])
         local = self.run_dir / stage
@@ -293,8 +297,13 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
             fingerprint = stage.fingerprint(cfg)   # once: it may hash files (the source, evaluation sets)
             read, also = stage_inputs(stage, state["prev"], state["judged"], sinks)
             in_digest = input_digest(fingerprint, read, state["judged"], also)
-            # its control files side by side: one wait on the storage's latency, not three
-            marker, listed, started = controls.read_all(stage.name, ("_SUCCESS", "parts.json", "_STARTED"))
+            # its control files side by side: one wait on the storage's latency, not three; with them the
+            # listing its wipe reads, where the manifest says it finished from another input (every
+            # stage of an append: one wait less each)
+            rerun = (controls.mirror and stage.name in wanted
+                     and manifest.data["stages"].get(stage.name, {}).get("input_digest") != in_digest)
+            marker, listed, started, *entries = controls.read_all(
+                stage.name, ("_SUCCESS", "parts.json", "_STARTED"), listing=rerun)
             parts = parts_from_json(listed) if marker else None
             ran, artifacts = False, None
             if marker and marker.get("input_digest") == in_digest and parts is not None:
@@ -323,7 +332,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
                                    fingerprint=fingerprint, executor=Executor(log=log) if apart else executor,
                                    notes=stage.note_names())
                 run = functools.partial(_run_stage, stage, ctx, in_digest, controls, store, upstream_digest=read,
-                                        judged_digest=state["judged"], sinks=also, last=marker, started=started)
+                                        judged_digest=state["judged"], sinks=also, last=marker, started=started,
+                                        entries=entries[0] if entries else None)
                 if apart:
                     log(f"{stage.name}: runs beside {nxt.name}, which reads none of it")
                     pending = (stage, beside.submit(run))
@@ -348,10 +358,11 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
 def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Controls,
                store, upstream_digest: str = "", judged_digest: str = "",
                sinks: tuple = (), last: dict | None = None,
-               started: dict | None = None) -> tuple[dict, dict, list[dict], dict]:
+               started: dict | None = None, entries: tuple | None = None) -> tuple[dict, dict, list[dict], dict]:
     """upstream_digest: the previous stage's output digest, kept in `_SUCCESS` so `capline status`
     can tell a stage made from an earlier stage's older output (stale) without the config. `last`,
-    `started`: the stage's `_SUCCESS` and `_STARTED` as the caller just read them (None: none)."""
+    `started`: the stage's `_SUCCESS` and `_STARTED` as the caller just read them (None: none);
+    `entries`: its folder's listing read with them, if it was."""
     sdir = ctx.stage_dir
     wiped = started is None or started.get("input_digest") != in_digest
     if wiped:
@@ -361,7 +372,7 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
         # old segments that held only them deleted unread
         from .key_index import KEYS
 
-        controls.wipe(stage.name, stage.preserve + (KEYS,))
+        controls.wipe(stage.name, stage.preserve + (KEYS,), entries)
         last = None     # its _SUCCESS went with the rest
     sdir.mkdir(parents=True, exist_ok=True)
     before = (last or {}).get("files", {})   # what the last finish produced

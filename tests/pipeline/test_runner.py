@@ -434,3 +434,14 @@ def test_a_stage_started_over_is_wiped_from_one_listing_and_its_marker_goes_with
     Counting.asked.clear()
     controls.remove("s", "_STARTED")       # a stage resumed: its marker alone, one batched delete
     assert Counting.asked == ["delete_files"]
+    # the runner reads the listing beside the control files when the stage is to run again: the wipe
+    # then lists nothing itself
+    for rel in ("s/_SUCCESS", "s/_STARTED", "s/old/x.parquet"):
+        storage.write_bytes(rel, b'{"input_digest": "before"}')
+    Counting.asked.clear()
+    marker, listed, started, entries = controls.read_all("s", ("_SUCCESS", "parts.json", "_STARTED"), listing=True)
+    assert marker == started == {"input_digest": "before"} and listed is None
+    assert entries == (["s/_STARTED", "s/_SUCCESS"], ["old", "reuse"])
+    controls.wipe("s", keep=("reuse",), entries=entries)
+    assert [a for a in Counting.asked if a in ("entries", "list", "list_dirs")] == ["entries"]
+    assert storage.list("s", recursive=True) == ["s/reuse/a.json"]
