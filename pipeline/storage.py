@@ -81,9 +81,13 @@ class RunStore:
 
     # -- mirror ----------------------------------------------------------------------------------
     def storage(self):
-        from stages.dataplane import Storage
+        """The run folder's Storage, made once: opening an S3 filesystem costs ~30 ms, and an append's
+        driver asked for it 19 times (a Storage holds no state beyond its filesystem and root)."""
+        if getattr(self, "_storage", None) is None:
+            from stages.dataplane import Storage
 
-        return Storage.from_uri(self.uri) if self.uri else Storage.local(self.local)
+            self._storage = Storage.from_uri(self.uri) if self.uri else Storage.local(self.local)
+        return self._storage
 
     def _inside(self, rel: str) -> Path:
         """The working-copy path of an object key; a key that would land outside it is refused."""
