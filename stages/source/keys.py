@@ -29,6 +29,7 @@ changed or reordered; no record) checks every file.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -57,6 +58,13 @@ PROBE_MAX = 20_000_000
 PROBE_FROM = HASHES_PER_MAP
 CHECKED = "source/keyed/across_files.parquet"   # the last check's files and the copies it found
 CHECKED_SCHEMA = pa.schema([("hash", pa.uint64()), ("file", pa.int32()), ("part", pa.int32())])
+# a map of a check writes what it read of the files it read whole (their BASES tables, up to
+# HASHES_PER_MAP rows) as one table, a "run", named by those tables' names; the record lists its
+# runs, and an append reads the earlier files through them: a request per run, not per file (2,000
+# list files: 2,000 reads and 8.1 s of an append's maps). Files beside the record (under KEYED, which
+# the stage keeps and whose folders it prunes), `checked-<digest>.parquet`
+RUN_PREFIX = "source/keyed/checked-"
+RUN_SCHEMA = pa.schema([("hash", pa.uint64()), ("file", pa.int32()), ("part", pa.int32())])   # file: in the run's own list
 
 
 def base_of(key: str) -> str:
@@ -90,22 +98,64 @@ def _file_hashes(storage, order: int, bases: str | None, parts: list[str], own_k
             t = None
     if t is None:
         t = bases_table([base_hashes(k.column("key").to_pylist(), own_keys) for k in storage.read_tables(parts, ["key"])])
-    if probe is not None:
-        h = t.column("hash").to_numpy()
-        held = probe[np.minimum(np.searchsorted(probe, h), len(probe) - 1)] == h if len(probe) else np.zeros(len(h), bool)
-        t = t.filter(pa.array(held))
+    t = _held(t, probe)
     return t.append_column("order", pa.array(np.full(t.num_rows, order, np.int32)))
 
 
-def _hash_pieces(storage, files: list[tuple[int, str | None, list[str]]], n: int, own_keys: bool,
-                 probe: np.ndarray | None = None) -> list[pa.Table]:
-    """Ray task (the first shuffle's map): the base hashes of a few files ((order, BASES table, partition
-    files) each), read side by side (_file_hashes; with `probe`, the rows it holds); cut by hash into
-    `n` pieces."""
+def run_path(names: list[str]) -> str:
+    """Where the run of the files whose BASES tables are `names` (in order) is kept."""
+    import hashlib
+
+    return f"{RUN_PREFIX}{hashlib.sha256(json.dumps(names).encode()).hexdigest()[:24]}.parquet"
+
+
+def _held(t: pa.Table, probe: np.ndarray | None) -> pa.Table:
+    """The rows of `t` whose hash `probe` (sorted) holds; all of them without one."""
+    if probe is None:
+        return t
+    h = t.column("hash").to_numpy()
+    held = probe[np.minimum(np.searchsorted(probe, h), len(probe) - 1)] == h if len(probe) else np.zeros(len(h), bool)
+    return t.filter(pa.array(held))
+
+
+def _run_hashes(storage, run: str, specs: list[tuple], own_keys: bool, probe: np.ndarray | None) -> pa.Table:
+    """The (hash, part, order) rows of the files `specs` from their run (one read); from each file's
+    own BASES table where the run is gone or is not theirs."""
+    from infra.storage import in_parallel
+
+    try:
+        t = storage.read_table(run)
+        if json.loads((t.schema.metadata or {}).get(b"files", b"null")) != [s[1] for s in specs] \
+                or not t.schema.remove_metadata().equals(RUN_SCHEMA):
+            raise ValueError(run)
+    except (FileNotFoundError, OSError, ValueError, pa.ArrowException):
+        return pa.concat_tables(in_parallel(lambda f: _file_hashes(storage, *f, own_keys, probe), specs))
+    t = _held(t, probe)
+    order = np.array([s[0] for s in specs], np.int32)
+    return pa.table({"hash": t.column("hash"), "part": t.column("part"),
+                     "order": pa.array(order[t.column("file").to_numpy()])})
+
+
+def _hash_pieces(storage, sources: list[tuple[str | None, list[tuple]]], n: int, own_keys: bool,
+                 probe: np.ndarray | None = None, keep_as: str | None = None) -> list[pa.Table]:
+    """Ray task (the first shuffle's map): the base hashes of a few files, cut by hash into `n` pieces.
+    `sources`: (run, specs) each, specs being (order, BASES table, partition files) of a file; a run's
+    files read through it (_run_hashes), the others each from its own table (_file_hashes), side by
+    side; with `probe`, only the rows it holds. `keep_as`: what was read (every row) is kept there as
+    a run of these files."""
     from ..dataplane import bucket_pieces
     from infra.storage import in_parallel
 
-    t = pa.concat_tables(in_parallel(lambda f: _file_hashes(storage, *f, own_keys, probe), files))
+    t = pa.concat_tables(in_parallel(
+        lambda src: _run_hashes(storage, src[0], src[1], own_keys, probe) if src[0] is not None
+        else _file_hashes(storage, *src[1][0], own_keys, probe), sources))
+    if keep_as is not None:    # (read whole: never with a probe)
+        specs = [f for _, fs in sources for f in fs]
+        local = np.zeros(max(f[0] for f in specs) + 1, np.int32)
+        local[[f[0] for f in specs]] = np.arange(len(specs), dtype=np.int32)
+        kept = pa.table({"hash": t.column("hash"), "file": pa.array(local[t.column("order").to_numpy()]),
+                         "part": t.column("part")}, schema=RUN_SCHEMA)
+        storage.write_table(keep_as, kept.replace_schema_metadata({"files": json.dumps([f[1] for f in specs])}))
     h = t.column("hash").to_numpy()
     return bucket_pieces(t, (h % np.uint64(n)).astype(np.int32), n)
 
@@ -223,73 +273,104 @@ def _no_copies() -> pa.Table:
                      "order": pa.array([], pa.int32())})
 
 
-def _checked_before(storage, record: str | None, bases: list[str | None]) -> tuple[list[int], pa.Table] | None:
-    """The files the last check covered (indices among these) and the copies it found (hash, part,
-    order as these files are ordered now), if those files are all still here in the same order; else
-    None (check every file)."""
+def _checked_before(storage, record: str | None, bases: list[str | None]) -> tuple[list[int], pa.Table, list] | None:
+    """The files the last check covered (indices among these), the copies it found (hash, part, order
+    as these files are ordered now) and its runs ((path, indices of the files it holds) each), if
+    those files are all still here in the same order; else None (check every file)."""
     if record is None or any(b is None for b in bases):
         return None
     try:
         t = storage.read_table(record)
-        ids = json.loads((t.schema.metadata or {}).get(b"files", b"null"))
+        meta = t.schema.metadata or {}
+        ids = json.loads(meta.get(b"files", b"null"))
+        runs = json.loads(meta.get(b"runs", b"[]"))     # none in a record written before there were runs
     except (FileNotFoundError, OSError, ValueError, pa.ArrowException):
         return None       # none yet, or unreadable: a full check writes it again
     pos = {b: i for i, b in enumerate(bases)}
     if not isinstance(ids, list) or not ids or any(not isinstance(b, str) or b not in pos for b in ids) \
-            or not t.schema.equals(CHECKED_SCHEMA):
+            or not t.schema.remove_metadata().equals(CHECKED_SCHEMA):
         return None
     order = np.array([pos[b] for b in ids], np.int32)
     f = t.column("file").to_numpy()
     if np.any(np.diff(order) <= 0) or (len(f) and (f.min() < 0 or f.max() >= len(order))):
         return None
-    return order.tolist(), pa.table({"hash": t.column("hash"), "part": t.column("part"), "order": pa.array(order[f])})
+    try:
+        runs = [(str(path), [int(order[j]) for j in held]) for path, held in runs]
+    except (TypeError, ValueError, IndexError):
+        runs = []         # a record with a torn runs list: its files are read one by one
+    if len({i for _, held in runs for i in held}) != sum(len(held) for _, held in runs):
+        runs = []
+    return order.tolist(), pa.table({"hash": t.column("hash"), "part": t.column("part"), "order": pa.array(order[f])}), runs
 
 
-def _remember(storage, record: str | None, bases: list[str | None], repeated: pa.Table) -> None:
-    """What this check covered and found, for the next run's (`_checked_before`)."""
+def _remember(storage, record: str | None, bases: list[str | None], repeated: pa.Table, runs: list,
+              whole: bool) -> None:
+    """What this check covered and found, and its runs, for the next run's (`_checked_before`);
+    `whole`: the check read every file, and the runs of an earlier check it did not name are deleted."""
     if record is None or any(b is None for b in bases):
         return
     t = repeated.group_by(["hash", "order", "part"]).aggregate([]).sort_by(
         [("order", "ascending"), ("part", "ascending"), ("hash", "ascending")])
     t = pa.table({"hash": t.column("hash"), "file": t.column("order"), "part": t.column("part")}, schema=CHECKED_SCHEMA)
-    storage.write_table(record, t.replace_schema_metadata({"files": json.dumps(bases)}))
+    storage.write_table(record, t.replace_schema_metadata({"files": json.dumps(bases), "runs": json.dumps(runs)}))
+    if whole:     # after the record that no longer names them (a crash between leaves files nothing reads)
+        named = {path for path, _ in runs}
+        folder, _, prefix = RUN_PREFIX.rpartition("/")
+        storage.delete_files([f for f in storage.list(folder, ".parquet")
+                              if f.rpartition("/")[2].startswith(prefix) and f not in named])
 
 
-def _repeated_everywhere(ctx, files, bases, rows: list[int], own_keys: bool) -> pa.Table:
+def _kept_as(bases, m: list[int], keep: bool) -> str | None:
+    """Where a map reading the files `m` whole keeps them as a run: for two files or more (one
+    file's run would be a copy of its own table)."""
+    return run_path([bases[i] for i in m]) if keep and len(m) > 1 else None
+
+
+def _repeated_everywhere(ctx, files, bases, rows: list[int], own_keys: bool, keep: bool) -> tuple[pa.Table, list]:
     """The first shuffle over every file's hashes: the (hash, part, order) rows of each hash that more
-    than one file holds."""
+    than one file holds, and the runs its maps kept (`keep`)."""
     n = max(1, min(64, math.ceil(sum(rows) / HASHES_PER_BUCKET)))
     # files in runs of up to HASHES_PER_MAP rows, a map each: reads side by side, not a task's start each
     maps = _runs(list(range(len(files))), rows, HASHES_PER_MAP)
     # windowed by rows: an append's maps run on the few processes the run has started (9 cold ones
     # at once took 31 s on 2 cores at 10^7 rows; warm, the same maps take 2 s)
-    found = ctx.shuffle(_hash_pieces, [(ctx.storage, [_spec(files, bases, i) for i in m], n, own_keys) for m in maps], n,
+    found = ctx.shuffle(_hash_pieces, [(ctx.storage, [(None, [_spec(files, bases, i)]) for i in m], n, own_keys, None,
+                                        _kept_as(bases, m, keep)) for m in maps], n,
                         _repeated_task, [() for _ in range(n)], "source: keys across files", num_cpus=0.5,
                         sizes=[sum(rows[i] for i in m) for m in maps], items_per_worker=HASHES_PER_WORKER)
-    return pa.concat_tables(found)
+    return pa.concat_tables(found), [(_kept_as(bases, m, keep), m) for m in maps if _kept_as(bases, m, keep)]
 
 
-def _repeated_since(ctx, files, bases, rows: list[int], checked: list[int], before: pa.Table,
-                    own_keys: bool) -> pa.Table:
-    """`_repeated_everywhere` when the files `checked` (finding `before`) are unchanged: the added
-    files' hashes are the probe, and the earlier files give only the rows it holds."""
+def _repeated_since(ctx, files, bases, rows: list[int], checked: list[int], before: pa.Table, runs: list,
+                    own_keys: bool, keep: bool) -> tuple[pa.Table, list]:
+    """`_repeated_everywhere` when the files `checked` (finding `before`, kept in `runs`) are
+    unchanged: the added files' hashes are the probe, and the earlier files give only the rows it
+    holds, read through their runs. -> (the rows, the runs now)."""
     seen = set(checked)
     new = [i for i in range(len(files)) if i not in seen]
     if not new:
-        return before
+        return before, runs
     probe = ctx.put(ctx.call(_probe_task, ctx.storage, [_spec(files, bases, i) for i in new], own_keys,
                              what="source: keys of the files added", num_cpus=0.5))
     n = max(1, min(64, math.ceil((sum(rows[i] for i in new) + before.num_rows) / HASHES_PER_BUCKET)))
-    maps = [(m, probe) for m in _runs(checked, rows, PROBED_PER_MAP)] + [(m, None) for m in _runs(new, rows, HASHES_PER_MAP)]
+    # the earlier files as sources: each run, and each file no run holds
+    in_runs = {i for _, held in runs for i in held}
+    sources = [(path, held) for path, held in runs] + [(None, [i]) for i in checked if i not in in_runs]
+    sized = [sum(rows[i] for i in held) for _, held in sources]
+    groups = _runs(list(range(len(sources))), sized, PROBED_PER_MAP)
+    probed = [([(path, [_spec(files, bases, i) for i in held]) for path, held in (sources[j] for j in m)], probe, None)
+              for m in groups]
+    added = _runs(new, rows, HASHES_PER_MAP)
+    whole = [([(None, [_spec(files, bases, i)]) for i in m], None, _kept_as(bases, m, keep)) for m in added]
     from ..dataplane import bucket_pieces
 
     h = before.column("hash").to_numpy()
     earlier = bucket_pieces(before, (h % np.uint64(n)).astype(np.int32), n)
-    found = ctx.shuffle(_hash_pieces, [(ctx.storage, [_spec(files, bases, i) for i in m], n, own_keys, p) for m, p in maps],
+    found = ctx.shuffle(_hash_pieces, [(ctx.storage, src, n, own_keys, p, k) for src, p, k in probed + whole],
                         n, _repeated_task, [(earlier[b],) for b in range(n)], "source: keys across files",
-                        num_cpus=0.5, sizes=[sum(rows[i] for i in m) for m, _ in maps],
+                        num_cpus=0.5, sizes=[sum(sized[j] for j in m) for m in groups] + [sum(rows[i] for i in m) for m in added],
                         items_per_worker=HASHES_PER_WORKER)
-    return pa.concat_tables(found)
+    return pa.concat_tables(found), runs + [(_kept_as(bases, m, keep), m) for m in added if _kept_as(bases, m, keep)]
 
 
 def _spec(files, bases, i: int) -> tuple[int, str | None, list[str]]:
@@ -306,14 +387,20 @@ def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | No
     rows = [sum(p.n_in for p in f) for f in files]
     before = _checked_before(ctx.storage, record, bases) if len(files) > 1 else None
     added = sum(rows) - sum(rows[i] for i in before[0]) if before else 0
+    # runs only where a record is kept and the next append may probe (past PROBE_FROM rows); below,
+    # a full check reads every file anyway (and runs an earlier, larger list kept stay until a check
+    # keeps runs again)
+    keep = record is not None and all(b is not None for b in bases) and sum(rows) > PROBE_FROM
+    whole = not (before and PROBE_FROM < sum(rows) - added and added <= min(PROBE_MAX, sum(rows) - added))
     if len(files) < 2:
-        repeated = _no_copies()           # keyed_rows made one file's keys unique
-    elif before and PROBE_FROM < sum(rows) - added and added <= min(PROBE_MAX, sum(rows) - added):
-        repeated = _repeated_since(ctx, files, bases, rows, *before, own_keys)
+        repeated, runs = _no_copies(), []         # keyed_rows made one file's keys unique
+    elif not whole:
+        repeated, runs = _repeated_since(ctx, files, bases, rows, *before, own_keys, keep)
     else:
-        repeated = _repeated_everywhere(ctx, files, bases, rows, own_keys)
+        repeated, runs = _repeated_everywhere(ctx, files, bases, rows, own_keys, keep)
+    remember = functools.partial(_remember, ctx.storage, record, bases, runs=runs, whole=whole and keep)
     if not repeated.num_rows:
-        _remember(ctx.storage, record, bases, repeated)
+        remember(repeated)
         return parts, 0
     # the partitions that hold a repeated base, each with the hashes to look for in it
     h, o, p = (repeated.column(c).to_numpy() for c in ("hash", "order", "part"))
@@ -334,11 +421,11 @@ def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | No
             raise UserError(f"source: {n} key_col value(s) appear in more than one URL list file ({shown}); "
                             "keys must be unique across the files (drop key_col to let capline key rows by "
                             "URL and caption, which keeps every copy and drops repeats as exact_duplicate)")
-        _remember(ctx.storage, record, bases, repeated)
+        remember(repeated)
         return parts, 0
     renames = pa.concat_tables([f.renames for f in found]).sort_by("part")
     if not renames.num_rows:        # 64-bit hashes alike, bases not
-        _remember(ctx.storage, record, bases, repeated)
+        remember(repeated)
         return parts, 0
     # each affected partition's renames, a slice of the sorted table (its rows only go to its task)
     names = renames.column("part").to_numpy(zero_copy_only=False)
@@ -348,5 +435,5 @@ def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | No
     redone = ctx.run(_rewrite_task, [(ctx.storage, by_name[names[a]], renames.slice(a, b - a)) for a, b in zip(starts, ends)],
                      "source: renaming repeats", num_cpus=0.5)
     new = {p.part: p for p in redone}
-    _remember(ctx.storage, record, bases, repeated)     # last: once every step of the check has succeeded
+    remember(repeated)     # last: once every step of the check has succeeded
     return [new.get(p.part, p) for p in parts], renames.num_rows

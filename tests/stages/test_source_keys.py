@@ -157,10 +157,11 @@ def test_an_append_keys_only_the_list_files_it_added(tmp_path, monkeypatch):
     # file's own record was looked for
     assert tables.count(RECORDS) == 1 and [r.split("/")[-1].split("-")[0] for r in records] == ["list2_csv"]
     # the check across files read the added file's base hashes (the probe, then its rows), the first
-    # files' once each (against the probe) and, of their partitions, only list0's first (it holds
-    # the row list2 repeats), to rename the copy
+    # files' once (their run, against the probe) and, of their partitions, only list0's first (it
+    # holds the row list2 repeats), to rename the copy
     bases = sorted(t.split("/")[-2].split("-")[0] for t in tables if t.endswith("bases.parquet"))
-    assert bases == ["list0_csv", "list1_csv", "list2_csv", "list2_csv"], tables
+    assert bases == ["list2_csv", "list2_csv"], tables     # the first files' through the run the first check kept
+    assert len([t for t in tables if t.startswith(keys.RUN_PREFIX)]) == 1, tables
     old = [t for t in tables if "/keyed/list" in t and not t.endswith("bases.parquet") and "list2" not in t]
     assert [t.rsplit("/", 1)[-1] for t in old] == ["list0_csv-00000.parquet"], tables
     assert tables.count(CHECKED) == 1         # what the first run's check covered, read once
@@ -254,6 +255,60 @@ def test_an_append_is_checked_against_the_last_check_and_finds_what_checking_eve
     _, called = _check(here, [here / "c.csv", here / "d.csv", here / "e.csv", *lists(here, "a")])
     assert called == [11]         # 7 rows checked before (c, d, e), not more than PROBE_FROM: all 11 read
     assert len([d for _, d in gone if "the same URL and caption as" in d]) == 1
+
+
+def test_an_append_reads_the_earlier_files_through_the_runs_the_last_check_kept(tmp_path, monkeypatch):
+    """A check's maps keep what they read of several files as one table (a run) that the record
+    names; an append reads the earlier files through their runs, a read per run instead of one per
+    file, and finds what a check of every file finds; a run gone is read from its files' own tables;
+    a check of every file deletes the runs its record no longer names."""
+    import shutil
+
+    from stages.source import keys
+
+    monkeypatch.setattr(keys, "PROBE_FROM", 6)      # the probe (and runs kept) from 6 rows (else 10^6)
+    rows = {"a": [("http://x/1.jpg", "one"), ("http://x/2.jpg", "two"), ("http://x/1.jpg", "one"), ("http://x/3.jpg", "three")],
+            "b": [("http://x/3.jpg", "three"), ("http://x/1.jpg", "one"), ("http://x/2.jpg", "two")],
+            "c": [("http://x/1.jpg", "one"), ("http://x/5.jpg", "five")],
+            "d": [("http://x/5.jpg", "five"), ("http://x/2.jpg", "two")]}
+
+    def lists(folder, names):
+        folder.mkdir(exist_ok=True)
+        for n in names:
+            (folder / f"{n}.csv").write_text("url,caption\n" + "".join(f"{u},{c}\n" for u, c in rows[n]))
+        return [folder / f"{n}.csv" for n in names]
+
+    def runs_of(folder):
+        record = pq.read_table(folder / "run" / "source" / "keyed" / "across_files.parquet")
+        return json.loads(record.schema.metadata[b"runs"])
+
+    def kept(folder):
+        return sorted(f"source/keyed/{p.name}" for p in (folder / "run" / "source" / "keyed").glob("checked-*"))
+
+    here, lost, fresh = tmp_path / "line", tmp_path / "lost", tmp_path / "fresh"
+    _check(here, lists(here, "ab"))
+    ab = keys.run_path(["source/keyed/a/bases.parquet", "source/keyed/b/bases.parquet"])
+    assert runs_of(here) == [[ab, [0, 1]]] and kept(here) == [ab]
+    shutil.copytree(here, lost)
+    (lost / "run" / ab).unlink()                     # the same line, its run lost
+    read = []
+    real = Storage.read_table
+    monkeypatch.setattr(Storage, "read_table", lambda self, rel, columns=None: (read.append(rel), real(self, rel, columns))[1])
+    appended, _ = _check(here, lists(here, "cabd"))
+    earlier = [r for r in read if r == ab or r.endswith(("a/bases.parquet", "b/bases.parquet"))]
+    assert earlier == [ab, ab], read                 # one read of the run (twice: the test's shuffle runs each map twice)
+    cd = keys.run_path(["source/keyed/c/bases.parquet", "source/keyed/d/bases.parquet"])
+    assert runs_of(here) == [[ab, [1, 2]], [cd, [0, 3]]] and kept(here) == sorted([ab, cd])   # c and d kept as a run of theirs
+    read.clear()
+    recovered, _ = _check(lost, lists(lost, "cabd"))
+    assert sorted(r.rsplit("/", 2)[-2] for r in read if r.endswith(("a/bases.parquet", "b/bases.parquet"))) == ["a", "a", "b", "b"]
+    full, _ = _check(fresh, lists(fresh, "cabd"), record=None)
+    assert appended == recovered == full and len([d for _, d in full if "the same URL and caption as" in d]) == 7
+    # a file gone: every file checked, its maps keep a run of the files now listed, the others deleted
+    (here / "a.csv").unlink()
+    _check(here, [here / "c.csv", here / "b.csv", here / "d.csv"])
+    cbd = keys.run_path([f"source/keyed/{n}/bases.parquet" for n in "cbd"])
+    assert runs_of(here) == [[cbd, [0, 1, 2]]] and kept(here) == [cbd]
 
 
 @pytest.mark.slow
