@@ -25,7 +25,9 @@ order, and hold more rows than one map reads (PROBE_FROM), the added files' hash
 (the probe), then each earlier file's once, a map keeping only the rows the probe holds: the first
 shuffle moves the added rows and their matches, not every row, and its reducers add the record's
 copies (rows repeated among the earlier files are repeated still). Any other change (a file gone,
-changed or reordered; no record) checks every file.
+changed or reordered; no record) checks every file. The earlier files are read through runs: a map
+that reads several files whole keeps what it read as one table, which the record names, so an
+append reads a table per 10^6 rows checked, not one per list file.
 """
 from __future__ import annotations
 
@@ -361,12 +363,12 @@ def _repeated_since(ctx, files, bases, rows: list[int], checked: list[int], befo
     probed = [([(path, [_spec(files, bases, i) for i in held]) for path, held in (sources[j] for j in m)], probe, None)
               for m in groups]
     added = _runs(new, rows, HASHES_PER_MAP)
-    whole = [([(None, [_spec(files, bases, i)]) for i in m], None, _kept_as(bases, m, keep)) for m in added]
+    adding = [([(None, [_spec(files, bases, i)]) for i in m], None, _kept_as(bases, m, keep)) for m in added]
     from ..dataplane import bucket_pieces
 
     h = before.column("hash").to_numpy()
     earlier = bucket_pieces(before, (h % np.uint64(n)).astype(np.int32), n)
-    found = ctx.shuffle(_hash_pieces, [(ctx.storage, src, n, own_keys, p, k) for src, p, k in probed + whole],
+    found = ctx.shuffle(_hash_pieces, [(ctx.storage, src, n, own_keys, p, k) for src, p, k in probed + adding],
                         n, _repeated_task, [(earlier[b],) for b in range(n)], "source: keys across files",
                         num_cpus=0.5, sizes=[sum(sized[j] for j in m) for m in groups] + [sum(rows[i] for i in m) for m in added],
                         items_per_worker=HASHES_PER_WORKER)
