@@ -49,6 +49,11 @@ def read_bucket(storage, files: list[str], column: str, value: int, schema: pa.S
     return _read_span(storage, files, column, value, value + 1, schema, counter)
 
 
+def read_span(storage, files: list[str], column: str, lo: int, hi: int, schema: pa.Schema) -> pa.Table:
+    """The rows of buckets lo .. hi-1 from every map file (a reader of several consecutive buckets)."""
+    return _read_span(storage, files, column, lo, hi, schema, None)
+
+
 def _read_span(storage, files: list[str], column: str, lo: int, hi: int, schema: pa.Schema,
                counter: dict | None) -> pa.Table:
     """The rows whose `column` is in [lo, hi), from the row groups of each file whose statistics

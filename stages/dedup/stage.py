@@ -24,7 +24,7 @@ from .encoder import EncoderDescriber
 from .group import MAP_SIGNATURES, PAIR_FAN_IN, _group_reduce, _sig_pieces
 from .sign import SIGNED, _sign_task, _signed_key, bucket_count, sigs_per_sample
 from .verdicts import _eval_captions, _verdicts
-from .verify import FETCH_PARTS, _fetch_pieces, _verify_reduce
+from .verify import FETCH_PARTS, _fetch_pieces, _verify_reduce, fetch_spans
 
 
 @dataclass
@@ -158,7 +158,8 @@ class DedupStage(Decide):
         desc = {p: f"{o}.desc.parquet" for p, o in outs.items()}
         # the candidates' descriptors, fetched by partition, reach the verify task of their pair
         # bucket through Ray's object store (no file between them)
-        checked = ctx.shuffle(_fetch_pieces, [(ctx.storage, b, wanted_files, desc, n_pairs) for b in range(n_fetch)]
+        spans = fetch_spans(n_fetch, sum(f.wanted for f in found))
+        checked = ctx.shuffle(_fetch_pieces, [(ctx.storage, span, wanted_files, desc, n_pairs) for span in spans]
                               if wanted_files else [], n_pairs, _verify_reduce,
                               [(ctx.storage, b, pair_files, cfg.within_threshold) for b in range(n_pairs)],
                               "dedup verify", num_cpus=cfg.cpus_per_worker) if pair_files else []
@@ -167,7 +168,7 @@ class DedupStage(Decide):
                           sum(c.candidates for c in checked), edge_files,
                           set_stats, max((f.largest_group for f in found), default=0), n_buckets,
                           plan.describe(cfg.within_threshold), desc,
-                          {"group": len(found), "fetch": n_fetch if wanted_files and pair_files else 0, "verify": len(checked)},
+                          {"group": len(found), "fetch": len(spans) if wanted_files and pair_files else 0, "verify": len(checked)},
                           {u.part: signed[u.part] for u in upstream}, carried, chunks)
 
     def decide(self, ctx: StageContext, found: Candidates) -> Clusters:

@@ -519,6 +519,43 @@ def test_the_evaluation_index_built_in_ray_tasks_equals_the_one_built_here(tmp_p
     assert list(a["ids"]) == list(b["ids"]) and np.array_equal(a["vecs"], b["vecs"])
 
 
+def test_the_fetch_tasks_are_sized_by_the_descriptors_wanted_not_the_buckets(tmp_path):
+    """The group step cuts the wanted descriptors into fetch buckets before their number is known; the
+    driver gives each fetch task consecutive buckets, as many tasks as FETCH_WANTED a task needs: an
+    append's few candidates are one task, which fetches what one task per bucket fetches."""
+    import pyarrow as pa
+
+    from infra.shuffle import write_buckets
+    from infra.storage import Storage
+    from stages.dedup.layout import WANTED_SCHEMA
+    from stages.dedup.verify import FETCH_WANTED, _fetch_pieces, fetch_spans
+
+    assert fetch_spans(4, 30) == [(0, 4)]
+    for n, wanted in ((4, 5 * FETCH_WANTED), (16, 3 * FETCH_WANTED + 1), (16, 10**9), (1, 10**9)):
+        spans = fetch_spans(n, wanted)
+        assert len(spans) == min(n, -(-wanted // FETCH_WANTED))
+        assert [b for lo, hi in spans for b in range(lo, hi)] == list(range(n))      # each bucket once, in order
+    storage = Storage.local(tmp_path)
+    rng = np.random.default_rng(0)
+    desc, rows = {}, {"key": [], "part": [], "pair_bucket": [], "fetch_bucket": []}
+    for p in range(8):             # 8 partitions' descriptors, 3 keys each; 2 of each wanted
+        keys = [f"k{p}_{i}" for i in range(3)]
+        desc[f"p{p}"] = f"d/p{p}.parquet"
+        storage.write_table(desc[f"p{p}"], pa.table({"key": keys, "vec": [rng.standard_normal(4).astype(np.float16).tobytes()
+                                                                           for _ in keys]}))
+        for k in keys[:2]:
+            rows["key"].append(k), rows["part"].append(f"p{p}"), rows["pair_bucket"].append(p % 2), rows["fetch_bucket"].append(p % 4)
+    write_buckets(storage, "w/000000.parquet", pa.table(rows, schema=WANTED_SCHEMA), "fetch_bucket")
+
+    def fetched(spans):
+        pieces = [_fetch_pieces(storage, span, ["w/000000.parquet"], desc, 2) for span in spans]
+        return [sorted(zip(*(pa.concat_tables([p[b] for p in pieces]).column(c).to_pylist() for c in ("key", "vec"))))
+                for b in range(2)]
+
+    one = fetched(fetch_spans(4, 16))
+    assert one == fetched([(b, b + 1) for b in range(4)]) and sum(len(b) for b in one) == 16
+
+
 def test_a_large_lsh_group_is_compared_in_full_not_cut():
     """More codes share one band value than one block holds: every close pair is still found (the
     old code compared only a group's first 2,000 members, silently)."""
