@@ -66,7 +66,7 @@ CHECKED_SCHEMA = pa.schema([("hash", pa.uint64()), ("file", pa.int32()), ("part"
 # list files: 2,000 reads and 8.1 s of an append's maps). Files beside the record (under KEYED, which
 # the stage keeps and whose folders it prunes), `checked-<digest>.parquet`
 RUN_PREFIX = "source/keyed/checked-"
-RUN_SCHEMA = pa.schema([("hash", pa.uint64()), ("file", pa.int32()), ("part", pa.int32())])   # file: in the run's own list
+RUN_SCHEMA = CHECKED_SCHEMA   # the same columns; `file` indexes the run's own list of files, not the record's
 
 
 def base_of(key: str) -> str:
@@ -336,11 +336,12 @@ def _repeated_everywhere(ctx, files, bases, rows: list[int], own_keys: bool, kee
     maps = _runs(list(range(len(files))), rows, HASHES_PER_MAP)
     # windowed by rows: an append's maps run on the few processes the run has started (9 cold ones
     # at once took 31 s on 2 cores at 10^7 rows; warm, the same maps take 2 s)
-    found = ctx.shuffle(_hash_pieces, [(ctx.storage, [(None, [_spec(files, bases, i)]) for i in m], n, own_keys, None,
-                                        _kept_as(bases, m, keep)) for m in maps], n,
+    kept = [_kept_as(bases, m, keep) for m in maps]
+    found = ctx.shuffle(_hash_pieces, [(ctx.storage, [(None, [_spec(files, bases, i)]) for i in m], n, own_keys, None, k)
+                                       for m, k in zip(maps, kept)], n,
                         _repeated_task, [() for _ in range(n)], "source: keys across files", num_cpus=0.5,
                         sizes=[sum(rows[i] for i in m) for m in maps], items_per_worker=HASHES_PER_WORKER)
-    return pa.concat_tables(found), [(_kept_as(bases, m, keep), m) for m in maps if _kept_as(bases, m, keep)]
+    return pa.concat_tables(found), [(k, m) for m, k in zip(maps, kept) if k]
 
 
 def _repeated_since(ctx, files, bases, rows: list[int], checked: list[int], before: pa.Table, runs: list,
@@ -363,7 +364,8 @@ def _repeated_since(ctx, files, bases, rows: list[int], checked: list[int], befo
     probed = [([(path, [_spec(files, bases, i) for i in held]) for path, held in (sources[j] for j in m)], probe, None)
               for m in groups]
     added = _runs(new, rows, HASHES_PER_MAP)
-    adding = [([(None, [_spec(files, bases, i)]) for i in m], None, _kept_as(bases, m, keep)) for m in added]
+    kept = [_kept_as(bases, m, keep) for m in added]
+    adding = [([(None, [_spec(files, bases, i)]) for i in m], None, k) for m, k in zip(added, kept)]
     from ..dataplane import bucket_pieces
 
     h = before.column("hash").to_numpy()
@@ -372,7 +374,7 @@ def _repeated_since(ctx, files, bases, rows: list[int], checked: list[int], befo
                         n, _repeated_task, [(earlier[b],) for b in range(n)], "source: keys across files",
                         num_cpus=0.5, sizes=[sum(sized[j] for j in m) for m in groups] + [sum(rows[i] for i in m) for m in added],
                         items_per_worker=HASHES_PER_WORKER)
-    return pa.concat_tables(found), runs + [(_kept_as(bases, m, keep), m) for m in added if _kept_as(bases, m, keep)]
+    return pa.concat_tables(found), runs + [(k, m) for m, k in zip(added, kept) if k]
 
 
 def _spec(files, bases, i: int) -> tuple[int, str | None, list[str]]:
