@@ -67,6 +67,61 @@ def actors_that_fit(num_cpus: float, num_gpus: float, memory: float, shape: Node
 CALLS_PER_ACTOR = 8    # the fewest calls a model's actor is started for (Executor._run_pool)
 
 
+class PoolQueue:
+    """Which call an actor of a model's pool runs next, and what an actor's death says about a call.
+
+    An actor runs its queued calls one after another, and a killed actor fails every call queued on
+    it, including one that had finished but whose answer had not left the process yet. So a death
+    only blames a call that was running alone: a call that died beside others is sent again alone (no
+    other call queued on its actor until it returns), and is blamed only when its third death comes
+    while it ran alone."""
+
+    def __init__(self, n_calls: int, n_actors: int, per_actor: int = 2, tries: int = 3):
+        self.n_calls, self.per_actor, self.max_tries = n_calls, per_actor, tries
+        self.nxt = 0
+        self.again: list[int] = []          # calls to send again, before any new one
+        self.alone: set[int] = set()        # calls that run with nothing else on their actor
+        self.queued = [0] * n_actors
+        self.holding = [False] * n_actors   # an actor running an `alone` call takes nothing else
+        self.deaths = [0] * n_calls
+
+    def next_for(self, a: int) -> int | None:
+        """The call to send to actor `a` now, or None (it is full, held, or nothing is left to send)."""
+        if self.holding[a] or self.queued[a] >= self.per_actor:
+            return None
+        if self.again:
+            if self.again[0] in self.alone and self.queued[a]:
+                return None                 # it waits for an actor with nothing queued
+            i = self.again.pop(0)
+        elif self.nxt < self.n_calls:
+            i, self.nxt = self.nxt, self.nxt + 1
+        else:
+            return None
+        self.queued[a] += 1
+        self.holding[a] = i in self.alone
+        return i
+
+    def returned(self, i: int, a: int) -> None:
+        """Call `i`'s answer (or its failure) came back from actor `a`."""
+        self.queued[a] -= 1
+        if i in self.alone:
+            self.holding[a] = False
+
+    def resend(self, i: int) -> None:
+        """Send `i` again as it was sent (it reached an actor that was coming back: not a try)."""
+        self.again.insert(0, i)
+
+    def died(self, i: int) -> bool:
+        """Call `i`'s actor died under it: True when that is its last try (it is to blame), else it is
+        queued to run again, alone."""
+        self.deaths[i] += 1
+        if i in self.alone and self.deaths[i] >= self.max_tries:
+            return True
+        self.alone.add(i)
+        self.again.append(i)
+        return False
+
+
 def fit_request(num_cpus: float, num_gpus: float, shape: NodeShape, what: str, setting: str | None = None) -> float:
     """The CPUs a task may ask for on this cluster: at most the largest node's. A GPU request that no
     node can meet is a UserError naming `setting`."""
@@ -305,9 +360,9 @@ class Executor:
         # 20 actors for 20 small partitions took 11-13 s where warm task workers took 0.1-0.3 s;
         # so at least CALLS_PER_ACTOR partitions an actor, the start paid over several
         size = max(1, min(room, math.ceil(len(calls) / CALLS_PER_ACTOR)))
-        # an actor killed mid-call (the OOM killer, a failpoint) comes back with its model and the
-        # call is sent again; a call runs at most 3 times, as a task does, so one that kills every
-        # actor it meets fails
+        # an actor killed mid-call (the OOM killer, a failpoint) comes back with its model and its
+        # calls are sent again, each alone (PoolQueue); a call whose actor dies 3 times under it, the
+        # last times alone, fails, as a task does after 3 tries; the calls that shared its actor do not
         actor = ray.remote(num_cpus=cpus, num_gpus=gpus or None, memory=model.memory_bytes or None,
                            max_restarts=-1, max_task_retries=0)(_PoolWorker)
         actors = [actor.remote(what, fn, model.load, *model.args) for _ in range(size)]
@@ -316,30 +371,27 @@ class Executor:
         results: list = [None] * len(calls)
         intervals: list[tuple[float, float]] = []
         pending: dict = {}                      # call's ref -> (call index, actor index)
-        queued, tries = [0] * size, [0] * len(calls)
-        nxt, t_start, last_done = 0, time.time(), time.time()
+        queue = PoolQueue(len(calls), size)
+        t_start, last_done = time.time(), time.time()
 
         asides: list = [None] * len(calls)
 
         def send(i: int, a: int) -> None:
             ref, asides[i] = actors[a].call.options(num_returns=2).remote(*calls[i], **(kwargs[i] if kwargs else {}))
             pending[ref] = (i, a)
-            queued[a] += 1
-            tries[i] += 1
 
         try:
             while len(intervals) < len(calls):
                 for a in range(size):
-                    while nxt < len(calls) and queued[a] < 2:
-                        send(nxt, a)
-                        nxt += 1
+                    while (i := queue.next_for(a)) is not None:
+                        send(i, a)
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.poll_seconds)
                 if not ready:
                     progress.stalled(time.time() - last_done, len(pending))
                     continue
                 for ref in ready:
                     i, a = pending.pop(ref)
-                    queued[a] -= 1
+                    queue.returned(i, a)
                     try:
                         t0, t1, out, err = ray.get(ref)
                     except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as died:
@@ -347,12 +399,10 @@ class Executor:
                         if "creation task" in str(died):      # restarts are unlimited: its model never loaded
                             err, label = died, f"loading {model.name}"
                         elif "is restarting" in str(died):    # sent while it came back: not a try
-                            tries[i] -= 1
                             time.sleep(0.2)
-                            send(i, a)
+                            queue.resend(i)
                             continue
-                        elif tries[i] < 3:                    # its actor was killed: again, once it is back
-                            send(i, a)
+                        elif not queue.died(i):               # its actor was killed: again, once it is back
                             continue
                         else:
                             err = died

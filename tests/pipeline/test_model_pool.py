@@ -3,11 +3,12 @@ actors): the model loads once per actor, the pool is as large as the nodes hold 
 memory, failures are named like a task's, a killed actor is replaced. Real Ray (2 CPUs)."""
 import math
 import os
+import random
 
 import pytest
 
 from infra.errors import UserError
-from pipeline.executor import CALLS_PER_ACTOR, Executor, NodeShape, actors_that_fit
+from pipeline.executor import CALLS_PER_ACTOR, Executor, NodeShape, PoolQueue, actors_that_fit
 from stages.shared_model import SharedModel
 
 GB = 2 ** 30
@@ -21,6 +22,81 @@ def test_actors_that_fit_count_each_node_by_cpus_gpus_and_memory():
     assert actors_that_fit(1, 1, 2 * GB, shape) == 1             # one GPU in the cluster: one copy
     assert actors_that_fit(0.5, 0, 5 * GB, shape) == 12           # the 4 GB node holds none
     assert actors_that_fit(16, 0, 0, shape) == 2                  # two half-full nodes never add up to one more
+
+
+def test_a_call_that_died_beside_others_runs_again_alone_and_only_deaths_alone_blame_it():
+    q = PoolQueue(n_calls=2, n_actors=1)
+    assert [q.next_for(0), q.next_for(0), q.next_for(0)] == [0, 1, None]     # two queued, then full
+    # call 1 kills the actor; call 0 had finished but its answer died with the process
+    for i in (0, 1):
+        q.returned(i, 0)
+    assert q.died(0) is False and q.died(1) is False     # neither is blamed for a death they shared
+    assert q.next_for(0) == 0 and q.next_for(0) is None  # 0 runs alone: nothing queued behind it
+    q.returned(0, 0)                                      # and answers
+    assert q.next_for(0) == 1 and q.next_for(0) is None
+    q.returned(1, 0)
+    assert q.died(1) is False                             # its second death, the first alone
+    assert q.next_for(0) == 1
+    q.returned(1, 0)
+    assert q.died(1) is True                              # the third: it is the one to blame
+    # a call sent to an actor that was coming back is sent again as it was, before new calls
+    q = PoolQueue(n_calls=3, n_actors=2)
+    assert [q.next_for(0), q.next_for(1)] == [0, 1]
+    q.returned(1, 1)
+    q.resend(1)
+    assert q.next_for(1) == 1 and q.next_for(1) == 2
+
+
+def _simulate_pool(n_calls: int, n_actors: int, kills: dict, rng: random.Random):
+    """Drive PoolQueue as Executor._run_pool does against actors that run their queue in order, where
+    call i kills its actor the first kills[i] times it runs (-1: every time); a kill also loses the
+    answers of calls that finished on that actor but were not yet read (the answer still in the dying
+    process), and the driver reads the answers in any order. Returns (finished calls, blamed call)."""
+    q = PoolQueue(n_calls, n_actors)
+    fifo = [[] for _ in range(n_actors)]           # calls sent to each actor, not yet run
+    ready: list[tuple[int, int, bool]] = []        # (call, actor, died) the driver can read
+    unread = [[] for _ in range(n_actors)]         # answers of finished calls still in the process
+    done, runs = set(), {i: 0 for i in kills}
+    while len(done) < n_calls:
+        for a in range(n_actors):
+            while (i := q.next_for(a)) is not None:
+                fifo[a].append(i)
+        busy = [a for a in range(n_actors) if fifo[a]]
+        if busy and (not ready or rng.random() < 0.5):
+            a = rng.choice(busy)
+            i = fifo[a].pop(0)
+            runs[i] = runs.get(i, 0) + 1
+            if i in kills and (kills[i] < 0 or runs[i] <= kills[i]):
+                lost = [j for j in unread[a] if rng.random() < 0.5]
+                ready = [r for r in ready if not (r[0] in lost and r[1] == a)]
+                ready += [(j, a, True) for j in [i] + fifo[a] + lost]
+                unread[a] = [j for j in unread[a] if j not in lost]
+                fifo[a] = []
+            else:
+                unread[a].append(i)
+                ready.append((i, a, False))
+            continue
+        i, a, died = ready.pop(rng.randrange(len(ready)))
+        if i in unread[a]:
+            unread[a].remove(i)
+        q.returned(i, a)
+        if not died:
+            done.add(i)
+        elif q.died(i):
+            return done, i
+    return done, None
+
+
+def test_the_pool_blames_the_call_that_kills_its_actor_whatever_order_the_answers_come_back_in():
+    for seed in range(300):
+        rng = random.Random(seed)
+        n_calls, n_actors = rng.randint(2, 12), rng.randint(1, 3)
+        killer = rng.randrange(n_calls)
+        done, blamed = _simulate_pool(n_calls, n_actors, {killer: -1}, rng)
+        assert blamed == killer, seed
+        # killed twice, then it fits: every call finishes, none is blamed
+        done, blamed = _simulate_pool(n_calls, n_actors, {killer: 2}, random.Random(seed))
+        assert blamed is None and done == set(range(n_calls)), seed
 
 
 def _functions():
