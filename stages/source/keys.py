@@ -67,6 +67,14 @@ CHECKED_SCHEMA = pa.schema([("hash", pa.uint64()), ("file", pa.int32()), ("part"
 # the stage keeps and whose folders it prunes), `checked-<digest>.parquet`
 RUN_PREFIX = "source/keyed/checked-"
 RUN_SCHEMA = CHECKED_SCHEMA   # the same columns; `file` indexes the run's own list of files, not the record's
+# an append's own files are kept as a run only where a map reads two or more, so appends of a file
+# each leave a file no run holds, and runs of two: read one by one, an append's requests would grow
+# with the appends before it. Once an append reads MERGE_FROM small sources (a file no run holds, a
+# run of fewer than SMALL_RUN rows), the maps reading them keep them merged, in runs of up to
+# HASHES_PER_MAP rows, and the runs they replace are deleted once the record no longer names them:
+# an append reads at most a request per 5·10^5 rows checked and MERGE_FROM more
+MERGE_FROM = 8
+SMALL_RUN = HASHES_PER_MAP // 2
 
 
 def base_of(key: str) -> str:
@@ -143,21 +151,23 @@ def _hash_pieces(storage, sources: list[tuple[str | None, list[tuple]]], n: int,
     """Ray task (the first shuffle's map): the base hashes of a few files, cut by hash into `n` pieces.
     `sources`: (run, specs) each, specs being (order, BASES table, partition files) of a file; a run's
     files read through it (_run_hashes), the others each from its own table (_file_hashes), side by
-    side; with `probe`, only the rows it holds. `keep_as`: what was read (every row) is kept there as
-    a run of these files."""
+    side; with `probe`, only the rows it holds. `keep_as`: every row read is kept there as a run of
+    these files (in `sources`' order), before the probe keeps those it holds."""
     from ..dataplane import bucket_pieces
     from infra.storage import in_parallel
 
+    read_probe = probe if keep_as is None else None       # a run keeps every row: read whole
     t = pa.concat_tables(in_parallel(
-        lambda src: _run_hashes(storage, src[0], src[1], own_keys, probe) if src[0] is not None
-        else _file_hashes(storage, *src[1][0], own_keys, probe), sources))
-    if keep_as is not None:    # (read whole: never with a probe)
+        lambda src: _run_hashes(storage, src[0], src[1], own_keys, read_probe) if src[0] is not None
+        else _file_hashes(storage, *src[1][0], own_keys, read_probe), sources))
+    if keep_as is not None:
         specs = [f for _, fs in sources for f in fs]
         local = np.zeros(max(f[0] for f in specs) + 1, np.int32)
         local[[f[0] for f in specs]] = np.arange(len(specs), dtype=np.int32)
         kept = pa.table({"hash": t.column("hash"), "file": pa.array(local[t.column("order").to_numpy()]),
                          "part": t.column("part")}, schema=RUN_SCHEMA)
         storage.write_table(keep_as, kept.replace_schema_metadata({"files": json.dumps([f[1] for f in specs])}))
+        t = _held(t, probe)
     h = t.column("hash").to_numpy()
     return bucket_pieces(t, (h % np.uint64(n)).astype(np.int32), n)
 
@@ -306,17 +316,21 @@ def _checked_before(storage, record: str | None, bases: list[str | None]) -> tup
 
 
 def _remember(storage, record: str | None, bases: list[str | None], repeated: pa.Table, runs: list,
-              whole: bool) -> None:
+              whole: bool, replaced: list[str] = ()) -> None:
     """What this check covered and found, and its runs, for the next run's (`_checked_before`);
-    `whole`: the check read every file, and the runs of an earlier check it did not name are deleted."""
+    `whole`: the check read every file, and the runs of an earlier check it did not name are deleted;
+    `replaced`: runs an append merged into new ones, deleted (no listing: their names are known)."""
     if record is None or any(b is None for b in bases):
         return
     t = repeated.group_by(["hash", "order", "part"]).aggregate([]).sort_by(
         [("order", "ascending"), ("part", "ascending"), ("hash", "ascending")])
     t = pa.table({"hash": t.column("hash"), "file": t.column("order"), "part": t.column("part")}, schema=CHECKED_SCHEMA)
     storage.write_table(record, t.replace_schema_metadata({"files": json.dumps(bases), "runs": json.dumps(runs)}))
-    if whole:     # after the record that no longer names them (a crash between leaves files nothing reads)
-        named = {path for path, _ in runs}
+    # after the record that no longer names them (a crash between leaves files nothing reads)
+    named = {path for path, _ in runs}
+    if replaced:
+        storage.delete_files([f for f in replaced if f not in named])
+    if whole:
         folder, _, prefix = RUN_PREFIX.rpartition("/")
         storage.delete_files([f for f in storage.list(folder, ".parquet")
                               if f.rpartition("/")[2].startswith(prefix) and f not in named])
@@ -345,24 +359,36 @@ def _repeated_everywhere(ctx, files, bases, rows: list[int], own_keys: bool, kee
 
 
 def _repeated_since(ctx, files, bases, rows: list[int], checked: list[int], before: pa.Table, runs: list,
-                    own_keys: bool, keep: bool) -> tuple[pa.Table, list]:
+                    own_keys: bool, keep: bool) -> tuple[pa.Table, list, list]:
     """`_repeated_everywhere` when the files `checked` (finding `before`, kept in `runs`) are
     unchanged: the added files' hashes are the probe, and the earlier files give only the rows it
-    holds, read through their runs. -> (the rows, the runs now)."""
+    holds, read through their runs (the small ones merged: MERGE_FROM). -> (the rows, the runs now,
+    the runs merged into new ones)."""
     seen = set(checked)
     new = [i for i in range(len(files)) if i not in seen]
     if not new:
-        return before, runs
+        return before, runs, []
     probe = ctx.put(ctx.call(_probe_task, ctx.storage, [_spec(files, bases, i) for i in new], own_keys,
                              what="source: keys of the files added", num_cpus=0.5))
     n = max(1, min(64, math.ceil((sum(rows[i] for i in new) + before.num_rows) / HASHES_PER_BUCKET)))
-    # the earlier files as sources: each run, and each file no run holds
+    # the earlier files as sources: each run, and each file no run holds; the small ones merged
     in_runs = {i for _, held in runs for i in held}
     sources = [(path, held) for path, held in runs] + [(None, [i]) for i in checked if i not in in_runs]
     sized = [sum(rows[i] for i in held) for _, held in sources]
-    groups = _runs(list(range(len(sources))), sized, PROBED_PER_MAP)
-    probed = [([(path, [_spec(files, bases, i) for i in held]) for path, held in (sources[j] for j in m)], probe, None)
-              for m in groups]
+    small = sorted((j for j, n in enumerate(sized) if n < SMALL_RUN), key=lambda j: min(sources[j][1]))
+    merging = [m for m in _runs(small, sized, HASHES_PER_MAP) if len(m) > 1] if keep and len(small) >= MERGE_FROM else []
+    merged = {j for m in merging for j in m}
+    rest = [j for j in range(len(sources)) if j not in merged]
+    groups = [[rest[k] for k in m] for m in _runs(list(range(len(rest))), [sized[j] for j in rest], PROBED_PER_MAP)]
+
+    def read(js: list[int]) -> list:
+        return [(path, [_spec(files, bases, i) for i in held]) for path, held in (sources[j] for j in js)]
+
+    joined = [[i for j in m for i in sources[j][1]] for m in merging]     # each merged run's files, as read
+    probed = [(read(m), probe, None) for m in groups] + [(read(m), probe, _kept_as(bases, held, True))
+                                                         for m, held in zip(merging, joined)]
+    replaced = [sources[j][0] for j in sorted(merged) if sources[j][0] is not None]
+    runs = [r for j, r in enumerate(runs) if j not in merged] + [(_kept_as(bases, held, True), held) for held in joined]
     added = _runs(new, rows, HASHES_PER_MAP)
     kept = [_kept_as(bases, m, keep) for m in added]
     adding = [([(None, [_spec(files, bases, i)]) for i in m], None, k) for m, k in zip(added, kept)]
@@ -372,9 +398,9 @@ def _repeated_since(ctx, files, bases, rows: list[int], checked: list[int], befo
     earlier = bucket_pieces(before, (h % np.uint64(n)).astype(np.int32), n)
     found = ctx.shuffle(_hash_pieces, [(ctx.storage, src, n, own_keys, p, k) for src, p, k in probed + adding],
                         n, _repeated_task, [(earlier[b],) for b in range(n)], "source: keys across files",
-                        num_cpus=0.5, sizes=[sum(sized[j] for j in m) for m in groups] + [sum(rows[i] for i in m) for m in added],
-                        items_per_worker=HASHES_PER_WORKER)
-    return pa.concat_tables(found), runs + [(k, m) for m, k in zip(added, kept) if k]
+                        num_cpus=0.5, sizes=[sum(sized[j] for j in m) for m in groups + merging]
+                        + [sum(rows[i] for i in m) for m in added], items_per_worker=HASHES_PER_WORKER)
+    return pa.concat_tables(found), runs + [(k, m) for m, k in zip(added, kept) if k], replaced
 
 
 def _spec(files, bases, i: int) -> tuple[int, str | None, list[str]]:
@@ -396,13 +422,15 @@ def unique_across_files(ctx, files: list[list[PartResult]], bases: list[str | No
     # keeps runs again)
     keep = record is not None and all(b is not None for b in bases) and sum(rows) > PROBE_FROM
     whole = not (before and PROBE_FROM < sum(rows) - added and added <= min(PROBE_MAX, sum(rows) - added))
+    replaced: list[str] = []
     if len(files) < 2:
         repeated, runs = _no_copies(), []         # keyed_rows made one file's keys unique
     elif not whole:
-        repeated, runs = _repeated_since(ctx, files, bases, rows, *before, own_keys, keep)
+        repeated, runs, replaced = _repeated_since(ctx, files, bases, rows, *before, own_keys, keep)
     else:
         repeated, runs = _repeated_everywhere(ctx, files, bases, rows, own_keys, keep)
-    remember = functools.partial(_remember, ctx.storage, record, bases, runs=runs, whole=whole and keep)
+    remember = functools.partial(_remember, ctx.storage, record, bases, runs=runs, whole=whole and keep,
+                                 replaced=replaced)
     if not repeated.num_rows:
         remember(repeated)
         return parts, 0

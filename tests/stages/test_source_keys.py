@@ -311,6 +311,66 @@ def test_an_append_reads_the_earlier_files_through_the_runs_the_last_check_kept(
     assert runs_of(here) == [[cbd, [0, 1, 2]]] and kept(here) == [cbd]
 
 
+def test_appends_of_a_file_each_merge_the_small_sources_so_an_append_reads_a_bounded_number(tmp_path, monkeypatch):
+    """An append of one file keeps no run of it; the appends after it would read every such file's
+    own table, one more each time. Once an append reads MERGE_FROM small sources (files no run holds,
+    small runs), its maps keep them as one run, the record names it instead, the runs it replaced are
+    deleted; the keys are still what a check of every file gives."""
+    from stages.source import keys
+
+    monkeypatch.setattr(keys, "PROBE_FROM", 6)
+    monkeypatch.setattr(keys, "MERGE_FROM", 3)
+    rows = {"a": [("http://x/1.jpg", "one"), ("http://x/2.jpg", "two"), ("http://x/1.jpg", "one"), ("http://x/3.jpg", "three")],
+            "b": [("http://x/3.jpg", "three"), ("http://x/4.jpg", "four"), ("http://x/2.jpg", "two")],
+            "c": [("http://x/1.jpg", "one"), ("http://x/5.jpg", "five")],
+            "d": [("http://x/5.jpg", "five"), ("http://x/6.jpg", "six")],
+            "e": [("http://x/6.jpg", "six"), ("http://x/3.jpg", "three")],
+            "f": [("http://x/2.jpg", "two"), ("http://x/7.jpg", "seven")]}
+
+    def lists(folder, names):
+        folder.mkdir(exist_ok=True)
+        for n in names:
+            (folder / f"{n}.csv").write_text("url,caption\n" + "".join(f"{u},{c}\n" for u, c in rows[n]))
+        return [folder / f"{n}.csv" for n in names]
+
+    def runs_of(folder):
+        record = pq.read_table(folder / "run" / "source" / "keyed" / "across_files.parquet")
+        return json.loads(record.schema.metadata[b"runs"])
+
+    def kept(folder):
+        return sorted(f"source/keyed/{p.name}" for p in (folder / "run" / "source" / "keyed").glob("checked-*"))
+
+    def run_of(names):
+        return keys.run_path([f"source/keyed/{n}/bases.parquet" for n in names])
+
+    here, fresh = tmp_path / "line", tmp_path / "fresh"
+    read = []
+    real = Storage.read_table
+    monkeypatch.setattr(Storage, "read_table", lambda self, rel, columns=None: (read.append(rel), real(self, rel, columns))[1])
+
+    def earlier(names):     # the reads of a check, of the runs and BASES tables of `names`' files
+        own = [f"source/keyed/{n}/bases.parquet" for n in names]
+        return sorted({r for r in read if r in own or r.startswith(keys.RUN_PREFIX)})
+
+    _check(here, lists(here, "ab"))
+    assert runs_of(here) == [[run_of("ab"), [0, 1]]]
+    for n in "cd":                  # a file each: no run of it; read as a file no run holds
+        _check(here, lists(here, "ab" + ("c" if n == "c" else "cd")))
+    assert runs_of(here) == [[run_of("ab"), [0, 1]]] and kept(here) == [run_of("ab")]
+    read.clear()
+    appended, _ = _check(here, lists(here, "abcde"))     # reads ab's run, c and d: 3 small sources, merged
+    assert earlier("abcd") == sorted([run_of("ab"), "source/keyed/c/bases.parquet", "source/keyed/d/bases.parquet"]), read
+    assert runs_of(here) == [[run_of("abcd"), [0, 1, 2, 3]]] and kept(here) == [run_of("abcd")]    # ab's run deleted
+    full, _ = _check(fresh, lists(fresh, "abcde"), record=None)
+    assert appended == full
+    read.clear()
+    appended, _ = _check(here, lists(here, "abcdef"))    # the merged run and e: 2 small sources, read as they are
+    assert earlier("abcde") == sorted([run_of("abcd"), "source/keyed/e/bases.parquet"]), read
+    assert runs_of(here) == [[run_of("abcd"), [0, 1, 2, 3]]]
+    full, _ = _check(fresh, lists(fresh, "abcdef"), record=None)
+    assert appended == full and len([d for _, d in full if "the same URL and caption as" in d]) == 7
+
+
 @pytest.mark.slow
 def test_an_append_probed_on_ray_renames_as_checking_every_file_does(tmp_path, ray_local, monkeypatch):
     """The probe on a real cluster (the probe task, its array through Ray's object store to the maps,
