@@ -6,8 +6,12 @@ Each of `--maps` map tasks makes `--rows` rows (key, band, value: a signature ta
 from a seeded generator, so nothing is read from storage and the shuffle is what is timed) and cuts
 them by `value % reducers`; each of `--reducers` reducers counts its rows and the (band, value)
 groups holding two or more (dedup's candidate groups). Both paths must give the same counts.
+Ray Data runs once per `--ray` variant: a shuffle strategy of its DataContext (its default,
+`shuffle_v2`, `hash_shuffle`, `sort_shuffle_pull_based`), `+nozip` for uncompressed intermediates
+(its default compresses them with zstd, CPU a small cluster does not have to spare).
 
     python benchmarks/shuffle.py [--maps 2000] [--rows 2000] [--reducers 16] [--cpus 16]
+                                 [--ray default,shuffle_v2+nozip,hash_shuffle,sort_shuffle_pull_based]
 Results: benchmarks/results/shuffle.json (one entry per --label).
 """
 from __future__ import annotations
@@ -24,6 +28,9 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
 from benchmarks._common import RESULTS, machine  # noqa: E402
+from infra import offline  # noqa: E402
+
+offline.apply()     # as the CLI does, before Ray starts: token auth (else Ray writes a world-readable token), nothing sent out
 
 
 def _rows(m: int, n: int, values: int) -> pa.Table:
@@ -68,8 +75,17 @@ def capline_shuffle(args) -> tuple[float, list]:
     return time.time() - t0, sorted(out)
 
 
-def ray_data_groupby(args) -> tuple[float, list]:
+_RAY_DEFAULT_STRATEGY = None     # DataContext's own, read before a variant changes it
+
+
+def ray_data_groupby(args, variant: str = "default") -> tuple[float, list]:
     import ray.data
+    from ray.data.context import DataContext
+
+    ctx = DataContext.get_current()
+    strategy, _, options = variant.partition("+")
+    ctx.shuffle_strategy = _RAY_DEFAULT_STRATEGY if strategy == "default" else strategy
+    ctx.shuffle_compression = "none" if options == "nozip" else "zstd"
 
     def generate(batch: pa.Table) -> pa.Table:
         return pa.concat_tables([_with_bucket(_rows(int(m), args.rows, args.values), args.reducers)
@@ -86,6 +102,13 @@ def ray_data_groupby(args) -> tuple[float, list]:
     return time.time() - t0, sorted((g["bucket"], g["rows"], g["groups"]) for g in got)
 
 
+def _code() -> str:
+    import subprocess
+
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--maps", type=int, default=2000, help="map tasks (partitions)")
@@ -93,17 +116,33 @@ def main() -> int:
     p.add_argument("--reducers", type=int, default=16)
     p.add_argument("--values", type=int, default=2 ** 20, help="distinct values a row's value is drawn from")
     p.add_argument("--cpus", type=int, default=16, help="CPUs the local Ray cluster declares")
+    p.add_argument("--ray", default="default,shuffle_v2+nozip,hash_shuffle,sort_shuffle_pull_based",
+                   help="Ray Data variants, comma-separated: a DataContext shuffle strategy (or 'default'), "
+                        "'+nozip' for uncompressed intermediates")
     p.add_argument("--label", default="default")
     args = p.parse_args()
 
     import logging
+
+    from ray.data.context import DataContext
+
+    global _RAY_DEFAULT_STRATEGY
+    _RAY_DEFAULT_STRATEGY = DataContext.get_current().shuffle_strategy
 
     from infra.ray_runtime import RayConfig, ray_session
 
     results = {}
     with ray_session(RayConfig(num_cpus=args.cpus, object_store_memory_mb=1024), log=lambda m: None, trains=False):
         logging.getLogger("ray.data").setLevel(logging.ERROR)
-        for name, fn in (("capline Executor.shuffle", capline_shuffle), ("Ray Data groupby().map_groups", ray_data_groupby)):
+        paths = [("capline Executor.shuffle", capline_shuffle)] + [
+            ("Ray Data groupby().map_groups" + ("" if v == "default" else f" [{v}]"),
+             lambda a, v=v: ray_data_groupby(a, v)) for v in args.ray.split(",") if v]
+        # each path once on a few rows first, untimed: worker processes started, modules imported,
+        # so the first path timed does not pay the cluster's warm-up for the others
+        tiny = argparse.Namespace(**{**vars(args), "maps": args.cpus, "rows": 10})
+        for _, fn in paths:
+            fn(tiny)
+        for name, fn in paths:
             wall, out = fn(args)
             results[name] = {"wall_s": round(wall, 2), "rows": sum(o[1] for o in out), "groups": sum(o[2] for o in out)}
             print(f"{name}: {wall:.1f} s, {results[name]['rows']} rows, {results[name]['groups']} candidate groups",
@@ -113,7 +152,7 @@ def main() -> int:
     path = RESULTS / "shuffle.json"
     data = json.loads(path.read_text()) if path.exists() else {}
     data.setdefault("runs", {})[args.label] = {"maps": args.maps, "rows_per_map": args.rows, "reducers": args.reducers,
-                                              "cpus_declared": args.cpus, "results": results, "same_counts": same,
+                                              "cpus_declared": args.cpus, "results": results, "code": _code(), "same_counts": same,
                                               "machine": machine()}
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     print(f"wrote {path}")
