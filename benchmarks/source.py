@@ -3,7 +3,7 @@
 real server behind a loopback proxy adding latency and answering write bursts with 503 SlowDown, as
 `partitions.py` does) or, with `--local`, a folder on this disk.
 
-    python benchmarks/source.py [--files 20] [--rows 50000] [--append 0.01] [--cpus 16] [--local] [--label NAME]
+    python benchmarks/source.py [--files 20] [--rows 50000] [--append 0.01] [--appends 1] [--cpus 16] [--local] [--label NAME]
 
 `partitions.py` runs every stage on 8,000 URLs; there the source stage is a second or two of fixed
 costs (a Ray task or two started, a few requests) whichever way it runs, and its append share says
@@ -11,7 +11,9 @@ nothing about its work. Here the fresh run reads and keys 10^6 rows, and the app
 left of that: the new file's keys, the check across files (each file's 12-byte-a-row base hashes,
 not its keys) and the key index (a segment for the new ledger). Printed and merged by label into
 benchmarks/results/source.json: each run's stage seconds and task groups, the key index's rows
-written, requests (on S3), and the append's share of the fresh stage.
+written, requests (on S3), and the append's share of the fresh stage. With `--appends N`, N appends
+one after another, a file each: the check's reads of what earlier checks covered (their runs and
+BASES tables, `check_reads`) must not grow with the appends before (keys.MERGE_FROM).
 """
 from __future__ import annotations
 
@@ -45,6 +47,13 @@ def _write_list(path: Path, first: int, n: int) -> None:
                    path)
 
 
+def _check_reads(entries: list) -> int:
+    """GETs of the tables the check across files reads: each file's BASES table and the runs
+    (`source/keyed/checked-*`) that hold them."""
+    return sum(1 for e in entries if e[1] == "GET" and f"/{PREFIX}/source/keyed/" in e[2]
+               and (e[2].endswith("/bases.parquet") or "/checked-" in e[2]))
+
+
 def run(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="capline-source-bench-"))
     urls = tmp / "urls"
@@ -72,9 +81,10 @@ def run(args) -> dict:
         out = {"label": args.label, "files": args.files, "rows_per_file": args.rows, "urls": {"fresh": n_fresh, "append": n_more},
                "cpus_declared": args.cpus, "run_folder": "local" if args.local else
                f"S3 (moto) behind {args.latency_ms} ms, {args.write_limit} writes/s", "runs": {}}
-        for name in ("fresh", "append"):
-            if name == "append":
-                _write_list(urls / f"part-{args.files:05d}.parquet", n_fresh, n_more)
+        names = ["fresh", "append"] + [f"append{k}" for k in range(2, args.appends + 1)]
+        for k, name in enumerate(names):
+            if k:
+                _write_list(urls / f"part-{args.files + k - 1:05d}.parquet", n_fresh + (k - 1) * n_more, n_more)
             first = len(proxy.entries) if proxy else 0
             probe = _cpu_probe()
             t0 = time.time()
@@ -95,7 +105,8 @@ def run(args) -> dict:
                 "cpu_probe_s": probe, "key_index": stats.get("key_index"),
                 "task_groups": [{k: g.get(k) for k in ("what", "tasks", "at_once", "seconds", "task_s_median")}
                                 for g in stats.get("tasks", [])],
-                **({"traffic": _traffic(proxy.entries[first:], 0, BUCKET)} if proxy else {})}
+                **({"traffic": _traffic(proxy.entries[first:], 0, BUCKET),
+                    "check_reads": _check_reads(proxy.entries[first:])} if proxy else {})}
     f, a = out["runs"]["fresh"], out["runs"]["append"]
     out["append_share"] = {"stage": round(a["stage_seconds"] / f["stage_seconds"], 3),
                            "command": round(a["command_seconds"] / f["command_seconds"], 3)}
@@ -109,7 +120,8 @@ def table(r: dict) -> str:
         t = run.get("traffic")
         lines.append(f"  {name}: stage {run['stage_seconds']} s (command {run['command_seconds']} s), {run['rows']} rows; "
                      f"key index {run['key_index']}; machine speed probe {run['cpu_probe_s']} s"
-                     + (f"; {t['requests']} requests, {t['requests_per_object_written']} per object written" if t else ""))
+                     + (f"; {t['requests']} requests, {t['requests_per_object_written']} per object written; "
+                        f"the check's reads of runs and BASES tables {run['check_reads']}" if t else ""))
         for g in run["task_groups"]:
             lines.append(f"    {g['what']}: {g['tasks']} tasks, {g['at_once']} at once, {g['seconds']} s")
     lines.append(f"  append share: stage {r['append_share']['stage']} (goal <= 0.05), command {r['append_share']['command']}")
@@ -121,6 +133,7 @@ def main():
     p.add_argument("--files", type=int, default=20)
     p.add_argument("--rows", type=int, default=50_000, help="URLs per list file")
     p.add_argument("--append", type=float, default=0.01)
+    p.add_argument("--appends", type=int, default=1, help="appends one after another, a new file of --append each")
     p.add_argument("--cpus", type=int, default=16)
     p.add_argument("--latency-ms", type=float, default=25)
     p.add_argument("--write-limit", type=float, default=80)
