@@ -375,7 +375,7 @@ def _repeated_since(ctx, files, bases, rows: list[int], checked: list[int], befo
     in_runs = {i for _, held in runs for i in held}
     sources = [(path, held) for path, held in runs] + [(None, [i]) for i in checked if i not in in_runs]
     sized = [sum(rows[i] for i in held) for _, held in sources]
-    small = sorted((j for j, n in enumerate(sized) if n < SMALL_RUN), key=lambda j: min(sources[j][1]))
+    small = sorted((j for j, size in enumerate(sized) if size < SMALL_RUN), key=lambda j: min(sources[j][1]))
     merging = [m for m in _runs(small, sized, HASHES_PER_MAP) if len(m) > 1] if keep and len(small) >= MERGE_FROM else []
     merged = {j for m in merging for j in m}
     rest = [j for j in range(len(sources)) if j not in merged]
