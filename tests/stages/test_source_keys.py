@@ -209,6 +209,25 @@ def _check(tmp_path, paths, record="source/keyed/across_files.parquet"):
     return sorted((r["key"], r["detail"]) for r in rows), called
 
 
+def _lists(folder, rows: dict, names: str) -> list:
+    """The list files `names` (a letter each) in `folder`, each holding rows[letter]."""
+    folder.mkdir(exist_ok=True)
+    for n in names:
+        (folder / f"{n}.csv").write_text("url,caption\n" + "".join(f"{u},{c}\n" for u, c in rows[n]))
+    return [folder / f"{n}.csv" for n in names]
+
+
+def _runs_of(folder) -> list:
+    """The runs the record of the last check in `folder`'s line names."""
+    record = pq.read_table(folder / "run" / "source" / "keyed" / "across_files.parquet")
+    return json.loads(record.schema.metadata[b"runs"])
+
+
+def _kept_runs(folder) -> list[str]:
+    """The run files in `folder`'s line."""
+    return sorted(f"source/keyed/{p.name}" for p in (folder / "run" / "source" / "keyed").glob("checked-*"))
+
+
 def test_an_append_is_checked_against_the_last_check_and_finds_what_checking_every_file_finds(tmp_path, monkeypatch):
     """A check records the files it covered and the copies it found; a run that adds files probes the
     earlier files with the added rows' hashes and must rename exactly as a check of every file does
@@ -227,9 +246,7 @@ def test_an_append_is_checked_against_the_last_check_and_finds_what_checking_eve
     fresh.mkdir()
 
     def lists(folder, names):
-        for n in names:
-            (folder / f"{n}.csv").write_text("url,caption\n" + "".join(f"{u},{c}\n" for u, c in rows[n]))
-        return [folder / f"{n}.csv" for n in names]
+        return _lists(folder, rows, names)
 
     _, called = _check(here, lists(here, "ab"))
     assert called == [7]                                    # no record yet: every file checked, all 7 rows
@@ -273,22 +290,12 @@ def test_an_append_reads_the_earlier_files_through_the_runs_the_last_check_kept(
             "d": [("http://x/5.jpg", "five"), ("http://x/2.jpg", "two")]}
 
     def lists(folder, names):
-        folder.mkdir(exist_ok=True)
-        for n in names:
-            (folder / f"{n}.csv").write_text("url,caption\n" + "".join(f"{u},{c}\n" for u, c in rows[n]))
-        return [folder / f"{n}.csv" for n in names]
-
-    def runs_of(folder):
-        record = pq.read_table(folder / "run" / "source" / "keyed" / "across_files.parquet")
-        return json.loads(record.schema.metadata[b"runs"])
-
-    def kept(folder):
-        return sorted(f"source/keyed/{p.name}" for p in (folder / "run" / "source" / "keyed").glob("checked-*"))
+        return _lists(folder, rows, names)
 
     here, lost, fresh = tmp_path / "line", tmp_path / "lost", tmp_path / "fresh"
     _check(here, lists(here, "ab"))
     ab = keys.run_path(["source/keyed/a/bases.parquet", "source/keyed/b/bases.parquet"])
-    assert runs_of(here) == [[ab, [0, 1]]] and kept(here) == [ab]
+    assert _runs_of(here) == [[ab, [0, 1]]] and _kept_runs(here) == [ab]
     shutil.copytree(here, lost)
     (lost / "run" / ab).unlink()                     # the same line, its run lost
     read = []
@@ -298,7 +305,7 @@ def test_an_append_reads_the_earlier_files_through_the_runs_the_last_check_kept(
     earlier = [r for r in read if r == ab or r.endswith(("a/bases.parquet", "b/bases.parquet"))]
     assert earlier == [ab, ab], read                 # one read of the run (twice: the test's shuffle runs each map twice)
     cd = keys.run_path(["source/keyed/c/bases.parquet", "source/keyed/d/bases.parquet"])
-    assert runs_of(here) == [[ab, [1, 2]], [cd, [0, 3]]] and kept(here) == sorted([ab, cd])   # c and d kept as a run of theirs
+    assert _runs_of(here) == [[ab, [1, 2]], [cd, [0, 3]]] and _kept_runs(here) == sorted([ab, cd])   # c and d kept as a run of theirs
     read.clear()
     recovered, _ = _check(lost, lists(lost, "cabd"))
     assert sorted(r.rsplit("/", 2)[-2] for r in read if r.endswith(("a/bases.parquet", "b/bases.parquet"))) == ["a", "a", "b", "b"]
@@ -308,7 +315,7 @@ def test_an_append_reads_the_earlier_files_through_the_runs_the_last_check_kept(
     (here / "a.csv").unlink()
     _check(here, [here / "c.csv", here / "b.csv", here / "d.csv"])
     cbd = keys.run_path([f"source/keyed/{n}/bases.parquet" for n in "cbd"])
-    assert runs_of(here) == [[cbd, [0, 1, 2]]] and kept(here) == [cbd]
+    assert _runs_of(here) == [[cbd, [0, 1, 2]]] and _kept_runs(here) == [cbd]
 
 
 def test_appends_of_a_file_each_merge_the_small_sources_so_an_append_reads_a_bounded_number(tmp_path, monkeypatch):
@@ -328,17 +335,7 @@ def test_appends_of_a_file_each_merge_the_small_sources_so_an_append_reads_a_bou
             "f": [("http://x/2.jpg", "two"), ("http://x/7.jpg", "seven")]}
 
     def lists(folder, names):
-        folder.mkdir(exist_ok=True)
-        for n in names:
-            (folder / f"{n}.csv").write_text("url,caption\n" + "".join(f"{u},{c}\n" for u, c in rows[n]))
-        return [folder / f"{n}.csv" for n in names]
-
-    def runs_of(folder):
-        record = pq.read_table(folder / "run" / "source" / "keyed" / "across_files.parquet")
-        return json.loads(record.schema.metadata[b"runs"])
-
-    def kept(folder):
-        return sorted(f"source/keyed/{p.name}" for p in (folder / "run" / "source" / "keyed").glob("checked-*"))
+        return _lists(folder, rows, names)
 
     def run_of(names):
         return keys.run_path([f"source/keyed/{n}/bases.parquet" for n in names])
@@ -353,20 +350,20 @@ def test_appends_of_a_file_each_merge_the_small_sources_so_an_append_reads_a_bou
         return sorted({r for r in read if r in own or r.startswith(keys.RUN_PREFIX)})
 
     _check(here, lists(here, "ab"))
-    assert runs_of(here) == [[run_of("ab"), [0, 1]]]
+    assert _runs_of(here) == [[run_of("ab"), [0, 1]]]
     for n in "cd":                  # a file each: no run of it; read as a file no run holds
         _check(here, lists(here, "ab" + ("c" if n == "c" else "cd")))
-    assert runs_of(here) == [[run_of("ab"), [0, 1]]] and kept(here) == [run_of("ab")]
+    assert _runs_of(here) == [[run_of("ab"), [0, 1]]] and _kept_runs(here) == [run_of("ab")]
     read.clear()
     appended, _ = _check(here, lists(here, "abcde"))     # reads ab's run, c and d: 3 small sources, merged
     assert earlier("abcd") == sorted([run_of("ab"), "source/keyed/c/bases.parquet", "source/keyed/d/bases.parquet"]), read
-    assert runs_of(here) == [[run_of("abcd"), [0, 1, 2, 3]]] and kept(here) == [run_of("abcd")]    # ab's run deleted
+    assert _runs_of(here) == [[run_of("abcd"), [0, 1, 2, 3]]] and _kept_runs(here) == [run_of("abcd")]    # ab's run deleted
     full, _ = _check(fresh, lists(fresh, "abcde"), record=None)
     assert appended == full
     read.clear()
     appended, _ = _check(here, lists(here, "abcdef"))    # the merged run and e: 2 small sources, read as they are
     assert earlier("abcde") == sorted([run_of("abcd"), "source/keyed/e/bases.parquet"]), read
-    assert runs_of(here) == [[run_of("abcd"), [0, 1, 2, 3]]]
+    assert _runs_of(here) == [[run_of("abcd"), [0, 1, 2, 3]]]
     full, _ = _check(fresh, lists(fresh, "abcdef"), record=None)
     assert appended == full and len([d for _, d in full if "the same URL and caption as" in d]) == 7
 
