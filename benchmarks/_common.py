@@ -15,6 +15,14 @@ def machine() -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
 
 
+def code() -> str:
+    """The commit the benchmark ran (short), for its results entry."""
+    import subprocess
+
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+
+
 def write_results(name: str, data: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

@@ -8,16 +8,16 @@ them by `value % reducers`; each of `--reducers` reducers counts its rows and th
 groups holding two or more (dedup's candidate groups). Both paths must give the same counts.
 Ray Data runs once per `--ray` variant: a shuffle strategy of its DataContext (its default,
 `shuffle_v2`, `hash_shuffle`, `sort_shuffle_pull_based`), `+nozip` for uncompressed intermediates
-(its default compresses them with zstd, CPU a small cluster does not have to spare).
+(its default compresses them with zstd, CPU a small cluster does not have to spare). The sort-based
+strategy is not run unless named: at 2,000 maps it had not finished after ~490 s here (v4s16).
 
     python benchmarks/shuffle.py [--maps 2000] [--rows 2000] [--reducers 16] [--cpus 16]
-                                 [--ray default,shuffle_v2+nozip,hash_shuffle,sort_shuffle_pull_based]
+                                 [--ray default,shuffle_v2+nozip,hash_shuffle]
 Results: benchmarks/results/shuffle.json (one entry per --label).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
-from benchmarks._common import RESULTS, machine  # noqa: E402
+from benchmarks._common import code, machine, merge_run  # noqa: E402
 from infra import offline  # noqa: E402
 
 offline.apply()     # as the CLI does, before Ray starts: token auth (else Ray writes a world-readable token), nothing sent out
@@ -75,16 +75,14 @@ def capline_shuffle(args) -> tuple[float, list]:
     return time.time() - t0, sorted(out)
 
 
-_RAY_DEFAULT_STRATEGY = None     # DataContext's own, read before a variant changes it
-
-
-def ray_data_groupby(args, variant: str = "default") -> tuple[float, list]:
+def ray_data_groupby(args, variant: str, default_strategy) -> tuple[float, list]:
+    """Ray Data's path under `variant`; `default_strategy`: DataContext's own, read before any variant changed it."""
     import ray.data
     from ray.data.context import DataContext
 
     ctx = DataContext.get_current()
     strategy, _, options = variant.partition("+")
-    ctx.shuffle_strategy = _RAY_DEFAULT_STRATEGY if strategy == "default" else strategy
+    ctx.shuffle_strategy = default_strategy if strategy == "default" else strategy
     ctx.shuffle_compression = "none" if options == "nozip" else "zstd"
 
     def generate(batch: pa.Table) -> pa.Table:
@@ -102,13 +100,6 @@ def ray_data_groupby(args, variant: str = "default") -> tuple[float, list]:
     return time.time() - t0, sorted((g["bucket"], g["rows"], g["groups"]) for g in got)
 
 
-def _code() -> str:
-    import subprocess
-
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=Path(__file__).parent).stdout.strip()
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--maps", type=int, default=2000, help="map tasks (partitions)")
@@ -116,7 +107,7 @@ def main() -> int:
     p.add_argument("--reducers", type=int, default=16)
     p.add_argument("--values", type=int, default=2 ** 20, help="distinct values a row's value is drawn from")
     p.add_argument("--cpus", type=int, default=16, help="CPUs the local Ray cluster declares")
-    p.add_argument("--ray", default="default,shuffle_v2+nozip,hash_shuffle,sort_shuffle_pull_based",
+    p.add_argument("--ray", default="default,shuffle_v2+nozip,hash_shuffle",
                    help="Ray Data variants, comma-separated: a DataContext shuffle strategy (or 'default'), "
                         "'+nozip' for uncompressed intermediates")
     p.add_argument("--label", default="default")
@@ -126,8 +117,7 @@ def main() -> int:
 
     from ray.data.context import DataContext
 
-    global _RAY_DEFAULT_STRATEGY
-    _RAY_DEFAULT_STRATEGY = DataContext.get_current().shuffle_strategy
+    default_strategy = DataContext.get_current().shuffle_strategy
 
     from infra.ray_runtime import RayConfig, ray_session
 
@@ -136,7 +126,7 @@ def main() -> int:
         logging.getLogger("ray.data").setLevel(logging.ERROR)
         paths = [("capline Executor.shuffle", capline_shuffle)] + [
             ("Ray Data groupby().map_groups" + ("" if v == "default" else f" [{v}]"),
-             lambda a, v=v: ray_data_groupby(a, v)) for v in args.ray.split(",") if v]
+             lambda a, v=v: ray_data_groupby(a, v, default_strategy)) for v in args.ray.split(",") if v]
         # each path once on a few rows first, untimed: worker processes started, modules imported,
         # so the first path timed does not pay the cluster's warm-up for the others
         tiny = argparse.Namespace(**{**vars(args), "maps": args.cpus, "rows": 10})
@@ -149,13 +139,9 @@ def main() -> int:
                   flush=True)
     same = len({(r["rows"], r["groups"]) for r in results.values()}) == 1
     print(f"same counts: {same}")
-    path = RESULTS / "shuffle.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data.setdefault("runs", {})[args.label] = {"maps": args.maps, "rows_per_map": args.rows, "reducers": args.reducers,
-                                              "cpus_declared": args.cpus, "results": results, "code": _code(), "same_counts": same,
-                                              "machine": machine()}
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    print(f"wrote {path}")
+    merge_run("shuffle", args.label, {"maps": args.maps, "rows_per_map": args.rows, "reducers": args.reducers,
+                                      "cpus_declared": args.cpus, "results": results, "code": code(),
+                                      "same_counts": same, "machine": machine()})
     return 0 if same else 1
 
 

@@ -385,10 +385,10 @@ def _repeated_since(ctx, files, bases, rows: list[int], checked: list[int], befo
         return [(path, [_spec(files, bases, i) for i in held]) for path, held in (sources[j] for j in js)]
 
     joined = [[i for j in m for i in sources[j][1]] for m in merging]     # each merged run's files, as read
-    probed = [(read(m), probe, None) for m in groups] + [(read(m), probe, _kept_as(bases, held, True))
-                                                         for m, held in zip(merging, joined)]
+    merged_as = [_kept_as(bases, held, True) for held in joined]
+    probed = [(read(m), probe, None) for m in groups] + [(read(m), probe, k) for m, k in zip(merging, merged_as)]
     replaced = [sources[j][0] for j in sorted(merged) if sources[j][0] is not None]
-    runs = [r for j, r in enumerate(runs) if j not in merged] + [(_kept_as(bases, held, True), held) for held in joined]
+    runs = [r for j, r in enumerate(runs) if j not in merged] + list(zip(merged_as, joined))
     added = _runs(new, rows, HASHES_PER_MAP)
     kept = [_kept_as(bases, m, keep) for m in added]
     adding = [([(None, [_spec(files, bases, i)]) for i in m], None, k) for m, k in zip(added, kept)]

@@ -2,6 +2,7 @@
 local from bucket, stages meet through the registry, no modules import each other, directly or in a ring,
 and no stage imports Ray (the executor and infra/remote.py decide how work runs)."""
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,6 +160,7 @@ def test_the_registry_is_the_one_list_of_stages():
                         f"{path.relative_to(ROOT)}:{node.lineno} lists stages itself: {sorted(literal & names)}"
 
 
+@functools.lru_cache(maxsize=None)     # a module is imported from by many files: parsed once
 def _top_names(path: Path) -> set[str]:
     """What a module defines or imports at its top level: what `from it import name` can take."""
     names = set()
