@@ -301,6 +301,66 @@ def test_a_tar_member_with_a_negative_size_is_refused(tmp_path):
 
 
 
+def test_a_shuffles_pieces_travel_as_rows_and_come_back_to_their_reducer_in_map_order():
+    """The rows Ray Data's hash shuffle moves (`shuffle_rows`): one per (map, bucket), an empty piece
+    included, so every reducer runs and gets one piece per map; whatever order the shuffle delivers a
+    bucket's rows in, its reducer gets them in map order. A reducer's exception travels as its
+    answer; one that cannot be pickled still says what it was."""
+    import random
+    import threading
+
+    import pyarrow as pa
+
+    from pipeline.shuffle_rows import answer, pack_pieces, reduce_group, unpack_group
+
+    maps = [[[1, 2], [], [3]], [pa.table({"x": [4]}), [5], []], [[], [], [6, 7]]]
+    rows = pa.concat_tables([pack_pieces(m, pieces) for m, pieces in enumerate(maps)])
+    assert rows.num_rows == 9 and rows.column("bucket").to_pylist() == [0, 1, 2] * 3
+    for b in range(3):
+        group = rows.filter(pa.compute.equal(rows.column("bucket"), b))
+        shuffled = group.take(pa.array(random.Random(b).sample(range(3), 3)))
+        bucket, pieces = unpack_group(shuffled)
+        assert bucket == b and len(pieces) == 3
+        for m in range(3):
+            assert (pieces[m].equals(maps[m][b]) if isinstance(maps[m][b], pa.Table) else pieces[m] == maps[m][b])
+    with pytest.raises(ValueError, match=r"rows of buckets \[0, 1\]"):
+        unpack_group(rows.slice(0, 2))
+
+    class Unpicklable(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a} {b}")
+            self.lock = threading.Lock()
+
+    said = answer(2, 0.0, error=Unpicklable("disk", "gone")).to_pylist()[0]
+    assert said["bucket"] == 2 and said["result"] is None
+    import pickle
+
+    err = pickle.loads(said["error"])
+    assert isinstance(err, RuntimeError) and str(err) == "Unpicklable: disk gone"
+
+    def cursed(n, *pieces):
+        if n == 1:
+            raise UserError("bucket one is cursed")
+        return n, [len(p) for p in pieces]
+
+    class Calls:      # what ray.put returned: a reference the reducer reads its calls from
+        def hex(self):
+            return "calls"
+
+    import pipeline.shuffle_rows as shuffle_rows
+
+    shuffle_rows._CALLS["calls"] = [(10,), (1,), (30,)]
+    killed = []
+    for b, expect in [(0, (10, [2, 1, 0])), (2, (30, [1, 0, 2]))]:
+        group = rows.filter(pa.compute.equal(rows.column("bucket"), b))
+        out = reduce_group(group, "t", cursed, Calls(), killed.append).to_pylist()[0]
+        assert out["bucket"] == b and out["error"] is None and pickle.loads(out["result"]) == expect
+    out = reduce_group(rows.filter(pa.compute.equal(rows.column("bucket"), 1)), "t", cursed, Calls(), killed.append)
+    err = pickle.loads(out.to_pylist()[0]["error"])
+    assert isinstance(err, UserError) and str(err) == "bucket one is cursed"
+    assert killed == ["t (reduce)"] * 3      # the failpoint each reducer passes
+
+
 @pytest.mark.slow   # starts Ray
 def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces_in_map_order(ray_local):
     from pipeline.executor import Executor

@@ -1,0 +1,99 @@
+"""A shuffle's pieces as rows of Ray Data's hash shuffle, and back.
+
+`Executor.shuffle` lets a map return one piece per reducer (any picklable value: an Arrow table, a
+list of pairs) and hands reducer b the b-th piece of every map, in map order. Ray Data's
+`groupby(...).map_groups` moves rows, so each piece travels as one row:
+
+    bucket: int32    the reducer it is for
+    map:    int32    the map that made it (the order the reducer gets its pieces in)
+    piece:  large_binary, the piece pickled (protocol 5)
+
+Every map sends a row to every bucket, an empty piece included, so every reducer runs (a reducer
+writes its bucket's file even when it got nothing) and gets one piece per map, as before. A
+reducer's answer comes back the same way: its bucket, when it ran (its node's clock), and its result
+or the exception it raised, pickled.
+"""
+from __future__ import annotations
+
+import pickle
+import time
+from typing import Callable
+
+import pyarrow as pa
+
+PIECES = pa.schema([("bucket", pa.int32()), ("map", pa.int32()), ("piece", pa.large_binary())])
+ANSWERS = pa.schema([("bucket", pa.int32()), ("t0", pa.float64()), ("t1", pa.float64()),
+                     ("result", pa.large_binary()), ("error", pa.large_binary())])
+
+
+def pack_pieces(m: int, pieces: list) -> pa.Table:
+    """Map m's pieces, one row per bucket."""
+    n = len(pieces)
+    return pa.table([pa.array(range(n), pa.int32()), pa.array([m] * n, pa.int32()),
+                     pa.array([pickle.dumps(p, protocol=5) for p in pieces], pa.large_binary())], schema=PIECES)
+
+
+def unpack_group(group: pa.Table) -> tuple[int, list]:
+    """One bucket's rows (in any order) -> (bucket, its pieces in map order)."""
+    buckets = set(group.column("bucket").to_pylist())
+    if len(buckets) != 1:
+        raise ValueError(f"a group holds the rows of buckets {sorted(buckets)[:5]}, not one")
+    order = group.column("map").to_numpy().argsort(kind="stable")
+    pieces = group.column("piece").take(pa.array(order))
+    return buckets.pop(), [pickle.loads(p.as_py()) for p in pieces]
+
+
+def _picklable(err: BaseException) -> bytes:
+    """The exception, pickled; one that cannot be (its class takes other arguments, it holds a
+    lock) as a RuntimeError saying what it was, so the driver still names it."""
+    try:
+        data = pickle.dumps(err, protocol=5)
+        pickle.loads(data)
+        return data
+    except Exception:   # noqa: BLE001 - any failure to round-trip means: send its text instead
+        return pickle.dumps(RuntimeError(f"{type(err).__name__}: {err}"), protocol=5)
+
+
+def answer(bucket: int, t0: float, result=None, error: BaseException | None = None) -> pa.Table:
+    """A reducer's answer as one row: its result, or the exception it raised (with the address of
+    the node it ran on, which the driver's message names when storage refused that node)."""
+    if error is not None:
+        import ray
+
+        if ray.is_initialized():     # in a Ray worker (a unit test calls this without Ray)
+            try:
+                error.ip = ray.util.get_node_ip_address()
+            except AttributeError:   # an exception that takes no attributes
+                pass
+    return pa.table([pa.array([bucket], pa.int32()), pa.array([t0]), pa.array([time.time()]),
+                     pa.array([None if error is not None else pickle.dumps(result, protocol=5)], pa.large_binary()),
+                     pa.array([None if error is None else _picklable(error)], pa.large_binary())], schema=ANSWERS)
+
+
+def reduce_group(group: pa.Table, what: str, reduce_fn: Callable, calls_ref, failpoint: Callable[[str], None]) -> pa.Table:
+    """Runs in a Ray Data task, once per bucket: `reduce_fn(*reduce_calls[bucket], *pieces)`. An
+    exception the reducer raises is its answer (said once by the driver, never retried as if the
+    node had failed); an ObjectRef among the call's arguments is resolved, as a task's would be."""
+    import ray
+
+    t0 = time.time()
+    failpoint(f"{what} (reduce)")
+    bucket, pieces = unpack_group(group)
+    try:
+        call = [ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in _calls(calls_ref)[bucket]]
+        return answer(bucket, t0, result=reduce_fn(*call, *pieces))
+    except Exception as err:   # noqa: BLE001 - handed to the driver, which says it in one line
+        return answer(bucket, t0, error=err)
+
+
+_CALLS: dict = {}    # per worker process: a shuffle's reducer calls, fetched once, not once per bucket
+
+
+def _calls(ref) -> list:
+    import ray
+
+    key = ref.hex()
+    if key not in _CALLS:
+        _CALLS.clear()
+        _CALLS[key] = ray.get(ref)
+    return _CALLS[key]
