@@ -6,7 +6,8 @@ list of pairs) and hands reducer b the b-th piece of every map, in map order. Ra
 
     bucket: int32    the reducer it is for
     map:    int32    the map that made it (the order the reducer gets its pieces in)
-    piece:  large_binary, the piece pickled (protocol 5)
+    piece:  large_binary, the piece pickled (protocol 5; an Arrow table or batch in it as Arrow
+            IPC: pickle would write a slice's whole parent buffers, 16x the bytes for 16 buckets)
 
 Every map sends a row to every bucket, an empty piece included, so every reducer runs (a reducer
 writes its bucket's file even when it got nothing) and gets one piece per map, as before. A
@@ -15,6 +16,7 @@ or the exception it raised, pickled.
 """
 from __future__ import annotations
 
+import io
 import pickle
 import time
 from typing import Callable
@@ -26,11 +28,34 @@ ANSWERS = pa.schema([("bucket", pa.int32()), ("t0", pa.float64()), ("t1", pa.flo
                      ("result", pa.large_binary()), ("error", pa.large_binary())])
 
 
+def _from_ipc(data: bytes, batch: bool):
+    reader = pa.ipc.open_stream(data)
+    return reader.read_next_batch() if batch else reader.read_all()
+
+
+class _ArrowAsIpc(pickle.Pickler):
+    """pickle, with each Arrow table or record batch written as Arrow IPC: only the rows it holds."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, (pa.Table, pa.RecordBatch)):
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, obj.schema) as writer:
+                writer.write(obj)
+            return _from_ipc, (sink.getvalue().to_pybytes(), isinstance(obj, pa.RecordBatch))
+        return NotImplemented
+
+
+def dumps(obj) -> bytes:
+    out = io.BytesIO()
+    _ArrowAsIpc(out, protocol=5).dump(obj)
+    return out.getvalue()
+
+
 def pack_pieces(m: int, pieces: list) -> pa.Table:
     """Map m's pieces, one row per bucket."""
     n = len(pieces)
     return pa.table([pa.array(range(n), pa.int32()), pa.array([m] * n, pa.int32()),
-                     pa.array([pickle.dumps(p, protocol=5) for p in pieces], pa.large_binary())], schema=PIECES)
+                     pa.array([dumps(p) for p in pieces], pa.large_binary())], schema=PIECES)
 
 
 def unpack_group(group: pa.Table) -> tuple[int, list]:
@@ -66,7 +91,7 @@ def answer(bucket: int, t0: float, result=None, error: BaseException | None = No
             except AttributeError:   # an exception that takes no attributes
                 pass
     return pa.table([pa.array([bucket], pa.int32()), pa.array([t0]), pa.array([time.time()]),
-                     pa.array([None if error is not None else pickle.dumps(result, protocol=5)], pa.large_binary()),
+                     pa.array([None if error is not None else dumps(result)], pa.large_binary()),
                      pa.array([None if error is None else _picklable(error)], pa.large_binary())], schema=ANSWERS)
 
 

@@ -325,6 +325,11 @@ def test_a_shuffles_pieces_travel_as_rows_and_come_back_to_their_reducer_in_map_
             assert (pieces[m].equals(maps[m][b]) if isinstance(maps[m][b], pa.Table) else pieces[m] == maps[m][b])
     with pytest.raises(ValueError, match=r"rows of buckets \[0, 1\]"):
         unpack_group(rows.slice(0, 2))
+    # a map's pieces are slices of one table: each travels with its own rows, not its parent's buffers
+    big = pa.table({"h": pa.array(range(100_000), pa.uint64())})
+    packed = pack_pieces(0, [big.slice(0, 10), big.slice(10)]).column("piece").to_pylist()
+    assert len(packed[0]) < 2_000 and 800_000 < len(packed[1]) < 810_000
+    assert unpack_group(pack_pieces(0, [big.slice(0, 10)]))[1][0].equals(big.slice(0, 10))
 
     class Unpicklable(Exception):
         def __init__(self, a, b):
