@@ -236,17 +236,45 @@ def _with_aside(out, ref):
     return out
 
 
-def _map_pieces(what: str, m: int, n_out: int, fn: Callable, *args):
-    """Runs in the worker: a shuffle's map m, its `n_out` pieces as one table of rows for Ray Data's
-    hash shuffle (`shuffle_rows`), and when it ran as the second return (what the executor waits on)."""
+def _map_pieces(what: str, m: int, routes: list[int], fn: Callable, *args):
+    """Runs in the worker: a shuffle's map m, its pieces (one per route: per reducer) as one table of
+    rows for Ray Data's hash shuffle (`shuffle_rows`), and as the second return when it ran and the
+    table's block metadata (what Ray Data would otherwise start a task per map to learn)."""
+    from ray.data.block import BlockMetadataWithSchema
+
     from .shuffle_rows import pack_pieces
 
     _failpoint(what)
     t0 = time.time()
     out = list(fn(*args))
-    if len(out) != n_out:
-        raise RuntimeError(f"{what}: a map returned {len(out)} pieces for {n_out} reducers")
-    return pack_pieces(m, out), (t0, time.time())
+    if len(out) != len(routes):
+        raise RuntimeError(f"{what}: a map returned {len(out)} pieces for {len(routes)} reducers")
+    table = pack_pieces(m, out, routes)
+    return table, (t0, time.time(), BlockMetadataWithSchema.from_block(table))
+
+
+def _dataset_of(tables: list, metadata: list):
+    """The maps' tables as one Ray Dataset. `ray.data.from_arrow_refs` starts a task per table to read
+    its metadata (2,000 tasks for 2,000 maps, seconds on a small cluster); each map returned its
+    own, so the dataset is built from them as from_arrow_refs builds it (Ray 2.60's FromArrow plan)."""
+    import ray.data
+
+    quiet_ray_data()    # before the context is copied into the dataset
+    try:
+        from ray.data._internal.logical.interfaces import LogicalPlan
+        from ray.data._internal.logical.operators.from_operators import FromArrow
+        from ray.data._internal.stats import DatasetStats
+        from ray.data.context import DataContext
+        from ray.data.dataset import MaterializedDataset
+    except ImportError:      # another Ray: its public way, a task per table
+        return ray.data.from_arrow_refs(tables)
+    context = DataContext.get_current().copy()
+    # Ray Data reserves half the cluster for its operators in shares, so a shuffle's reducers ran at
+    # most 4 at once on 16 CPUs (8 reducers of a CPU); here the reducers are the only operator
+    # that computes, and the executor's window (`concurrency`) bounds them
+    context.op_resource_reservation_enabled = False
+    return MaterializedDataset(LogicalPlan(FromArrow(tables, metadata), context), context,
+                               DatasetStats(metadata={"FromArrow": metadata}, parent=None))
 
 
 def quiet_ray_data() -> None:
@@ -467,16 +495,20 @@ class Executor:
             return self.run(reduce_fn, reduce_calls, what, num_cpus=num_cpus, unit=unit)
         shape = self.shape()
         cpus = fit_request(num_cpus, 0, shape, what)
+        from .shuffle_rows import routes as routes_of
+
+        routes = routes_of(n_out)
         remote = ray.remote(num_cpus=cpus, num_returns=2, max_retries=2)(_map_pieces)
         limit = in_flight(cpus, shape, sizes, items_per_worker) if sizes is not None else len(calls)
         t0 = time.time()
         tables: list = [None] * len(calls)
+        metadata: list = [None] * len(calls)
         nxt = 0
         progress = Progress(f"{what} (map)", len(calls), self.log, unit="tasks")
         intervals, pending = [], {}
         while nxt < len(calls) or pending:
             while nxt < len(calls) and len(pending) < limit:
-                tables[nxt], timing = remote.remote(what, nxt, n_out, map_fn, *calls[nxt])
+                tables[nxt], timing = remote.remote(what, nxt, routes, map_fn, *calls[nxt])
                 pending[timing] = nxt
                 nxt += 1
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.poll_seconds)
@@ -486,7 +518,8 @@ class Executor:
             for ref in ready:
                 i = pending.pop(ref)
                 try:
-                    intervals.append(ray.get(ref))
+                    start, end, metadata[i] = ray.get(ref)
+                    intervals.append((start, end))
                 except Exception as err:
                     progress.close()
                     _settle(tables[i])
@@ -498,23 +531,22 @@ class Executor:
                              "cpus_per_task": cpus, "cluster_cpus": shape.cpus, "nodes": shape.nodes,
                              "seconds": round(time.time() - t0, 3)})
         share = [math.ceil(sum(sizes) / n_out)] * n_out if sizes is not None else None
-        return self._reduce(tables, n_out, reduce_fn, reduce_calls, what, cpus, shape, unit,
+        return self._reduce(_dataset_of(tables, metadata), n_out, reduce_fn, reduce_calls, what, cpus, shape, unit,
                             in_flight(cpus, shape, share, items_per_worker) if share is not None else None)
 
-    def _reduce(self, tables: list, n_out: int, reduce_fn: Callable, reduce_calls: list[tuple], what: str,
+    def _reduce(self, pieces, n_out: int, reduce_fn: Callable, reduce_calls: list[tuple], what: str,
                 cpus: float, shape: NodeShape, unit: str, limit: int | None) -> list:
-        """The reducers of `shuffle`, as groups of Ray Data's hash shuffle over the maps' tables; a
-        reducer's exception said in one line naming it, as `run` says a task's."""
+        """The reducers of `shuffle`, as groups of Ray Data's hash shuffle over the maps' rows (the
+        Dataset `pieces`), grouped by route: a partition each; a reducer's exception said in one
+        line naming it, as `run` says a task's."""
         import functools
 
         import ray
-        import ray.data
 
         from .shuffle_rows import reduce_group
 
-        quiet_ray_data()
         t0 = time.time()
-        groups = ray.data.from_arrow_refs(tables).groupby("bucket", num_partitions=n_out)
+        groups = pieces.groupby("route", num_partitions=n_out)
         answers = groups.map_groups(functools.partial(reduce_group, what=what, reduce_fn=reduce_fn,
                                                       calls_ref=ray.put(list(reduce_calls)), failpoint=_failpoint),
                                     batch_format="pyarrow", num_cpus=cpus, concurrency=limit, max_retries=2)

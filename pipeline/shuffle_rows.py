@@ -23,7 +23,7 @@ from typing import Callable
 
 import pyarrow as pa
 
-PIECES = pa.schema([("bucket", pa.int32()), ("map", pa.int32()), ("piece", pa.large_binary())])
+PIECES = pa.schema([("bucket", pa.int32()), ("route", pa.int64()), ("map", pa.int32()), ("piece", pa.large_binary())])
 ANSWERS = pa.schema([("bucket", pa.int32()), ("t0", pa.float64()), ("t1", pa.float64()),
                      ("result", pa.large_binary()), ("error", pa.large_binary())])
 
@@ -51,11 +51,36 @@ def dumps(obj) -> bytes:
     return out.getvalue()
 
 
-def pack_pieces(m: int, pieces: list) -> pa.Table:
-    """Map m's pieces, one row per bucket."""
+def pack_pieces(m: int, pieces: list, routes: list[int] | None = None) -> pa.Table:
+    """Map m's pieces, one row per bucket; `routes`: the key each bucket's rows are grouped by (`routes`)."""
     n = len(pieces)
-    return pa.table([pa.array(range(n), pa.int32()), pa.array([m] * n, pa.int32()),
-                     pa.array([dumps(p) for p in pieces], pa.large_binary())], schema=PIECES)
+    return pa.table([pa.array(range(n), pa.int32()), pa.array(routes if routes is not None else range(n), pa.int64()),
+                     pa.array([m] * n, pa.int32()), pa.array([dumps(p) for p in pieces], pa.large_binary())],
+                    schema=PIECES)
+
+
+def routes(n: int) -> list[int]:
+    """A key per bucket such that Ray Data's hash partitioning puts bucket b alone in partition b.
+
+    Grouped by the bucket number itself, n buckets hash into n partitions with collisions (about a
+    third of the partitions empty at n=8), and a partition's buckets run one after another in one
+    reduce task: the reducers lose that much parallelism. Each bucket gets instead the first
+    integer that Ray Data's own partition function sends to its partition. Only speed depends on
+    it: rows are grouped by this key, one per bucket, whatever partition it lands in (a Ray whose
+    partition function moved or hashes differently on another node only brings the collisions back)."""
+    try:
+        from ray.data._internal.arrow_ops.transform_pyarrow import hash_partition
+    except ImportError:
+        return list(range(n))
+    out: dict[int, int] = {}
+    start, width = 0, max(64, 8 * n)
+    while len(out) < n and start < 1000 * n + 10_000:
+        candidates = pa.table({"route": pa.array(range(start, start + width), pa.int64())})
+        for part, rows in hash_partition(candidates, hash_cols=["route"], num_partitions=n).items():
+            if part not in out and rows.num_rows:
+                out[part] = rows.column("route")[0].as_py()
+        start += width
+    return [out.get(b, -1 - b) for b in range(n)]    # a bucket never reached: a key of its own all the same
 
 
 def unpack_group(group: pa.Table) -> tuple[int, list]:

@@ -366,8 +366,23 @@ def test_a_shuffles_pieces_travel_as_rows_and_come_back_to_their_reducer_in_map_
     assert killed == ["t (reduce)"] * 3      # the failpoint each reducer passes
 
 
+def test_each_bucket_of_a_shuffle_has_a_route_that_ray_datas_partitioning_gives_a_partition_of_its_own():
+    from ray.data._internal.arrow_ops.transform_pyarrow import hash_partition
+
+    import pyarrow as pa
+
+    from pipeline.shuffle_rows import routes
+
+    for n in (1, 3, 8, 100):
+        got = hash_partition(pa.table({"route": pa.array(routes(n), pa.int64())}), hash_cols=["route"], num_partitions=n)
+        assert sorted(got) == list(range(n)) and all(t.num_rows == 1 for t in got.values())
+    # grouped by the bucket number instead, 8 buckets share partitions: what routes are for
+    plain = hash_partition(pa.table({"route": pa.array(range(8), pa.int64())}), hash_cols=["route"], num_partitions=8)
+    assert len(plain) < 8
+
+
 @pytest.mark.slow   # starts Ray
-def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces_in_map_order(ray_local):
+def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces_in_map_order(ray_local, monkeypatch):
     from pipeline.executor import Executor
 
     # defined here: Ray pickles them by value (a test module is not importable in the workers)
@@ -401,6 +416,17 @@ def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces
     assert out == [(b, [[v for v in c[0] if v % 3 == b] for c in many]) for b in range(3)]
     assert ex.records[-2]["what"] == "small (map)" and ex.records[-2]["at_once"] == 1
     assert ex.records[-1]["what"] == "small" and ex.records[-1]["at_once"] == 1
+    # unwindowed, each reducer is a partition of Ray Data's shuffle of its own (its route), and Ray
+    # Data's reservations (half the cluster, in shares per operator) do not serialise them: on the
+    # cluster's 2 CPUs at half a CPU each they overlap (Ray Data submits them a little apart, so
+    # not always all three); and the dataset is built from the maps' own metadata, no task per map
+    import ray.data
+
+    monkeypatch.setattr(ray.data, "from_arrow_refs", lambda *a: pytest.fail("a metadata task per map"))
+    out = ex.shuffle(lambda v: _split_by_parity(v, 3), many, 3, _slow_gather, [(b,) for b in range(3)], "wide",
+                     num_cpus=0.5)
+    assert out == [(b, [[v for v in c[0] if v % 3 == b] for c in many]) for b in range(3)]
+    assert ex.records[-1]["what"] == "wide" and ex.records[-1]["at_once"] >= 2
     with pytest.raises(UserError, match=r"odd: map task 1: thirteen is not allowed here"):
         ex.shuffle(lambda v: _split_or_fail(v, 2), [([1],), ([13],)], 2, _gather, [(0,), (1,)], "odd")
 
