@@ -491,12 +491,12 @@ class Executor:
         of the rows. -> the reducers' results, in order."""
         import ray
 
+        from .shuffle_rows import routes as routes_of
+
         if not calls:
             return self.run(reduce_fn, reduce_calls, what, num_cpus=num_cpus, unit=unit)
         shape = self.shape()
         cpus = fit_request(num_cpus, 0, shape, what)
-        from .shuffle_rows import routes as routes_of
-
         routes = routes_of(n_out)
         remote = ray.remote(num_cpus=cpus, num_returns=2, max_retries=2)(_map_pieces)
         limit = in_flight(cpus, shape, sizes, items_per_worker) if sizes is not None else len(calls)
