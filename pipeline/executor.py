@@ -11,6 +11,9 @@ alone decides
   again (`map_parts(..., reuse=True)`);
 - what is measured: per call of `run`, the tasks, how many ran at once (from the start and end time
   each task reports), and the cluster's CPUs, kept in `records` for the stage's stats;
+- how a shuffle moves its pieces: the maps are its own tasks (windowed, named when they fail, reused
+  as any task), the pieces then go through Ray Data's hash shuffle (`groupby().map_groups`: object
+  store, spilled to the nodes' disks), each reducer one group (`shuffle_rows`);
 - what stays in the object store: what a result sets aside for later tasks (its `aside`: a
   partition's keys for the stage's key index, the rows a shard plan read for the shard writers) is
   the task's second return; the driver holds its reference, never the data, and nothing reads it
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -232,15 +236,60 @@ def _with_aside(out, ref):
     return out
 
 
-def _map_pieces(what: str, n_out: int, fn: Callable, *args):
-    """Runs in the worker: a shuffle's map, its `n_out` pieces as the task's first returns and when
-    it ran as the last (what the executor waits on)."""
+def _map_pieces(what: str, m: int, routes: list[int], fn: Callable, *args):
+    """Runs in the worker: a shuffle's map m, its pieces (one per route: per reducer) as one table of
+    rows for Ray Data's hash shuffle (`shuffle_rows`), and as the second return when it ran and the
+    table's block metadata (what Ray Data would otherwise start a task per map to learn)."""
+    from ray.data.block import BlockMetadataWithSchema
+
+    from .shuffle_rows import pack_pieces
+
     _failpoint(what)
     t0 = time.time()
     out = list(fn(*args))
-    if len(out) != n_out:
-        raise RuntimeError(f"{what}: a map returned {len(out)} pieces for {n_out} reducers")
-    return (*out, (t0, time.time()))
+    if len(out) != len(routes):
+        raise RuntimeError(f"{what}: a map returned {len(out)} pieces for {len(routes)} reducers")
+    table = pack_pieces(m, out, routes)
+    return table, (t0, time.time(), BlockMetadataWithSchema.from_block(table))
+
+
+def _dataset_of(tables: list, metadata: list):
+    """The maps' tables as one Ray Dataset. `ray.data.from_arrow_refs` starts a task per table to read
+    its metadata (2,000 tasks for 2,000 maps, seconds on a small cluster); each map returned its
+    own, so the dataset is built from them as from_arrow_refs builds it (Ray 2.60's FromArrow plan)."""
+    import ray.data
+
+    quiet_ray_data()    # before the context is copied into the dataset
+    try:
+        from ray.data._internal.logical.interfaces import LogicalPlan
+        from ray.data._internal.logical.operators.from_operators import FromArrow
+        from ray.data._internal.stats import DatasetStats
+        from ray.data.context import DataContext
+        from ray.data.dataset import MaterializedDataset
+    except ImportError:      # another Ray: its public way, a task per table
+        return ray.data.from_arrow_refs(tables)
+    context = DataContext.get_current().copy()
+    # Ray Data reserves half the cluster for its operators in shares, so a shuffle's reducers ran at
+    # most 4 at once on 16 CPUs (8 reducers of a CPU); here the reducers are the only operator
+    # that computes, and the executor's window (`concurrency`) bounds them
+    context.op_resource_reservation_enabled = False
+    return MaterializedDataset(LogicalPlan(FromArrow(tables, metadata), context), context,
+                               DatasetStats(metadata={"FromArrow": metadata}, parent=None))
+
+
+def quiet_ray_data() -> None:
+    """Ray Data in this driver without its own progress bars and plan printouts: capline says each
+    step's progress itself, one line per step."""
+    import logging
+
+    from ray.data.context import DataContext
+
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)   # "Progress bars disabled ..."
+
+    ctx = DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    ctx.enable_auto_log_stats = False
 
 
 @dataclass
@@ -434,28 +483,33 @@ class Executor:
                 sizes: list[int] | None = None, items_per_worker: int | None = None) -> list:
         """A shuffle through Ray's object store, never the bucket: `map_fn(*call)` returns `n_out`
         pieces (a sequence), one per reducer; reducer b runs `reduce_fn(*reduce_calls[b], *pieces)`
-        with the b-th piece of every map, in map order. Each piece is an object of the store
-        (spilled to the node's disk when memory is short), each read once; the driver holds only
-        references. `sizes`, `items_per_worker`: the maps' window as `run`'s (all submitted at once
-        without them: Ray schedules them, a CPU each), and the reducers' by the same rule, each taking
-        an equal share of the rows. -> the reducers' results, in order."""
+        with the b-th piece of every map, in map order. The maps are this executor's tasks (windowed,
+        failures named as `run`'s); the pieces move by Ray Data's hash shuffle
+        (`groupby().map_groups`, object store with spilling to the nodes' disks), each reducer a group.
+        `sizes`, `items_per_worker`: the maps' window as `run`'s (all submitted at once without them:
+        Ray schedules them, a CPU each), and the reducers' by the same rule, each taking an equal share
+        of the rows. -> the reducers' results, in order."""
         import ray
+
+        from .shuffle_rows import routes as routes_of
 
         if not calls:
             return self.run(reduce_fn, reduce_calls, what, num_cpus=num_cpus, unit=unit)
         shape = self.shape()
         cpus = fit_request(num_cpus, 0, shape, what)
-        remote = ray.remote(num_cpus=cpus, num_returns=n_out + 1, max_retries=2)(_map_pieces)
+        routes = routes_of(n_out)
+        remote = ray.remote(num_cpus=cpus, num_returns=2, max_retries=2)(_map_pieces)
         limit = in_flight(cpus, shape, sizes, items_per_worker) if sizes is not None else len(calls)
         t0 = time.time()
-        refs: list = [None] * len(calls)
+        tables: list = [None] * len(calls)
+        metadata: list = [None] * len(calls)
         nxt = 0
         progress = Progress(f"{what} (map)", len(calls), self.log, unit="tasks")
         intervals, pending = [], {}
         while nxt < len(calls) or pending:
             while nxt < len(calls) and len(pending) < limit:
-                refs[nxt] = remote.remote(what, n_out, map_fn, *calls[nxt])
-                pending[refs[nxt][-1]] = nxt
+                tables[nxt], timing = remote.remote(what, nxt, routes, map_fn, *calls[nxt])
+                pending[timing] = nxt
                 nxt += 1
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.poll_seconds)
             if not ready:
@@ -464,9 +518,11 @@ class Executor:
             for ref in ready:
                 i = pending.pop(ref)
                 try:
-                    intervals.append(ray.get(ref))
+                    start, end, metadata[i] = ray.get(ref)
+                    intervals.append((start, end))
                 except Exception as err:
                     progress.close()
+                    _settle(tables[i])
                     failure = _task_error(err, what, f"map task {i}")
                     raise failure from (None if isinstance(failure, UserError) else err)
                 progress.update(len(intervals))
@@ -474,12 +530,54 @@ class Executor:
         self.records.append({"what": f"{what} (map)", "tasks": len(calls), **spans(intervals, t0),
                              "cpus_per_task": cpus, "cluster_cpus": shape.cpus, "nodes": shape.nodes,
                              "seconds": round(time.time() - t0, 3)})
-        # each reducer's pieces as top-level arguments: Ray hands it their values, fetched from
-        # wherever the maps ran
-        pieces = [[r[b] for r in refs] for b in range(n_out)]
         share = [math.ceil(sum(sizes) / n_out)] * n_out if sizes is not None else None
-        return self.run(reduce_fn, [(*reduce_calls[b], *pieces[b]) for b in range(n_out)], what,
-                        num_cpus=num_cpus, unit=unit, sizes=share, items_per_worker=items_per_worker)
+        return self._reduce(_dataset_of(tables, metadata), n_out, reduce_fn, reduce_calls, what, cpus, shape, unit,
+                            in_flight(cpus, shape, share, items_per_worker) if share is not None else None)
+
+    def _reduce(self, pieces, n_out: int, reduce_fn: Callable, reduce_calls: list[tuple], what: str,
+                cpus: float, shape: NodeShape, unit: str, limit: int | None) -> list:
+        """The reducers of `shuffle`, as groups of Ray Data's hash shuffle over the maps' rows (the
+        Dataset `pieces`), grouped by route: a partition each; a reducer's exception said in one
+        line naming it, as `run` says a task's."""
+        import functools
+
+        import ray
+
+        from .shuffle_rows import reduce_group
+
+        t0 = time.time()
+        groups = pieces.groupby("route", num_partitions=n_out)
+        answers = groups.map_groups(functools.partial(reduce_group, what=what, reduce_fn=reduce_fn,
+                                                      calls_ref=ray.put(list(reduce_calls)), failpoint=_failpoint),
+                                    batch_format="pyarrow", num_cpus=cpus, concurrency=limit, max_retries=2)
+        results: dict[int, object] = {}
+        intervals: list[tuple[float, float]] = []
+        progress = Progress(what, n_out, self.log, unit=unit)
+        failed = None
+        try:
+            for batch in answers.iter_batches(batch_size=None, batch_format="pyarrow"):
+                for row in batch.to_pylist():
+                    if row["error"] is not None:
+                        failed = _task_error(pickle.loads(row["error"]), what, f"task {row['bucket']}")
+                        break
+                    results[row["bucket"]] = pickle.loads(row["result"])
+                    intervals.append((row["t0"], row["t1"]))
+                if failed is not None:
+                    break       # leaving the iterator stops the reducers still running
+                progress.update(len(intervals))
+        except Exception as err:   # Ray Data's own failure (a node lost past its retries): said in one line
+            failure = _task_error(err, what, "reducers")
+            raise failure from (None if isinstance(failure, UserError) else err)
+        finally:
+            progress.close()
+        if failed is not None:
+            raise failed
+        if len(results) != n_out:
+            missing = sorted(set(range(n_out)) - set(results))
+            raise RuntimeError(f"{what}: {len(missing)} of {n_out} reducers gave no answer (buckets {missing[:5]})")
+        self.records.append({"what": what, "tasks": n_out, **spans(intervals, t0), "cpus_per_task": cpus,
+                             "cluster_cpus": shape.cpus, "nodes": shape.nodes, "seconds": round(time.time() - t0, 3)})
+        return [results[b] for b in range(n_out)]
 
     def put(self, obj):
         """`obj` in Ray's object store, once; the reference is what tasks get."""

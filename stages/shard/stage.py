@@ -4,10 +4,10 @@ Order: a global shuffle by sha256(seed:key), independent of arrival order and wo
 sample goes to output shard (that hash mod the number of shards), and each shard holds its samples
 in hash order. The shuffle goes through Ray's object store (Executor.shuffle), never the run
 folder: a map task per slice of an input partition (at most `map_bytes` of images, in tar order)
-reads its images once through the sample index and hands each reducer its piece; a reduce task per
-group of consecutive output shards (a shard each, unless maps x shards would pass `shuffle_pieces`
-objects) writes each shard's tar, its index and its ledger partition, and records the tar's sha256.
-The driver only counts and holds references.
+reads its images once through the sample index and cuts a piece per reducer, which Ray Data's hash
+shuffle hands on; a reducer per group of consecutive output shards (a shard each, unless maps x
+shards would pass `shuffle_pieces` pieces) writes each shard's tar, its index and its ledger
+partition, and records the tar's sha256. The driver only counts and holds references.
 Each sample is `<key>.jpg` (the bytes ingest stored), `<key>.txt` (the caption) and `<key>.json`:
 img2dataset's fields (key, url as fetched, caption, status, error_message, width and height as
 stored, original_width/original_height, sha256 of the bytes downloaded) plus what every filter
@@ -65,8 +65,8 @@ class ShardConfig:
     max_shard_bytes: int = 1_000_000_000  # a shard is closed before it grows past this many bytes
     min_shards: int = 4              # small data still makes this many shards: one per training worker (up to 4)
     map_bytes: int = 256 * 2**20     # image bytes one map task reads and holds (a partition is cut in slices of this)
-    # objects the shuffle makes (map slices x reducers): past this, a reducer writes several
-    # consecutive shards, so Ray (and the driver, which holds a reference to each) keeps fewer
+    # pieces the shuffle moves (map slices x reducers, a row of Ray Data's shuffle each, empty ones
+    # too): past this, a reducer writes several consecutive shards, so the shuffle moves fewer
     shuffle_pieces: int = 1_000_000
     # a dataset line that only grows (scheduled runs over an appended URL list): the shards earlier
     # runs published stay as they are, byte for byte, and only samples not in them go to new shards,

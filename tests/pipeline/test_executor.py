@@ -301,8 +301,88 @@ def test_a_tar_member_with_a_negative_size_is_refused(tmp_path):
 
 
 
+def test_a_shuffles_pieces_travel_as_rows_and_come_back_to_their_reducer_in_map_order():
+    """The rows Ray Data's hash shuffle moves (`shuffle_rows`): one per (map, bucket), an empty piece
+    included, so every reducer runs and gets one piece per map; whatever order the shuffle delivers a
+    bucket's rows in, its reducer gets them in map order. A reducer's exception travels as its
+    answer; one that cannot be pickled still says what it was."""
+    import random
+    import threading
+
+    import pyarrow as pa
+
+    from pipeline.shuffle_rows import answer, pack_pieces, reduce_group, unpack_group
+
+    maps = [[[1, 2], [], [3]], [pa.table({"x": [4]}), [5], []], [[], [], [6, 7]]]
+    rows = pa.concat_tables([pack_pieces(m, pieces) for m, pieces in enumerate(maps)])
+    assert rows.num_rows == 9 and rows.column("bucket").to_pylist() == [0, 1, 2] * 3
+    for b in range(3):
+        group = rows.filter(pa.compute.equal(rows.column("bucket"), b))
+        shuffled = group.take(pa.array(random.Random(b).sample(range(3), 3)))
+        bucket, pieces = unpack_group(shuffled)
+        assert bucket == b and len(pieces) == 3
+        for m in range(3):
+            assert (pieces[m].equals(maps[m][b]) if isinstance(maps[m][b], pa.Table) else pieces[m] == maps[m][b])
+    with pytest.raises(ValueError, match=r"rows of buckets \[0, 1\]"):
+        unpack_group(rows.slice(0, 2))
+    # a map's pieces are slices of one table: each travels with its own rows, not its parent's buffers
+    big = pa.table({"h": pa.array(range(100_000), pa.uint64())})
+    packed = pack_pieces(0, [big.slice(0, 10), big.slice(10)]).column("piece").to_pylist()
+    assert len(packed[0]) < 2_000 and 800_000 < len(packed[1]) < 810_000
+    assert unpack_group(pack_pieces(0, [big.slice(0, 10)]))[1][0].equals(big.slice(0, 10))
+
+    class Unpicklable(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a} {b}")
+            self.lock = threading.Lock()
+
+    said = answer(2, 0.0, error=Unpicklable("disk", "gone")).to_pylist()[0]
+    assert said["bucket"] == 2 and said["result"] is None
+    import pickle
+
+    err = pickle.loads(said["error"])
+    assert isinstance(err, RuntimeError) and str(err) == "Unpicklable: disk gone"
+
+    def cursed(n, *pieces):
+        if n == 1:
+            raise UserError("bucket one is cursed")
+        return n, [len(p) for p in pieces]
+
+    class Calls:      # what ray.put returned: a reference the reducer reads its calls from
+        def hex(self):
+            return "calls"
+
+    import pipeline.shuffle_rows as shuffle_rows
+
+    shuffle_rows._CALLS["calls"] = [(10,), (1,), (30,)]
+    killed = []
+    for b, expect in [(0, (10, [2, 1, 0])), (2, (30, [1, 0, 2]))]:
+        group = rows.filter(pa.compute.equal(rows.column("bucket"), b))
+        out = reduce_group(group, "t", cursed, Calls(), killed.append).to_pylist()[0]
+        assert out["bucket"] == b and out["error"] is None and pickle.loads(out["result"]) == expect
+    out = reduce_group(rows.filter(pa.compute.equal(rows.column("bucket"), 1)), "t", cursed, Calls(), killed.append)
+    err = pickle.loads(out.to_pylist()[0]["error"])
+    assert isinstance(err, UserError) and str(err) == "bucket one is cursed"
+    assert killed == ["t (reduce)"] * 3      # the failpoint each reducer passes
+
+
+def test_each_bucket_of_a_shuffle_has_a_route_that_ray_datas_partitioning_gives_a_partition_of_its_own():
+    from ray.data._internal.arrow_ops.transform_pyarrow import hash_partition
+
+    import pyarrow as pa
+
+    from pipeline.shuffle_rows import routes
+
+    for n in (1, 3, 8, 100):
+        got = hash_partition(pa.table({"route": pa.array(routes(n), pa.int64())}), hash_cols=["route"], num_partitions=n)
+        assert sorted(got) == list(range(n)) and all(t.num_rows == 1 for t in got.values())
+    # grouped by the bucket number instead, 8 buckets share partitions: what routes are for
+    plain = hash_partition(pa.table({"route": pa.array(range(8), pa.int64())}), hash_cols=["route"], num_partitions=8)
+    assert len(plain) < 8
+
+
 @pytest.mark.slow   # starts Ray
-def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces_in_map_order(ray_local):
+def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces_in_map_order(ray_local, monkeypatch):
     from pipeline.executor import Executor
 
     # defined here: Ray pickles them by value (a test module is not importable in the workers)
@@ -336,6 +416,17 @@ def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces
     assert out == [(b, [[v for v in c[0] if v % 3 == b] for c in many]) for b in range(3)]
     assert ex.records[-2]["what"] == "small (map)" and ex.records[-2]["at_once"] == 1
     assert ex.records[-1]["what"] == "small" and ex.records[-1]["at_once"] == 1
+    # unwindowed, each reducer is a partition of Ray Data's shuffle of its own (its route), and Ray
+    # Data's reservations (half the cluster, in shares per operator) do not serialise them: on the
+    # cluster's 2 CPUs at half a CPU each they overlap (Ray Data submits them a little apart, so
+    # not always all three); and the dataset is built from the maps' own metadata, no task per map
+    import ray.data
+
+    monkeypatch.setattr(ray.data, "from_arrow_refs", lambda *a: pytest.fail("a metadata task per map"))
+    out = ex.shuffle(lambda v: _split_by_parity(v, 3), many, 3, _slow_gather, [(b,) for b in range(3)], "wide",
+                     num_cpus=0.5)
+    assert out == [(b, [[v for v in c[0] if v % 3 == b] for c in many]) for b in range(3)]
+    assert ex.records[-1]["what"] == "wide" and ex.records[-1]["at_once"] >= 2
     with pytest.raises(UserError, match=r"odd: map task 1: thirteen is not allowed here"):
         ex.shuffle(lambda v: _split_or_fail(v, 2), [([1],), ([13],)], 2, _gather, [(0,), (1,)], "odd")
 
