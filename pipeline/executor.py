@@ -542,6 +542,7 @@ class Executor:
         import functools
 
         import ray
+        import ray.data
 
         from .shuffle_rows import reduce_group
 
@@ -549,7 +550,8 @@ class Executor:
         groups = pieces.groupby("route", num_partitions=n_out)
         answers = groups.map_groups(functools.partial(reduce_group, what=what, reduce_fn=reduce_fn,
                                                       calls_ref=ray.put(list(reduce_calls)), failpoint=_failpoint),
-                                    batch_format="pyarrow", num_cpus=cpus, concurrency=limit, max_retries=2)
+                                    batch_format="pyarrow", num_cpus=cpus, max_retries=2,
+                                    compute=ray.data.TaskPoolStrategy(size=limit))
         results: dict[int, object] = {}
         intervals: list[tuple[float, float]] = []
         progress = Progress(what, n_out, self.log, unit=unit)
