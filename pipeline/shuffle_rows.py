@@ -85,12 +85,15 @@ def routes(n: int) -> list[int]:
 
 def unpack_group(group: pa.Table) -> tuple[int, list]:
     """One bucket's rows (in any order) -> (bucket, its pieces in map order)."""
-    buckets = set(group.column("bucket").to_pylist())
+    import pyarrow.compute as pc
+
+    buckets = pc.unique(group.column("bucket")).to_pylist()
     if len(buckets) != 1:
         raise ValueError(f"a group holds the rows of buckets {sorted(buckets)[:5]}, not one")
     order = group.column("map").to_numpy().argsort(kind="stable")
     pieces = group.column("piece").take(pa.array(order))
-    return buckets.pop(), [pickle.loads(p.as_py()) for p in pieces]
+    # each piece unpickled from a view of the column's buffer, not a copy of its bytes first
+    return buckets[0], [pickle.loads(p.as_buffer()) for p in pieces]
 
 
 def _picklable(err: BaseException) -> bytes:
