@@ -241,6 +241,10 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
     storage = Storage.from_uri(store.uri) if store is not None and store.uri else Storage.local(run_dir)
     controls = Controls(storage, run_dir)
     executor = Executor(log=log)
+    # a data stage shuffles (the source's checks, dedup, the key index, shards): the first shuffle's
+    # workers start while the first stage plans; joined before Ray can stop (a thread that reached
+    # Ray after its shutdown would start a new one)
+    warming = executor.warm_shuffles() if any(not s.trains for s in stages if s.name in wanted) else None
     state = {"prev": "", "judged": "", "upstream": None}
     sinks: list[str] = []          # the outputs of the sinks since the last judge
     summary = {}
@@ -347,6 +351,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
             stopped = settle_pending() or stopped
     finally:
         beside.shutdown(wait=True)     # a stage that failed beside another: that one finishes first
+        if warming is not None:
+            warming.join()
     if not stopped:
         # every stage finished: what a later `--incremental` run compares its source with
         manifest.data["completed"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -431,6 +431,31 @@ def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces
         ex.shuffle(lambda v: _split_or_fail(v, 2), [([1],), ([13],)], 2, _gather, [(0,), (1,)], "odd")
 
 
+def test_the_driver_makes_a_maps_block_metadata_as_ray_data_makes_it_of_the_table():
+    from ray.data.block import BlockMetadataWithSchema
+
+    from pipeline.executor import _block_metadata
+    from pipeline.shuffle_rows import pack_pieces
+
+    for pieces in ([[1, 2], [], ["x" * 1000]], [None]):
+        table = pack_pieces(3, pieces)
+        assert _block_metadata(table.num_rows, table.nbytes) == BlockMetadataWithSchema.from_block(table)
+
+
+@pytest.mark.slow   # starts Ray
+def test_the_first_shuffles_workers_are_started_ahead_in_ray_datas_shuffle_environments(ray_local):
+    import ray
+
+    from pipeline.executor import Executor, shuffle_worker_envs
+
+    envs = shuffle_worker_envs()
+    # Ray 2.60 runs its shuffle's map and reduce tasks each in a worker pool of their own
+    assert len(envs) == 2 and all(env["env_vars"] for env in envs)
+    started = []
+    Executor(log=lambda m: None).warm_shuffles(started).join(timeout=60)
+    assert ray.get(started, timeout=60) == [env["env_vars"] for env in envs]
+
+
 @pytest.mark.slow   # starts Ray
 def test_what_a_result_sets_aside_stays_in_the_object_store_and_the_driver_holds_a_reference(ray_local, tmp_path):
     """A task's result with data set aside (`aside`: write_part's keys) reaches the driver without
