@@ -54,7 +54,9 @@ METADATA_HOSTS = {"metadata.google.internal", "metadata", "instance-data"}
 # site-local fec0::/10, all of which reach private hosts)
 NOT_PUBLIC = [ipaddress.ip_network(n) for n in ("192.0.0.0/24", "100.64.0.0/10", "198.18.0.0/15", "::/96",
                                                 "::ffff:0:0/96", "::ffff:0:0:0/96", "64:ff9b:1::/48", "fec0::/10")]
-METADATA_ADDRS = {ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")}
+# cloud instance metadata services: AWS, GCP, Azure (and their IPv6), Alibaba Cloud's
+METADATA_ADDRS = {ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254"),
+                  ipaddress.ip_address("100.100.100.200")}
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ def address_refusal(addr) -> str | None:
     for a in (addr, _embedded_v4(addr)):
         if a is None:
             continue
-        if a in METADATA_ADDRS or a == ipaddress.ip_address("100.100.100.200"):
+        if a in METADATA_ADDRS:
             return "metadata_address"
         if not a.is_global or a.is_multicast or any(a in net for net in NOT_PUBLIC if net.version == a.version):
             return "private_address"
