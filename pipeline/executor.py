@@ -334,6 +334,68 @@ def _warm_shuffles(started: list) -> None:
         pass
 
 
+class Watched:
+    """An iterator that blocks until its next item (Ray Data's `iter_batches`), read in a thread of its
+    own so that the reader can do something while none comes: `next()` -> the next item, None when
+    none came within `timeout` seconds, `Watched.END` after the last; the iterator's own exception
+    raised. `stop()`: the iterator is closed at its next item (or its end), never read further."""
+
+    END = object()
+
+    def __init__(self, items, timeout: float):
+        import queue
+        import threading
+
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._timeout = timeout
+        self._thread = threading.Thread(target=self._pump, args=(items,), name="capline-watched", daemon=True)
+        self._thread.start()
+
+    def _pump(self, items) -> None:
+        it = iter(items)
+        try:
+            for item in it:
+                if self._stop.is_set():
+                    return
+                self._queue.put((True, item))
+            self._queue.put((True, self.END))
+        except BaseException as err:   # noqa: BLE001 - raised again by the reader, in its thread
+            self._queue.put((False, err))
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
+    def next(self):
+        import queue
+
+        try:
+            ok, item = self._queue.get(timeout=self._timeout)
+        except queue.Empty:
+            return None
+        if not ok:
+            raise item
+        return item
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout: float) -> bool:
+        """-> whether the iterator is done (ended, failed or closed) within `timeout` seconds."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+def _stop_execution(dataset) -> None:
+    """Ray Data's execution of `dataset` stopped now (its tasks still running cancelled), from any
+    thread: Ray 2.60 keeps the executor of a dataset being iterated on the dataset, to shut it
+    down when the dataset is collected. Another Ray: it stops when its iterator is next read."""
+    executor = getattr(dataset, "_current_executor", None)
+    if executor is not None and hasattr(executor, "shutdown"):
+        executor.shutdown(force=True)
+
+
 def quiet_ray_data() -> None:
     """Ray Data in this driver without its own progress bars and plan printouts: capline says each
     step's progress itself, one line per step."""
@@ -626,8 +688,15 @@ class Executor:
         intervals: list[tuple[float, float]] = []
         progress = Progress(what, n_out, self.log, unit=unit)
         failed = None
+        watched = Watched(answers.iter_batches(batch_size=None, batch_format="pyarrow"), self.poll_seconds)
+        last = time.time()
+        ended = False
         try:
-            for batch in answers.iter_batches(batch_size=None, batch_format="pyarrow"):
+            while (batch := watched.next()) is not Watched.END:
+                if batch is None:          # nothing answered for a while: said, and the cluster checked
+                    progress.stalled(time.time() - last, n_out - len(results))
+                    self._check_still_feasible(cpus, 0, what, None)
+                    continue
                 for row in batch.to_pylist():
                     if row["error"] is not None:
                         failed = _task_error(pickle.loads(row["error"]), what, f"task {row['bucket']}")
@@ -635,12 +704,21 @@ class Executor:
                     results[row["bucket"]] = pickle.loads(row["result"])
                     intervals.append((row["t0"], row["t1"]))
                 if failed is not None:
-                    break       # leaving the iterator stops the reducers still running
+                    break
+                last = time.time()
                 progress.update(len(intervals))
+            else:
+                ended = True
+        except UserError:
+            raise
         except Exception as err:   # Ray Data's own failure (a node lost past its retries): said in one line
             failure = _task_error(err, what, "reducers")
             raise failure from (None if isinstance(failure, UserError) else err)
         finally:
+            watched.stop()
+            if not ended:           # a reducer failed, or the cluster cannot run them: the rest stop now,
+                _stop_execution(answers)       # before the command goes on (or Ray stops under them)
+                watched.join(timeout=30)
             progress.close()
         if failed is not None:
             raise failed

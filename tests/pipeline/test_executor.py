@@ -429,6 +429,67 @@ def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces
     assert ex.records[-1]["what"] == "wide" and ex.records[-1]["at_once"] >= 2
     with pytest.raises(UserError, match=r"odd: map task 1: thirteen is not allowed here"):
         ex.shuffle(lambda v: _split_or_fail(v, 2), [([1],), ([13],)], 2, _gather, [(0,), (1,)], "odd")
+    # reducers that answer nothing for a while: said, as `run` says a stall
+    said = []
+    slow = Executor(log=said.append, poll_seconds=0.2)
+    out = slow.shuffle(lambda v: _split_by_parity(v, 2), calls, 2, _slow_gather, [(0,), (1,)], "slow")
+    assert out == [(b, [[v for v in c[0] if v % 2 == b] for c in calls]) for b in range(2)]
+    assert any(line.startswith("slow: 0/2 done, 2 running for") and "without finishing" in line for line in said), said
+    # a reducer's exception is said in one line naming it; reducers stalled on a cluster whose
+    # large node left (every node now smaller than their request) end in one line, not a wait
+    def _fail_one(bucket, *pieces):
+        if bucket == 1:
+            raise UserError("bucket one is cursed")
+        return bucket
+
+    with pytest.raises(UserError, match=r"cursed: task 1: bucket one is cursed"):
+        ex.shuffle(lambda v: _split_by_parity(v, 2), calls, 2, _fail_one, [(0,), (1,)], "cursed")
+    from pipeline.executor import NodeShape
+
+    shapes = [NodeShape.now(), NodeShape(cpus=2.0, largest_cpus=0.25, largest_gpus=0.0, nodes=1)]
+    monkeypatch.setattr(slow, "shape", lambda: shapes.pop(0) if len(shapes) > 1 else shapes[0])
+    with pytest.raises(UserError, match=r"^shrunk: its tasks ask for 0.5 CPU\(s\) and no alive node has that much now"):
+        slow.shuffle(lambda v: _split_by_parity(v, 2), calls, 2, _slow_gather, [(0,), (1,)], "shrunk", num_cpus=0.5)
+
+
+def test_a_watched_iterator_says_when_nothing_came_and_is_closed_when_stopped():
+    import threading
+    import time
+
+    from pipeline.executor import Watched
+
+    closed = threading.Event()
+
+    def slow():
+        try:
+            yield 1
+            time.sleep(0.6)
+            yield 2
+            yield 3
+        finally:
+            closed.set()
+
+    w = Watched(slow(), timeout=0.2)
+    assert w.next() == 1
+    assert w.next() is None            # nothing within 0.2 s: the reader can say so
+    got = [w.next() for _ in range(8)]
+    assert [g for g in got if g is not None][:3] == [2, 3, Watched.END] and closed.wait(1)
+
+    def failing():
+        yield "a"
+        raise OSError("the node went away")
+
+    w = Watched(failing(), timeout=1)
+    assert w.next() == "a"
+    with pytest.raises(OSError, match="the node went away"):
+        w.next()
+    assert w.join(timeout=2)
+
+    closed.clear()
+    w = Watched(slow(), timeout=1)
+    assert w.next() == 1
+    w.stop()                           # read no further: closed at its next item, which is dropped
+    assert closed.wait(2) and w.next() is None
 
 
 def test_the_driver_makes_a_maps_block_metadata_as_ray_data_makes_it_of_the_table():
