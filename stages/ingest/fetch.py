@@ -54,7 +54,7 @@ METADATA_HOSTS = {"metadata.google.internal", "metadata", "instance-data"}
 # site-local fec0::/10, all of which reach private hosts)
 NOT_PUBLIC = [ipaddress.ip_network(n) for n in ("192.0.0.0/24", "100.64.0.0/10", "198.18.0.0/15", "::/96",
                                                 "::ffff:0:0/96", "::ffff:0:0:0/96", "64:ff9b:1::/48", "fec0::/10")]
-# cloud instance metadata services: AWS, GCP, Azure (and their IPv6), Alibaba Cloud's
+# cloud instance metadata services: AWS, GCP and Azure (169.254.169.254), AWS's over IPv6, Alibaba Cloud's
 METADATA_ADDRS = {ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254"),
                   ipaddress.ip_address("100.100.100.200")}
 
