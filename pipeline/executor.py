@@ -683,7 +683,9 @@ class Executor:
         answers = groups.map_groups(functools.partial(reduce_group, what=what, reduce_fn=reduce_fn,
                                                       calls_ref=ray.put(list(reduce_calls)), failpoint=_failpoint),
                                     batch_format="pyarrow", num_cpus=cpus, max_retries=2,
-                                    compute=ray.data.TaskPoolStrategy(size=limit))
+                                    # never wider than the reducers: Ray Data warns users of a window
+                                    # its input cannot fill (a bucket is one input)
+                                    compute=ray.data.TaskPoolStrategy(size=min(limit, n_out) if limit else None))
         results: dict[int, object] = {}
         intervals: list[tuple[float, float]] = []
         progress = Progress(what, n_out, self.log, unit=unit)

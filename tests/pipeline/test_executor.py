@@ -435,6 +435,16 @@ def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces
     out = slow.shuffle(lambda v: _split_by_parity(v, 2), calls, 2, _slow_gather, [(0,), (1,)], "slow")
     assert out == [(b, [[v for v in c[0] if v % 2 == b] for c in calls]) for b in range(2)]
     assert any(line.startswith("slow: 0/2 done, 2 running for") and "without finishing" in line for line in said), said
+    # a window wider than the reducers is theirs, not Ray Data's to warn about ("The maximum number of
+    # concurrent tasks ... is set to 2, but the operator only received 1 input(s)", on users' terminals)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = ex.shuffle(lambda v: _split_by_parity(v, 1), many, 1, _gather, [(0,)], "one", sizes=[10] * len(many),
+                         items_per_worker=1)
+    assert out == [(0, [c[0] for c in many])]
+    assert not [w for w in caught if "concurrent tasks" in str(w.message)], [str(w.message) for w in caught]
     # a reducer's exception is said in one line naming it; reducers stalled on a cluster whose
     # large node left (every node now smaller than their request) end in one line, not a wait
     def _fail_one(bucket, *pieces):
