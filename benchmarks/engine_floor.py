@@ -58,10 +58,11 @@ def plain_step(i: int, rows: int, captions: list[str]) -> tuple[int, int]:
 
 def language_step(i: int, rows: int, captions: list[str]) -> tuple[int, int]:
     """The language stage's judge on one partition. -> (partition, captions kept)."""
+    from stages.dataplane import KEPT
     from stages.filters.language import LanguageConfig, identify
 
     table, _ = identify(_partition(i, rows, captions), LanguageConfig())
-    return i, sum(v == "kept" for v in table.column("verdict").to_pylist())
+    return i, sum(v == KEPT for v in table.column("verdict").to_pylist())
 
 
 def capline_window(parts: int, rows: int, captions_ref) -> tuple[float, list, dict]:
