@@ -10,7 +10,31 @@ to carry on without it.
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from typing import Any, Callable
+
+_RAY_DATA_IMPORT = threading.RLock()
+
+
+@contextmanager
+def importing_ray_data():
+    """Imports of Ray Data (or of Ray Train, which imports it) made inside are made under one lock
+    of this process. Python lets a second thread import a submodule of a package that another
+    thread is still importing (the half-built parent is in sys.modules already, so the second
+    import does not wait for it): the driver's warm-up thread importing Ray Data
+    (`Executor.warm_shuffles`) beside the main thread's first shuffle made Ray Data's own code read
+    `ray.data._internal` before it existed (AttributeError; CI on bedb6a2). Every import of Ray
+    Data's modules in the driver is made inside this or through `import_ray_data`."""
+    with _RAY_DATA_IMPORT:
+        yield
+
+
+def import_ray_data():
+    """-> `ray.data`, whole (imported under `importing_ray_data`'s lock)."""
+    with importing_ray_data():
+        import ray.data
+    return ray.data
 
 
 class Gone(Exception):

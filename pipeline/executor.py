@@ -33,6 +33,7 @@ from typing import Callable
 
 from infra.errors import UserError
 from infra.progress import Progress
+from infra.remote import import_ray_data, importing_ray_data
 
 
 @dataclass
@@ -263,9 +264,10 @@ def _block_metadata(rows: int, nbytes: int):
 
 @functools.lru_cache(maxsize=1)
 def _empty_block_metadata():
-    from ray.data.block import BlockMetadataWithSchema
-
     from .shuffle_rows import PIECES
+
+    with importing_ray_data():
+        from ray.data.block import BlockMetadataWithSchema
 
     return BlockMetadataWithSchema.from_block(PIECES.empty_table())
 
@@ -274,17 +276,17 @@ def _dataset_of(tables: list, metadata: list):
     """The maps' tables as one Ray Dataset. `ray.data.from_arrow_refs` starts a task per table to read
     its metadata (2,000 tasks for 2,000 maps, seconds on a small cluster); each map returned its
     own, so the dataset is built from them as from_arrow_refs builds it (Ray 2.60's FromArrow plan)."""
-    import ray.data
-
+    ray_data = import_ray_data()
     quiet_ray_data()    # before the context is copied into the dataset
     try:
-        from ray.data._internal.logical.interfaces import LogicalPlan
-        from ray.data._internal.logical.operators.from_operators import FromArrow
-        from ray.data._internal.stats import DatasetStats
-        from ray.data.context import DataContext
-        from ray.data.dataset import MaterializedDataset
+        with importing_ray_data():
+            from ray.data._internal.logical.interfaces import LogicalPlan
+            from ray.data._internal.logical.operators.from_operators import FromArrow
+            from ray.data._internal.stats import DatasetStats
+            from ray.data.context import DataContext
+            from ray.data.dataset import MaterializedDataset
     except ImportError:      # another Ray: its public way, a task per table
-        return ray.data.from_arrow_refs(tables)
+        return ray_data.from_arrow_refs(tables)
     context = DataContext.get_current().copy()
     # Ray Data reserves half the cluster for its operators in shares, so a shuffle's reducers ran at
     # most 4 at once on 16 CPUs (8 reducers of a CPU); here the reducers are the only operator
@@ -303,7 +305,8 @@ def shuffle_worker_envs() -> list[dict]:
                          ("ray.data._internal.execution.operators.shuffle_operators.shuffle_reduce_operator",
                           "_SHUFFLE_REDUCE_RUNTIME_ENV")):
         try:
-            env = getattr(__import__(module, fromlist=[name]), name)
+            with importing_ray_data():
+                env = getattr(__import__(module, fromlist=[name]), name)
         except (ImportError, AttributeError):
             continue
         if isinstance(env, dict):
@@ -327,7 +330,7 @@ def _warm_shuffles(started: list) -> None:
     if not ray.is_initialized():        # never one started here
         return
     try:
-        envs = shuffle_worker_envs()        # imports Ray Data
+        envs = shuffle_worker_envs()
         remote = ray.remote(num_cpus=0, max_retries=0)(_warm_worker)
         started.extend(remote.options(runtime_env=env).remote(sorted(env.get("env_vars", {}))) for env in envs)
     except Exception:   # noqa: BLE001 - a head start only: the first shuffle starts what this could not
@@ -401,7 +404,8 @@ def quiet_ray_data() -> None:
     step's progress itself, one line per step."""
     import logging
 
-    from ray.data.context import DataContext
+    with importing_ray_data():
+        from ray.data.context import DataContext
 
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)   # "Progress bars disabled ..."
 
@@ -674,10 +678,10 @@ class Executor:
         Dataset `pieces`), grouped by route: a partition each; a reducer's exception said in one
         line naming it, as `run` says a task's."""
         import ray
-        import ray.data
 
         from .shuffle_rows import reduce_group
 
+        ray_data = import_ray_data()
         t0 = time.time()
         groups = pieces.groupby("route", num_partitions=n_out)
         answers = groups.map_groups(functools.partial(reduce_group, what=what, reduce_fn=reduce_fn,
@@ -685,7 +689,7 @@ class Executor:
                                     batch_format="pyarrow", num_cpus=cpus, max_retries=2,
                                     # never wider than the reducers: Ray Data warns users of a window
                                     # its input cannot fill (a bucket is one input)
-                                    compute=ray.data.TaskPoolStrategy(size=min(limit, n_out) if limit else None))
+                                    compute=ray_data.TaskPoolStrategy(size=min(limit, n_out) if limit else None))
         results: dict[int, object] = {}
         intervals: list[tuple[float, float]] = []
         progress = Progress(what, n_out, self.log, unit=unit)
@@ -739,10 +743,11 @@ class Executor:
 
     def dataset(self, files: list[str], fs, equal: dict, columns: list[str] | None = None):
         """Parquet files as a Ray Dataset, rows whose columns equal `equal`'s values, `columns` kept."""
-        import ray
-        from ray.data.expressions import col
+        ray_data = import_ray_data()
+        with importing_ray_data():
+            from ray.data.expressions import col
 
-        ds = ray.data.read_parquet(files, filesystem=fs)
+        ds = ray_data.read_parquet(files, filesystem=fs)
         for name, value in equal.items():
             ds = ds.filter(expr=col(name) == value)
         return ds.select_columns(columns) if columns else ds

@@ -68,8 +68,11 @@ def routes(n: int) -> list[int]:
     integer that Ray Data's own partition function sends to its partition. Only speed depends on
     it: rows are grouped by this key, one per bucket, whatever partition it lands in (a Ray whose
     partition function moved or hashes differently on another node only brings the collisions back)."""
+    from infra.remote import importing_ray_data
+
     try:
-        from ray.data._internal.arrow_ops.transform_pyarrow import hash_partition
+        with importing_ray_data():      # in the driver, beside the warm-up thread's import
+            from ray.data._internal.arrow_ops.transform_pyarrow import hash_partition
     except ImportError:
         return list(range(n))
     out: dict[int, int] = {}

@@ -80,8 +80,12 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
     working copy (the default MLflow store lives there). `tags`: more MLflow run tags (the caller's
     git commit, source, the data-build run's id)."""
     import sentencepiece as spm
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+
+    from infra.remote import importing_ray_data
+
+    with importing_ray_data():      # Ray Train imports Ray Data
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
 
     from .loop import WorkerJob, train_loop_per_worker
 

@@ -528,6 +528,33 @@ def test_the_first_shuffles_workers_are_started_ahead_in_ray_datas_shuffle_envir
 
 
 @pytest.mark.slow   # starts Ray
+def test_the_first_shuffle_beside_the_warm_up_thread_finds_ray_data_whole(tmp_path):
+    """A fresh driver (Ray Data not yet imported) warms the shuffles and at once makes a map's block
+    metadata and quiets Ray Data, as a command whose first stage shuffles at its start does (capline
+    rebuild's ingest). Both threads import Ray Data: without one lock around those imports, the main
+    thread read the warm thread's half-imported `ray.data` (AttributeError: module 'ray.data' has no
+    attribute '_internal'; CI on bedb6a2). In a subprocess: the import happens once per process."""
+    script = textwrap.dedent("""
+        import sys
+        from infra import offline
+        offline.apply()
+        import ray
+        from infra.ray_runtime import RayConfig, ray_session
+        from pipeline.executor import Executor, _block_metadata, quiet_ray_data
+        with ray_session(RayConfig(num_cpus=1, object_store_memory_mb=128), log=lambda m: None):
+            assert "ray.data" not in sys.modules
+            warm = Executor(log=lambda m: None).warm_shuffles()
+            print("rows", _block_metadata(3, 100).num_rows)
+            quiet_ray_data()
+            warm.join(timeout=60)
+        print("done")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0 and "rows 3" in out.stdout and "done" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+@pytest.mark.slow   # starts Ray
 def test_what_a_result_sets_aside_stays_in_the_object_store_and_the_driver_holds_a_reference(ray_local, tmp_path):
     """A task's result with data set aside (`aside`: write_part's keys) reaches the driver without
     it: the data is the task's second return, a reference the driver hands to later tasks. On a task and

@@ -122,6 +122,51 @@ def test_no_stage_uses_ray_directly():
     assert "pyarrow" in _third_party_imports(probe)
 
 
+# functions that import Ray Data or Ray Train only in Ray's workers, where no other thread imports
+WORKER_ONLY = {("pipeline/executor.py", "_warm_worker"), ("trainers/loop.py", "_train")}
+
+
+def _unguarded_ray_data_imports(rel: str, source: str) -> list[str]:
+    """Imports of ray.data / ray.train (Ray Train imports Ray Data) in the module `rel` (its
+    `source`) outside a `with importing_ray_data():` block and outside WORKER_ONLY's functions:
+    'file:line function'."""
+    found = []
+
+    def visit(node, function: str, guarded: bool):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        if isinstance(node, ast.With) and any(isinstance(i.context_expr, ast.Call) and
+                                              getattr(i.context_expr.func, "id", "") == "importing_ray_data"
+                                              for i in node.items):
+            guarded = True
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+        if (any(n.split(".")[:2] in (["ray", "data"], ["ray", "train"]) for n in names)
+                and not guarded and (rel, function) not in WORKER_ONLY):
+            found.append(f"{rel}:{node.lineno} {function}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, function, guarded)
+
+    visit(ast.parse(source), "<module>", False)
+    return found
+
+
+def test_ray_data_is_imported_under_one_lock_in_the_driver():
+    """The driver imports Ray Data in two threads (the shuffles' warm-up, and the command's first
+    shuffle or training): each import goes through infra/remote.py's lock, or one thread reads the
+    other's half-imported package (CI on bedb6a2: "module 'ray.data' has no attribute '_internal'")."""
+    free = [f for pkg in PACKAGES if pkg != "stages" for p in sorted((ROOT / pkg).rglob("*.py"))
+            if p != ROOT / "infra" / "remote.py"
+            for f in _unguarded_ray_data_imports(str(p.relative_to(ROOT)), p.read_text())]
+    assert not free, f"imports of Ray Data outside `with importing_ray_data():` (infra/remote.py): {free}"
+    # the check itself finds one at any depth, and sees the lock and the worker-only functions
+    probe = ("def f():\n    if 1:\n        from ray.train import x\n"
+             "def g():\n    with importing_ray_data():\n        import ray.data\n"
+             "def _train():\n    import ray.train.torch\n")
+    assert _unguarded_ray_data_imports("probe.py", probe) == ["probe.py:3 f", "probe.py:8 _train"]
+    assert _unguarded_ray_data_imports("trainers/loop.py", probe) == ["trainers/loop.py:3 f"]
+
+
 def test_only_storage_tells_a_local_folder_from_a_bucket():
     users = [str(p.relative_to(ROOT)) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
              if "is_local" in p.read_text() and p != ROOT / "infra" / "storage.py"]
