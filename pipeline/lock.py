@@ -236,8 +236,9 @@ def take(backend, info: dict, log) -> str:
 class Held:
     """A taken lock and the thread that keeps it: `lost` says why it is no longer ours."""
 
-    def __init__(self, backend, info: dict, version: str, log):
+    def __init__(self, backend, info: dict, version: str, log, wake: int | None = signal.SIGINT):
         self.backend, self.info, self.version, self.log = backend, info, version, log
+        self.wake = wake        # the signal that stops the main thread (`_waking_signal`); None: writes only
         self.lost: str | None = None
         self.stop = threading.Event()
         self.mutex = threading.Lock()
@@ -254,7 +255,8 @@ class Held:
             block_writes(f"{self.backend.where}: {why}, so this run stopped writing")   # even if the signal is caught
             # the main thread is where the run writes: stop it now. A real signal, aimed at it,
             # also wakes a blocking call (a sleep, a wait on Ray), where interrupt_main() would not
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            if self.wake is not None:
+                signal.pthread_kill(threading.main_thread().ident, self.wake)
 
     def _beat(self) -> None:
         last_ok = time.monotonic()
@@ -293,14 +295,48 @@ def _backend(run_dir: Path, uri: str | None):
                     "which pyarrow does not offer for this scheme); use an s3:// or local --run-dir")
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def _waking_signal():
+    """The signal a lost lock sends the main thread to stop the run, set up for the block. SIGINT,
+    as Ctrl-C: every stage ends on it resumably and Ray Train stops its workers gracefully on it. A
+    command a shell started in the background (`nohup capline run ... &`, a script's `&`) inherits
+    SIGINT ignored, so that signal would stop nothing until the run's next write; there SIGUSR1 is
+    used, with a handler of its own for the block (it raises KeyboardInterrupt, as SIGINT would),
+    and the ignored SIGINT is left as the caller set it. Outside the main thread no handler can
+    be set: None (a lost lock then stops the process's writes only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield signal.SIGINT
+        return
+    before = signal.signal(signal.SIGUSR1, _raise_interrupt)
+    try:
+        yield signal.SIGUSR1
+    finally:
+        signal.signal(signal.SIGUSR1, before if before is not None else signal.SIG_DFL)
+
+
 @contextmanager
 def run_lock(run_dir: Path, log=print, uri: str | None = None):
     """Hold the run folder's lock for the block: in the bucket for an s3:// run folder, else a file.
     A lock lost during the block ends it with a UserError naming what happened."""
     backend = _backend(run_dir, uri)
     info = _holder()
-    held = Held(backend, info, take(backend, info, log), log)
-    held.thread.start()
+    with _waking_signal() as wake:
+        held = Held(backend, info, take(backend, info, log), log, wake)
+        held.thread.start()
+        with _held(held, backend, uri) as where:
+            yield where
+
+
+@contextmanager
+def _held(held: Held, backend, uri: str | None):
+    """The block of `run_lock` while `held` is kept: a lost lock ends it with a UserError."""
     where = f"{uri.rstrip('/')}/.capline.lock" if uri else str(backend.path)
     lost = lambda: UserError(f"{backend.where}: {held.lost}, so this run stopped writing; "  # noqa: E731
                              "see which run holds the folder now before starting again")

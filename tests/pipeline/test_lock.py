@@ -239,3 +239,25 @@ def test_a_lost_lock_stops_writes_even_when_something_else_takes_sigint(tmp_path
         assert time.monotonic() - t0 < 5
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_run_started_in_the_background_is_stopped_by_a_lost_lock_all_the_same(tmp_path):
+    """A shell starts a background command (`nohup capline run ... &`) with SIGINT ignored, so the
+    lock's SIGINT stopped nothing: a run blocked in a wait went on until its next write (measured:
+    these tests' 30 s sleeps ran out in `make test`, started in the background). There the lock
+    wakes the main thread by SIGUSR1 instead, and leaves SIGINT ignored."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    usr1 = signal.getsignal(signal.SIGUSR1)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(UserError, match="the lock was taken by pid 9 on elsewhere, so this run stopped writing"):
+            with run_lock(tmp_path):
+                assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+                (tmp_path / ".capline.lock").write_text(json.dumps({"host": "elsewhere", "pid": 9}))
+                time.sleep(30)          # a wait, no write: only a signal can end it
+        assert time.monotonic() - t0 < 5
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGUSR1) == usr1
+    finally:
+        signal.signal(signal.SIGINT, before)
