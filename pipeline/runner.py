@@ -241,10 +241,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
     storage = Storage.from_uri(store.uri) if store is not None and store.uri else Storage.local(run_dir)
     controls = Controls(storage, run_dir)
     executor = Executor(log=log)
-    # a data stage shuffles (the source's checks, dedup, the key index, shards): the first shuffle's
-    # workers start while the first stage plans; joined before Ray can stop (a thread that reached
-    # Ray after its shutdown would start a new one)
-    warming = executor.warm_shuffles() if any(not s.trains for s in stages if s.name in wanted) else None
+    warming = None     # the shuffles' warm-up thread, once a data stage runs
     state = {"prev": "", "judged": "", "upstream": None}
     sinks: list[str] = []          # the outputs of the sinks since the last judge
     summary = {}
@@ -328,6 +325,12 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
                 stopped = True
                 break
             else:
+                if warming is None and not stage.trains:
+                    # a data stage shuffles (the source's checks, dedup, the key index, shards): the
+                    # first shuffle's workers start while the first stage that runs plans (none when
+                    # every stage is skipped as done); joined before Ray can stop (a thread that
+                    # reached Ray after its shutdown would start a new one)
+                    warming = executor.warm_shuffles()
                 nxt = stages[i + 1] if i + 1 < len(stages) else None
                 apart = stage.kind == "sink" and _beside(nxt, wanted) and until != stage.name and only != stage.name
                 ctx = StageContext(name=stage.name, run_dir=run_dir, stage_dir=sdir, cfg=stage.section(cfg),

@@ -81,16 +81,24 @@ def _run(tmp_path, stages, **kw):
 
 
 @pytest.mark.slow   # a few seconds of training or many images: not in the fast set
-def test_runs_then_skips_then_reruns_when_input_changes(tmp_path, ray_local):
+def test_runs_then_skips_then_reruns_when_input_changes(tmp_path, ray_local, monkeypatch):
+    from pipeline.executor import Executor
+
+    warmed = []          # the shuffles' warm-up: started once a data stage runs, never for a run skipped whole
+    real_warm = Executor.warm_shuffles
+    monkeypatch.setattr(Executor, "warm_shuffles", lambda self, *a: warmed.append(1) or real_warm(self, *a))
     a, b = Numbers(), DropOdd()
     summary = _run(tmp_path, [a, b])
+    assert len(warmed) == 1
     assert summary["dropodd"] == {**summary["dropodd"], "in": 10, "kept": 5, "dropped": {"odd": 5}, "partitions": 3}
     assert (tmp_path / "dropodd" / "_SUCCESS").is_file()
     assert sorted(p.name for p in (tmp_path / "dropodd" / "ledger").iterdir()) == ["p0.parquet", "p1.parquet", "p2.parquet"]
     _run(tmp_path, [a, b])
     assert (a.calls, b.calls) == (1, 1)          # same inputs: nothing redone
+    assert len(warmed) == 1
     _run(tmp_path, [a, b], n=5)
     assert (a.calls, b.calls) == (2, 2)          # changed upstream: downstream redone too
+    assert len(warmed) == 2
     assert sorted(p.name for p in (tmp_path / "dropodd" / "ledger").iterdir()) == ["p0.parquet", "p1.parquet"]
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert set(manifest["stages"]) == {"numbers", "dropodd"}
