@@ -25,16 +25,9 @@ def importing_ray_data():
     import does not wait for it): the driver's warm-up thread importing Ray Data
     (`Executor.warm_shuffles`) beside the main thread's first shuffle made Ray Data's own code read
     `ray.data._internal` before it existed (AttributeError; CI on bedb6a2). Every import of Ray
-    Data's modules in the driver is made inside this or through `import_ray_data`."""
+    Data's modules in the driver is made inside this (tests/pipeline/test_house.py checks it)."""
     with _RAY_DATA_IMPORT:
         yield
-
-
-def import_ray_data():
-    """-> `ray.data`, whole (imported under `importing_ray_data`'s lock)."""
-    with importing_ray_data():
-        import ray.data
-    return ray.data
 
 
 class Gone(Exception):

@@ -33,7 +33,7 @@ from typing import Callable
 
 from infra.errors import UserError
 from infra.progress import Progress
-from infra.remote import import_ray_data, importing_ray_data
+from infra.remote import importing_ray_data
 
 
 @dataclass
@@ -276,7 +276,8 @@ def _dataset_of(tables: list, metadata: list):
     """The maps' tables as one Ray Dataset. `ray.data.from_arrow_refs` starts a task per table to read
     its metadata (2,000 tasks for 2,000 maps, seconds on a small cluster); each map returned its
     own, so the dataset is built from them as from_arrow_refs builds it (Ray 2.60's FromArrow plan)."""
-    ray_data = import_ray_data()
+    with importing_ray_data():
+        import ray.data
     quiet_ray_data()    # before the context is copied into the dataset
     try:
         with importing_ray_data():
@@ -286,7 +287,7 @@ def _dataset_of(tables: list, metadata: list):
             from ray.data.context import DataContext
             from ray.data.dataset import MaterializedDataset
     except ImportError:      # another Ray: its public way, a task per table
-        return ray_data.from_arrow_refs(tables)
+        return ray.data.from_arrow_refs(tables)
     context = DataContext.get_current().copy()
     # Ray Data reserves half the cluster for its operators in shares, so a shuffle's reducers ran at
     # most 4 at once on 16 CPUs (8 reducers of a CPU); here the reducers are the only operator
@@ -681,7 +682,8 @@ class Executor:
 
         from .shuffle_rows import reduce_group
 
-        ray_data = import_ray_data()
+        with importing_ray_data():
+            import ray.data
         t0 = time.time()
         groups = pieces.groupby("route", num_partitions=n_out)
         answers = groups.map_groups(functools.partial(reduce_group, what=what, reduce_fn=reduce_fn,
@@ -689,7 +691,7 @@ class Executor:
                                     batch_format="pyarrow", num_cpus=cpus, max_retries=2,
                                     # never wider than the reducers: Ray Data warns users of a window
                                     # its input cannot fill (a bucket is one input)
-                                    compute=ray_data.TaskPoolStrategy(size=min(limit, n_out) if limit else None))
+                                    compute=ray.data.TaskPoolStrategy(size=min(limit, n_out) if limit else None))
         results: dict[int, object] = {}
         intervals: list[tuple[float, float]] = []
         progress = Progress(what, n_out, self.log, unit=unit)
@@ -743,11 +745,11 @@ class Executor:
 
     def dataset(self, files: list[str], fs, equal: dict, columns: list[str] | None = None):
         """Parquet files as a Ray Dataset, rows whose columns equal `equal`'s values, `columns` kept."""
-        ray_data = import_ray_data()
         with importing_ray_data():
+            import ray.data
             from ray.data.expressions import col
 
-        ds = ray_data.read_parquet(files, filesystem=fs)
+        ds = ray.data.read_parquet(files, filesystem=fs)
         for name, value in equal.items():
             ds = ds.filter(expr=col(name) == value)
         return ds.select_columns(columns) if columns else ds

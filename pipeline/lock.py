@@ -236,7 +236,7 @@ def take(backend, info: dict, log) -> str:
 class Held:
     """A taken lock and the thread that keeps it: `lost` says why it is no longer ours."""
 
-    def __init__(self, backend, info: dict, version: str, log, wake: int | None = signal.SIGINT):
+    def __init__(self, backend, info: dict, version: str, log, wake: int | None):
         self.backend, self.info, self.version, self.log = backend, info, version, log
         self.wake = wake        # the signal that stops the main thread (`_waking_signal`); None: writes only
         self.lost: str | None = None
