@@ -112,9 +112,13 @@ def card(manifest: dict, summary: dict, cfg) -> str:
                      f"sha256 `{art['tokenizer']['sha256']}`")
     dedup = summary.get("dedup") or {}
     if dedup.get("eval_sets"):
-        lines += ["", "## Evaluation sets removed", "", "| set | images | samples removed |", "|---|---:|---:|"]
+        lines += ["", "## Evaluation sets removed", "", "Alike: the share of a set's images with another of its "
+                  "images within the dedup threshold (past 5 %, images of its kind that are not in it are removed "
+                  "too).", "", "| set | images | samples removed | alike |", "|---|---:|---:|---:|"]
         for name, info in dedup["eval_sets"].items():
-            lines.append(f"| {md_text(name)} | {info.get('images')} | {dedup.get('eval_matches', {}).get(name, 0)} |")
+            alike = info.get("alike")
+            lines.append(f"| {md_text(name)} | {info.get('images')} | {dedup.get('eval_matches', {}).get(name, 0)} | "
+                         f"{'-' if alike is None else f'{alike:.0%}'} |")
     lines += ["", "## Reading it", "", "Each sample: `<key>.jpg`, `<key>.txt` (caption), `<key>.json` (img2dataset's "
               "fields plus `clip_score`, `language_score`). Beside the tars: `sizes.json` (open_clip), "
               "`shardindex.json` (wids).", ""]

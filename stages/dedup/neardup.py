@@ -89,6 +89,24 @@ class NearDupIndex:
             best_s[a:a + chunk][hit] = s[hit]
         return best_i, best_s
 
+    def nearest_other(self, rows: np.ndarray, k: int = 64) -> np.ndarray:
+        """-> for each of these reference rows, the cosine of its nearest reference with another id
+        (colour-checked as `search` does), or -1: how alike the indexed images are to each other
+        under this descriptor. `k` Hamming candidates, more than an image's own crops (28)."""
+        rows = np.asarray(rows, np.int64)
+        best = np.full(len(rows), -1.0, np.float32)
+        if not len(rows) or len(self.ids) < 2:
+            return best
+        _, cand = self.index.search(self.codes[rows], min(k, len(self.ids)))
+        valid = (cand >= 0)
+        cc = np.where(valid, cand, 0)
+        valid &= self.ids[cc] != self.ids[rows][:, None]
+        if self.colour_tol is not None:
+            valid &= np.abs(self.means[cc] - self.means[rows][:, None]).max(-1) <= self.colour_tol
+        sims = np.einsum("qkd,qd->qk", self.vecs[cc], self.vecs[rows])
+        sims = np.where(valid, sims, -1.0).max(1)
+        return np.maximum(best, sims.astype(np.float32))
+
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npz")

@@ -109,6 +109,54 @@ def test_real_photos_near_copies_caught_and_others_not(tmp_path):
         assert s < THRESHOLD, (m, s)
 
 
+@pytest.mark.slow   # 4.6 s of indexing: not in the fast set
+def test_a_set_whose_images_look_alike_is_measured_and_warned_of(tmp_path):
+    """The thumbnail descriptor cannot tell small grey digits apart: a set of them drops digits it does
+    not hold. Its likeness is measured when it is indexed, kept with the cached index (and measured for
+    an index cached before); where such a set dropped samples the stage warns, naming the settings.
+    Real photos are not alike."""
+    from stages.dedup.stage import ALIKE_WARN, _alike
+    from trainers.evaluation.datasets import digits
+
+    def png(arr):
+        buf = io.BytesIO()
+        Image.fromarray(np.asarray(arr, np.uint8)).save(buf, "PNG")
+        return buf.getvalue()
+
+    imgs = digits()[0]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"image": [png(a) for a in imgs[:300]]}), tmp_path / "digits.parquet")
+    es = EvalSetConfig(name="digits300", kind="parquet", path=str(tmp_path / "digits.parquet"))
+    path, stats = build_reference(es, None, tmp_path / "cache", PARAMS, log=lambda m: None)
+    assert len(stats["nearest_other"]) == 300 and stats["nearest_other"] == sorted(stats["nearest_other"])
+    out = _alike("digits300", stats, THRESHOLD, matched=0)       # it dropped nothing: measured, no warning
+    assert out["alike"] > 0.3 and "nearest_other" not in out and "warning" not in out, out
+    said = _alike("digits300", stats, THRESHOLD, matched=12)["warning"]
+    assert said.startswith("evaluation set digits300: ") and "of the 12 samples dropped as its duplicates" in said
+    assert "stages.dedup.encoder_checkpoint" in said and "stages.dedup.eval_threshold (0.92)" in said
+    # what it warns of: digits the set does not hold, dropped as its duplicates
+    index = NearDupIndex.load(path)
+    dropped = np.mean([s >= THRESHOLD for _, s in _matches(index, [to_rgb_array(a) for a in imgs[1000:1400]])])
+    assert dropped > ALIKE_WARN, dropped
+    # an index cached before the measure: measured once on its next use, the same figures
+    meta = path.with_suffix(".json")
+    meta.write_text(json.dumps({k: v for k, v in stats.items() if k not in ("nearest_other", "cached")}))
+    again = build_reference(es, None, tmp_path / "cache", PARAMS, log=lambda m: None)[1]
+    assert again["cached"] and again["nearest_other"] == stats["nearest_other"]
+    assert "nearest_other" in json.loads(meta.read_text())
+    # real photos, none like another: measured, nothing said
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for i, p in enumerate(_photos()):
+        Image.fromarray(p).save(folder / f"p{i}.png")
+    photos = build_reference(EvalSetConfig(name="photos", kind="folder", path=str(folder)), None, tmp_path / "cache",
+                             PARAMS, log=lambda m: None)[1]
+    assert _alike("photos", photos, THRESHOLD, matched=12) == {**{k: v for k, v in photos.items() if k != "nearest_other"},
+                                                               "alike": 0.0}
+
+
 @pytest.mark.slow   # 1.6-5.5 s: kept out of the fast set (under a minute)
 def test_bad_evaluation_sets(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
@@ -159,6 +207,7 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local, 
     first = kept()
     stats = json.loads((tmp_path / "run" / "dedup" / "stats.json").read_text())
     assert stats["reduce_tasks"] == {"group": 1, "fetch": 1, "verify": 1}       # small data: one bucket
+    assert stats["eval_sets"]["demo"]["alike"] == 0.0 and "warning" not in stats["eval_sets"]["demo"]
     # one task at a time on 2 CPUs, the signatures cut into buckets of ~1,000 rows (a pair found in
     # several buckets is verified once, in its pair bucket): same verdicts, same duplicate_of, same counts
     cut = ["stages.dedup.cpus_per_worker=2", "stages.dedup.bucket_rows=1000"]
@@ -194,12 +243,16 @@ def test_demo_dedup_meets_its_targets_and_is_deterministic(tmp_path, ray_local, 
     from stages.dedup.lsh import band_plan
 
     monkeypatch.setattr(dedup_module, "band_plan", lambda n, t, bits: band_plan(n * 1000, t, bits))
+    monkeypatch.setattr(dedup_module, "ALIKE_WARN", -1.0)     # as if the demo's set were alike: it matched samples
     (tmp_path / "run" / "dedup" / "_SUCCESS").unlink()
     logs = []
     run_pipeline(load_config(None, base + ["stages.dedup.cpus_per_worker=2"]), tmp_path / "run", until="dedup", log=logs.append)
     wider = band_plan(1000 * sum(1 for _ in first[1]), 0.97, 256)
     assert wider.width > 16
     assert any("dedup: 2 partitions described before with the same input, reused; 0 to describe" in m for m in logs), logs
+    warned = [m for m in logs if m.startswith("dedup: warning: evaluation set demo: 0% of its images")]
+    assert len(warned) == 1 and "stages.dedup.encoder_checkpoint" in warned[0], logs
+    assert json.loads((tmp_path / "run" / "dedup" / "stats.json").read_text())["eval_sets"]["demo"]["warning"]
     assert not any("signed before" in m for m in logs), logs          # no partition had the wider plan's signatures
     audit = json.loads((tmp_path / "run" / "dedup" / "audit.json").read_text())
     assert audit["eval_near_copy"]["recall"] >= 0.98 and audit["train_near_copy"]["recall"] >= 0.95
