@@ -83,8 +83,10 @@ def main() -> None:
         results["search"].append(r)
         print(f"search {mode:<4} {n:>9} candidates vs {EVAL} eval codes: {r['search_s']:8.2f}s "
               f"({r['queries_per_s']} q/s), build {r['build_s']}s, peak {r['peak_rss_mb']} MB", flush=True)
+    from stages.dedup.neardup import NPROBE
+
     results["note"] = ("flat = exact Hamming search (used up to 1e6 reference codes); ivf = inverted file "
-                       "(nlist 4*sqrt(n), nprobe 16) used beyond; both keep 16 candidates per query for the "
+                       f"(nlist 4*sqrt(n), nprobe {NPROBE}) used beyond; both keep 16 candidates per query for the "
                        "exact cosine re-rank")
     write_results("dedup", results)
 

@@ -4,7 +4,8 @@
 random codes having no structure for the inverted file to follow). Here the set is real:
 Fashion-MNIST's training images (Debian's dataset-fashion-mnist), `--images` of them written as
 PNGs to a Parquet evaluation set and indexed by the stage's own `build_reference` (28 crops an
-image; past 10^6 references an inverted file, nprobe 16, as the stage builds it).
+image; past 10^6 references an inverted file, searched as the stage searches it: `neardup.NPROBE`
+lists, 16 until the first run of this benchmark, 64 since).
 
 Queries: `--queries` of the set's images as a crawl finds them: re-hosted larger (4x, bicubic) as
 a JPEG of quality 85, in these variants, then resized by img2dataset's own `Resizer` as ingest

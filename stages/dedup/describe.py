@@ -135,12 +135,13 @@ WITHIN_DESCRIPTOR = "thumb16-unpadded"
 DESCRIBED_LAYOUT = 3        # what a description file holds (3: codes, colours and hashes for the sign step)
 
 
-def _described_key(fingerprint: str, u) -> str:
+def _described_key(fingerprint: str, u, search: str = "") -> str:
     """What decides a partition's descriptions: the stage's fingerprint (config, evaluation sets),
-    how images are described and what the file holds, the partition's content. Not the run's size:
-    a dataset line that doubles keeps every description (only the cheap signatures follow the band
-    plan)."""
-    text = json.dumps([fingerprint, WITHIN_DESCRIPTOR, DESCRIBED_LAYOUT, u.part, u.sha256])
+    how images are described and what the file holds, the partition's content, and how an inexact
+    evaluation index is searched (`search`: `neardup.search_plan`; where every index is exact, the
+    key is what it was before there were inexact ones). Not the run's size: a dataset line that
+    doubles keeps every description (only the cheap signatures follow the band plan)."""
+    text = json.dumps([fingerprint, WITHIN_DESCRIPTOR, DESCRIBED_LAYOUT, u.part, u.sha256] + ([search] if search else []))
     return f"{u.part}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 

@@ -16,7 +16,7 @@ from .layout import EDGE_DIR, LINE_EDGES, LINE_EDGES_RECORD, PAIR_DIR, WANTED_DI
 from .report import PAIRS_PER_REASON
 from .eval_sets import alike_share, build_reference, check_exists
 from .lsh import band_plan
-from .neardup import NearDupIndex
+from .neardup import NearDupIndex, search_plan
 from .components import _components_task
 from .config import DedupConfig, _dir_digest, hamming_radius, preflight
 from .describe import DESCRIBED, WITHIN_DESCRIPTOR, _describe_task, _described_key, shared_describer
@@ -130,6 +130,7 @@ class DedupStage(Decide):
         arrays = {"hash": {n: NearDupIndex.load(p).arrays() for n, p in index_paths.items()},
                   "encoder": {n: NearDupIndex.load(p).arrays() for n, p in enc_paths.items()}}
         blobs = ctx.put(arrays)
+        search = "+".join(sorted({p for sets in arrays.values() for a in sets.values() if (p := search_plan(a))}))
         names = tuple(sorted(p.name for p in [*index_paths.values(), *enc_paths.values()]))
         args = (blobs, names, encoder_rel)
         model = shared_describer(encoder_rel, cfg, arrays)
@@ -138,7 +139,7 @@ class DedupStage(Decide):
         # (a partition described now is signed in the same task for this run's band plan)
         signed_as = lambda u, out: f"{SIGNED}/{_signed_key(u.part, out, plan)}"   # noqa: E731
         described, outs = reused_or_run(
-            ctx, _describe_task, DESCRIBED, lambda u: _described_key(ctx.fingerprint, u),
+            ctx, _describe_task, DESCRIBED, lambda u: _described_key(ctx.fingerprint, u, search),
             lambda u, out: (ctx.storage, u.part, u.file, *args, cfg, out, (plan, n_buckets, signed_as(u, out))),
             "dedup describe", "described before with the same input", "describe", num_cpus=cfg.cpus_per_worker,
             model=model, encode=Described.to_json, decode=Described.from_json)

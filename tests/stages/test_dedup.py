@@ -837,3 +837,19 @@ def test_an_inverted_file_travels_trained_and_is_never_trained_again(tmp_path, m
         assert again.index.nprobe == neardup.NPROBE and again.index.ntotal == 3000
         assert np.array_equal(again.search(queries, np.zeros((3, 3), np.float32))[0], want)
     assert list(want) == [3, 1500, 2999]
+    # an inverted file's results depend on how many lists it visits: descriptions searched through one
+    # are reused under that plan only; where every index is exact the key is what it always was
+    from stages.dedup.describe import _described_key
+
+    u = type("U", (), {"part": "p0", "sha256": "ab"})()
+    plan = neardup.search_plan(built.arrays())
+    assert plan == f"ivf-nprobe{neardup.NPROBE}" and neardup.search_plan(exact.arrays()) == ""
+    assert _described_key("f", u, plan) != _described_key("f", u) == _described_key("f", u, "")
+    import hashlib
+
+    from stages.dedup.describe import DESCRIBED_LAYOUT, WITHIN_DESCRIPTOR
+
+    before = json.dumps(["f", WITHIN_DESCRIPTOR, DESCRIBED_LAYOUT, "p0", "ab"])   # a line's keys before IVF plans
+    assert _described_key("f", u) == f"p0-{hashlib.sha256(before.encode()).hexdigest()[:16]}"
+    monkeypatch.setattr(neardup, "NPROBE", 16)
+    assert _described_key("f", u, neardup.search_plan(built.arrays())) != _described_key("f", u, plan)
