@@ -13,7 +13,10 @@ A pair of the same file (the package links some drawings into two folders) or th
 copy, which the stage drops anyway (`exact_duplicate` by pixels); every other pair is two distinct
 drawings. For each threshold: the samples the near pairs between distinct drawings drop (each
 cluster keeps one), all and outside `shapes/stars` (hundreds of generated star polygons that look
-alike at 128 px), and 16 of those pairs side by side in a picture to judge by eye.
+alike at 128 px), and 16 of those pairs side by side in a picture to judge by eye. The other side
+of a threshold: `--copies` drawings re-hosted (resized 0.6-2x, JPEG of quality 40-90), through the
+same resize, and the share of them still at each threshold to their original (a drawing that
+renders blank has no descriptor to compare, and is left out: blank copies are exact duplicates).
 
     python benchmarks/dedup_real.py [--image-size 128] [--label NAME]
 Results: benchmarks/results/dedup_real.json (runs[label]), dedup_real-pairs.png.
@@ -53,6 +56,18 @@ def _render(rel: str):
         return rel, None
 
 
+def _rehosted(png: bytes, rng) -> bytes:
+    """A drawing as another site serves it: resized 0.6-2x, a JPEG of quality 40-90."""
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(png)).convert("RGB")
+    s = rng.uniform(0.6, 2.0)
+    img = img.resize((max(8, round(img.width * s)), max(8, round(img.height * s))), Image.BICUBIC)
+    out = io.BytesIO()
+    img.save(out, "JPEG", quality=int(rng.integers(40, 91)))
+    return out.getvalue()
+
+
 def dropped_by(edges: np.ndarray, n: int) -> int:
     """Samples a set of pairs drops: each connected cluster keeps one."""
     from scipy.sparse import coo_matrix
@@ -67,6 +82,7 @@ def dropped_by(edges: np.ndarray, n: int) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--image-size", type=int, default=128, help="stages.ingest.image_size (configs/openclipart.yaml: 128)")
+    ap.add_argument("--copies", type=int, default=400)
     ap.add_argument("--label", default="default")
     args = ap.parse_args()
 
@@ -98,17 +114,25 @@ def main() -> None:
     stars = star[close[:, 0]] | star[close[:, 1]]
     result = {"code": code(), "svgs": len(files), "rendered": n, "image_size": args.image_size,
               "colour_tol": cfg.colour_tol, "within_threshold_default": cfg.within_threshold, "thresholds": {}}
+    rng = np.random.default_rng(0)
+    picked = [k for k in rng.permutation(n) if np.linalg.norm(vecs[k]) > 0.5][:args.copies]
+    copies = as_dedup_sees([_rehosted(got[k][1], rng) for k in picked], args.image_size)
+    to_original = np.array([describe(to_rgb_array(c))[0] @ vecs[k] for c, k in zip(copies, picked)])
+    result["copies"] = {"n": len(picked), "cosine_q05": round(float(np.quantile(to_original, 0.05)), 4),
+                        "cosine_median": round(float(np.median(to_original)), 4)}
     for t in THRESHOLDS:
         at = cos >= t
         distinct = close[at & ~copy]
         row = {"pairs": int(at.sum()), "copy_pairs": int((at & copy).sum()), "distinct_pairs": len(distinct),
                "dropped_by_distinct_pairs": int(dropped_by(distinct, n)),
-               "dropped_by_distinct_pairs_outside_stars": int(dropped_by(close[at & ~copy & ~stars], n))}
+               "dropped_by_distinct_pairs_outside_stars": int(dropped_by(close[at & ~copy & ~stars], n)),
+               "rehosted_copies_found": round(float(np.mean(to_original >= t)), 4)}
         result["thresholds"][str(t)] = row
         print(f"within_threshold {t}: {row['pairs']} pairs ({row['copy_pairs']} of copies); the pairs of distinct "
               f"drawings drop {row['dropped_by_distinct_pairs']} of {n} samples "
               f"({row['dropped_by_distinct_pairs'] / n:.1%}), {row['dropped_by_distinct_pairs_outside_stars']} "
-              f"outside shapes/stars ({row['dropped_by_distinct_pairs_outside_stars'] / n:.1%})", flush=True)
+              f"outside shapes/stars ({row['dropped_by_distinct_pairs_outside_stars'] / n:.1%}); re-hosted copies "
+              f"at the threshold: {row['rehosted_copies_found']:.1%} of {len(picked)}", flush=True)
     # what the default threshold joins, outside the stars, to judge by eye
     shown = close[(cos >= cfg.within_threshold) & ~copy & ~stars]
     shown = shown[np.random.default_rng(0).permutation(len(shown))[:16]]
