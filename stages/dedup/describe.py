@@ -12,8 +12,8 @@ import pyarrow as pa
 
 from ..dataplane import PICTURE_COLUMNS, by_location, picture_batches
 from ..shared_model import TORCH_MB, WORKER_MB, SharedModel
-from .imagehash import describe, to_rgb_array
-from .neardup import NearDupIndex
+from .imagehash import describe, to_rgb_array, trim_flat_bars
+from .neardup import NearDupIndex, search_plan
 from .config import DedupConfig
 from .encoder import EncoderDescriber
 from .layout import Described
@@ -70,6 +70,7 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
     rows = by_location(read_kept(storage, file, ["key", "url", "caption", *PICTURE_COLUMNS]))
     indexes, enc_indexes, encoder = _indexes(storage, blobs, names, encoder_checkpoint, cfg.encoder_image_size,
                                              cfg.encoder_sha256)
+    hash_sets = bool(indexes)
     n = rows.num_rows
     vec16, means, codes = np.zeros((n, 768), np.float16), np.zeros((n, 3), np.float32), np.zeros((n, cfg.bits // 8), np.uint8)
     pix, ok = [bytes(16)] * n, np.zeros(n, bool)
@@ -79,6 +80,7 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
     for batch, images in picture_batches(storage, rows):
         m = batch.num_rows
         vecs = np.zeros((m, 768), np.float32)
+        framed: list[tuple[int, np.ndarray, np.ndarray]] = []    # (row in batch, descriptor, mean) inside flat bars
         for j, img in enumerate(images):
             i = at + j
             if img is None:
@@ -87,6 +89,8 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
             vecs[j], means[i] = describe(arr)
             pix[i] = hashlib.sha256(arr.tobytes()).digest()[:16]
             ok[i] = True
+            if hash_sets and (query := framed_query(arr)) is not None:
+                framed.append((j, *query))
         vec16[at:at + m], codes[at:at + m] = vecs, simhash(vecs, cfg.bits)
         for kind, idx_map in (("hash", indexes), ("encoder", enc_indexes)):
             if not idx_map:
@@ -98,12 +102,10 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
                 qm = np.zeros((m, 3), np.float32)
             else:
                 qv, qm = vecs, means[at:at + m]
-            for name, index in idx_map.items():
-                idx, sim = index.search(qv, qm)
-                for q in range(m):
-                    i = at + q
-                    if idx[q] >= 0 and sim[q] > best_sim[i] and ok[i]:
-                        best_set[i], best_id[i], best_sim[i] = f"{name}|{kind}", index.ids[idx[q]], sim[q]
+            sets, ids, sims = best_matches(idx_map, kind, qv, qm, framed if kind == "hash" else [])
+            for j in np.flatnonzero(sims > best_sim[at:at + m]):
+                if ok[at + j]:
+                    best_set[at + j], best_id[at + j], best_sim[at + j] = sets[j], ids[j], sims[j]
         at += m
     keys = rows.column("key").to_pylist()
     url_caption = [hashlib.blake2b(f"{u}\0{c}".encode(), digest_size=16).digest() for u, c in
@@ -128,18 +130,56 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
                                                         n_buckets, signed_out))
 
 
+def framed_query(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The evaluation query of a picture inside bars of one flat colour other than black, without
+    them (`imagehash.trim_flat_bars`); None where it has none."""
+    inside = trim_flat_bars(arr)
+    return None if inside is None else describe(inside)
+
+
+def best_matches(idx_map: dict, kind: str, vecs: np.ndarray, means: np.ndarray,
+                 framed: list[tuple[int, np.ndarray, np.ndarray]]) -> tuple[list[str], list[str], np.ndarray]:
+    """Each query row's best match over the evaluation sets of one descriptor kind (`idx_map`: set
+    name -> NearDupIndex), its rows in `framed` (row, descriptor, mean: `framed_query`) searched a
+    second time inside their frame. -> ("set|kind" or "", the reference's id or "", cosine or -1)."""
+    m = len(vecs)
+    sets, ids, sims = [""] * m, [""] * m, np.full(m, -1.0, np.float32)
+    queries = [(range(m), vecs, means)]
+    if framed:
+        queries.append(([j for j, _, _ in framed], np.stack([v for _, v, _ in framed]), np.stack([c for _, _, c in framed])))
+    for name, index in idx_map.items():
+        for rows, q_vecs, q_means in queries:
+            idx, sim = index.search(q_vecs, q_means)
+            for q, j in enumerate(rows):
+                if idx[q] >= 0 and sim[q] > sims[j]:
+                    sets[j], ids[j], sims[j] = f"{name}|{kind}", index.ids[idx[q]], sim[q]
+    return sets, ids, sims
+
+
 # How a partition's own images are described: the thumbnail of the picture without a `border`
 # resize's bars (dataplane.pictures), codes and hashes kept for the sign step. Part of each
 # partition's reuse key, so a partition described by an earlier version is described again.
 WITHIN_DESCRIPTOR = "thumb16-unpadded"
+# How a partition's images are searched against the evaluation sets besides as a whole: a picture
+# inside bars of one flat colour is searched again without them (`imagehash.trim_flat_bars`). In the
+# reuse key where the stage has evaluation sets, so descriptions searched before it are searched again.
+FRAMED_QUERY = "flat-bars"
 DESCRIBED_LAYOUT = 3        # what a description file holds (3: codes, colours and hashes for the sign step)
+
+
+def eval_search(arrays: dict) -> str:
+    """How a run searches its evaluation indexes (`arrays`: kind -> set -> NearDupIndex.arrays()), as far
+    as a description's matches depend on it: the inverted files' plans, and the framed query where
+    there are hash sets; "" where there are no sets."""
+    plans = {p for sets in arrays.values() for a in sets.values() if (p := search_plan(a))}
+    return "+".join(sorted(plans | ({FRAMED_QUERY} if arrays.get("hash") else set())))
 
 
 def _described_key(fingerprint: str, u, search: str = "") -> str:
     """What decides a partition's descriptions: the stage's fingerprint (config, evaluation sets),
     how images are described and what the file holds, the partition's content, and how an inexact
-    evaluation index is searched (`search`: `neardup.search_plan`; where every index is exact, the
-    key is what it was before there were inexact ones). Not the run's size: a dataset line that
+    evaluation index is searched (`search`: `eval_search`; where there are no evaluation sets, the
+    key is what it was before searches had plans). Not the run's size: a dataset line that
     doubles keeps every description (only the cheap signatures follow the band plan)."""
     text = json.dumps([fingerprint, WITHIN_DESCRIPTOR, DESCRIBED_LAYOUT, u.part, u.sha256] + ([search] if search else []))
     return f"{u.part}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"

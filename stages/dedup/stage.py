@@ -16,10 +16,10 @@ from .layout import EDGE_DIR, LINE_EDGES, LINE_EDGES_RECORD, PAIR_DIR, WANTED_DI
 from .report import PAIRS_PER_REASON
 from .eval_sets import alike_share, build_reference, check_exists
 from .lsh import band_plan
-from .neardup import NearDupIndex, search_plan
+from .neardup import NearDupIndex
 from .components import _components_task
 from .config import DedupConfig, _dir_digest, hamming_radius, preflight
-from .describe import DESCRIBED, WITHIN_DESCRIPTOR, _describe_task, _described_key, shared_describer
+from .describe import DESCRIBED, WITHIN_DESCRIPTOR, _describe_task, _described_key, eval_search, shared_describer
 from .encoder import EncoderDescriber
 from .group import MAP_SIGNATURES, PAIR_FAN_IN, _group_reduce, _sig_pieces
 from .sign import SIGNED, _sign_task, _signed_key, bucket_count, sigs_per_sample
@@ -130,7 +130,7 @@ class DedupStage(Decide):
         arrays = {"hash": {n: NearDupIndex.load(p).arrays() for n, p in index_paths.items()},
                   "encoder": {n: NearDupIndex.load(p).arrays() for n, p in enc_paths.items()}}
         blobs = ctx.put(arrays)
-        search = "+".join(sorted({p for sets in arrays.values() for a in sets.values() if (p := search_plan(a))}))
+        search = eval_search(arrays)
         names = tuple(sorted(p.name for p in [*index_paths.values(), *enc_paths.values()]))
         args = (blobs, names, encoder_rel)
         model = shared_describer(encoder_rel, cfg, arrays)

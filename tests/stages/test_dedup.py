@@ -851,5 +851,10 @@ def test_an_inverted_file_travels_trained_and_is_never_trained_again(tmp_path, m
 
     before = json.dumps(["f", WITHIN_DESCRIPTOR, DESCRIBED_LAYOUT, "p0", "ab"])   # a line's keys before IVF plans
     assert _described_key("f", u) == f"p0-{hashlib.sha256(before.encode()).hexdigest()[:16]}"
+    from stages.dedup.describe import eval_search
+
+    assert eval_search({"hash": {"big": built.arrays(), "small": exact.arrays()}, "encoder": {}}) == f"flat-bars+{plan}"
+    assert eval_search({"hash": {"small": exact.arrays()}, "encoder": {}}) == "flat-bars"   # framed pictures searched too
+    assert eval_search({"hash": {}, "encoder": {}}) == ""
     monkeypatch.setattr(neardup, "NPROBE", 16)
     assert _described_key("f", u, neardup.search_plan(built.arrays())) != _described_key("f", u, plan)

@@ -97,3 +97,77 @@ def test_mixed_aspect_pictures_through_ingest_and_dedup_are_all_kept(tmp_path, r
     dropped = [r for r in ledger if r["verdict"] != "kept"]
     assert not dropped, (dropped[:3], stats)
     assert stats["method"]["descriptor"] == "thumb16-unpadded"
+
+
+def _photos():
+    from skimage import data
+    from sklearn.datasets import load_sample_images
+
+    from stages.dedup.imagehash import to_rgb_array
+
+    return list(load_sample_images().images) + [to_rgb_array(getattr(data, name)()) for name in
+                                                ("astronaut", "coffee", "chelsea", "rocket", "camera", "coins")]
+
+
+def framed(photo: np.ndarray, colour: tuple, ratio: float) -> Image.Image:
+    """A photo re-hosted inside a frame of one flat colour (a white mount, a page's canvas)."""
+    h, w = photo.shape[:2]
+    fw = max(w, round(h * ratio)) + 40
+    out = Image.new("RGB", (fw, max(h, round(fw / ratio))), colour)
+    out.paste(Image.fromarray(photo), ((out.width - w) // 2, (out.height - h) // 2))
+    return out
+
+
+def test_flat_bars_of_any_colour_but_black_are_found_around_a_picture():
+    from stages.dedup.imagehash import trim_flat_bars
+
+    photo = _photos()[2]
+    for colour in ((255, 255, 255), (240, 240, 235), (30, 60, 120)):
+        arr = np.asarray(decode(jpeg(framed(photo, colour, 4 / 3))).convert("RGB"))
+        inside = trim_flat_bars(arr)
+        assert inside is not None and abs(inside.shape[0] - photo.shape[0]) <= 3 and abs(inside.shape[1] - photo.shape[1]) <= 3
+    assert trim_flat_bars(photo) is None                                          # no frame
+    assert trim_flat_bars(np.pad(photo, ((20, 20), (0, 0), (0, 0)))) is None       # black bars: trim_border's
+    assert trim_flat_bars(np.full((64, 64, 3), 200, np.uint8)) is None             # one colour, nothing inside
+
+
+@pytest.mark.slow
+def test_an_evaluation_photo_in_a_frame_is_dropped_and_pictures_on_flat_backgrounds_are_not(tmp_path, ray_local):
+    """Photos of an evaluation set re-hosted in frames of one flat colour were searched only as a whole
+    and never matched; now the picture inside the frame is searched too. 120 distinct pictures, 40 %
+    of them products on flat backgrounds (where the frame search finds a picture too), match nothing."""
+    from pipeline.config import load_config
+    from pipeline.runner import run_pipeline
+    from stages.base import read_ledger
+    from stages.source.demo_server import DemoServer
+    from stages.source.synthetic import SERVER_PLACEHOLDER
+    from stages.source.web_shapes import mixed_aspect
+
+    photos = _photos()
+    evalset = tmp_path / "eval"
+    evalset.mkdir()
+    for i, p in enumerate(photos):
+        Image.fromarray(p).save(evalset / f"photo{i}.png")
+    rows = mixed_aspect(tmp_path / "site", 120, seed=1)
+    frames = [((255, 255, 255), 4 / 3), ((240, 240, 235), 1.0), ((30, 60, 120), 16 / 9)]
+    for i, p in enumerate(photos):
+        colour, ratio = frames[i % len(frames)]
+        framed(p, colour, ratio).save(tmp_path / "site" / "www" / "img" / f"framed{i}.jpg", "JPEG", quality=85)
+        rows.append({"url": f"{SERVER_PLACEHOLDER}/img/framed{i}.jpg", "caption": f"a framed photo number {i}"})
+    with DemoServer(tmp_path / "site" / "www") as server:
+        urls = [r["url"].replace(SERVER_PLACEHOLDER, server.base_url) for r in rows]
+        path = tmp_path / "list" / "part-00000.parquet"
+        path.parent.mkdir()
+        pq.write_table(pa.table({"url": urls, "caption": [r["caption"] for r in rows]}), path)
+        cfg = load_config(None, ["source.kind=urls", f"source.path={path}",
+                                 f"stages.ingest.allow_hosts=['{server.netloc}']", "stages.ingest.image_size=128",
+                                 "stages.ingest.samples_per_shard=100", f"stages.dedup.cache_dir={tmp_path / 'cache'}",
+                                 f"stages.dedup.eval_sets=[{{name: photos, kind: folder, path: {evalset}}}]",
+                                 "track_data=false"])
+        run_pipeline(cfg, tmp_path / "run", until="dedup", log=lambda m: None)
+    ledger = read_ledger(tmp_path / "run", "dedup", ["url", "verdict", "reason", "match_key"]).to_pylist()
+    assert len(ledger) == len(rows)
+    dropped = {r["url"].rsplit("/", 1)[1]: r for r in ledger if r["verdict"] != "kept"}
+    want = {f"framed{i}.jpg": f"photo{i}_png" for i in range(len(photos))}
+    assert set(dropped) == set(want), sorted(dropped)
+    assert all(dropped[u]["reason"] == "eval_duplicate" and dropped[u]["match_key"] == k for u, k in want.items()), dropped
