@@ -67,7 +67,10 @@ def trim_flat_bars(arr: np.ndarray, tol: float = PAD_TOLERANCE, level: float = 1
     if not len(rows) or not len(cols):
         return None                      # one flat colour: nothing inside
     top, bottom, left, right = rows[0], rows[-1] + 1, cols[0], cols[-1] + 1
-    if max(top, h - bottom, left, w - right) < 2 or bottom - top < h // 4 or right - left < w // 4:
+    # a frame holds a picture; an object on a plain background would pass for one (the demo's small
+    # red square on a lavender ground matched an evaluation image's corner), so the picture inside
+    # must span half of each side at least
+    if max(top, h - bottom, left, w - right) < 2 or 2 * (bottom - top) < h or 2 * (right - left) < w:
         return None
     return arr[top:bottom, left:right]
 

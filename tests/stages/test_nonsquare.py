@@ -129,6 +129,13 @@ def test_flat_bars_of_any_colour_but_black_are_found_around_a_picture():
     assert trim_flat_bars(photo) is None                                          # no frame
     assert trim_flat_bars(np.pad(photo, ((20, 20), (0, 0), (0, 0)))) is None       # black bars: trim_border's
     assert trim_flat_bars(np.full((64, 64, 3), 200, np.uint8)) is None             # one colour, nothing inside
+    # an object on a plain, lightly textured ground is not a picture in a frame (the demo's small red
+    # square on lavender was cut out and matched an evaluation image's corner)
+    ground = np.random.default_rng(0).normal((200, 200, 230), 4, (96, 96, 3)).clip(0, 255).astype(np.uint8)
+    ground[12:40, 52:80] = (220, 30, 30)
+    assert trim_flat_bars(ground) is None
+    ground[8:80, 10:88] = np.asarray(Image.fromarray(photo).resize((78, 72)))      # a picture filling most of it
+    assert trim_flat_bars(ground).shape[:2] == (72, 78)
 
 
 @pytest.mark.slow
