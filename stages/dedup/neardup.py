@@ -94,18 +94,16 @@ class NearDupIndex:
         (colour-checked as `search` does), or -1: how alike the indexed images are to each other
         under this descriptor. `k` Hamming candidates, more than an image's own crops (28)."""
         rows = np.asarray(rows, np.int64)
-        best = np.full(len(rows), -1.0, np.float32)
         if not len(rows) or len(self.ids) < 2:
-            return best
+            return np.full(len(rows), -1.0, np.float32)
         _, cand = self.index.search(self.codes[rows], min(k, len(self.ids)))
-        valid = (cand >= 0)
+        valid = cand >= 0
         cc = np.where(valid, cand, 0)
         valid &= self.ids[cc] != self.ids[rows][:, None]
         if self.colour_tol is not None:
             valid &= np.abs(self.means[cc] - self.means[rows][:, None]).max(-1) <= self.colour_tol
         sims = np.einsum("qkd,qd->qk", self.vecs[cc], self.vecs[rows])
-        sims = np.where(valid, sims, -1.0).max(1)
-        return np.maximum(best, sims.astype(np.float32))
+        return np.where(valid, sims, -1.0).max(1).astype(np.float32)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -49,22 +49,24 @@ class Candidates:
 ALIKE_WARN = 0.05   # a set whose images are this alike under the thumbnail descriptor is warned of
 
 
-def _alike(name: str, stats: dict, threshold: float, matched: int) -> dict:
+def _alike(name: str, stats: dict, threshold: float, matched: int, encoder: bool = False) -> dict:
     """A set's stats for the stage's summary, with the share of its images that have another of its
     images at `eval_threshold` (`alike`), and, where that is over ALIKE_WARN and the set matched
     samples of this run, a warning: images of a low-variety set's kind that are not in it are dropped
     as its duplicates too. At 0.92: scikit-learn's digits 0.65, Fashion-MNIST's test split 0.56 (its
     training split, 50,000 images, drops 60 % of the test split: benchmarks/eval_recall.py), the
-    demo's held-out split 0."""
+    demo's held-out split 0. `encoder`: an encoder is compared already (a thumbnail match still drops)."""
     out = {k: v for k, v in stats.items() if k != "nearest_other"}
     out["alike"] = share = alike_share(stats, threshold)
     if share is not None and share > ALIKE_WARN and matched:
         out["warning"] = (f"evaluation set {name}: {share:.0%} of its images have another of its images within "
                           f"stages.dedup.eval_threshold ({threshold:g}) of the thumbnail descriptor, which cannot "
                           f"tell this set's images apart: of the {matched} samples dropped as its duplicates, "
-                          "images of its kind that are not in it may be many; give stages.dedup.encoder_checkpoint "
-                          "an image-copy descriptor (DataComp's ISC) and raise stages.dedup.eval_threshold, or "
-                          "leave the set out")
+                          "images of its kind that are not in it may be many; "
+                          + ("raise stages.dedup.eval_threshold so that stages.dedup.encoder_checkpoint decides"
+                             if encoder else "give stages.dedup.encoder_checkpoint an image-copy descriptor "
+                             "(DataComp's ISC) and raise stages.dedup.eval_threshold")
+                          + ", or leave the set out")
     return out
 
 
@@ -247,7 +249,8 @@ class DedupStage(Decide):
                 evals[name] = evals.get(name, 0) + c
             for name, c in p.extra.get("caption_matches", {}).items():
                 caption_hits[name] = caption_hits.get(name, 0) + c
-        sets = {name: _alike(name, st, cfg.eval_threshold, evals.get(name, 0)) for name, st in found.set_stats.items()}
+        sets = {name: _alike(name, st, cfg.eval_threshold, evals.get(name, 0), bool(cfg.encoder_checkpoint))
+                for name, st in found.set_stats.items()}
         for st in sets.values():
             if "warning" in st:
                 ctx.log(f"dedup: warning: {st['warning']}")

@@ -135,7 +135,9 @@ def test_a_set_whose_images_look_alike_is_measured_and_warned_of(tmp_path):
     assert out["alike"] > 0.3 and "nearest_other" not in out and "warning" not in out, out
     said = _alike("digits300", stats, THRESHOLD, matched=12)["warning"]
     assert said.startswith("evaluation set digits300: ") and "of the 12 samples dropped as its duplicates" in said
-    assert "stages.dedup.encoder_checkpoint" in said and "stages.dedup.eval_threshold (0.92)" in said
+    assert "stages.dedup.encoder_checkpoint an image-copy descriptor" in said and "stages.dedup.eval_threshold (0.92)" in said
+    with_encoder = _alike("digits300", stats, THRESHOLD, matched=12, encoder=True)["warning"]
+    assert "raise stages.dedup.eval_threshold so that stages.dedup.encoder_checkpoint decides" in with_encoder
     # what it warns of: digits the set does not hold, dropped as its duplicates
     index = NearDupIndex.load(path)
     dropped = np.mean([s >= THRESHOLD for _, s in _matches(index, [to_rgb_array(a) for a in imgs[1000:1400]])])
