@@ -68,29 +68,35 @@ def test_pictures_crop_only_flat_bars():
     assert got[0].size == (64, 41) and got[1].size == (64, 64) and got[2] is None
 
 
-@pytest.mark.slow
-def test_mixed_aspect_pictures_through_ingest_and_dedup_are_all_kept(tmp_path, ray_local):
-    """200 distinct pictures in six aspect ratios, 40 % product-like on flat backgrounds, downloaded by
-    img2dataset with its default `border` resize: dedup keeps every one."""
+def _served_until_dedup(tmp_path, rows: list[dict], *settings: str):
+    """`rows` (url with the server placeholder, caption) served from tmp_path/site/www on loopback as a
+    URL list, run by the real pipeline until dedup into tmp_path/run; -> the config it ran."""
     from pipeline.config import load_config
     from pipeline.runner import run_pipeline
     from stages.source.demo_server import DemoServer
     from stages.source.synthetic import SERVER_PLACEHOLDER
-    from stages.source.web_shapes import mixed_aspect
-    from stages.base import read_ledger
 
-    rows = mixed_aspect(tmp_path / "site", 200, seed=0)
     with DemoServer(tmp_path / "site" / "www") as server:
         urls = [r["url"].replace(SERVER_PLACEHOLDER, server.base_url) for r in rows]
         path = tmp_path / "list" / "part-00000.parquet"
         path.parent.mkdir()
         pq.write_table(pa.table({"url": urls, "caption": [r["caption"] for r in rows]}), path)
-        cfg = load_config(None, ["source.kind=urls", f"source.path={path}",
-                                 f"stages.ingest.allow_hosts=['{server.netloc}']", "stages.ingest.image_size=64",
-                                 "stages.ingest.samples_per_shard=100", "stages.dedup.eval_sets=[]",
-                                 "track_data=false"])
-        assert cfg.stages.ingest.resize_mode == "border"       # the default, padding with white
+        cfg = load_config(None, ["source.kind=urls", f"source.path={path}", f"stages.ingest.allow_hosts=['{server.netloc}']",
+                                 "stages.ingest.samples_per_shard=100", "track_data=false", *settings])
         run_pipeline(cfg, tmp_path / "run", until="dedup", log=lambda m: None)
+    return cfg
+
+
+@pytest.mark.slow
+def test_mixed_aspect_pictures_through_ingest_and_dedup_are_all_kept(tmp_path, ray_local):
+    """200 distinct pictures in six aspect ratios, 40 % product-like on flat backgrounds, downloaded by
+    img2dataset with its default `border` resize: dedup keeps every one."""
+    from stages.source.web_shapes import mixed_aspect
+    from stages.base import read_ledger
+
+    rows = mixed_aspect(tmp_path / "site", 200, seed=0)
+    cfg = _served_until_dedup(tmp_path, rows, "stages.ingest.image_size=64", "stages.dedup.eval_sets=[]")
+    assert cfg.stages.ingest.resize_mode == "border"       # the default, padding with white
     stats = json.loads((tmp_path / "run" / "dedup" / "stats.json").read_text())
     ledger = read_ledger(tmp_path / "run", "dedup", ["key", "verdict", "reason", "match_key"]).to_pylist()
     assert len(ledger) == 200
@@ -143,10 +149,7 @@ def test_an_evaluation_photo_in_a_frame_is_dropped_and_pictures_on_flat_backgrou
     """Photos of an evaluation set re-hosted in frames of one flat colour were searched only as a whole
     and never matched; now the picture inside the frame is searched too. 120 distinct pictures, 40 %
     of them products on flat backgrounds (where the frame search finds a picture too), match nothing."""
-    from pipeline.config import load_config
-    from pipeline.runner import run_pipeline
     from stages.base import read_ledger
-    from stages.source.demo_server import DemoServer
     from stages.source.synthetic import SERVER_PLACEHOLDER
     from stages.source.web_shapes import mixed_aspect
 
@@ -161,17 +164,8 @@ def test_an_evaluation_photo_in_a_frame_is_dropped_and_pictures_on_flat_backgrou
         colour, ratio = frames[i % len(frames)]
         framed(p, colour, ratio).save(tmp_path / "site" / "www" / "img" / f"framed{i}.jpg", "JPEG", quality=85)
         rows.append({"url": f"{SERVER_PLACEHOLDER}/img/framed{i}.jpg", "caption": f"a framed photo number {i}"})
-    with DemoServer(tmp_path / "site" / "www") as server:
-        urls = [r["url"].replace(SERVER_PLACEHOLDER, server.base_url) for r in rows]
-        path = tmp_path / "list" / "part-00000.parquet"
-        path.parent.mkdir()
-        pq.write_table(pa.table({"url": urls, "caption": [r["caption"] for r in rows]}), path)
-        cfg = load_config(None, ["source.kind=urls", f"source.path={path}",
-                                 f"stages.ingest.allow_hosts=['{server.netloc}']", "stages.ingest.image_size=128",
-                                 "stages.ingest.samples_per_shard=100", f"stages.dedup.cache_dir={tmp_path / 'cache'}",
-                                 f"stages.dedup.eval_sets=[{{name: photos, kind: folder, path: {evalset}}}]",
-                                 "track_data=false"])
-        run_pipeline(cfg, tmp_path / "run", until="dedup", log=lambda m: None)
+    _served_until_dedup(tmp_path, rows, "stages.ingest.image_size=128", f"stages.dedup.cache_dir={tmp_path / 'cache'}",
+                        f"stages.dedup.eval_sets=[{{name: photos, kind: folder, path: {evalset}}}]")
     ledger = read_ledger(tmp_path / "run", "dedup", ["url", "verdict", "reason", "match_key"]).to_pylist()
     assert len(ledger) == len(rows)
     dropped = {r["url"].rsplit("/", 1)[1]: r for r in ledger if r["verdict"] != "kept"}
