@@ -62,6 +62,10 @@ def trim_flat_bars(arr: np.ndarray, tol: float = PAD_TOLERANCE, level: float = 1
     colour = np.median(np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]]), axis=0)
     if colour.max() <= level:
         return None                      # black: trim_border's
+    # every image of a partition comes through here: where no edge line is a bar (most pictures) there
+    # is none inside either, told from the edges alone (0.1 ms, where the whole image is ~4 ms at 256 px)
+    if not any((np.abs(edge - colour).max(-1) <= tol).mean() >= 0.98 for edge in (a[0], a[-1], a[:, 0], a[:, -1])):
+        return None
     flat = np.abs(a - colour).max(-1) <= tol
     rows, cols = np.flatnonzero(flat.mean(1) < 0.98), np.flatnonzero(flat.mean(0) < 0.98)
     if not len(rows) or not len(cols):
