@@ -28,6 +28,11 @@ class DedupConfig:
     eval_threshold: float = 0.92       # cosine of thumbnail descriptors
     within_threshold: float = 0.97  # cosine of thumbnail descriptors above which two training images are one
     colour_tol: float = 12.0           # max mean-colour difference per channel (0..255) for a match
+    # two training images the thumbnail joined must also reach this cosine of their 24x24 grey
+    # thumbnails (imagehash.detail), which tells apart distinct pictures of one kind (products shot
+    # alike, icons of a set) and keeps re-hosted copies (resized, re-encoded: photos' and products'
+    # all, drawings' 98 %; benchmarks/dedup_real.py); 0 turns it off
+    within_detail_threshold: float = 0.99
     bits: int = 256                    # SimHash bits for the binary candidate search
     # an image encoder whose embeddings are compared too: a capline model directory, or a TorchScript
     # file (.pt: DataComp's ISC descriptor, an open_clip visual tower traced), fed encoder_image_size
@@ -53,6 +58,8 @@ class DedupConfig:
         for name in ("eval_threshold", "within_threshold", "encoder_threshold"):
             v = getattr(self, name)
             require(0 < v <= 1, join(prefix, name), f"a cosine threshold in (0, 1], got {v}")
+        require(0 <= self.within_detail_threshold <= 1, join(prefix, "within_detail_threshold"),
+                f"a cosine threshold in [0, 1] (0: no detail check), got {self.within_detail_threshold}")
         require(self.caption_match in ("drop", "flag", "off"), join(prefix, "caption_match"),
                 f"drop, flag or off, got {self.caption_match!r}")
         require(self.caption_ngram == 0 or 4 <= self.caption_ngram <= 64, join(prefix, "caption_ngram"),

@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from ..dataplane import PICTURE_COLUMNS, by_location, picture_batches
 from ..shared_model import TORCH_MB, WORKER_MB, SharedModel
-from .imagehash import describe, to_rgb_array, trim_flat_bars
+from .imagehash import DETAIL_DIM, describe, detail, to_rgb_array, trim_flat_bars
 from .neardup import NearDupIndex, search_plan
 from .config import DedupConfig
 from .encoder import EncoderDescriber
@@ -73,6 +73,7 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
     hash_sets = bool(indexes)
     n = rows.num_rows
     vec16, means, codes = np.zeros((n, 768), np.float16), np.zeros((n, 3), np.float32), np.zeros((n, cfg.bits // 8), np.uint8)
+    detail16 = np.zeros((n, DETAIL_DIM), np.float16)
     pix, ok = [bytes(16)] * n, np.zeros(n, bool)
     best_set, best_id, best_sim = [""] * n, [""] * n, np.full(n, -1.0, np.float32)
     at = 0
@@ -87,6 +88,7 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
                 continue     # ingest verified decodability; counted as undecodable if it happens
             arr = to_rgb_array(img)   # for the descriptor and the pixel hash
             vecs[j], means[i] = describe(arr)
+            detail16[i] = detail(arr)
             pix[i] = hashlib.sha256(arr.tobytes()).digest()[:16]
             ok[i] = True
             if hash_sets and (query := framed_query(arr)) is not None:
@@ -112,6 +114,7 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
                    zip(rows.column("url").to_pylist(), rows.column("caption").to_pylist())]
     table = pa.table({
         "key": keys, "vec": pa.array([v.tobytes() for v in vec16], pa.binary()),
+        "detail": pa.array([v.tobytes() for v in detail16], pa.binary()),
         "ok": ok, "eval_set": best_set, "eval_id": best_id, "eval_sim": best_sim,
         "code": pa.array([c.tobytes() for c in codes], pa.binary()),
         "mean": pa.FixedSizeListArray.from_arrays(pa.array(means.ravel()), 3),
@@ -164,7 +167,7 @@ WITHIN_DESCRIPTOR = "thumb16-unpadded"
 # inside bars of one flat colour is searched again without them (`imagehash.trim_flat_bars`). In the
 # reuse key where the stage has evaluation sets, so descriptions searched before it are searched again.
 FRAMED_QUERY = "flat-bars"
-DESCRIBED_LAYOUT = 3        # what a description file holds (3: codes, colours and hashes for the sign step)
+DESCRIBED_LAYOUT = 4        # what a description file holds (3: codes, colours and hashes for the sign step; 4: `detail`)
 
 
 def eval_search(arrays: dict) -> str:

@@ -65,6 +65,7 @@ class Verified:
     candidates: int
     near: int
     edges: int
+    told_apart: int = 0     # candidates at the thumbnail's threshold whose detail told them apart
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ LINE_EDGES_RECORD = f"{LINE_EDGES}/line.json"
 WANTED_SCHEMA = pa.schema([("key", pa.string()), ("part", pa.string()), ("pair_bucket", pa.int32()),
                            ("fetch_bucket", pa.int32())])
 
-VEC_SCHEMA = pa.schema([("key", pa.string()), ("vec", pa.binary()), ("pair_bucket", pa.int32())])
+VEC_SCHEMA = pa.schema([("key", pa.string()), ("vec", pa.binary()), ("detail", pa.binary()), ("pair_bucket", pa.int32())])
 
 PAIR_SCHEMA = pa.schema([("a", pa.string()), ("part_a", pa.string()), ("b", pa.string()), ("part_b", pa.string()),
                          ("kind", pa.string()), ("pair_bucket", pa.int32())])

@@ -44,6 +44,7 @@ class Candidates:
     signed: dict = field(default_factory=dict)  # partition -> its signatures' prefix (what its edges come from)
     carried: tuple | None = None  # an append: (the dataset line's edges file, the partitions not searched again)
     chunks: dict = field(default_factory=dict)  # the line's signatures in chunks: file -> {parts, rows}
+    told_apart: int = 0           # near candidates the thumbnail joined and the detail descriptor told apart
 
 
 ALIKE_WARN = 0.05   # a set whose images are this alike under the thumbnail descriptor is warned of
@@ -186,7 +187,8 @@ class DedupStage(Decide):
         spans = fetch_spans(n_fetch, sum(f.wanted for f in found))
         checked = ctx.shuffle(_fetch_pieces, [(ctx.storage, span, wanted_files, desc, n_pairs) for span in spans]
                               if wanted_files else [], n_pairs, _verify_reduce,
-                              [(ctx.storage, b, pair_files, cfg.within_threshold) for b in range(n_pairs)],
+                              [(ctx.storage, b, pair_files, cfg.within_threshold, cfg.within_detail_threshold)
+                               for b in range(n_pairs)],
                               "dedup verify", num_cpus=cfg.cpus_per_worker) if pair_files else []
         edge_files = [f"{EDGE_DIR}/{b:06d}.parquet" for b, c in enumerate(checked) if c.edges]
         return Candidates(sum(c.exact for c in checked), sum(c.near for c in checked),
@@ -194,7 +196,8 @@ class DedupStage(Decide):
                           set_stats, max((f.largest_group for f in found), default=0), n_buckets,
                           plan.describe(cfg.within_threshold), desc,
                           {"group": len(found), "fetch": len(spans) if wanted_files and pair_files else 0, "verify": len(checked)},
-                          {u.part: signed[u.part] for u in upstream}, carried, chunks)
+                          {u.part: signed[u.part] for u in upstream}, carried, chunks,
+                          sum(c.told_apart for c in checked))
 
     def decide(self, ctx: StageContext, found: Candidates) -> Clusters:
         """Pairs joined into clusters, in a task; of each the smallest key is kept. -> counts per
@@ -214,8 +217,9 @@ class DedupStage(Decide):
         ctx.storage.delete_files([f for f in ctx.storage.list(LINE_EDGES, recursive=True)
                                   if f not in (keep_as, LINE_EDGES_RECORD) and f not in found.chunks])
         ctx.log(f"dedup: {found.exact} exact pairs, {found.n_candidates} near candidates, {found.near} "
-                f"near pairs" + (f" (searched for the new partitions; {out.edges_carried} pairs carried)"
-                                 if found.carried else "") + f", {out.duplicates} within-data duplicates"
+                f"near pairs" + (f" ({found.told_apart} more told apart by their detail)" if found.told_apart else "")
+                + (f" (searched for the new partitions; {out.edges_carried} pairs carried)"
+                   if found.carried else "") + f", {out.duplicates} within-data duplicates"
                 + (f"; {out.published_kept} published sample(s) of this dataset line kept beside the one "
                    "their cluster keeps" if out.published_kept else ""))
         return out
@@ -263,9 +267,10 @@ class DedupStage(Decide):
                                    "edges": {"total": decisions.edges, "carried": decisions.edges_carried,
                                              "searched": "new partitions" if found.carried else "all"},
                                    "pairs": {"exact": found.exact, "near_candidates": found.n_candidates,
-                                             "near": found.near},
+                                             "near": found.near, "told_apart_by_detail": found.told_apart},
                                    "method": {"descriptor": WITHIN_DESCRIPTOR, "eval_threshold": cfg.eval_threshold,
                                               "within_threshold": cfg.within_threshold,
+                                              "within_detail_threshold": cfg.within_detail_threshold,
                                               "lsh": f"{found.lsh}, Hamming radius "
                                                      f"{hamming_radius(cfg.within_threshold, cfg.bits)}",
                                               "encoder_checkpoint": cfg.encoder_checkpoint}},

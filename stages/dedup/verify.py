@@ -1,4 +1,5 @@
-"""Step 5: the near candidates' descriptors fetched by partition and checked by exact cosine (the edges)."""
+"""Step 5: the near candidates' descriptors fetched by partition and checked by exact cosine, thumbnail
+and detail (the edges)."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,17 +36,18 @@ def _fetch_pieces(storage, span: tuple[int, int], files: list[str], desc: dict[s
     by_part: dict[str, list] = {}
     for k, part, pb in zip(*(t.column(c).to_pylist() for c in ("key", "part", "pair_bucket"))):
         by_part.setdefault(part, []).append((k, pb))
-    out = {"key": [], "vec": [], "pair_bucket": []}
+    out = {"key": [], "vec": [], "detail": [], "pair_bucket": []}
     parts = sorted(by_part)
     for lo in range(0, len(parts), FETCH_AT_ONCE):     # read in parallel, a group at a time (memory: a group)
         group = parts[lo:lo + FETCH_AT_ONCE]
-        for part, d in zip(group, storage.read_tables([desc[q] for q in group], ["key", "vec"])):
+        for part, d in zip(group, storage.read_tables([desc[q] for q in group], ["key", "vec", "detail"])):
             want = by_part[part]
             d = d.filter(pc.is_in(d.column("key"), pa.array(sorted({k for k, _ in want}))))
-            vec = dict(zip(d.column("key").to_pylist(), d.column("vec").to_pylist()))
+            got = dict(zip(d.column("key").to_pylist(), zip(d.column("vec").to_pylist(), d.column("detail").to_pylist())))
             for k, pb in want:
                 out["key"].append(k)
-                out["vec"].append(vec[k])
+                out["vec"].append(got[k][0])
+                out["detail"].append(got[k][1])
                 out["pair_bucket"].append(pb)
     table = pa.table(out, schema=VEC_SCHEMA)
     return bucket_pieces(table, np.asarray(out["pair_bucket"], np.int64), n_pairs)
@@ -56,21 +58,29 @@ def _unit(v: bytes) -> np.ndarray:
     return x / (np.linalg.norm(x) + 1e-6)
 
 
-def _verify_reduce(storage, bucket: int, files: list[str], threshold: float, *pieces: pa.Table) -> Verified:
+def _verify_reduce(storage, bucket: int, files: list[str], threshold: float, detail_threshold: float,
+                   *pieces: pa.Table) -> Verified:
     """Ray task (the verify shuffle's reduce): one pair bucket from every group file, and its
     candidates' descriptors from every fetch task -> its exact pairs and its candidate near pairs at
-    cosine >= threshold (a pair also found exact is exact), written as edges; -> counts."""
+    cosine >= threshold whose detail descriptors are at cosine >= detail_threshold too (0: not
+    compared; a pair also found exact is exact), written as edges; -> counts."""
     t = read_bucket(storage, files, "pair_bucket", bucket, PAIR_SCHEMA)
     pairs = sorted({Pair(*r) for r in zip(*(t.column(f).to_pylist() for f in Pair._fields))})
     exact = [p for p in pairs if p.kind == "exact_duplicate"]
     exact_ab = {(p.a, p.b) for p in exact}
     cand = [p for p in pairs if p.kind == "near_duplicate" and (p.a, p.b) not in exact_ab]
     v = pa.concat_tables(pieces) if cand and pieces else VEC_SCHEMA.empty_table()
-    vec = {k: _unit(x) for k, x in zip(v.column("key").to_pylist(), v.column("vec").to_pylist())}
-    near = [(p, c) for p in cand if (c := float(vec[p.a] @ vec[p.b])) >= threshold]
+    keys = v.column("key").to_pylist()
+    vec = {k: _unit(x) for k, x in zip(keys, v.column("vec").to_pylist())}
+    alike = [(p, c) for p in cand if (c := float(vec[p.a] @ vec[p.b])) >= threshold]
+    if detail_threshold > 0 and alike:
+        det = {k: _unit(x) for k, x in zip(keys, v.column("detail").to_pylist())}
+        near = [(p, c) for p, c in alike if float(det[p.a] @ det[p.b]) >= detail_threshold]
+    else:
+        near = alike
     edges = [(p, None) for p in exact] + near
     if edges:
         storage.write_table(f"{EDGE_DIR}/{bucket:06d}.parquet", pa.table(
             {**{f: [getattr(p, f) for p, _ in edges] for f in Pair._fields}, "cosine": [c for _, c in edges]},
             schema=EDGE_SCHEMA))
-    return Verified(len(exact), len(cand), len(near), len(edges))
+    return Verified(len(exact), len(cand), len(near), len(edges), len(alike) - len(near))

@@ -97,3 +97,42 @@ def mixed_aspect(out_dir: Path, n: int, seed: int, product_fraction: float = 0.4
         rows.append({"url": f"{SERVER_PLACEHOLDER}/img/{name}", "caption": f"{kind} picture number {i} of {n}",
                      "kind": kind, "width": img.size[0], "height": img.size[1]})
     return rows
+
+
+def product_shots(out_dir: Path, n: int, copies: int, seed: int, side: int = 320) -> list[dict]:
+    """`n` distinct products photographed alike (Fashion-MNIST's test images, each another garment,
+    dark on a white ground as a shop shows them; Debian's dataset-fashion-mnist), then `copies` of
+    them re-hosted as another site serves a picture (resized 0.6-2x, a JPEG of quality 60-90), under
+    out_dir/www/img; -> the URL list's rows (url with the server placeholder, caption, kind "product"
+    or "copy", copy_of: the row it copies). Thumbnails of 16x16 join many such products (they differ
+    in shapes a thumbnail blurs), where a copy differs only in what re-hosting did."""
+    import io
+
+    from trainers.evaluation.datasets import fashion_mnist_images
+
+    rng = np.random.default_rng(seed)
+    images = fashion_mnist_images()
+    (out_dir / "www" / "img").mkdir(parents=True, exist_ok=True)
+    rows, seen, shots = [], set(), []
+    for k in rng.permutation(len(images)):
+        if len(rows) == n:
+            break
+        if images[k].tobytes() in seen:        # the split holds a few images twice: copies, not distinct
+            continue
+        seen.add(images[k].tobytes())
+        img = Image.fromarray(255 - images[k]).resize((side, side), Image.BICUBIC).convert("RGB")
+        name = f"product{len(rows):05d}.png"
+        img.save(out_dir / "www" / "img" / name)
+        shots.append(img)
+        rows.append({"url": f"{SERVER_PLACEHOLDER}/img/{name}", "caption": f"product number {len(rows)} of the shop",
+                     "kind": "product", "copy_of": None})
+    for c, i in enumerate(rng.choice(len(shots), copies, replace=False)):
+        s = rng.uniform(0.6, 2.0)
+        img = shots[i].resize((round(side * s), round(side * s)), Image.BICUBIC)
+        buf = io.BytesIO()
+        img.save(buf, "JPEG", quality=int(rng.integers(60, 91)))
+        name = f"copy{c:05d}.jpg"
+        (out_dir / "www" / "img" / name).write_bytes(buf.getvalue())
+        rows.append({"url": f"{SERVER_PLACEHOLDER}/img/{name}", "caption": f"the shop's product {i} on another site",
+                     "kind": "copy", "copy_of": int(i)})
+    return rows

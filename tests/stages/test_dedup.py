@@ -597,14 +597,16 @@ def test_the_fetch_tasks_are_sized_by_the_descriptors_wanted_not_the_buckets(tmp
         keys = [f"k{p}_{i}" for i in range(3)]
         desc[f"p{p}"] = f"d/p{p}.parquet"
         storage.write_table(desc[f"p{p}"], pa.table({"key": keys, "vec": [rng.standard_normal(4).astype(np.float16).tobytes()
-                                                                           for _ in keys]}))
+                                                                           for _ in keys],
+                                                     "detail": [rng.standard_normal(3).astype(np.float16).tobytes()
+                                                                for _ in keys]}))
         for k in keys[:2]:
             rows["key"].append(k), rows["part"].append(f"p{p}"), rows["pair_bucket"].append(p % 2), rows["fetch_bucket"].append(p % 4)
     write_buckets(storage, "w/000000.parquet", pa.table(rows, schema=WANTED_SCHEMA), "fetch_bucket")
 
     def fetched(spans):
         pieces = [_fetch_pieces(storage, span, ["w/000000.parquet"], desc, 2) for span in spans]
-        return [sorted(zip(*(pa.concat_tables([p[b] for p in pieces]).column(c).to_pylist() for c in ("key", "vec"))))
+        return [sorted(zip(*(pa.concat_tables([p[b] for p in pieces]).column(c).to_pylist() for c in ("key", "vec", "detail"))))
                 for b in range(2)]
 
     one = fetched(fetch_spans(4, 16))

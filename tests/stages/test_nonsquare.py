@@ -105,6 +105,80 @@ def test_mixed_aspect_pictures_through_ingest_and_dedup_are_all_kept(tmp_path, r
     assert stats["method"]["descriptor"] == "thumb16-unpadded"
 
 
+@pytest.mark.slow
+def test_distinct_products_shot_alike_are_kept_and_their_copies_dropped(tmp_path, ray_local):
+    """400 distinct garments photographed alike (Fashion-MNIST's, dark on white) and 12 of them re-hosted
+    (resized, JPEG), through img2dataset and the real dedup stage: the 16x16 thumbnail alone joins
+    many of the distinct ones; with the detail check (the default) each copy and its original are
+    one, and at most 1 % of the other products is dropped."""
+    import dataclasses
+
+    from pipeline.runner import run_pipeline
+    from stages.base import read_ledger
+    from stages.source.web_shapes import product_shots
+    from trainers.evaluation.datasets import FASHION_MNIST
+
+    if not FASHION_MNIST.is_file():
+        pytest.skip("Debian package dataset-fashion-mnist not installed (make install installs it)")
+    rows = product_shots(tmp_path / "site", 400, copies=12, seed=0)
+    cfg = _served_until_dedup(tmp_path, rows, "stages.ingest.image_size=128", "stages.dedup.eval_sets=[]")
+    name = {r["url"].rsplit("/", 1)[1]: i for i, r in enumerate(rows)}
+
+    def dropped():
+        ledger = read_ledger(tmp_path / "run", "dedup", ["key", "url", "verdict", "reason", "match_key"]).to_pylist()
+        assert len(ledger) == len(rows)
+        row_of = {r["key"]: name[r["url"].rsplit("/", 1)[1]] for r in ledger}
+        return {name[r["url"].rsplit("/", 1)[1]]: (r["reason"], row_of[r["match_key"]]) for r in ledger
+                if r["verdict"] != "kept"}
+
+    with_detail = dropped()
+    pairs = {frozenset((i, r["copy_of"])) for i, r in enumerate(rows) if r["kind"] == "copy"}
+    assert pairs <= {frozenset((i, j)) for i, (_, j) in with_detail.items()}, with_detail
+    assert all(reason == "near_duplicate" for reason, _ in with_detail.values())
+    kept_apart = [i for i, (_, j) in with_detail.items() if frozenset((i, j)) not in pairs]
+    assert len(kept_apart) <= 4, kept_apart         # 1 % of the products: two shirts can be that alike
+    stats = json.loads((tmp_path / "run" / "dedup" / "stats.json").read_text())
+    assert stats["method"]["within_detail_threshold"] == cfg.stages.dedup.within_detail_threshold > 0
+    told_apart = stats["pairs"]["told_apart_by_detail"]
+    # the thumbnail alone, as before the detail check: distinct products dropped as copies of each other
+    off = dataclasses.replace(cfg, stages=dataclasses.replace(
+        cfg.stages, dedup=dataclasses.replace(cfg.stages.dedup, within_detail_threshold=0.0)))
+    run_pipeline(off, tmp_path / "run", only="dedup", log=lambda m: None)
+    alone = dropped()
+    distinct = [i for i, (_, j) in alone.items() if frozenset((i, j)) not in pairs]
+    print(f"products: {len(distinct)} of 400 dropped by the thumbnail alone, {len(kept_apart)} with the detail check "
+          f"({told_apart} pairs told apart); copies joined {len(pairs)} of {len(pairs)}")
+    assert len(distinct) >= 5 * max(1, len(kept_apart)) and len(distinct) >= 20 and told_apart >= 20, \
+        (len(distinct), told_apart, len(kept_apart))
+
+
+def test_the_detail_descriptor_keeps_a_copy_close_and_tells_two_products_apart():
+    """Unit: a photo resized to 0.4x and saved as a JPEG of quality 30 stays at detail cosine >= 0.99
+    of itself; of Fashion-MNIST's garments whose 16x16 thumbnails are >= 0.97 alike, most are below it."""
+    from stages.dedup.config import DedupConfig
+    from stages.dedup.imagehash import describe, detail, to_rgb_array
+    from trainers.evaluation.datasets import FASHION_MNIST, fashion_mnist_images
+
+    cut = DedupConfig().within_detail_threshold
+    photo = _photos()[2]
+    small = Image.fromarray(photo).resize((photo.shape[1] * 2 // 5, photo.shape[0] * 2 // 5), Image.BICUBIC)
+    buf = io.BytesIO()
+    small.save(buf, "JPEG", quality=30)
+    again = np.asarray(Image.open(buf).convert("RGB").resize((photo.shape[1], photo.shape[0]), Image.BICUBIC))
+    assert float(detail(again) @ detail(photo)) >= cut
+    if not FASHION_MNIST.is_file():
+        pytest.skip("Debian package dataset-fashion-mnist not installed (make install installs it)")
+    shots = [np.asarray(Image.fromarray(255 - a).resize((128, 128), Image.BICUBIC).convert("RGB"))
+             for a in fashion_mnist_images()[:600]]
+    v = np.stack([describe(s)[0] for s in shots])
+    d = np.stack([detail(s) for s in shots])
+    i, j = np.nonzero(np.triu(v @ v.T >= 0.97, 1))
+    distinct = [(a, b) for a, b in zip(i, j) if not np.array_equal(shots[a], shots[b])]
+    assert len(distinct) >= 20
+    told_apart = sum(float(d[a] @ d[b]) < cut for a, b in distinct)
+    assert told_apart >= 0.8 * len(distinct), (told_apart, len(distinct))
+
+
 def _photos():
     from skimage import data
     from sklearn.datasets import load_sample_images
