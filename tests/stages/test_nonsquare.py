@@ -179,6 +179,26 @@ def test_the_detail_descriptor_keeps_a_copy_close_and_tells_two_products_apart()
     assert told_apart >= 0.8 * len(distinct), (told_apart, len(distinct))
 
 
+def test_trim_border_cuts_black_bands_and_only_them():
+    """Unit: black bands on any side are cut whatever the picture inside; a picture whose four edges
+    are not black (a plain light ground included) comes back whole; an all-black one too."""
+    from stages.dedup.imagehash import trim_border
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        h, w = (int(v) for v in rng.integers(8, 60, 2))
+        inner = rng.integers(40, 256, (h, w, 3)).astype(np.uint8)
+        pads = [int(v) for v in rng.integers(0, 12, 4)]
+        barred = np.pad(inner, ((pads[0], pads[1]), (pads[2], pads[3]), (0, 0)), constant_values=int(rng.integers(0, 12)))
+        assert np.array_equal(trim_border(barred), inner)
+        assert trim_border(inner) is inner
+    plain = np.full((32, 48, 3), 250, np.uint8)
+    plain[10:20, 10:20] = 0          # black inside, not at an edge: content
+    assert trim_border(plain) is plain
+    black = np.zeros((32, 32, 3), np.uint8)
+    assert trim_border(black) is black
+
+
 def _photos():
     from skimage import data
     from sklearn.datasets import load_sample_images
