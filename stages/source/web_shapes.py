@@ -5,6 +5,9 @@ them product-like (one flat background colour, one small object, as shop photos 
 photo-like (a gradient and several shapes over the whole frame). Each is accepted only if the
 near-duplicate descriptor (stages.dedup.imagehash) finds it clearly unlike every picture before it *as an
 original*, so any of them dropped as a duplicate after ingest was dropped for what ingest did to it.
+`product_shots`: distinct products photographed alike (Fashion-MNIST's garments, dark on white) and
+re-hosted copies of some, for the within-data rule: the copies are one with their originals, the
+products are not one with each other.
 Written like the demo's site: files under `www/img/`, URLs with the `{DEMO_SERVER}` placeholder.
 """
 from __future__ import annotations
