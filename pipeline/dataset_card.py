@@ -112,9 +112,13 @@ def card(manifest: dict, summary: dict, cfg) -> str:
                      f"sha256 `{art['tokenizer']['sha256']}`")
     dedup = summary.get("dedup") or {}
     if dedup.get("eval_sets"):
+        # the level the stage warns past, as the run had it (a run before it was recorded: not said)
+        warn = next((i["alike_warn"] for i in dedup["eval_sets"].values() if "alike_warn" in i), None)
+        past = "" if warn is None else (f" (past {warn:.0%}".replace("%", " %") + ", images of its kind that are "
+                                        "not in it are removed too)")
         lines += ["", "## Evaluation sets removed", "", "Alike: the share of a set's images with another of its "
-                  "images within the dedup threshold (past 5 %, images of its kind that are not in it are removed "
-                  "too).", "", "| set | images | samples removed | alike |", "|---|---:|---:|---:|"]
+                  f"images within the dedup threshold{past}.", "", "| set | images | samples removed | alike |",
+                  "|---|---:|---:|---:|"]
         for name, info in dedup["eval_sets"].items():
             alike = info.get("alike")
             lines.append(f"| {md_text(name)} | {info.get('images')} | {dedup.get('eval_matches', {}).get(name, 0)} | "

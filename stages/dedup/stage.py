@@ -59,6 +59,7 @@ def _alike(name: str, stats: dict, threshold: float, matched: int, encoder: bool
     demo's held-out split 0. `encoder`: an encoder is compared already (a thumbnail match still drops)."""
     out = {k: v for k, v in stats.items() if k != "nearest_other"}
     out["alike"] = share = alike_share(stats, threshold)
+    out["alike_warn"] = ALIKE_WARN        # the dataset card says it as the run had it
     if share is not None and share > ALIKE_WARN and matched:
         out["warning"] = (f"evaluation set {name}: {share:.0%} of its images have another of its images within "
                           f"stages.dedup.eval_threshold ({threshold:g}) of the thumbnail descriptor, which cannot "

@@ -408,3 +408,21 @@ def test_the_dataset_card_shows_names_from_the_data_as_text():
     assert md_code("`x") == "`` `x ``"
     text = md_text("x|y <b>z</b> `w` [l](u)")
     assert "<b>" not in text and r"x\|y" in text and r"\`w\`" in text and r"\[l\]" in text
+
+
+def test_the_dataset_card_says_the_likeness_level_the_run_warned_past():
+    """The card's evaluation-set table says the level the dedup stage warned past, from the run's
+    stats (a run before it was recorded: the sentence without it), not a copy of the stage's constant."""
+    from pipeline.config import load_config
+    from pipeline.dataset_card import card
+    from stages.dedup.stage import ALIKE_WARN
+
+    manifest = {"artifacts": {"shard": {"shards": [{"samples": 3}]}}, "stages": {"shard": {"output_digest": "d"}}}
+    cfg = load_config(None, [])
+    sets = {"digits": {"images": 1797, "alike": 0.65, "alike_warn": ALIKE_WARN}}
+    counts = {"in": 7, "kept": 3, "dropped": {"eval_duplicate": 4}}
+    text = card(manifest, {"dedup": {**counts, "eval_sets": sets, "eval_matches": {"digits": 4}}}, cfg)
+    assert f"(past {ALIKE_WARN:.0%}".replace("%", " %") in text and "| digits | 1797 | 4 | 65% |" in text
+    sets["digits"].pop("alike_warn")
+    text = card(manifest, {"dedup": {**counts, "eval_sets": sets}}, cfg)
+    assert "within the dedup threshold." in text and "(past" not in text and "| digits | 1797 | 0 | 65% |" in text

@@ -156,7 +156,7 @@ def test_a_set_whose_images_look_alike_is_measured_and_warned_of(tmp_path):
     photos = build_reference(EvalSetConfig(name="photos", kind="folder", path=str(folder)), None, tmp_path / "cache",
                              PARAMS, log=lambda m: None)[1]
     assert _alike("photos", photos, THRESHOLD, matched=12) == {**{k: v for k, v in photos.items() if k != "nearest_other"},
-                                                               "alike": 0.0}
+                                                               "alike": 0.0, "alike_warn": ALIKE_WARN}
 
 
 @pytest.mark.slow   # 1.6-5.5 s: kept out of the fast set (under a minute)
