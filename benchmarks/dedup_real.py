@@ -61,10 +61,10 @@ def _render(rel: str):
 
 def _product(k: int, images):
     """Garment `k` of `images` (Fashion-MNIST's test split) as a shop shows it: dark on white, 400 px."""
-    from PIL import Image
+    from stages.source.web_shapes import product_shot
 
     out = io.BytesIO()
-    Image.fromarray(255 - images[k]).resize((400, 400), Image.BICUBIC).convert("RGB").save(out, "PNG")
+    product_shot(images[k], 400).save(out, "PNG")
     return f"fashion-mnist/t10k/{k:05d}", out.getvalue()
 
 

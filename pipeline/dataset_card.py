@@ -114,8 +114,8 @@ def card(manifest: dict, summary: dict, cfg) -> str:
     if dedup.get("eval_sets"):
         # the level the stage warns past, as the run had it (a run before it was recorded: not said)
         warn = next((i["alike_warn"] for i in dedup["eval_sets"].values() if "alike_warn" in i), None)
-        past = "" if warn is None else (f" (past {warn:.0%}".replace("%", " %") + ", images of its kind that are "
-                                        "not in it are removed too)")
+        past = "" if warn is None else (f" (past {100 * warn:g} %, images of its kind that are not in it are "
+                                        "removed too)")
         lines += ["", "## Evaluation sets removed", "", "Alike: the share of a set's images with another of its "
                   f"images within the dedup threshold{past}.", "", "| set | images | samples removed | alike |",
                   "|---|---:|---:|---:|"]

@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from ..dataplane import PICTURE_COLUMNS, by_location, picture_batches
 from ..shared_model import TORCH_MB, WORKER_MB, SharedModel
-from .imagehash import DETAIL_DIM, describe, detail, to_rgb_array, trim_flat_bars
+from .imagehash import DETAIL_DIM, describe, detail, to_rgb_array, trim_border, trim_flat_bars
 from .neardup import NearDupIndex, search_plan
 from .config import DedupConfig
 from .encoder import EncoderDescriber
@@ -86,9 +86,10 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
             i = at + j
             if img is None:
                 continue     # ingest verified decodability; counted as undecodable if it happens
-            arr = to_rgb_array(img)   # for the descriptor and the pixel hash
-            vecs[j], means[i] = describe(arr)
-            detail16[i] = detail(arr)
+            arr = to_rgb_array(img)   # for the descriptors and the pixel hash
+            core = trim_border(arr)   # once for both: a trimmed picture's edges end either one's trim at once
+            vecs[j], means[i] = describe(core)
+            detail16[i] = detail(core)
             pix[i] = hashlib.sha256(arr.tobytes()).digest()[:16]
             ok[i] = True
             if hash_sets and (query := framed_query(arr)) is not None:

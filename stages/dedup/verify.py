@@ -74,7 +74,8 @@ def _verify_reduce(storage, bucket: int, files: list[str], threshold: float, det
     vec = {k: _unit(x) for k, x in zip(keys, v.column("vec").to_pylist())}
     alike = [(p, c) for p in cand if (c := float(vec[p.a] @ vec[p.b])) >= threshold]
     if detail_threshold > 0 and alike:
-        det = {k: _unit(x) for k, x in zip(keys, v.column("detail").to_pylist())}
+        wanted = {k for p, _ in alike for k in (p.a, p.b)}
+        det = {k: _unit(x) for k, x in zip(keys, v.column("detail").to_pylist()) if k in wanted}
         near = [(p, c) for p, c in alike if float(det[p.a] @ det[p.b]) >= detail_threshold]
     else:
         near = alike

@@ -102,6 +102,11 @@ def mixed_aspect(out_dir: Path, n: int, seed: int, product_fraction: float = 0.4
     return rows
 
 
+def product_shot(garment: np.ndarray, side: int) -> Image.Image:
+    """A Fashion-MNIST garment (28x28 grey, light on black) as a shop shows it: dark on white, `side` px."""
+    return Image.fromarray(255 - garment).resize((side, side), Image.BICUBIC).convert("RGB")
+
+
 def product_shots(out_dir: Path, n: int, copies: int, seed: int, side: int = 320) -> list[dict]:
     """`n` distinct products photographed alike (Fashion-MNIST's test images, each another garment,
     dark on a white ground as a shop shows them; Debian's dataset-fashion-mnist), then `copies` of
@@ -123,7 +128,7 @@ def product_shots(out_dir: Path, n: int, copies: int, seed: int, side: int = 320
         if images[k].tobytes() in seen:        # the split holds a few images twice: copies, not distinct
             continue
         seen.add(images[k].tobytes())
-        img = Image.fromarray(255 - images[k]).resize((side, side), Image.BICUBIC).convert("RGB")
+        img = product_shot(images[k], side)
         name = f"product{len(rows):05d}.png"
         img.save(out_dir / "www" / "img" / name)
         shots.append(img)
