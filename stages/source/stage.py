@@ -20,7 +20,9 @@ serves them runs there too, and are partitioned the same way.
 """
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
 import math
 import re
@@ -312,20 +314,35 @@ def _read_columns(path: Path, fmt: str, header: bool = True, columns=None) -> li
     try:
         if fmt == "parquet":
             return pq.read_schema(path).names
-        if fmt in ("csv", "tsv"):     # a malformed line is the row reader's to count, not a reason to refuse
-            opts = pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",", invalid_row_handler=lambda row: "skip")
-            with pacsv.open_csv(path, read_options=_read_options(header, columns), parse_options=opts) as reader:
-                names = reader.schema.names
-            return names if header or columns else [str(i) for i in range(len(names))]
         with pa.input_stream(str(path), compression="detect") as f:
             head = f.read(1 << 20)
+        if fmt in ("csv", "tsv"):
+            # the first record, parsed here: Arrow's CSV reader reads ahead on its own threads, and
+            # a preflight that refuses the run ends the process while they may still be starting,
+            # which has aborted it at exit ("terminate called without an active exception",
+            # apache/arrow#34314; once in CI). A malformed line later is the row reader's to count.
+            if not head.strip():
+                raise UserError(f"source.path {path}: not a readable {fmt} URL list (the file is empty)")
+            if columns:
+                return list(columns)
+            # rows may hold bytes that are not UTF-8 (each costs its row later): only the header must be
+            text = head.removeprefix(b"\xef\xbb\xbf").decode("utf-8", "surrogateescape")   # Arrow skips a BOM too
+            csv.field_size_limit(max(csv.field_size_limit(), len(text) + 1))
+            names = next(csv.reader(io.StringIO(text), delimiter="\t" if fmt == "tsv" else ","), [])
+            if not header:
+                return [str(i) for i in range(len(names))]
+            if any(ch in SURROGATES for name in names for ch in name):
+                raise UserError(f"source.path {path}: not a readable {fmt} URL list (its header is not UTF-8)")
+            return names
         first = head.split(b"\n", 1)[0]
-        return pajson.read_json(pa.BufferReader(first)).column_names if first.strip() else []
-    except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as err:
+        one = pajson.ReadOptions(use_threads=False)   # in this thread, for the reason above
+        return pajson.read_json(pa.BufferReader(first), read_options=one).column_names if first.strip() else []
+    except (pa.ArrowInvalid, OSError, UnicodeDecodeError, csv.Error) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"source.path {path}: not a readable {fmt} URL list ({first})") from None
 
 
+SURROGATES = frozenset(map(chr, range(0xDC80, 0xDD00)))   # surrogateescape's stand-ins for bytes not UTF-8
 URL_LIKE = re.compile(r"^https?://", re.I)
 COMPRESSED = (".gz", ".zst", ".bz2")
 
