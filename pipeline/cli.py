@@ -162,6 +162,10 @@ def _parser() -> argparse.ArgumentParser:
     rm.add_argument("--threshold", type=float, default=None,
                     help="cosine of thumbnail descriptors above which an image entry matches a sample "
                          "(default: the run's stages.dedup.within_threshold)")
+    rm.add_argument("--detail-threshold", type=float, default=None,
+                    help="cosine of the finer detail descriptors a thumbnail match must also reach, so that a "
+                         "picture that only looks alike (another product shot the same way) stays; 0: the "
+                         "thumbnail alone (default: the run's stages.dedup.within_detail_threshold)")
     rm.add_argument("--address", help="Ray cluster to join (as for run)")
 
     rc = sub.add_parser("recheck", help="ask a dataset line's URLs again (robots.txt, X-Robots-Tag) and remove what opted out",
@@ -610,7 +614,8 @@ def _line_status(storage) -> list[str]:
 def _cmd_remove(args) -> int:
     from .remove import remove
 
-    r = remove(str(args.run_dir), args.list, args.reason, args.threshold, args.address, log=_say)
+    r = remove(str(args.run_dir), args.list, args.reason, args.threshold, args.address, log=_say,
+               detail_threshold=args.detail_threshold)
     print(f"removal {r['removal']}: {r['removed']} samples removed ({', '.join(f'{n} {k}' for k, n in r['entries'].items() if n)} "
           f"entries); shards rewritten: {', '.join(r['shards']) or 'none'} (as they were: {r['versions']}/); "
           "later runs of the line drop what the list names", flush=True)

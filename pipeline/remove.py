@@ -5,7 +5,9 @@ items named in FILE leave the line, and never come back.
 
 - FILE has one entry a line (`#` starts a comment): a URL, a sample key, the sha256 of the image
   bytes as downloaded, or the path of an image (relative to FILE's folder) whose re-encoded, resized
-  or recompressed copies are removed too (thumbnail descriptors within `--threshold` cosine). A
+  or recompressed copies are removed too (dedup's within-data rule: the thumbnail descriptor
+  within `--threshold` cosine, then the detail descriptor within `--detail-threshold`, so that a
+  distinct picture that only looks alike, another shirt shot on white, stays). A
   prefix `url `, `key `, `sha256 ` or `image ` says which where it could be read otherwise.
 - Matches are found in Ray tasks, one per input partition that may hold one: its published keys,
   its ingest ledger's URL and sha256, and (for image entries) dedup's descriptions of it. Without
@@ -38,13 +40,17 @@ import pyarrow.compute as pc
 from infra.errors import UserError
 from stages.shard import line_lookup
 from stages.shard.line import LINE, RECORD, published_all, published_file, published_parts, read_line
-from stages.shard.removals import DESCRIPTIONS, REMOVED, removal_digest, unit_rows  # noqa: F401 - the line's removals, as dedup applies them
+from stages.shard.removals import (DESCRIPTIONS, REMOVED, near_copies, removal_digest,  # noqa: F401 - the line's removals, as dedup applies them
+                                   unit_or_none, unit_rows)
 
 VERSIONS = f"{LINE}/versions"
 KINDS = ("url", "key", "sha256", "image")
 REMOVED_SCHEMA = pa.schema([("removal", pa.int32()), ("kind", pa.string()), ("value", pa.string()),
                             ("key", pa.string()), ("url", pa.string()), ("sha256", pa.string()),
-                            ("vec", pa.binary()), ("threshold", pa.float64()), ("reason", pa.string())])
+                            ("vec", pa.binary()), ("threshold", pa.float64()), ("reason", pa.string()),
+                            # the detail descriptor and its threshold (0: not checked); a file written
+                            # before they were recorded reads them as missing
+                            ("detail", pa.binary()), ("detail_threshold", pa.float64())])
 KEY_LIKE = re.compile(r"u[0-9a-f]{16}")
 SHA_LIKE = re.compile(r"[0-9a-fA-F]{64}")
 
@@ -87,24 +93,34 @@ def parse_list(path: Path) -> list[Entry]:
     return out
 
 
-def image_vectors(entries: list[Entry], base: Path) -> np.ndarray:
-    """(k, 768) float32 thumbnail descriptors of the image entries (dedup's within-data descriptor)."""
-    from stages.dedup.imagehash import describe
+def image_vectors(entries: list[Entry], base: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(k, 768) thumbnail and (k, 576) detail descriptors of the image entries, float32 unit rows
+    (dedup's within-data descriptors, described as its describe step describes a picture)."""
+    from stages.dedup.imagehash import DETAIL_DIM, describe, detail, to_rgb_array, trim_border
 
-    vecs = []
+    vecs, details = [], []
     for e in entries:
         try:
-            vecs.append(describe((base / e.value).read_bytes())[0])
+            core = trim_border(to_rgb_array((base / e.value).read_bytes()))
+            vecs.append(describe(core)[0])
+            details.append(detail(core))
         except Exception as err:  # noqa: BLE001 - an image we cannot read is the list's fault: said with its line
             raise UserError(f"--list line {e.line}: image {e.value} could not be read ({type(err).__name__}: {err})") from None
-    return np.stack(vecs) if vecs else np.zeros((0, 768), np.float32)
+    if not vecs:
+        return np.zeros((0, 768), np.float32), np.zeros((0, DETAIL_DIM), np.float32)
+    return np.stack(vecs), np.stack(details)
 
 
 def _match_task(storage, part: str, ingest_file: str, desc_file: str | None, keys: frozenset, urls: frozenset,
-                shas: frozenset, vecs: np.ndarray, threshold: float) -> list[dict]:
+                shas: frozenset, images: tuple[np.ndarray, np.ndarray], threshold: float,
+                detail_threshold: float) -> list[dict]:
     """Ray task: the published samples of one input partition that an entry names: -> rows of (key,
-    shard, how, url, sha256, vec). Reads the partition's published keys, its ingest ledger's URL and
-    sha256 columns, and its descriptions only where image entries were given."""
+    shard, how, url, sha256, vec, detail). Reads the partition's published keys, its ingest ledger's
+    URL and sha256 columns, and its descriptions only where image entries (`images`: their thumbnail
+    and detail descriptors) were given."""
+    from stages.dedup.imagehash import DETAIL_DIM
+
+    vecs, details = images
     pub = published_all(storage, part)
     if not pub.num_rows:
         return []
@@ -112,15 +128,21 @@ def _match_task(storage, part: str, ingest_file: str, desc_file: str | None, key
     led = led.filter(pc.is_in(led.column("key"), pub.column("key")))
     info = {k: (u, s) for k, u, s in zip(*(led.column(c).to_pylist() for c in ("key", "url", "sha256")))}
     vec_of: dict[str, bytes] = {}
+    detail_of: dict[str, bytes | None] = {}
     if desc_file:
-        d = storage.read_table(desc_file, ["key", "vec"])
+        d = storage.read_table(desc_file)     # a line described before the detail was has none: thumbnail alone
         d = d.filter(pc.is_in(d.column("key"), pub.column("key")))
         vec_of = dict(zip(d.column("key").to_pylist(), d.column("vec").to_pylist()))
+        if "detail" in d.column_names:
+            detail_of = dict(zip(d.column("key").to_pylist(), d.column("detail").to_pylist()))
     near = {}
     if len(vecs) and vec_of:
         names = list(vec_of)
-        sims = unit_rows([vec_of[k] for k in names]) @ vecs.T
-        near = {k: float(s) for k, s in zip(names, sims.max(axis=1)) if s >= threshold}
+        sd, has = unit_or_none([detail_of.get(k) for k in names], DETAIL_DIM)
+        k = len(vecs)
+        found = near_copies(unit_rows([vec_of[n] for n in names]), sd, has, vecs, details, np.ones(k, bool),
+                            np.full(k, threshold), np.full(k, detail_threshold))
+        near = {n: hit[1] for n, hit in zip(names, found) if hit is not None}
     out = []
     for key, shard in zip(pub.column("key").to_pylist(), pub.column("shard").to_pylist()):
         url, sha = info.get(key, (None, None))
@@ -128,7 +150,7 @@ def _match_task(storage, part: str, ingest_file: str, desc_file: str | None, key
                else f"image (cosine {near[key]:.3f})" if key in near else None)
         if how:
             out.append({"key": key, "shard": shard, "part": part, "how": how, "url": url, "sha256": sha,
-                        "vec": vec_of.get(key)})
+                        "vec": vec_of.get(key), "detail": detail_of.get(key)})
     return out
 
 
@@ -184,7 +206,8 @@ def open_line(where: str, what: str):
     return store, storage, manifest, line
 
 
-def remove(where: str, list_path: Path, reason: str, threshold: float | None, address: str | None, log=print) -> dict:
+def remove(where: str, list_path: Path, reason: str, threshold: float | None, address: str | None, log=print,
+           detail_threshold: float | None = None) -> dict:
     """Remove the list's items from the dataset line at `where`; -> the removal's record."""
     from infra.ray_runtime import ray_session
     from infra.configtools import build
@@ -201,8 +224,13 @@ def remove(where: str, list_path: Path, reason: str, threshold: float | None, ad
     threshold = threshold if threshold is not None else cfg.stages.dedup.within_threshold
     if not 0 < threshold <= 1:
         raise UserError(f"--threshold {threshold}: a cosine in (0, 1]")
+    detail_threshold = (detail_threshold if detail_threshold is not None
+                        else cfg.stages.dedup.within_detail_threshold)
+    if not 0 <= detail_threshold <= 1:
+        raise UserError(f"--detail-threshold {detail_threshold}: a cosine in [0, 1] (0: the thumbnail alone)")
     by_kind = {k: [e for e in entries if e.kind == k] for k in KINDS}
-    vecs = image_vectors(by_kind["image"], list_path.parent)
+    images = image_vectors(by_kind["image"], list_path.parent)
+    vecs = images[0]
     number = len(line.get("removals") or []) + 1
     with run_lock(store.local, log=log, uri=store.uri):
         store.pull(log=log)
@@ -221,7 +249,8 @@ def remove(where: str, list_path: Path, reason: str, threshold: float | None, ad
                 published = sorted(set(hits.column("part").to_pylist()) & set(published))
                 log(f"remove: the line's lookup names {len(published)} partition(s) to check")
             found = ex.run(_match_task, [(storage, p, parts[p], desc.get(p), frozenset(named["key"]),
-                                          frozenset(named["url"]), frozenset(named["sha256"]), vecs, threshold)
+                                          frozenset(named["url"]), frozenset(named["sha256"]), images, threshold,
+                                          detail_threshold)
                                          for p in published if p in parts],
                            "remove: find matches", num_cpus=0.5, unit="partitions")
             matches = sorted((m for got in found for m in got), key=lambda m: m["key"])
@@ -236,35 +265,42 @@ def remove(where: str, list_path: Path, reason: str, threshold: float | None, ad
                                "remove: rewrite shards", num_cpus=1, unit="shards")
             ex.run(_unpublish_task, [(storage, p, removed) for p in sorted({m["part"] for m in matches})],
                    "remove: published records", num_cpus=0.25, unit="partitions", quiet=True)
-        record = _record(storage, line, number, reason, entries, matches, rewritten, threshold, list_path)
+        record = _record(storage, line, number, reason, entries, matches, rewritten, (threshold, detail_threshold),
+                         list_path)
         _update_lists(storage, store, manifest, line, record)
         store.push_top()
     return record
 
 
 def _record(storage, line: dict, number: int, reason: str, entries: list[Entry], matches: list[dict],
-            rewritten: list, threshold: float, list_path: Path) -> dict:
+            rewritten: list, thresholds: tuple[float, float], list_path: Path) -> dict:
     """removed.parquet gains the entries and the samples removed; line.json the removal and the
     rewritten shards (its last write: the removal is done once the line lists it)."""
     at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     base = list_path.parent
     rows = {c: [] for c in REMOVED_SCHEMA.names}
 
-    def add(kind, value, key=None, url=None, sha=None, vec=None):
-        for c, v in zip(rows, (number, kind, value, key, url, sha, vec, threshold, reason)):
+    threshold, detail_threshold = thresholds
+
+    def add(kind, value, key=None, url=None, sha=None, vec=None, det=None):
+        for c, v in zip(rows, (number, kind, value, key, url, sha, vec, threshold, reason, det, detail_threshold)):
             rows[c].append(v)
 
     for e in entries:
-        vec = None
+        vec = det = None
         if e.kind == "image":
-            vec = image_vectors([e], base)[0].astype(np.float16).tobytes()
-        add(e.kind, e.value, vec=vec)
+            v, d = image_vectors([e], base)
+            vec, det = v[0].astype(np.float16).tobytes(), d[0].astype(np.float16).tobytes()
+        add(e.kind, e.value, vec=vec, det=det)
     for m in matches:
-        add("sample", m["how"], m["key"], m["url"], m["sha256"], m["vec"])
+        add("sample", m["how"], m["key"], m["url"], m["sha256"], m["vec"], m.get("detail"))
     new = pa.table(rows, schema=REMOVED_SCHEMA)
     try:
         old = storage.read_table(REMOVED)
-        new = pa.concat_tables([old.cast(REMOVED_SCHEMA), new])
+        for f in REMOVED_SCHEMA:       # a file from before a column was recorded: missing there
+            if f.name not in old.column_names:
+                old = old.append_column(f.name, pa.nulls(old.num_rows, f.type))
+        new = pa.concat_tables([old.select(REMOVED_SCHEMA.names).cast(REMOVED_SCHEMA), new])
     except (FileNotFoundError, OSError):
         pass
     storage.write_table(REMOVED, new)
@@ -278,7 +314,8 @@ def _record(storage, line: dict, number: int, reason: str, entries: list[Entry],
               "list_sha256": hashlib.sha256(list_path.read_bytes()).hexdigest(),
               "entries": {k: sum(1 for e in entries if e.kind == k) for k in KINDS},
               "removed": len(matches), "keys": [m["key"] for m in matches][:1000],
-              "shards": sorted(results), "threshold": threshold, "versions": f"{VERSIONS}/{number}"}
+              "shards": sorted(results), "threshold": threshold, "detail_threshold": detail_threshold,
+              "versions": f"{VERSIONS}/{number}"}
     storage.write_json(RECORD, {**line, "shards": shards, "removals": (line.get("removals") or []) + [record]})
     line["shards"] = shards
     return record

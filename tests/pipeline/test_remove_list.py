@@ -52,8 +52,10 @@ def test_a_later_sample_is_blocked_by_key_url_hash_or_as_a_near_copy(tmp_path):
         (2, "image", "p.png", None, None, None, f16(_vec(2)), 0.9, "safety list"),
         (2, "sha256", "h" * 64, None, None, None, None, 0.9, "safety list"),
     ]
-    storage.write_table(remove.REMOVED, pa.table({c: [r[i] for r in removed] for i, c in enumerate(remove.REMOVED_SCHEMA.names)},
-                                                 schema=remove.REMOVED_SCHEMA))
+    # as a line removed from before the detail descriptor was recorded wrote it: the thumbnail alone
+    before = pa.schema(list(remove.REMOVED_SCHEMA)[:9])
+    storage.write_table(remove.REMOVED, pa.table({c: [r[i] for r in removed] for i, c in enumerate(before.names)},
+                                                 schema=before))
     rows = {"k1": ("https://x/a.jpg", "1" * 64), "ugone": ("https://x/other.jpg", "2" * 64),
             "k3": ("https://x/g.jpg", "3" * 64), "k4": ("https://x/d.jpg", "h" * 64),
             "k5": ("https://x/e.jpg", "5" * 64), "k6": ("https://x/f.jpg", "6" * 64), "k7": ("https://x/h.jpg", "7" * 64)}
@@ -94,3 +96,69 @@ def test_the_lookup_finds_entries_in_the_buckets_they_hash_to_over_every_run(tmp
                     ("url", f"u{7:016x}", "p0", "000002.tar")]
     assert lk.find(storage, runs, {"url": []}).num_rows == 0
     assert lk.buckets_for(10) == 1 and lk.buckets_for(10**6) == 3
+
+
+def _garments(n: int):
+    from PIL import Image
+
+    from trainers.evaluation.datasets import FASHION_MNIST, fashion_mnist_images
+    from stages.source.web_shapes import product_shot
+
+    if not FASHION_MNIST.is_file():
+        pytest.skip("Debian package dataset-fashion-mnist not installed (make install installs it)")
+    return [np.asarray(product_shot(g, 128).convert("RGB")) for g in fashion_mnist_images()[:n]], Image
+
+
+def test_a_removed_product_photo_blocks_its_copies_and_not_the_products_shot_alike(tmp_path):
+    """A takedown of one garment photographed on white (`capline remove` with an image entry, as
+    removed.parquet records it): a later run's re-hosted copy of it (half size, JPEG 40) is blocked;
+    another garment whose thumbnail is as alike (cosine >= 0.97) is not, unless the removal was made
+    with the detail check off (--detail-threshold 0), as every removal was before it existed."""
+    import io
+
+    from stages.dedup.imagehash import describe, detail, trim_border
+
+    shots, Image = _garments(400)
+    cores = [trim_border(s) for s in shots]
+    v = np.stack([describe(c)[0] for c in cores])
+    d = np.stack([detail(c) for c in cores])
+    sims = v @ v.T
+    np.fill_diagonal(sims, 0)
+    # the garment with the most look-alikes is the removed one; its look-alikes are distinct products
+    target = int((sims >= 0.97).sum(1).argmax())
+    alike = [int(j) for j in np.flatnonzero(sims[target] >= 0.97) if not np.array_equal(shots[j], shots[target])]
+    assert len(alike) >= 3, "the test needs garments whose thumbnails are alike"
+    (tmp_path / "takedown.png").write_bytes(_png(Image, shots[target]))
+    entries = [remove.Entry("image", "takedown.png", 1)]
+    rv, rd = remove.image_vectors(entries, tmp_path)
+    f16 = lambda a: a.astype(np.float16).tobytes()   # noqa: E731
+    copy = Image.fromarray(shots[target]).resize((64, 64), Image.BICUBIC)
+    buf = io.BytesIO()
+    copy.save(buf, "JPEG", quality=40)
+    copy_core = trim_border(np.asarray(Image.open(buf).convert("RGB")))
+    keys = ["copy"] + [f"alike{j}" for j in alike]
+    vecs = {"copy": f16(describe(copy_core)[0]), **{f"alike{j}": f16(v[j]) for j in alike}}
+    details = {"copy": f16(detail(copy_core)), **{f"alike{j}": f16(d[j]) for j in alike}}
+    table = pa.table({"key": keys, "url": [f"https://x/{k}.jpg" for k in keys], "sha256": [k * 4 for k in keys]})
+    for detail_threshold, blocked_alike in ((0.99, False), (0.0, True)):
+        storage = Storage.local(tmp_path / f"line{detail_threshold}")
+        row = {"removal": 1, "kind": "image", "value": "takedown.png", "key": None, "url": None, "sha256": None,
+               "vec": f16(rv[0]), "threshold": 0.97, "reason": "takedown", "detail": f16(rd[0]),
+               "detail_threshold": detail_threshold}
+        storage.write_table(remove.REMOVED, pa.table({c: [row[c]] for c in remove.REMOVED_SCHEMA.names},
+                                                     schema=remove.REMOVED_SCHEMA))
+        got = removals.blocked(storage, table, vecs, details)
+        assert "copy" in got and "near copy of takedown.png" in got["copy"]
+        kept = [k for k in keys[1:] if k not in got]
+        if blocked_alike:
+            assert not kept, "with the thumbnail alone every look-alike goes"
+        else:
+            assert len(kept) >= 0.8 * len(alike), (len(kept), len(alike))
+
+
+def _png(Image, arr) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "PNG")
+    return buf.getvalue()
