@@ -186,7 +186,9 @@ class DedupStage(Decide):
         # the candidates' descriptors, fetched by partition, reach the verify task of their pair
         # bucket through Ray's object store (no file between them)
         spans = fetch_spans(n_fetch, sum(f.wanted for f in found))
-        checked = ctx.shuffle(_fetch_pieces, [(ctx.storage, span, wanted_files, desc, n_pairs) for span in spans]
+        with_detail = cfg.within_detail_threshold > 0
+        checked = ctx.shuffle(_fetch_pieces, [(ctx.storage, span, wanted_files, desc, n_pairs, with_detail)
+                                              for span in spans]
                               if wanted_files else [], n_pairs, _verify_reduce,
                               [(ctx.storage, b, pair_files, cfg.within_threshold, cfg.within_detail_threshold)
                                for b in range(n_pairs)],

@@ -28,10 +28,13 @@ def fetch_spans(n_fetch: int, wanted: int) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
 
 
-def _fetch_pieces(storage, span: tuple[int, int], files: list[str], desc: dict[str, str], n_pairs: int) -> list[pa.Table]:
+def _fetch_pieces(storage, span: tuple[int, int], files: list[str], desc: dict[str, str], n_pairs: int,
+                  with_detail: bool = True) -> list[pa.Table]:
     """Ray task (the verify shuffle's map): the descriptors wanted of the fetch buckets in `span`
     (each a group of partitions; each partition's file read once) -> a piece per pair bucket, handed
-    to the verify tasks through Ray's object store."""
+    to the verify tasks through Ray's object store. `with_detail` False (the detail check off): the
+    detail descriptors are left unread (null), 1,152 bytes a candidate less through the store."""
+    columns = ["key", "vec", "detail"] if with_detail else ["key", "vec"]
     t = read_span(storage, files, "fetch_bucket", *span, WANTED_SCHEMA)
     by_part: dict[str, list] = {}
     for k, part, pb in zip(*(t.column(c).to_pylist() for c in ("key", "part", "pair_bucket"))):
@@ -40,10 +43,11 @@ def _fetch_pieces(storage, span: tuple[int, int], files: list[str], desc: dict[s
     parts = sorted(by_part)
     for lo in range(0, len(parts), FETCH_AT_ONCE):     # read in parallel, a group at a time (memory: a group)
         group = parts[lo:lo + FETCH_AT_ONCE]
-        for part, d in zip(group, storage.read_tables([desc[q] for q in group], ["key", "vec", "detail"])):
+        for part, d in zip(group, storage.read_tables([desc[q] for q in group], columns)):
             want = by_part[part]
             d = d.filter(pc.is_in(d.column("key"), pa.array(sorted({k for k, _ in want}))))
-            got = dict(zip(d.column("key").to_pylist(), zip(d.column("vec").to_pylist(), d.column("detail").to_pylist())))
+            details = d.column("detail").to_pylist() if with_detail else [None] * d.num_rows
+            got = dict(zip(d.column("key").to_pylist(), zip(d.column("vec").to_pylist(), details)))
             for k, pb in want:
                 out["key"].append(k)
                 out["vec"].append(got[k][0])
