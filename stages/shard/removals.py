@@ -38,7 +38,8 @@ def near_copies(vecs: np.ndarray, details: np.ndarray, has_detail: np.ndarray, r
     joins: the 16x16 thumbnail within the reference's `threshold`, then the 24x24 detail within its
     `detail_threshold` where both have one and it is > 0 (a removal recorded before the detail was,
     or with the check off, compares the thumbnail alone). Without the detail, a takedown of one shirt
-    photographed on white took every shirt photographed alike with it (products: 45 % of pairs)."""
+    photographed on white took every shirt photographed alike with it (the thumbnail alone joins
+    44.6 % of 4,000 distinct garments shot alike: benchmarks/dedup_real.py --data products)."""
     if not len(vecs) or not len(ref_vecs):
         return [None] * len(vecs)
     sims = vecs @ ref_vecs.T
