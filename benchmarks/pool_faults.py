@@ -3,8 +3,9 @@ what Ray Data's `ActorPoolStrategy` and capline's pool (`Executor.run(model=...)
 
 1. **a call's aside** (a partition's keys, kept in the object store for a later step): each call's
    output block holds `--keys` keys beside a small result; after the pool has ended, are the
-   blocks still readable (who owns them), and how many bytes does reading the results alone
-   bring to the driver (`select_columns(...).take_all()`) against the blocks whole;
+   blocks still readable (who owns them), and how large are the rows that reading the results
+   alone (`select_columns(...).take_all()`) gives the driver (as JSON) against the blocks whole
+   (one node: where blocks live on a cluster is not shown here);
 2. **a partition that kills its actor** (the OOM killer, a segfault in a decoder): one of
    `--parts` partitions ends its process mid-call. Ray Data with its defaults, Ray Data with
    restarts and retries bounded (`max_restarts=3, max_task_retries=2`), and capline's pool: does

@@ -265,19 +265,20 @@ def remove(where: str, list_path: Path, reason: str, threshold: float | None, ad
                                "remove: rewrite shards", num_cpus=1, unit="shards")
             ex.run(_unpublish_task, [(storage, p, removed) for p in sorted({m["part"] for m in matches})],
                    "remove: published records", num_cpus=0.25, unit="partitions", quiet=True)
-        record = _record(storage, line, number, reason, entries, matches, rewritten, (threshold, detail_threshold),
-                         list_path)
+        record = _record(storage, line, number, reason, entries, images, matches, rewritten,
+                         (threshold, detail_threshold), list_path)
         _update_lists(storage, store, manifest, line, record)
         store.push_top()
     return record
 
 
-def _record(storage, line: dict, number: int, reason: str, entries: list[Entry], matches: list[dict],
-            rewritten: list, thresholds: tuple[float, float], list_path: Path) -> dict:
-    """removed.parquet gains the entries and the samples removed; line.json the removal and the
-    rewritten shards (its last write: the removal is done once the line lists it)."""
+def _record(storage, line: dict, number: int, reason: str, entries: list[Entry], images: tuple[np.ndarray, np.ndarray],
+            matches: list[dict], rewritten: list, thresholds: tuple[float, float], list_path: Path) -> dict:
+    """removed.parquet gains the entries (`images`: the image entries' descriptors, in their order)
+    and the samples removed; line.json the removal and the rewritten shards (its last write: the
+    removal is done once the line lists it)."""
     at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    base = list_path.parent
+    described = zip(*images)
     rows = {c: [] for c in REMOVED_SCHEMA.names}
 
     threshold, detail_threshold = thresholds
@@ -289,8 +290,8 @@ def _record(storage, line: dict, number: int, reason: str, entries: list[Entry],
     for e in entries:
         vec = det = None
         if e.kind == "image":
-            v, d = image_vectors([e], base)
-            vec, det = v[0].astype(np.float16).tobytes(), d[0].astype(np.float16).tobytes()
+            v, d = next(described)
+            vec, det = v.astype(np.float16).tobytes(), d.astype(np.float16).tobytes()
         add(e.kind, e.value, vec=vec, det=det)
     for m in matches:
         add("sample", m["how"], m["key"], m["url"], m["sha256"], m["vec"], m.get("detail"))

@@ -331,8 +331,10 @@ def _read_columns(path: Path, fmt: str, header: bool = True, columns=None) -> li
             names = next(csv.reader(io.StringIO(text), delimiter="\t" if fmt == "tsv" else ","), [])
             if not header:
                 return [str(i) for i in range(len(names))]
-            if any(ch in SURROGATES for name in names for ch in name):
-                raise UserError(f"source.path {path}: not a readable {fmt} URL list (its header is not UTF-8)")
+            try:
+                "".join(names).encode("utf-8")    # a byte surrogateescape stood in for does not encode
+            except UnicodeEncodeError:
+                raise UserError(f"source.path {path}: not a readable {fmt} URL list (its header is not UTF-8)") from None
             return names
         first = head.split(b"\n", 1)[0]
         one = pajson.ReadOptions(use_threads=False)   # in this thread, for the reason above
@@ -342,7 +344,6 @@ def _read_columns(path: Path, fmt: str, header: bool = True, columns=None) -> li
         raise UserError(f"source.path {path}: not a readable {fmt} URL list ({first})") from None
 
 
-SURROGATES = frozenset(map(chr, range(0xDC80, 0xDD00)))   # surrogateescape's stand-ins for bytes not UTF-8
 URL_LIKE = re.compile(r"^https?://", re.I)
 COMPRESSED = (".gz", ".zst", ".bz2")
 

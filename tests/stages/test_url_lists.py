@@ -367,7 +367,7 @@ def test_preflight_reads_a_lists_header_in_its_own_thread(tmp_path):
     for name, data in lists.items():
         (tmp_path / name).write_bytes(data)
     probe = (
-        "import os, sys, pyarrow, pyarrow.csv, faiss\n"
+        "import os, sys, pyarrow, pyarrow.csv\n"
         "from pathlib import Path\n"
         "from stages.source.stage import _read_columns\n"
         "before = len(os.listdir('/proc/self/task'))\n"
