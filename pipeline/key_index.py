@@ -22,7 +22,9 @@ one, and a merge past one bucket, a shuffle through Ray's object store (a task p
 file hands each bucket its rows by the key's hash). The driver sees counts.
 
 `<stage>/keys/meta.json`: {"format": 2, "next": id, "segments": [{"id", "buckets", "rows", "dead",
-"dead_rows"}, ...]} oldest first; `files.parquet`: file, sha256, segment, rows of each ledger indexed.
+"dead_rows"}, ...] oldest first, "retired": [[id, buckets], ...] the segments the last build
+dropped (deleted after the meta is written, and again by the next build)}; `files.parquet`: file,
+sha256, segment, rows of each ledger indexed.
 """
 from __future__ import annotations
 
@@ -227,9 +229,14 @@ def _build(storage, executor, stage: str, files: dict[str, str], rows: dict[str,
     if todo or died or merged:
         table = pa.Table.from_pylist(sorted(indexed.values(), key=lambda r: r["file"]), schema=FILES)
         storage.write_table(f"{folder}/files.parquet", table)
-        storage.write_json(f"{folder}/meta.json", {"format": FORMAT, "next": nxt, "segments": segments})
-        # after the meta that no longer names them: a crash before this leaves files nothing reads
-        storage.delete_files([segment_file(folder, s["id"], b) for s in gone + merged for b in range(s["buckets"])])
+        retired = [[s["id"], s["buckets"]] for s in gone + merged]
+        storage.write_json(f"{folder}/meta.json", {"format": FORMAT, "next": nxt, "segments": segments,
+                                                   "retired": retired})
+        # after the meta that no longer names them; the meta keeps their names until the next build,
+        # which deletes them again in the same request as its own: a driver that stopped between the
+        # meta and these deletes leaves no segment file behind for good
+        storage.delete_files([segment_file(folder, i, b) for i, n in meta.get("retired", []) + retired
+                              for b in range(n)])
     return IndexMeta(len(segments), sum(_live(s) for s in segments), read, handed, written)
 
 

@@ -358,6 +358,45 @@ def test_a_segment_stays_while_any_ledger_it_indexed_is_current(tmp_path):
     assert key_index.lookup(storage, "basic", "b7") == "basic/ledger/b.parquet"
 
 
+def test_segments_a_stopped_build_meant_to_delete_are_deleted_by_the_next(tmp_path, monkeypatch):
+    """A driver that stops after a build wrote its meta and before it deleted the segments that meta
+    no longer names (a rebuilt stage: every old segment dropped) leaves files nothing reads; the next
+    build that changes the index deletes them with its own."""
+    from infra.storage import Storage
+    from pipeline import key_index
+
+    storage = Storage.local(tmp_path)
+    files, rows = {}, {}
+
+    def ledger(name: str, keys: list[str]) -> None:
+        rel = f"basic/ledger/{name}.parquet"
+        files[rel], _ = storage.write_table(rel, pa.table({"key": keys}))
+        rows[rel] = len(keys)
+
+    on_disk = lambda: sorted(p.name for p in (tmp_path / "basic" / "keys").glob("s*.parquet"))   # noqa: E731
+    ledger("p0", [f"a{j}" for j in range(50)])
+    key_index.build(storage, None, "basic", files, rows, in_driver=True)
+    first = on_disk()
+    files.clear(), rows.clear()
+    ledger("p1", [f"b{j}" for j in range(50)])
+
+    def stops(rels):
+        raise KeyboardInterrupt("the driver stopped")
+
+    with monkeypatch.context() as m:
+        m.setattr(storage, "delete_files", stops)
+        with pytest.raises(KeyboardInterrupt):
+            key_index.build(storage, None, "basic", files, rows, in_driver=True)
+    assert set(first) <= set(on_disk())      # left behind: the meta no longer names them
+    assert key_index.lookup(storage, "basic", "a7") == "" and key_index.lookup(storage, "basic", "b7") == "basic/ledger/p1.parquet"
+    ledger("p2", [f"c{j}" for j in range(50)])
+    meta = key_index.build(storage, None, "basic", files, rows, in_driver=True)
+    assert meta.rows == 100 and not set(first) & set(on_disk()), on_disk()
+    named = {key_index.segment_file("x", s["id"], b).split("/")[-1]
+             for s in storage.read_json("basic/keys/meta.json")["segments"] for b in range(s["buckets"])}
+    assert set(on_disk()) == named
+
+
 def test_an_index_of_the_first_format_is_read_and_then_rebuilt(tmp_path):
     """A run folder from before segments: `explain` still finds keys through it, and the next build
     replaces it whole."""
