@@ -138,7 +138,7 @@ def main() -> int:
     import ray
 
     from infra.ray_runtime import RayConfig, ray_session
-    from pipeline.executor import quiet_ray_data
+    from pipeline.ray_shuffle import quiet_ray_data
 
     captions = [line.strip() for line in CAPTIONS.read_text().splitlines() if line.strip()]
     result = {"code": code(), "machine": machine(), "rows": args.rows, "cpus": args.cpus, "runs": {}}

@@ -53,7 +53,7 @@ def _ray_up(cpus: int):
 
     import ray
 
-    from pipeline.executor import quiet_ray_data
+    from pipeline.ray_shuffle import quiet_ray_data
 
     logging.getLogger("ray.data").setLevel(logging.ERROR)
     quiet_ray_data()

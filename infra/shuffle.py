@@ -4,7 +4,7 @@ only the row groups of its bucket, found through the file's footer (the min and 
 column). Objects written: one per map task, never one per (map, bucket); requests per reduce: two
 per map file (footer, row groups), several files at once. Used by dedup for its pairs, wanted
 descriptors and decisions (the shard stage and dedup's signatures shuffle through Ray's object
-store: pipeline/executor.py `Executor.shuffle`).
+store: pipeline/ray_shuffle.py, through `Executor.shuffle`).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A stage whose per-partition function needs a model (fastText's lid.176, the CLIP scorer, dedup's
 encoder) declares it as a SharedModel: how to load it and what one loaded copy holds. The executor
-(pipeline/executor.py) then runs those partitions on a pool of Ray actors: each actor loads the
+(pipeline/model_pool.py) then runs those partitions on a pool of Ray actors: each actor loads the
 model once, in its constructor, and works through partitions one after another; the pool has at
 most as many actors as the nodes have room for (CPUs, GPUs and the declared memory), so a node
 holds that many copies, each known to Ray's scheduler. Run as plain tasks, every worker process a node starts (up to ~1.3 per CPU) loads

@@ -14,7 +14,7 @@ import pytest
 from infra.errors import UserError
 from infra.storage import Storage
 from infra.tars import plan_spans, read_members
-from pipeline.executor import NodeShape, fit_request, in_flight, max_overlap, spans
+from pipeline.sizing import NodeShape, fit_request, in_flight, max_overlap, spans
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -454,7 +454,7 @@ def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces
 
     with pytest.raises(UserError, match=r"cursed: task 1: bucket one is cursed"):
         ex.shuffle(lambda v: _split_by_parity(v, 2), calls, 2, _fail_one, [(0,), (1,)], "cursed")
-    from pipeline.executor import NodeShape
+    from pipeline.sizing import NodeShape
 
     shapes = [NodeShape.now(), NodeShape(cpus=2.0, largest_cpus=0.25, largest_gpus=0.0, nodes=1)]
     monkeypatch.setattr(slow, "shape", lambda: shapes.pop(0) if len(shapes) > 1 else shapes[0])
@@ -497,7 +497,7 @@ def test_a_watched_iterator_says_when_nothing_came_and_is_closed_when_stopped():
     import threading
     import time
 
-    from pipeline.executor import Watched
+    from pipeline.ray_shuffle import Watched
 
     closed = threading.Event()
 
@@ -536,7 +536,7 @@ def test_a_watched_iterator_says_when_nothing_came_and_is_closed_when_stopped():
 def test_the_driver_makes_a_maps_block_metadata_as_ray_data_makes_it_of_the_table():
     from ray.data.block import BlockMetadataWithSchema
 
-    from pipeline.executor import _block_metadata
+    from pipeline.ray_shuffle import _block_metadata
     from pipeline.shuffle_rows import pack_pieces
 
     for pieces in ([[1, 2], [], ["x" * 1000]], [None]):
@@ -548,7 +548,8 @@ def test_the_driver_makes_a_maps_block_metadata_as_ray_data_makes_it_of_the_tabl
 def test_the_first_shuffles_workers_are_started_ahead_in_ray_datas_shuffle_environments(ray_local):
     import ray
 
-    from pipeline.executor import Executor, shuffle_worker_envs
+    from pipeline.executor import Executor
+    from pipeline.ray_shuffle import shuffle_worker_envs
 
     envs = shuffle_worker_envs()
     # Ray 2.60 runs its shuffle's map and reduce tasks each in a worker pool of their own
@@ -571,7 +572,8 @@ def test_the_first_shuffle_beside_the_warm_up_thread_finds_ray_data_whole(tmp_pa
         offline.apply()
         import ray
         from infra.ray_runtime import RayConfig, ray_session
-        from pipeline.executor import Executor, _block_metadata, quiet_ray_data
+        from pipeline.executor import Executor
+        from pipeline.ray_shuffle import _block_metadata, quiet_ray_data
         with ray_session(RayConfig(num_cpus=1, object_store_memory_mb=128), log=lambda m: None):
             assert "ray.data" not in sys.modules
             warm = Executor(log=lambda m: None).warm_shuffles()

@@ -123,7 +123,7 @@ def test_no_stage_uses_ray_directly():
 
 
 # functions that import Ray Data or Ray Train only in Ray's workers, where no other thread imports
-WORKER_ONLY = {("pipeline/executor.py", "_warm_worker"), ("trainers/loop.py", "_train")}
+WORKER_ONLY = {("pipeline/ray_shuffle.py", "_warm_worker"), ("trainers/loop.py", "_train")}
 
 
 def _unguarded_ray_data_imports(rel: str, source: str) -> list[str]:

@@ -8,7 +8,9 @@ import random
 import pytest
 
 from infra.errors import UserError
-from pipeline.executor import CALLS_PER_ACTOR, Executor, NodeShape, PoolQueue, actors_that_fit
+from pipeline.executor import Executor
+from pipeline.model_pool import CALLS_PER_ACTOR, PoolQueue
+from pipeline.sizing import NodeShape, actors_that_fit
 from stages.shared_model import SharedModel
 
 GB = 2 ** 30
@@ -48,7 +50,7 @@ def test_a_call_that_died_beside_others_runs_again_alone_and_only_deaths_alone_b
 
 
 def _simulate_pool(n_calls: int, n_actors: int, kills: dict, rng: random.Random):
-    """Drive PoolQueue as Executor._run_pool does against actors that run their queue in order, where
+    """Drive PoolQueue as model_pool.run_pool does against actors that run their queue in order, where
     call i kills its actor the first kills[i] times it runs (-1: every time); a kill also loses the
     answers of calls that finished on that actor but were not yet read (the answer still in the dying
     process), and the driver reads the answers in any order. Returns (finished calls, blamed call)."""

@@ -60,12 +60,12 @@ def test_a_node_the_bucket_refuses_is_named_in_one_line(s3_env, ray_local, monke
 def test_a_request_no_alive_node_can_meet_is_said_with_the_setting(monkeypatch):
     """A node left mid-stage and the largest one now is smaller than a task's request: the stall
     check (every poll, 10 s) says so in one line naming the setting, instead of waiting forever."""
-    from pipeline.executor import NodeShape
+    from pipeline.sizing import NodeShape
 
     ex = Executor(log=lambda m: None)
     monkeypatch.setattr(ex, "shape", lambda: NodeShape(cpus=3.0, largest_cpus=1.0, largest_gpus=0.0, nodes=3))
-    ex._check_still_feasible(1.0, 0.0, "dedup describe", "stages.dedup.cpus_per_worker")    # fits: no error
+    ex.check_still_feasible(1.0, 0.0, "dedup describe", "stages.dedup.cpus_per_worker")    # fits: no error
     with pytest.raises(UserError, match=r"dedup describe: its tasks ask for 2 CPU\(s\) and no alive node has that "
                                         r"much now \(3 nodes, largest 1 CPUs.*lower stages.dedup.cpus_per_worker"):
-        ex._check_still_feasible(2.0, 0.0, "dedup describe", "stages.dedup.cpus_per_worker")
+        ex.check_still_feasible(2.0, 0.0, "dedup describe", "stages.dedup.cpus_per_worker")
     assert Executor.poll_seconds <= 60

@@ -109,10 +109,10 @@ def test_one_reuse_mechanism_runs_only_what_no_earlier_run_did(tmp_path):
 def test_reuse_sizes_the_task_window_by_the_rows_left_to_do(tmp_path):
     """A few small partitions left to compute run on the worker processes a run already has: the
     executor is told each task's rows (a PartResult's kept rows, a PartTask's slice or its upstream
-    partition's), so it starts no process per CPU for them (pipeline/executor.in_flight)."""
+    partition's), so it starts no process per CPU for them (pipeline/sizing.in_flight)."""
     from types import SimpleNamespace
 
-    from pipeline.executor import NodeShape, in_flight
+    from pipeline.sizing import NodeShape, in_flight
     from stages.dataplane import ROWS_PER_WORKER, PartResult, PartTask, reused_or_run, rows_of
 
     def result(part, kept):
