@@ -153,23 +153,24 @@ def case_ray_data_poison(parts: int, cpus: int, mode: str, once_dir: str | None 
     extra = {"bounded": {"max_restarts": 3, "max_task_retries": 2},
              "blamed": {"max_restarts": -1, "max_task_retries": 2},
              "tasks_bounded": {"max_retries": 2}}.get(mode, {})
-    if mode.startswith("tasks"):    # Ray Data's task pool, a function per call: the task window's counterpart
-        def call(batch: pa.Table) -> pa.Table:
-            part = int(batch.column("part")[0].as_py())
-            if _kills(part, once_dir):
-                os._exit(1)
-            ray.get(done.add.remote(part))
-            return pa.table({"part": [part]})
+    def call(batch: pa.Table) -> pa.Table:
+        part = int(batch.column("part")[0].as_py())
+        if _kills(part, once_dir):
+            os._exit(1)
+        ray.get(done.add.remote(part))
+        return pa.table({"part": [part]})
 
-        Call, strategy = call, rd.TaskPoolStrategy(size=2)
+    if mode.startswith("tasks"):    # Ray Data's task pool, a function per call: the task window's counterpart
+        udf, strategy = call, rd.TaskPoolStrategy(size=2)
     else:
+        udf = Call
         strategy = rd.ActorPoolStrategy(size=2, max_tasks_in_flight_per_actor=1 if mode == "blamed" else None)
     t0 = time.time()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             rd.from_items([{"part": i} for i in range(parts)], override_num_blocks=parts).map_batches(
-                Call, batch_format="pyarrow", batch_size=1, compute=strategy, **extra).materialize()
+                udf, batch_format="pyarrow", batch_size=1, compute=strategy, **extra).materialize()
             got = {"ended": "finished", "seconds": round(time.time() - t0, 1), "others_done": ray.get(done.count.remote())}
         except Exception as err:   # noqa: BLE001 - what the failure says is the measurement
             text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
