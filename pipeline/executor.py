@@ -134,7 +134,7 @@ class Executor:
                 except Exception as err:
                     progress.close()
                     settle(asides[i])
-                    failure = task_error(err, what, describe(calls[i]) or f"task {i}")
+                    failure = task_error(err, what, describe(calls[i]) or f"task {i}", tries=max_retries + 1)
                     raise failure from (None if isinstance(failure, UserError) else err)
                 intervals.append((t0, t1))
                 done += 1

@@ -18,7 +18,11 @@ from infra.progress import Progress
 from infra.remote import importing_ray_data
 
 from .sizing import NodeShape, fit_request, in_flight, spans
-from .task_results import failpoint, settle, task_error
+from .task_results import failpoint, settle, task_error, worker_died
+
+# how many times a map or a reducer runs before its failure ends the shuffle (a reducer's bound goes
+# through Ray Data's deprecated `ray_remote_args`: README, "Layout", what a Ray upgrade must check)
+TRIES = 3
 
 
 def _map_pieces(what: str, m: int, routes: list[int], fn: Callable, *args):
@@ -219,7 +223,7 @@ def shuffle(executor, map_fn: Callable, calls: list[tuple], n_out: int, reduce_f
     shape = executor.shape()
     cpus = fit_request(num_cpus, 0, shape, what)
     routes = routes_of(n_out)
-    remote = ray.remote(num_cpus=cpus, num_returns=2, max_retries=2)(_map_pieces)
+    remote = ray.remote(num_cpus=cpus, num_returns=2, max_retries=TRIES - 1)(_map_pieces)
     limit = in_flight(cpus, shape, sizes, items_per_worker) if sizes is not None else len(calls)
     t0 = time.time()
     tables: list = [None] * len(calls)
@@ -245,7 +249,7 @@ def shuffle(executor, map_fn: Callable, calls: list[tuple], n_out: int, reduce_f
             except Exception as err:
                 progress.close()
                 settle(tables[i])
-                failure = task_error(err, what, f"map task {i}")
+                failure = task_error(err, what, f"map task {i}", tries=TRIES)
                 raise failure from (None if isinstance(failure, UserError) else err)
             progress.update(len(intervals))
     progress.close()
@@ -272,7 +276,7 @@ def _reduce(executor, pieces, n_out: int, reduce_fn: Callable, reduce_calls: lis
     groups = pieces.groupby("route", num_partitions=n_out)
     answers = groups.map_groups(functools.partial(reduce_group, what=what, reduce_fn=reduce_fn,
                                                   calls_ref=ray.put(list(reduce_calls)), failpoint=failpoint),
-                                batch_format="pyarrow", num_cpus=cpus, max_retries=2,
+                                batch_format="pyarrow", num_cpus=cpus, max_retries=TRIES - 1,
                                 # never wider than the reducers: Ray Data warns users of a window
                                 # its input cannot fill (a bucket is one input)
                                 compute=ray.data.TaskPoolStrategy(size=min(limit, n_out) if limit else None))
@@ -304,7 +308,7 @@ def _reduce(executor, pieces, n_out: int, reduce_fn: Callable, reduce_calls: lis
     except UserError:
         raise
     except Exception as err:   # Ray Data's own failure (a node lost past its retries): said in one line
-        failure = task_error(err, what, "reducers")
+        failure = task_error(err, what, "a reducer" if worker_died(err) else "reducers", tries=TRIES)
         raise failure from (None if isinstance(failure, UserError) else err)
     finally:
         watched.stop()

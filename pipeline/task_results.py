@@ -97,7 +97,16 @@ REFUSED_CREDENTIALS = ("ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES
                        "MISSING_AUTHENTICATION_TOKEN", "EXPIRED_TOKEN", "ExpiredToken")
 
 
-def task_error(err: Exception, what: str, label: str) -> Exception:
+def worker_died(err: Exception) -> bool:
+    """Whether a task failed because its worker process died under it (the kernel's or Ray's OOM
+    killer, a crash in a native library) rather than by an exception of its own."""
+    return type(err).__name__ in ("WorkerCrashedError", "OutOfMemoryError")
+
+
+def task_error(err: Exception, what: str, label: str, tries: int | None = None) -> Exception:
+    """`err` of the task `label` of `what` in one line: a UserError where the input or the setup is at
+    fault (said as such), else a RuntimeError naming the task. `tries`: how many times it ran, said
+    when its worker died every time (what the user can change is its memory, not the input)."""
     # a task's UserError arrives as Ray's wrapper (an instance of UserError too, saying a traceback):
     # its `cause` is the error itself; a model pool's call hands the error itself
     cause = getattr(err, "cause", None)
@@ -118,5 +127,7 @@ def task_error(err: Exception, what: str, label: str) -> Exception:
         return UserError(f"{what}: {label}: the object store refused node {node} ({code}); give that node the "
                          "run folder's credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment of "
                          "its `ray start`, or an instance role), then rerun to resume")
+    if tries and worker_died(err):
+        label = f"{label} (its worker died {tries} times running it: out of memory?)"
     return RuntimeError(f"{what}: {label} failed: {type(err).__name__}: "
                         f"{text.splitlines()[-1][:300] if text else ''}")

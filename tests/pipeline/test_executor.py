@@ -464,12 +464,12 @@ def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces
 
 @pytest.mark.slow   # starts Ray
 @pytest.mark.timeout(240)
-def test_a_reducer_that_kills_its_worker_every_time_is_tried_three_times_and_said_in_one_error(ray_local, tmp_path):
-    """A reducer whose worker dies (the OOM killer on a heavy bucket) runs 3 times, as a task of `run`
-    does, and the shuffle ends in one error. The bound is capline's `max_retries=2`, a parameter Ray
-    Data 2.60 takes only through its deprecated `ray_remote_args` (without it, 4 tries here; Ray
-    Data's task pool for `map_batches` retries without end: benchmarks/pool_faults.py). A Ray where
-    it no longer takes effect fails here."""
+def test_a_task_or_reducer_that_kills_its_worker_every_time_is_tried_three_times_and_said_in_one_line(ray_local, tmp_path):
+    """A task whose worker dies under it (the OOM killer on a heavy partition or bucket) runs 3 times
+    and then ends the run in one error naming it and what probably killed it. A shuffle reducer's
+    bound is capline's `max_retries=2`, which Ray Data 2.60 takes only through its deprecated
+    `ray_remote_args` (without it, 4 tries; Ray Data's task pool for `map_batches` retries without
+    end: benchmarks/pool_faults.py): a Ray where it no longer takes effect fails here."""
     import os
     import time
 
@@ -477,20 +477,30 @@ def test_a_reducer_that_kills_its_worker_every_time_is_tried_three_times_and_sai
 
     starts = tmp_path / "starts"
 
+    def _started() -> None:
+        with open(starts, "a") as f:
+            f.write("started\n")
+
     def _halves(values):
         return [[v for v in values if v % 2 == b] for b in range(2)]
 
     def _dies_on_one(bucket, *pieces):
         if bucket == 1:
-            with open(starts, "a") as f:
-                f.write("started\n")
+            _started()
             os._exit(1)          # as the OOM killer ends a worker
         return bucket
 
+    ex = Executor(log=lambda m: None)
     t0 = time.time()
-    with pytest.raises(RuntimeError, match=r"^poisoned: reducers failed: WorkerCrashedError"):
-        Executor(log=lambda m: None).shuffle(_halves, [([1, 2],), ([3],)], 2, _dies_on_one, [(0,), (1,)], "poisoned")
+    with pytest.raises(RuntimeError, match=r"^poisoned: a reducer \(its worker died 3 times running it: out of "
+                                           r"memory\?\) failed: WorkerCrashedError"):
+        ex.shuffle(_halves, [([1, 2],), ([3],)], 2, _dies_on_one, [(0,), (1,)], "poisoned")
     assert starts.read_text().count("started") == 3 and time.time() - t0 < 120
+    starts.unlink()
+    with pytest.raises(RuntimeError, match=r"^poisoned: partition 1 \(its worker died 3 times running it: out of "
+                                           r"memory\?\) failed: WorkerCrashedError"):
+        ex.run(_dies_on_one, [(0,), (1,), (2,)], "poisoned", describe=lambda c: f"partition {c[0]}")
+    assert starts.read_text().count("started") == 3
 
 
 def test_a_watched_iterator_says_when_nothing_came_and_is_closed_when_stopped():
