@@ -127,7 +127,9 @@ def task_error(err: Exception, what: str, label: str, tries: int | None = None) 
         return UserError(f"{what}: {label}: the object store refused node {node} ({code}); give that node the "
                          "run folder's credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment of "
                          "its `ray start`, or an instance role), then rerun to resume")
-    if tries and worker_died(err):
+    if type(err).__name__ == "OutOfMemoryError":     # Ray's memory monitor: its own retries, its count
+        label = f"{label} (Ray killed its worker: the node ran out of memory)"
+    elif tries and worker_died(err):
         label = f"{label} (its worker died {tries} times running it: out of memory?)"
     return RuntimeError(f"{what}: {label} failed: {type(err).__name__}: "
                         f"{text.splitlines()[-1][:300] if text else ''}")

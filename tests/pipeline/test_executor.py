@@ -503,6 +503,31 @@ def test_a_task_or_reducer_that_kills_its_worker_every_time_is_tried_three_times
     assert starts.read_text().count("started") == 3
 
 
+def test_a_failed_task_is_said_by_what_killed_it():
+    """The one line a failed task ends a run with: the input's fault as a UserError; a worker that
+    died on every try (the kernel's OOM killer, a native crash) with its count and a hint at memory;
+    Ray's memory monitor said as such (its own retries, not the task's count); any other exception
+    named, without a hint."""
+    from pipeline.task_results import task_error
+
+    class WorkerCrashedError(Exception):        # Ray's, by name: what task_error looks at
+        pass
+
+    class OutOfMemoryError(Exception):
+        pass
+
+    said = lambda err, tries=3: str(task_error(err, "dedup describe", "partition 3", tries=tries))   # noqa: E731
+    assert said(WorkerCrashedError("The worker died unexpectedly")) == (
+        "dedup describe: partition 3 (its worker died 3 times running it: out of memory?) failed: "
+        "WorkerCrashedError: The worker died unexpectedly")
+    assert said(OutOfMemoryError("Task was killed due to the node running low on memory.")).startswith(
+        "dedup describe: partition 3 (Ray killed its worker: the node ran out of memory) failed: OutOfMemoryError")
+    assert said(ValueError("bad row")) == "dedup describe: partition 3 failed: ValueError: bad row"
+    assert said(WorkerCrashedError("gone"), tries=None) == "dedup describe: partition 3 failed: WorkerCrashedError: gone"
+    err = task_error(UserError("the list has no url column"), "source", "file a.csv", tries=3)
+    assert isinstance(err, UserError) and str(err) == "source: file a.csv: the list has no url column"
+
+
 def test_a_watched_iterator_says_when_nothing_came_and_is_closed_when_stopped():
     import threading
     import time
