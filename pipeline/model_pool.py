@@ -17,7 +17,7 @@ from infra.errors import UserError
 from infra.progress import Progress
 
 from .sizing import NodeShape, actors_that_fit, spans
-from .task_results import failpoint, settle, take_aside, task_error, with_aside
+from .task_results import died, failpoint, settle, take_aside, task_error, with_aside
 
 CALLS_PER_ACTOR = 8    # the fewest calls a model's actor is started for (run_pool)
 
@@ -130,19 +130,19 @@ def run_pool(executor, fn: Callable, calls: list[tuple], kwargs: list[dict] | No
                 queue.returned(i, a)
                 try:
                     t0, t1, out, err = ray.get(ref)
-                except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as died:
+                except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as dead:
                     settle(asides[i])
-                    if "creation task" in str(died):      # restarts are unlimited: its model never loaded
-                        err, label = died, f"loading {model.name}"
-                    elif "is restarting" in str(died):    # sent while it came back: not a try
+                    if "creation task" in str(dead):      # restarts are unlimited: its model never loaded
+                        err, label = dead, f"loading {model.name}"
+                    elif "is restarting" in str(dead):    # sent while it came back: not a try
                         time.sleep(0.2)
                         queue.resend(i)
                         continue
                     elif not queue.died(i):               # its actor was killed: again, once it is back
                         continue
                     else:
-                        err = died
-                        label = f"{describe(calls[i]) or f'task {i}'} (its actor died 3 times running it: out of memory?)"
+                        err = dead
+                        label = died(describe(calls[i]) or f"task {i}", queue.max_tries, "actor")
                 except Exception as lost:    # noqa: BLE001 - a result lost with its node: said as a task's is
                     settle(asides[i])
                     err, label = lost, describe(calls[i]) or f"task {i}"

@@ -103,6 +103,12 @@ def worker_died(err: Exception) -> bool:
     return type(err).__name__ in ("WorkerCrashedError", "OutOfMemoryError")
 
 
+def died(label: str, tries: int, process: str = "worker") -> str:
+    """A task's label when its process (a task's worker, a pool's actor) died under it on every try:
+    what the user can change is its memory, not the input."""
+    return f"{label} (its {process} died {tries} times running it: out of memory?)"
+
+
 def task_error(err: Exception, what: str, label: str, tries: int | None = None) -> Exception:
     """`err` of the task `label` of `what` in one line: a UserError where the input or the setup is at
     fault (said as such), else a RuntimeError naming the task. `tries`: how many times it ran, said
@@ -130,6 +136,6 @@ def task_error(err: Exception, what: str, label: str, tries: int | None = None) 
     if type(err).__name__ == "OutOfMemoryError":     # Ray's memory monitor: its own retries, its count
         label = f"{label} (Ray killed its worker: the node ran out of memory)"
     elif tries and worker_died(err):
-        label = f"{label} (its worker died {tries} times running it: out of memory?)"
+        label = died(label, tries)
     return RuntimeError(f"{what}: {label} failed: {type(err).__name__}: "
                         f"{text.splitlines()[-1][:300] if text else ''}")
