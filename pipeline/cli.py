@@ -15,6 +15,8 @@ from infra.errors import UserError
 
 from infra import offline
 
+from .trust import from_elsewhere
+
 EPILOG = """\
 Telemetry: capline starts every process with the usual libraries' telemetry and update checks
 off (Ray usage stats and dashboard, MLflow, wandb, albumentations, hub clients). Set
@@ -33,6 +35,13 @@ def _job_options(p: argparse.ArgumentParser, run_dir_help: str) -> None:
                         "--set train.model=clip (repeatable; the value is parsed as YAML)")
     p.add_argument("--address", help="Ray cluster to join, HOST:PORT or 'auto' (default: RAY_ADDRESS, "
                                      "else the config's ray.address, else a new local cluster)")
+    _trust_code_option(p)
+
+
+def _trust_code_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-code", action="append", default=[], metavar="FILE",
+                   help="run this TorchScript file that a run folder's or manifest's config names (code runs when "
+                        "it loads; a config from elsewhere never decides that alone; repeatable)")
 
 
 def _version() -> str:
@@ -146,6 +155,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="rebuild up to this stage (default: the last stage the original run finished; a data "
                          "build made with `--until shard` is rebuilt to its shards, never trained)")
     rb.add_argument("--address", help="Ray cluster to join (as for run)")
+    _trust_code_option(rb)
 
     rm = sub.add_parser("remove", help="take items out of a published dataset line (takedowns, safety lists, opt-outs)",
                         description="Remove the samples a list names from a dataset line (a run with "
@@ -289,19 +299,9 @@ def _config(args):
             except UserError as err:   # e.g. written by an older capline, with keys that have moved since
                 raise UserError(f"{saved} (the run folder's own config) does not load: {err}; name the config "
                                 f"to use: capline {args.command} CONFIG --run-dir {args.run_dir}") from None
-            return _no_foreign_address(cfg, f"{args.run_dir}'s config", args.overrides)
+            return from_elsewhere(cfg, f"{args.run_dir}'s config", args.overrides, getattr(args, "trust_code", ()),
+                                  log=_say)
     return load_config(args.config, args.overrides)
-
-
-def _no_foreign_address(cfg, where: str, overrides: list[str] = ()):
-    """A config someone else wrote (a run folder's, a manifest's) does not choose the cluster: its
-    ray.address would get this user's Ray token sent to whatever listens there. The address comes
-    from --address, RAY_ADDRESS, a config the user names, or their own --set."""
-    if cfg.ray.address and not any(o.startswith("ray.address=") for o in overrides or ()):
-        print(f"capline: not joining the Ray cluster {cfg.ray.address!r} that {where} names: a cluster address is "
-              "taken from --address, RAY_ADDRESS or a config you name", flush=True)
-        cfg.ray.address = None
-    return cfg
 
 
 def _cmd_train(args) -> int:
@@ -505,7 +505,7 @@ def _cmd_rebuild(args) -> int:
     manifest = old.storage().read_json("manifest.json")
     if manifest is None:
         raise UserError(f"{args.manifest}: no manifest.json there")
-    cfg = _no_foreign_address(build(RunConfig, manifest["config"]), str(args.manifest))
+    cfg = from_elsewhere(build(RunConfig, manifest["config"]), str(args.manifest), (), args.trust_code, log=_say)
     new = RunStore(args.run_dir or (where.rstrip("/") + "-rebuild"))
     if str(new) == str(old) or (not new.uri and not old.uri and new.local.resolve() == old.local.resolve()):
         raise UserError("rebuild into another --run-dir: the rebuild is compared with the original")

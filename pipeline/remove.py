@@ -215,12 +215,13 @@ def remove(where: str, list_path: Path, reason: str, threshold: float | None, ad
     from .config import RunConfig
     from .executor import Executor
     from .lock import run_lock
+    from .trust import from_elsewhere
 
     if not reason.strip():
         raise UserError("--reason: say why these items are removed (it is recorded with them)")
     entries = parse_list(list_path)
     store, storage, manifest, line = open_line(where, "`capline remove` takes items out of")
-    cfg = build(RunConfig, manifest["config"])
+    cfg = from_elsewhere(build(RunConfig, manifest["config"]), f"{where}'s manifest", log=log, loads_code=False)
     threshold = threshold if threshold is not None else cfg.stages.dedup.within_threshold
     if not 0 < threshold <= 1:
         raise UserError(f"--threshold {threshold}: a cosine in (0, 1]")
@@ -440,9 +441,10 @@ def recheck_line(where: str, address: str | None, log=print) -> dict:
 
     from .config import RunConfig
     from .executor import Executor
+    from .trust import from_elsewhere
 
     store, storage, manifest, _ = open_line(where, "`capline recheck` asks again the URLs of")
-    cfg = build(RunConfig, manifest["config"])
+    cfg = from_elsewhere(build(RunConfig, manifest["config"]), f"{where}'s manifest", log=log, loads_code=False)
     ing = cfg.stages.ingest
     parts = {p["part"]: p["file"] for p in storage.read_json("ingest/parts.json") or []}
     published = sorted(published_parts(storage))

@@ -118,16 +118,57 @@ def _listening(proc):
         return []
 
 
-def test_a_manifest_or_run_folder_from_elsewhere_does_not_choose_the_cluster(tmp_path, monkeypatch, capsys):
-    """rebuild (a manifest) and train --run-dir (a run folder's config.yaml) joined the ray.address
-    written there, sending the user's Ray token to whatever listened: the address now comes only from
-    --address, RAY_ADDRESS, a config the user names or their own --set."""
+def _commands_that_start_ray() -> list[str]:
+    """Every subcommand that takes --address: the ones that start or join a Ray cluster."""
+    from pipeline.cli import _parser
+
+    sub = next(a for a in _parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    return sorted(n for n, p in sub.choices.items() if any("--address" in a.option_strings for a in p._actions))
+
+
+def _folder_from_elsewhere(tmp_path, *settings: str):
+    """A run folder someone else wrote: its config.yaml and manifest name `settings`; a dataset line."""
     import json
 
-    import infra.ray_runtime as ray_runtime
-    from pipeline import cli
     from pipeline.config import load_config
     from pipeline.runner import input_fingerprints
+
+    foreign = load_config(None, list(settings))
+    old = tmp_path / "old"
+    (old / "shard" / "line").mkdir(parents=True)
+    (old / "config.yaml").write_text(json.dumps(foreign.to_dict()))
+    (old / "manifest.json").write_text(json.dumps({"config": foreign.to_dict(), "inputs": input_fingerprints(foreign),
+                                                   "stages": {"source": {}, "ingest": {}}}))
+    (old / "shard" / "line" / "line.json").write_text(json.dumps({"shards": [], "runs": []}))
+    (old / "shard" / "shards").mkdir()
+    (old / "shard" / "_SUCCESS").touch()
+    (old / "tokenizer").mkdir()
+    (old / "tokenizer" / "spm.model").touch()
+    (tmp_path / "takedown.txt").write_text("url http://example.invalid/1.jpg\n")
+    return old
+
+
+def _argv(command: str, old, tmp_path) -> list[str]:
+    return {"run": ["run", "--run-dir", str(old)], "train": ["train", "--run-dir", str(old)],
+            "experiment": ["experiment", "paper", "--run-dir", str(old), "--models", "cap"],
+            "rebuild": ["rebuild", str(old / "manifest.json"), "--run-dir", str(tmp_path / "new")],
+            "remove": ["remove", str(old), "--list", str(tmp_path / "takedown.txt"), "--reason", "test"],
+            "recheck": ["recheck", str(old)]}[command]
+
+
+def test_every_command_that_starts_ray_is_listed_here():
+    """A new command that can join a cluster is checked by the test below, or this fails."""
+    assert _commands_that_start_ray() == ["experiment", "rebuild", "recheck", "remove", "run", "train"]
+
+
+@pytest.mark.parametrize("command", _commands_that_start_ray())
+def test_a_manifest_or_run_folder_from_elsewhere_does_not_choose_the_cluster(command, tmp_path, monkeypatch, capsys):
+    """Every command that reads a run folder's config or manifest (rebuild, train --run-dir, and, in
+    round four, remove and recheck too) joined the ray.address written there, sending the user's Ray
+    token to whatever listened: the address now comes only from --address, RAY_ADDRESS, a config the
+    user names or their own --set."""
+    import infra.ray_runtime as ray_runtime
+    from pipeline import cli
 
     joined = []
 
@@ -138,17 +179,64 @@ def test_a_manifest_or_run_folder_from_elsewhere_does_not_choose_the_cluster(tmp
         joined.append((cfg.address, address))
         raise Stop
 
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray_runtime, "ray_session", record)
-    foreign = load_config(None, ["ray.address=10.9.9.9:6379"])
-    old = tmp_path / "old"
-    old.mkdir()
-    (old / "manifest.json").write_text(json.dumps({"config": foreign.to_dict(), "inputs": input_fingerprints(foreign),
-                                                   "stages": {"source": {}, "ingest": {}}}))
+    old = _folder_from_elsewhere(tmp_path, "ray.address=10.9.9.9:6379")
     try:
-        cli.main(["rebuild", str(old / "manifest.json"), "--run-dir", str(tmp_path / "new")])
+        cli.main(_argv(command, old, tmp_path))
     except Stop:
         pass
-    assert joined == [(None, None)], joined
-    assert "not joining the Ray cluster '10.9.9.9:6379'" in capsys.readouterr().out
-    saved = cli._no_foreign_address(load_config(None, ["ray.address=10.9.9.9:6379"]), "x", ["ray.address=10.9.9.9:6379"])
+    out, err = capsys.readouterr()
+    # train on this bare folder is refused before Ray starts (no finished stages): the address is
+    # dropped all the same, by the same code as run's
+    assert joined == [(None, None)] or (command == "train" and not joined and "--only train" in err), (joined, out, err)
+    assert "not joining the Ray cluster '10.9.9.9:6379'" in out
+
+
+def test_the_users_own_set_chooses_the_cluster(tmp_path):
+    from pipeline.config import load_config
+    from pipeline.trust import from_elsewhere
+
+    saved = from_elsewhere(load_config(None, ["ray.address=10.9.9.9:6379"]), "x", ["ray.address=10.9.9.9:6379"])
     assert saved.ray.address == "10.9.9.9:6379"           # the user's own --set is the user's choice
+
+@pytest.mark.parametrize("command", ["rebuild", "run"])
+def test_torchscript_a_foreign_config_names_and_pins_runs_only_when_the_user_names_it(command, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """`capline rebuild` ran the __setstate__ of a TorchScript that the manifest named and pinned
+    itself (exit 0, no word): a pin written by the same hand is not consent. Refused before anything
+    loads or starts, naming --trust-code; with --trust-code FILE the command goes on."""
+    import torch
+
+    import infra.ray_runtime as ray_runtime
+    from infra.hashing import hash_file
+    from pipeline import cli
+
+    class Payload(torch.nn.Module):
+        def forward(self, x):
+            return x.flatten(1)
+
+    path = tmp_path / "isc.pt"
+    torch.jit.trace(Payload(), torch.zeros(1, 3, 8, 8)).save(str(path))
+    old = _folder_from_elsewhere(tmp_path, f"stages.dedup.encoder_checkpoint={path}",
+                                 f"stages.dedup.encoder_sha256={hash_file(path)}")
+    started = []
+
+    class Stop(Exception):
+        pass
+
+    def record(cfg, address=None, log=print, trains=True):
+        started.append(True)
+        raise Stop
+
+    monkeypatch.setattr(ray_runtime, "ray_session", record)
+    argv = _argv(command, old, tmp_path)
+    assert cli.main(argv) != 0
+    err = capsys.readouterr().err
+    assert f"--trust-code {path}" in err and "not your consent" in err, err
+    assert not started                       # refused before a cluster (and so the stages) started
+    try:
+        cli.main(argv + ["--trust-code", str(path)])
+    except Stop:
+        pass
+    assert started == [True], capsys.readouterr()
