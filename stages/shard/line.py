@@ -34,6 +34,15 @@ def read_line(storage) -> dict | None:
     return storage.read_json(RECORD)
 
 
+def published_names(storage) -> set[str]:
+    """The shard names this line has published as the bucket shows them beyond line.json: the last
+    finished run's sizes.json (written after line.json, kept with the shards) and the old versions
+    removals kept. A line.json that lacks one of them is stale."""
+    sizes = storage.read_json("shard/shards/sizes.json")
+    names = {n for n in sizes if isinstance(n, str)} if isinstance(sizes, dict) else set()
+    return names | {f.rsplit("/", 1)[-1] for f in storage.list(f"{LINE}/versions", ".tar", recursive=True)}
+
+
 def published_file(part: str) -> str:
     return f"{PUBLISHED}/{part}.parquet"
 

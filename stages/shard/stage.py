@@ -47,7 +47,8 @@ from infra.errors import UserError
 from . import line_lookup
 from ..base import KEPT, Sink, StageContext, StageResult
 from ..dataplane import ROWS_PER_WORKER, PartResult, bucket_pieces, by_location, image_batches, read_kept, write_part
-from .line import (LINE, PUBLISHED, PUBLISHED_SCHEMA, RECORD, published_all, published_file, published_parts,
+from .line import (LINE, PUBLISHED, PUBLISHED_SCHEMA, RECORD, published_all, published_file, published_names,
+                   published_parts,
                    published_state, read_line, read_states, write_states)
 from infra.hashing import order_key
 from infra.tars import SampleTarWriter
@@ -344,6 +345,15 @@ class ShardStage(Sink):
                     raise UserError(f"shard: the dataset line's published shard(s) {', '.join(lost[:3])} are missing "
                                     f"from {ctx.storage.uri('shard/shards')}; restore them (`capline verify` checks the "
                                     "rest), or set stages.shard.append: false to end the line and write every shard anew")
+                behind = sorted(published_names(ctx.storage) - set(names))
+                if behind:
+                    # published shards are write-once: a record behind the bucket would number new
+                    # shards over them (a kill before line.json leaves only unpublished ones)
+                    raise UserError(f"shard: {ctx.storage.uri(RECORD)} does not list shard(s) {', '.join(behind[:3])} "
+                                    "that this dataset line published (its sizes.json or a removal's versions name "
+                                    "them): the record is stale or not this line's, and going on would write new shards "
+                                    "over published ones; nothing was written. Restore the line's latest line.json (`capline verify "
+                                    "RUN_DIR` compares it with the shards)")
             if line is None and ctx.storage.list("shard/shards", ".tar"):
                 ctx.log("shard: starting a dataset line (stages.shard.append); the shards of an earlier run "
                         "are written anew, and from now on only added to")

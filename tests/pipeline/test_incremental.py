@@ -190,6 +190,15 @@ def test_an_append_only_line_adds_shards_and_never_changes_published_ones(tmp_pa
             run_pipeline(cfg(), run, until="shard", log=lambda m: None)
         assert {s["name"]: hashlib.sha256((run / "shard" / "shards" / s["name"]).read_bytes()).hexdigest()
                 for s in first} == tars
+        # the same record with only its last shard left out (its runs whole): refused too, where the
+        # append used to write its new samples into that shard's name over published ones
+        clipped = json.loads(now_record)
+        last = clipped["shards"].pop()["name"]
+        record.write_text(json.dumps(clipped))
+        before = (run / "shard" / "shards" / last).read_bytes()
+        with pytest.raises(UserError, match=rf"does not list shard\(s\) {last}.* nothing was written"):
+            run_pipeline(cfg(), run, until="shard", log=lambda m: None)
+        assert (run / "shard" / "shards" / last).read_bytes() == before
         record.write_bytes(now_record)
         (urls / "c.csv").unlink()
         # a change that would drop published samples is refused, naming the settings; nothing published moves
