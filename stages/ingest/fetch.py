@@ -297,8 +297,7 @@ def _download_politely(row, timeout, user_agent_token, disallowed_header_directi
     host = _hosts.get(parts.netloc)
     if host.spent:
         _pinned().clear()
-        return key, None, (f"capline:rate_limited: {parts.hostname} asked to wait {host.waited:.0f}s in all, more than "
-                           f"stages.ingest.host_wait_budget {m.wait_budget:g}s; not asked again by this task")
+        return key, None, _spent(host, parts.hostname, m)
     if host.open:
         _pinned().clear()
         return key, None, (f"capline:host_unavailable: {parts.hostname} failed {m.breaker_failures} times in a row; "
@@ -308,7 +307,9 @@ def _download_politely(row, timeout, user_agent_token, disallowed_header_directi
         _pinned().clear()
         return key, None, f"capline:robots_disallowed: {why}"
     for attempt in range(m.retries + 1):
-        host.take_slot()
+        if host.take_slot() is None:
+            _pinned().clear()
+            return key, None, _spent(host, parts.hostname, m)
         asked = time.monotonic()
         try:
             result = _fetch_once(key, url, timeout, m.token, disallowed_header_directives, checked=attempt == 0)
@@ -333,6 +334,14 @@ def _download_politely(row, timeout, user_agent_token, disallowed_header_directi
         return result
     host.outcome(False)      # a 429/503 storm counts toward the host's breaker like any other failure
     return key, None, f"capline:rate_limited: HTTP 429/503 {m.retries + 1} times (waited as asked each time)"
+
+
+def _spent(host, hostname: str, m) -> str:
+    """Why a host this task gave up waiting on gets no more requests from it."""
+    if isinstance(host.spent, str):
+        return f"capline:rate_limited: {hostname}: {host.spent}; not asked again by this task"
+    return (f"capline:rate_limited: {hostname} asked to wait {host.waited:.0f}s in all, more than "
+            f"stages.ingest.host_wait_budget {m.wait_budget:g}s; not asked again by this task")
 
 
 def _fetch_small(url: str, timeout: float, limit: int = 512 << 10) -> tuple[int, bytes]:
@@ -744,7 +753,8 @@ def recheck(urls: list[str], policy: FetchPolicy, token: str, directives: tuple[
             # a robots.txt that did not answer stops a crawl (RFC 9309), but says nothing of what a
             # site wants taken out of published data: counted, never removed for it
             return f"unreachable: {why}" if getattr(host, "robots_note", None) else f"robots_disallowed: {why}"
-        host.take_slot()
+        if host.spent or host.take_slot() is None:
+            return f"unreachable: {_spent(host, parts.hostname, _policy.manners)[len('capline:'):]}"
         _pins.sockets = []
         ticket = _watchdog.watch(time.monotonic() + _policy.deadline, _pins.sockets)
         try:

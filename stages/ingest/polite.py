@@ -76,7 +76,8 @@ class Host:
         self.robots_lock = threading.Lock()
         self.waited = 0.0
         self.slowdowns = 0
-        self.spent = False                # asked to wait more than the task's wait budget grants it
+        self.spent: bool | str = False    # asked to wait more than the task grants it (str: why, when robots.txt asked)
+        self.delay = 0.0                  # seconds between requests its robots.txt asks for
         self.sleep = sleep
         self.ceiling = max(manners.rate, manners.max_rate or manners.rate)
         hostname = netloc.rsplit(":", 1)[0] if not netloc.endswith("]") else netloc
@@ -87,13 +88,25 @@ class Host:
         self.floor = self.rate / 16       # 429s halve the rate down to this
         self.pushed_back = False
 
-    def take_slot(self) -> float:
-        """Wait for this host's next request slot (rate) and a free connection (concurrency); -> seconds slept."""
+    def take_slot(self) -> float | None:
+        """Wait for this host's next request slot (rate) and a free connection (concurrency); -> seconds
+        slept. None, with nothing reserved and the host spent for this task, when robots.txt's pace puts
+        the slot further away than the task may wait on it: `max_wait` at once, `wait_budget` in all
+        (a Crawl-delay of a day must not hold a run; capline's own adaptive pace never counts here)."""
         self.slots.acquire()
         with self.lock:
             now = time.monotonic()
             at = max(now, self.next_free)
+            if self.delay and at - now > min(self.m.max_wait, self.m.wait_budget - self.waited):
+                self.spent = self.spent or (f"its robots.txt asks {self.delay:g}s between requests, and the next would "
+                                            f"wait {at - now:.0f}s, more than stages.ingest.max_retry_after "
+                                            f"{self.m.max_wait:g}s at once or stages.ingest.host_wait_budget "
+                                            f"{self.m.wait_budget:g}s in all")
+                self.slots.release()
+                return None
             self.next_free = at + 1.0 / max(self.rate, 1e-6)
+            if self.delay:
+                self.waited += at - now
         if at > now:
             self.sleep(at - now)
         return max(0.0, at - now)
@@ -124,6 +137,7 @@ class Host:
         """robots.txt asks for `seconds` between requests: the cluster's requests, so this process's share."""
         if seconds and seconds > 0:
             with self.lock:
+                self.delay = seconds
                 self.ceiling = min(self.ceiling, 1.0 / (seconds * max(1, self.m.share)))
                 self.rate = min(self.rate, self.ceiling)
 

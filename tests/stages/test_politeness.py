@@ -260,6 +260,70 @@ def test_a_host_that_always_says_later_costs_a_bounded_time_and_opens_its_breake
     assert fetch._hosts.get(where).failures >= 1               # counted toward the breaker
 
 
+class _Glacial(http.server.BaseHTTPRequestHandler):
+    """A host whose robots.txt asks a day between requests (Crawl-delay or Request-rate)."""
+    rules = b"User-agent: *\nCrawl-delay: 100000\n"
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, body: bytes, kind: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(body)
+
+    def do_GET(self):
+        self._send(self.rules, "text/plain") if self.path == "/robots.txt" else self._send(_JPEG, "image/jpeg")
+
+    do_HEAD = do_GET
+
+
+def _jpeg() -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 120, 40)).save(out, "JPEG")
+    return out.getvalue()
+
+
+_JPEG = _jpeg()
+
+
+@pytest.mark.parametrize("rules", [b"User-agent: *\nCrawl-delay: 100000\n", b"User-agent: *\nRequest-rate: 1/100000\n"])
+def test_a_crawl_delay_of_a_day_defers_the_hosts_urls_at_once_in_downloads_and_rechecks(monkeypatch, rules):
+    """robots.txt `Crawl-delay: 100000` held ingest and `capline recheck` for a day per URL: one URL
+    goes, the host's others end at once as rate_limited (a recheck: unreachable, never removed),
+    with the setting that bounds it named."""
+    import stages.ingest.fetch as fetch
+    from stages.ingest.fetch import FetchPolicy, reason_of, recheck, safe_download_image
+
+    _Glacial.rules = rules
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Glacial)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    where = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        manners = Manners(rate=100, max_wait=60, wait_budget=300)
+        policy = FetchPolicy(allow_hosts=(where,), deadline=10, manners=manners)
+        monkeypatch.setattr(fetch, "_policy", policy)
+        monkeypatch.setattr(fetch, "_hosts", fetch.Hosts(manners))
+        t0 = time.monotonic()
+        got = [safe_download_image((i, f"http://{where}/{i}.jpg"), 3, None, None) for i in range(6)]
+        checked = recheck([f"http://{where}/{i}.jpg" for i in range(6)], policy, "capline", ("noai",), timeout=3)
+        took = time.monotonic() - t0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert took < 10, took
+    reasons = [reason_of("success" if s is not None else "failed", e) for _, s, e in got]
+    assert reasons[1:] == ["rate_limited"] * 5, [e for *_, e in got]
+    assert "robots.txt asks 100000s between requests" in got[-1][2] and "max_retry_after" in got[-1][2]
+    assert sum(v.startswith("unreachable: rate_limited") for v in checked.values()) == 5, checked
+    assert not any(v.startswith("robots_disallowed") for v in checked.values())
+
+
 @pytest.mark.slow   # 1-1.3 s: kept out of the fast set (under a minute)
 def test_a_recheck_finds_what_opted_out_since_and_never_takes_silence_for_an_opt_out():
     """`capline recheck`'s asking (stages/ingest/fetch.py: recheck): a path robots.txt now disallows, and a
