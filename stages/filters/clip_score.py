@@ -17,6 +17,7 @@ the cut and a histogram of scores.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -37,7 +38,8 @@ from ..base import DROPPED, KEPT, Decide, PartTask, StageContext, StageResult
 from ..dataplane import PICTURE_COLUMNS, by_location, picture_batches, pictures, read_images, read_kept, reused_or_run
 from ..examples import write_examples
 from ..shared_model import TORCH_MB, WORKER_MB, SharedModel
-from .scorer import BootstrapConfig, Scorer, check_scorer, read_trusted_keys, small_bootstrap, train_bootstrap
+from .scorer import (FOLDS, BootstrapConfig, CrossFitScorer, Scorer, check_scorer, fold_dir, fold_of, read_trusted_keys,
+                     small_bootstrap, train_bootstrap)
 from infra.hashing import order_key
 
 
@@ -109,6 +111,24 @@ def select(keys: list[str], scores: np.ndarray, threshold: float | None, keep_fr
     return keep, (c / SCALE if c is not None else float("inf"))
 
 
+def line_shift(counts: Counter, n: int, kept_cut: dict, keep_fraction: float) -> str | None:
+    """What a dataset line's kept cut does to the samples added since it was drawn, when it keeps far
+    fewer of them than the keep_fraction it was drawn at (their scores do not mean what the line's
+    did); None when it keeps them at about the line's rate, or too few were added to tell."""
+    cut, old = kept_cut.get("cut"), int(kept_cut.get("n") or 0)
+    added = n - old
+    if cut is None or added < 20:
+        return None
+    above = sum(c for v, c in counts.items() if v >= cut)
+    rate = max(0, above - round(keep_fraction * old)) / added
+    if rate >= keep_fraction / 3:
+        return None
+    return (f"the dataset line's cut keeps about {rate:.0%} of the {added} samples added since it was drawn, where it "
+            f"kept {keep_fraction:.0%} of the line's first {old}: their scores have shifted (new data unlike the line's, "
+            "or a scorer that scored pairs it trained on); check a few with `capline explain`, or end the line "
+            "(stages.shard.append: false) and score it anew")
+
+
 def cut_from_counts(counts: Counter, n: int, keep_fraction: float) -> tuple[int | None, int]:
     """From the count of each integer score: (the cut value c, how many samples tied at c to keep)."""
     n_keep = min(n, math.ceil(keep_fraction * n - 1e-9))
@@ -158,7 +178,9 @@ def _scorer(storage, folder: str, sha: str, device: str, kind: str = "checkpoint
             from .hf_clip import HFScorer
 
             _SCORERS[key] = HFScorer(str(storage.local_dir(folder)), device)
-        else:
+        elif kind == "bootstrap" and storage.exists(f"{fold_dir(folder, 0)}/model.json"):
+            _SCORERS[key] = CrossFitScorer([str(storage.local_dir(fold_dir(folder, k))) for k in range(FOLDS)], device)
+        else:   # a checkpoint, or a dataset line's bootstrap scorer from before cross-fitting
             _SCORERS[key] = Scorer(str(storage.local_dir(folder)), None, device)
     return _SCORERS[key]
 
@@ -178,7 +200,9 @@ def _score_task(storage, part: str, file: str, out: str, folder: str, sha: str, 
     `out`.json, which make them reusable), return how many of each value."""
     rows = by_location(read_kept(storage, file))
     scorer = _scorer(storage, folder, sha, device, kind) if rows.num_rows else None
-    scores = np.concatenate([np.zeros(0), *(np.asarray(scorer.score(_decoded(batch, images), batch.column("caption").to_pylist()),
+    keyed = isinstance(scorer, CrossFitScorer)
+    scores = np.concatenate([np.zeros(0), *(np.asarray(scorer.score(_decoded(batch, images), batch.column("caption").to_pylist(),
+                                                                    *([batch.column("key").to_pylist()] if keyed else [])),
                                                        np.float64)
                                             for batch, images in picture_batches(storage, rows.select(["key", "caption", *PICTURE_COLUMNS])))])
     ints = np.round(np.asarray(scores, np.float64) * SCALE).astype(np.int64)
@@ -278,6 +302,7 @@ class Cut:
     value: float
     cut: int | None = None
     last_tied: str | None = None
+    shift: str | None = None     # a dataset line's cut that keeps far fewer new samples than it did (line_shift)
 
 
 class ClipScoreStage(Decide):
@@ -351,7 +376,10 @@ class ClipScoreStage(Decide):
                     "samples when first computed), not recomputed (stages.clip_score.reuse_cut; set it false to "
                     "recompute the quantile over every sample)")
             how = kept_cut.get("how") or f"top {cfg.keep_fraction:.0%} cut {value:.6f}"
-            return Cut(how, value, c, kept_cut["last_tied"])   # verdicts read as the first run's
+            shift = line_shift(measured.counts, ctx.n_in, kept_cut, cfg.keep_fraction)
+            if shift:
+                ctx.log(f"clip_score: warning: {shift}")
+            return Cut(how, value, c, kept_cut["last_tied"], shift)   # verdicts read as the first run's
         if kept_cut:
             ctx.log(f"clip_score: the dataset line's cut was computed with scorer {kept_cut['scorer'][:12]} and "
                     f"keep_fraction {kept_cut['keep_fraction']}; recomputing it for this run's")
@@ -396,7 +424,7 @@ class ClipScoreStage(Decide):
         if warning:
             ctx.log(f"clip_score: warning: {warning}")
         return StageResult(parts, {
-            "enabled": True, "scorer": scorer, "warning": warning, "threshold": cfg.threshold, "keep_fraction": cfg.keep_fraction,
+            "enabled": True, "scorer": scorer, "warning": warning, "line_shift": decision.shift, "threshold": cfg.threshold, "keep_fraction": cfg.keep_fraction,
             "cut": cut_value, "score_mean": mean,
             "histogram": {"counts": hist.astype(int).tolist(), "edges": [round(float(e), 6) for e in edges]}},
             artifacts={"scorer": SCORER_DIR if scorer["kind"] != "column" else None, "scorer_sha256": scorer["sha256"],
@@ -443,6 +471,9 @@ class ClipScoreStage(Decide):
         if trusted is not None and len(rows) < 2:
             raise UserError(f"stages.clip_score.bootstrap.trusted_keys: {len(rows)} of its keys reach this "
                             f"stage ({len(trusted)} listed); name keys of samples that survive the earlier stages")
+        early = small_bootstrap({"kind": "bootstrap", "trained_on": len(rows)})
+        if early:   # known before the first step, not after minutes of training
+            ctx.log(f"clip_score: warning: {early}")
         ctx.log(f"clip_score: training the bootstrap scorer on {len(rows)} "
                 f"{'trusted' if b.trusted_keys else 'input'} pairs ({b.steps} steps of {b.batch_size})")
         # in a task (a worker with the CPUs or a GPU), not in the driver; never more CPUs than a node has
@@ -470,7 +501,23 @@ def _train_task(storage, rows: list[dict], **kwargs) -> dict:
     torch.set_num_threads(max(1, int(kwargs["cfg"].cpus)))
     table = pa.Table.from_pylist(rows)
     images = _decoded(table, pictures(table, read_images(storage, table)))
+    cfg = kwargs.pop("cfg")
+    # each fold's scorer trains on its fold's pairs for half the steps: the same compute as one
+    # scorer on all of them, and no pair is scored by a model that saw it (scorer.py: FOLDS)
+    half = dataclasses.replace(cfg, steps=max(1, math.ceil(cfg.steps / FOLDS)))
+    folds = [[i for i, r in enumerate(rows) if fold_of(r["key"]) == k] for k in range(FOLDS)]
+    if min(len(f) for f in folds) < 2:
+        raise UserError(f"stages.clip_score: {len(rows)} pairs are too few to train the bootstrap scorer (each of its "
+                        f"{FOLDS} halves needs 2 or more); set stages.clip_score.scorer to column, hf or checkpoint, or "
+                        "stages.clip_score.enabled: false")
+    infos = []
     with tempfile.TemporaryDirectory(prefix="capline-scorer-") as tmp:
-        info = train_bootstrap(images=images, captions=[r["caption"] for r in rows], out_dir=tmp, **kwargs)
-        storage.put_dir(SCORER_DIR, tmp)
-    return {**info, "path": SCORER_DIR}
+        for k, idx in enumerate(folds):
+            infos.append(train_bootstrap(images=[images[i] for i in idx], captions=[rows[i]["caption"] for i in idx],
+                                         out_dir=fold_dir(tmp, k), cfg=half, **kwargs))
+        for k in range(FOLDS):
+            storage.put_dir(fold_dir(SCORER_DIR, k), fold_dir(tmp, k))
+    sha = hashlib.sha256("".join(i["sha256"] for i in infos).encode()).hexdigest()
+    return {**infos[0], "path": SCORER_DIR, "sha256": sha, "trained_on": len(rows), "steps": half.steps,
+            "folds": [{k: i[k] for k in ("trained_on", "final_loss", "chance_loss", "sha256")} for i in infos],
+            "final_loss": float(np.mean([i["final_loss"] for i in infos]))}

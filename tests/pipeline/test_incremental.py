@@ -209,3 +209,44 @@ def test_an_append_only_line_adds_shards_and_never_changes_published_ones(tmp_pa
         with pytest.raises(UserError, match=r"stages.shard.append: 3 input partition\(s\) that earlier runs"):
             run_pipeline(cfg(), run, until="shard", log=lambda m: None)
     assert json.loads((run / "shard" / "line" / "line.json").read_text()) == line
+
+
+@pytest.mark.slow
+def test_a_dataset_line_with_the_bootstrap_scorer_keeps_new_samples_at_the_lines_rate(tmp_path, ray_local):
+    """A line's bootstrap scorer had memorised its first run's pairs (~0.9 against ~0.4 for unseen
+    ones) and its frozen cut kept 1 of ~50 new samples, silently. Cross-fitted, no pair is scored by
+    a model that trained on it: the append keeps its new samples at about the first run's rate."""
+    rows = synthetic_rows(tmp_path / "site", 220, 5, mismatched_caption=0.2)
+    urls = tmp_path / "urls"
+    urls.mkdir()
+    with DemoServer(tmp_path / "site" / "www") as server:
+        cfg = load_config(None, [
+            "source.kind=urls", f"source.path={urls}", f"stages.ingest.allow_hosts=['{server.netloc}']",
+            "stages.ingest.samples_per_shard=40", "stages.ingest.compact_rows=40", "stages.dedup.eval_sets=[]",
+            "stages.clip_score.bootstrap.steps=100", "stages.clip_score.bootstrap.reuse=true",
+            "stages.clip_score.reuse_cut=true", "stages.clip_score.keep_fraction=0.5"])
+        _write_partition(urls / "a.csv", rows[:160], server.base_url)
+        run_pipeline(cfg, tmp_path / "run", until="clip_score", log=lambda m: None)
+        first = {r["key"]: r["verdict"] for r in read_ledger(tmp_path / "run", "clip_score").to_pylist()}
+        _write_partition(urls / "b.csv", rows[160:], server.base_url)
+        logs = []
+        run_pipeline(cfg, tmp_path / "run", until="clip_score", log=logs.append)
+    assert any("the bootstrap scorer of this dataset line" in m for m in logs), logs
+    new = [r for r in read_ledger(tmp_path / "run", "clip_score").to_pylist() if r["key"] not in first]
+    rate = sum(r["verdict"] == "kept" for r in new) / len(new)
+    first_rate = sum(v == "kept" for v in first.values()) / len(first)
+    assert len(new) >= 40 and rate >= first_rate / 2, (rate, first_rate, len(new))
+    assert not any("scores have shifted" in m for m in logs), logs
+
+
+def test_a_lines_cut_that_keeps_far_fewer_new_samples_is_said_with_the_shift():
+    from collections import Counter
+
+    from stages.filters.clip_score import line_shift
+
+    kept_cut = {"cut": 900, "n": 100}
+    old = Counter({950: 50, 100: 50})                     # the line: half above its cut
+    assert line_shift(old + Counter({950: 25, 100: 25}), 150, kept_cut, 0.5) is None
+    said = line_shift(old + Counter({950: 1, 100: 49}), 150, kept_cut, 0.5)
+    assert said and "keeps about 2% of the 50 samples added" in said and "kept 50%" in said
+    assert line_shift(old + Counter({100: 10}), 110, kept_cut, 0.5) is None   # too few added to tell
