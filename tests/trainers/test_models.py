@@ -86,6 +86,24 @@ def test_pa_probability_per_example():
     assert not build_model(tiny("cap")).sample_pa_rows(100).any()
 
 
+@pytest.mark.parametrize("family", ["cap", "cappa", "clip", "siglip", "coca"])
+def test_the_loss_draws_with_the_loops_cpu_generator_whatever_device_the_model_is_on(family):
+    """CapPa on CUDA failed at step 1: the loop's CPU generator was handed to a draw on the model's
+    device, which CUDA refuses. On the meta device (shapes only, no kernels) the same call shows
+    where a draw happens: it must consume the CPU generator (the state a checkpoint restores) and
+    leave its result on the model's device."""
+    m = build_model(tiny(family)).to("meta")
+    gen, same = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    images = torch.zeros(6, 3, 16, 16, device="meta")
+    labels = torch.ones(6, L, dtype=torch.long, device="meta")
+    loss, metrics = m.loss(images, labels, generator=gen)
+    assert loss.device.type == "meta"
+    if family == "cappa":
+        torch.rand(6, generator=same)
+        assert metrics["pa_fraction"].device.type == "meta"
+    assert torch.equal(gen.get_state(), same.get_state())   # CapPa drew its 6 rows from it; the others none
+
+
 def test_caption_loss_matches_a_hand_computation():
     torch.manual_seed(1)
     logits, y = torch.randn(3, L, V), labels(3)

@@ -35,10 +35,14 @@ class Captioner(nn.Module):
         return torch.where(pa_rows[:, None], masked, shift_right(labels))
 
     def sample_pa_rows(self, batch: int, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+        """(batch,) bool on `device`: the rows decoded in parallel. Drawn where the generator lives
+        (the loop's is a CPU generator, checkpointed with the run), then moved: CUDA refuses a CPU
+        generator, and a draw on the device would leave the checkpointed state unused."""
         p = self.cfg.pa_prob
         if p <= 0:
             return torch.zeros(batch, dtype=torch.bool, device=device)
-        return torch.rand(batch, generator=generator, device=device) < p
+        at = generator.device if generator is not None else device
+        return (torch.rand(batch, generator=generator, device=at) < p).to(device)
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor, pa_rows: torch.Tensor | None = None) -> torch.Tensor:
         """images (B, 3, S, S), labels (B, L) -> logits (B, L, V). pa_rows None: all autoregressive."""
