@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, as one prepared script for a lent CUDA machine (CI never has one):
+#   0. `capline train` through Ray Train with train.use_gpu=true for CapPa, CLIP* and SigLIP (first:
+#      the path users run; CapPa's CPU generator failed there at step 1);
 #   1. B/16 CapPa and CLIP* training throughput and MFU in bf16 (benchmarks/train.py's CUDA path);
 #   2. every family's forward, loss and decoding on CUDA (the device bugs the meta test guards);
 #   3. `capline experiment paper --budget gpu-8min` on the demo's shards, if capline's pipeline
@@ -17,6 +19,19 @@ assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
 print("torch", torch.__version__, "on", torch.cuda.get_device_name(0),
       f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
 PY
+echo "== 0. the Ray Train path with use_gpu: true (CapPa, CLIP*, SigLIP), on the demo's shards"
+if "$PY" -c "import ray, mlflow, img2dataset" 2>/dev/null && [ -x .venv/bin/capline ]; then
+  export CAPLINE_NETGUARD=1
+  timeout 150 .venv/bin/capline run configs/demo.yaml --run-dir "$OUT/demo" --until shard 2>&1 | tail -3
+  for fam in cappa clip siglip; do
+    timeout 120 .venv/bin/capline train --run-dir "$OUT/demo" --set train.use_gpu=true --set train.num_workers=1 \
+      --set train.model=$fam --set train.steps=20 --set train.checkpoint_every=10 --set train.optim.warmup_steps=2 \
+      2>&1 | tee "$OUT/gpu_raytrain_$fam.txt" | tail -4
+    echo "   $fam: exit ${PIPESTATUS[0]}"
+  done
+else
+  echo "gpu.sh: capline's pipeline dependencies (ray, mlflow, img2dataset in .venv) are not installed here; step 0 skipped"
+fi
 echo "== 1. throughput and MFU (bf16)"
 timeout 240 "$PY" benchmarks/train.py --steps 10 --loader-workers "${LOADER_WORKERS:-8}" --peak-tflops "${PEAK_TFLOPS:-989}" 2>&1 | tee "$OUT/gpu_train.txt"
 cp benchmarks/results/train.json "$OUT/gpu_train.json" 2>/dev/null || true
@@ -46,7 +61,6 @@ PY
 echo "== 3. capline experiment paper --budget gpu-8min"
 if "$PY" -c "import ray, mlflow, img2dataset" 2>/dev/null && [ -x .venv/bin/capline ]; then
   export CAPLINE_NETGUARD=1
-  timeout 150 .venv/bin/capline run configs/demo.yaml --run-dir "$OUT/demo" --until shard 2>&1 | tail -3
   timeout 330 .venv/bin/capline experiment paper --run-dir "$OUT/demo" --budget gpu-8min 2>&1 | tee "$OUT/gpu_paper.txt" | tail -15
 else
   echo "gpu.sh: capline's pipeline dependencies (ray, mlflow, img2dataset in .venv) are not installed here; step 3 skipped"

@@ -167,6 +167,11 @@ class Stage:
     def preflight(self, config) -> None:
         """Checks that need no cluster (bad paths, unknown codes): fail in a second, not mid-run."""
 
+    def complete(self, config, stats: dict) -> bool:
+        """Whether a finish with the same fingerprint (its stats.json: `stats`) is all that `config`
+        asks: a stage with a how-setting that can ask for more (train.steps) says no."""
+        return True
+
     def fingerprint(self, config) -> str:
         """What, besides the upstream output, decides this stage's result (JSON text): its section less
         the settings it declares as how the work runs (`HOW`)."""

@@ -22,14 +22,14 @@ import torch
 
 
 def _save(path: Path, model, opt, sched, step: int, loader_states: list, gen_states: list,
-          loss: float = float("nan")) -> None:
+          loss: float = float("nan"), steps: int | None = None) -> None:
     from safetensors.torch import save_file
 
     from .models.checkpoint import state_for_saving
 
     save_file(state_for_saving(model), str(path / "model.safetensors"))
     torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(), "gens": gen_states}, path / "train_state.pt")
-    (path / "meta.json").write_text(json.dumps({"step": step, "loader": loader_states, "loss": loss}))
+    (path / "meta.json").write_text(json.dumps({"step": step, "steps": steps, "loader": loader_states, "loss": loss}))
 
 
 @dataclass
@@ -113,10 +113,23 @@ def _train(config: dict, scratch: Path) -> None:
             ts = torch.load(d / "train_state.pt", weights_only=True)
             opt.load_state_dict(ts["opt"])
             sched.load_state_dict(ts["sched"])
-            gen.set_state(ts["gens"][rank])
             meta = json.loads((d / "meta.json").read_text())
-            step, state = meta["step"], LoaderState(**meta["loader"][rank])
+            step, saved = meta["step"], meta["loader"]
             resumed_loss = meta.get("loss", float("nan"))
+            if len(saved) == world:     # the same workers: each goes on exactly where it stopped
+                gen.set_state(ts["gens"][rank])
+                state = LoaderState(**saved[rank])
+            else:   # train.num_workers changed (a node lost, one added): each share of the data is new
+                state = LoaderState(epoch=1 + max(s["epoch"] for s in saved))
+                gen.manual_seed(c.seed * 1000 + rank + 7919 * step)
+                if rank == 0:
+                    print(f"train: resuming step {step} on {world} workers (the checkpoint's job had {len(saved)}): "
+                          f"weights, optimiser and schedule restored; the data order starts a new pass "
+                          f"(epoch {state.epoch})", flush=True)
+            if rank == 0 and meta.get("steps") not in (None, tc.steps):
+                print(f"train: train.steps {meta['steps']} -> {tc.steps}: resuming at step {step}; the learning-rate "
+                      f"schedule is now laid over {tc.steps} steps, so its shape from step {step} on differs from "
+                      "the run's so far", flush=True)
         storage.write_bytes(f"{out}/_resumed_from_rank{rank}", f"resumed from step {step}\n".encode())
     device = ray.train.torch.get_device()
     wrapped = ray.train.torch.prepare_model(LossModule(model))
@@ -156,8 +169,8 @@ def _train(config: dict, scratch: Path) -> None:
             raise RuntimeError(f"training loss became {total} at step {step + 1} (last finite loss at step "
                                f"{last_finite}); stopping: lower train.optim.lr or check the data")
         last_finite = step + 1
-        if tc.optim.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.optim.clip)
+        # the gradient norm is logged every step: clipping at inf measures it without changing it
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.optim.clip or float("inf")))
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -166,11 +179,21 @@ def _train(config: dict, scratch: Path) -> None:
         t2 = time.perf_counter()
         wait_total += t1 - t0
         busy_total += t2 - t1
+        mean_loss = total
+        if world > 1:   # every rank's loss, not rank 0's alone (one scalar beside DDP's gradients)
+            both = torch.tensor([total], dtype=torch.float64, device=device)
+            dist.all_reduce(both)
+            mean_loss = float(both.item()) / world
         if buffer is not None:
             dt = max(t2 - t_last, 1e-9)
-            buffer.add(step, {"loss": total, **parts, "lr": sched.get_last_lr()[0],
+            gpu = ({"gpu_memory_gb": torch.cuda.max_memory_allocated(device) / 2 ** 30} if device.type == "cuda" else {})
+            buffer.add(step, {"loss": mean_loss, "loss_rank0": total, **parts, "lr": sched.get_last_lr()[0],
+                              "grad_norm": grad_norm, "examples_per_s_per_worker": tc.global_batch / world / dt,
+                              "data_wait_s": t1 - t0, "compute_s": t2 - t1, **gpu,
                               "examples_per_s": tc.global_batch / dt, "tokens_per_s": tokens * world / dt,
                               "data_wait_fraction": wait_total / max(wait_total + busy_total, 1e-9)})
+            if step % tc.log_every == 0:   # MLflow sees the run as it goes, not at checkpoints alone
+                buffer.flush()
         t_last = t2
         if rank == 0 and (t2 - t_progress >= 2.0 or step == tc.steps):
             # the driver's progress bar reads this (any node writes to the run folder's storage)
@@ -196,7 +219,7 @@ def _train(config: dict, scratch: Path) -> None:
             with tempfile.TemporaryDirectory() as d:
                 checkpoint = None
                 if rank == 0:
-                    _save(Path(d), model, opt, sched, step, states, gens, total)
+                    _save(Path(d), model, opt, sched, step, states, gens, total, tc.steps)
                     checkpoint = ray.train.Checkpoint.from_directory(d)
                     buffer.flush()
                 ray.train.report({"step": step, "loss": total}, checkpoint=checkpoint)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import ClassVar, Any, Literal
 
 from infra.configtools import join, require
 
@@ -58,6 +58,11 @@ def with_recipe(train: dict) -> dict:
 
 @dataclass
 class TrainConfig:
+    # how the job runs, not what it trains: changing one resumes from the last checkpoint (kept out
+    # of the stage's fingerprint). `steps` too: more steps continue the run where it stopped (the
+    # train stage reruns a finished job that has fewer steps than asked: TrainStage.complete)
+    HOW: ClassVar[tuple] = ("num_workers", "loader_workers", "checkpoint_every", "keep_checkpoints", "max_failures",
+                            "sample_every", "log_every", "experiment", "steps")
     model: Literal["cap", "cappa", "clip", "siglip", "coca", "clipcap"] = "cappa"  # the family to pretrain: cap, cappa, clip, siglip, coca, clipcap
     size: Literal["tiny", "s16", "m16", "b16", "l14"] = "tiny"  # the family's size (tiny, S/16, B/16, L/14 ...): `capline models` lists them
     model_args: dict[str, Any] = field(default_factory=dict)   # any ModelConfig field, e.g. {width: 96}
@@ -73,6 +78,7 @@ class TrainConfig:
     keep_checkpoints: int = 2  # checkpoints kept on disk
     max_failures: int = 2  # worker failures Ray Train recovers from before the run fails
     sample_every: int = 100        # captioning models: log a few generated captions every N steps
+    log_every: int = 10            # steps between MLflow writes of the metrics (every step is logged)
     image_encoder: str | None = None  # clipcap: a capline checkpoint whose encoder stays frozen
     lm_checkpoint: str | None = None  # clipcap: a trained ClipCap checkpoint whose LM (lm.*) to start from
     lm_path: str | None = None     # clipcap: a local Hugging Face causal LM folder (GPT-2 family) as the LM
@@ -93,6 +99,7 @@ class TrainConfig:
                     f"must divide the per-worker batch {per}")
         require(self.loader_workers >= 0, join(prefix, "loader_workers"), "must be >= 0")
         require(self.checkpoint_every >= 1, join(prefix, "checkpoint_every"), "must be >= 1")
+        require(self.log_every >= 1, join(prefix, "log_every"), "must be >= 1 (steps between MLflow writes)")
         require(self.keep_checkpoints >= 1, join(prefix, "keep_checkpoints"), "must be >= 1")
         require(self.max_failures >= 0, join(prefix, "max_failures"), "must be >= 0")
         require(self.max_len >= 4, join(prefix, "max_len"), "must be >= 4")

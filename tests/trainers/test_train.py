@@ -225,3 +225,31 @@ def test_ctrl_c_during_training_says_interrupted_and_exits_130(data_run):
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 130, (proc.returncode, out[-1500:], err[-1500:])
     assert "capline: interrupted; rerun the same command to resume" in err
+
+
+def test_changing_how_the_job_runs_or_extending_steps_resumes_the_same_run(data_run):
+    """Every train.* setting was in the stage's fingerprint: a rerun with only max_failures changed
+    started a new MLflow run at step 1 and deleted the checkpoints. How-settings (max_failures,
+    loader_workers, checkpoint cadence) and more steps now go on from the last checkpoint, in the
+    same MLflow run, each step logged once; a setting that decides (the model) starts anew."""
+    run, cache = data_run
+    base = DATA + [f"stages.dedup.cache_dir={cache}", "train.model=cappa", "train.checkpoint_every=10",
+                   "train.optim.warmup_steps=2"]
+    first = run_pipeline(load_config(None, base + ["train.steps=20"]), run, only="train", log=lambda m: None)
+    logs = []
+    again = run_pipeline(load_config(None, base + ["train.steps=30", "train.max_failures=5", "train.loader_workers=0",
+                                                   "train.checkpoint_every=15"]),
+                         run, only="train", log=logs.append)
+    run_id = first["train"]["mlflow_run_id"]
+    assert again["train"]["mlflow_run_id"] == run_id and again["train"]["step"] == 30
+    assert any(m.startswith("train: resuming MLflow run") for m in logs), logs
+    client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
+    assert [s for s, _ in _history(client, run_id, "loss")] == list(range(1, 31))   # 21..30 added, none twice
+    assert client.get_run(run_id).info.status == "FINISHED"
+    # the same settings again: done, nothing trained
+    logs.clear()
+    run_pipeline(load_config(None, base + ["train.steps=30"]), run, only="train", log=logs.append)
+    assert any(m.startswith("train: done before with the same input") for m in logs), logs
+    other = run_pipeline(load_config(None, base + ["train.steps=10", "train.model=clip"]), run, only="train",
+                         log=lambda m: None)
+    assert other["train"]["mlflow_run_id"] != run_id
