@@ -230,11 +230,14 @@ def remove(where: str, list_path: Path, reason: str, threshold: float | None, ad
     if not 0 <= detail_threshold <= 1:
         raise UserError(f"--detail-threshold {detail_threshold}: a cosine in [0, 1] (0: the thumbnail alone)")
     by_kind = {k: [e for e in entries if e.kind == k] for k in KINDS}
-    images = image_vectors(by_kind["image"], list_path.parent)
-    vecs = images[0]
-    number = len(line.get("removals") or []) + 1
+    # the lock for the whole removal, the list's decoding included: a line read before it was taken
+    # is the line an append may have grown meanwhile, and writing it back dropped the append's shards
     with run_lock(store.local, log=log, uri=store.uri):
         store.pull(log=log)
+        manifest, line = storage.read_json("manifest.json"), read_line(storage)   # as the lock holder sees them
+        images = image_vectors(by_kind["image"], list_path.parent)
+        vecs = images[0]
+        number = len(line.get("removals") or []) + 1
         with ray_session(cfg.ray, address, log=log, trains=False):
             ex = Executor(log=log)
             parts = {p["part"]: p["file"] for p in storage.read_json("ingest/parts.json") or []}

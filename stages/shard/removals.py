@@ -13,6 +13,7 @@ import pyarrow.compute as pc
 from .line import LINE, read_line
 
 REMOVED = f"{LINE}/removed.parquet"
+ENDED_REMOVALS = f"{LINE}/ended_removals.json"   # the removals of a line that ended (append: false), still in force
 DESCRIPTIONS = "dedup/descriptions.json"      # partition -> its description file (written by dedup)
 
 
@@ -55,7 +56,7 @@ def near_copies(vecs: np.ndarray, details: np.ndarray, has_detail: np.ndarray, r
 def removal_digest(storage) -> str | None:
     """What later runs' dedup verdicts depend on: the removals the line records (None: none)."""
     line = read_line(storage)
-    removals = (line or {}).get("removals") or []
+    removals = (line or {}).get("removals") or ([] if line else storage.read_json(ENDED_REMOVALS) or [])
     return hashlib.sha256(json.dumps(removals, sort_keys=True).encode()).hexdigest()[:16] if removals else None
 
 

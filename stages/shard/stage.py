@@ -47,6 +47,7 @@ from infra.errors import UserError
 from . import line_lookup
 from ..base import KEPT, Sink, StageContext, StageResult
 from ..dataplane import ROWS_PER_WORKER, PartResult, bucket_pieces, by_location, image_batches, read_kept, write_part
+from .removals import ENDED_REMOVALS, REMOVED
 from .line import (LINE, PUBLISHED, PUBLISHED_SCHEMA, RECORD, published_all, published_file, published_names,
                    published_parts,
                    published_state, read_line, read_states, write_states)
@@ -360,8 +361,14 @@ class ShardStage(Sink):
             return line
         if line is not None:
             ctx.log(f"shard: stages.shard.append is off: the dataset line of {len(line['shards'])} shards ends; "
-                    "every shard is written anew")
-            ctx.storage.delete(LINE)
+                    "every shard is written anew" + ("; its removals stay in force" if line.get("removals") else ""))
+            # ending a line never undoes a takedown: removed.parquet and the removals' records stay,
+            # and every later run (and a line started again) applies them
+            ended = (ctx.storage.read_json(ENDED_REMOVALS) or []) + (line.get("removals") or [])
+            ctx.storage.delete_files([f for f in ctx.storage.list(LINE, recursive=True)
+                                      if f not in (REMOVED, ENDED_REMOVALS)])
+            if ended:
+                ctx.storage.write_json(ENDED_REMOVALS, ended)
         return None
 
     def _write(self, ctx: StageContext, cfg: ShardConfig, upstream: list, n: int, nbytes: int, first: int,
@@ -420,7 +427,9 @@ class ShardStage(Sink):
                                                  "samples": n_new, "lookup": buckets,
                                                  "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]
         # everything else the line records (its removals) stays as it is
-        ctx.storage.write_json(RECORD, {**(line or {}), "shards": shards, "runs": runs})
+        # a line started again carries the removals of the one that ended before it
+        started = {} if line else {"removals": ctx.storage.read_json(ENDED_REMOVALS) or []}
+        ctx.storage.write_json(RECORD, {**started, **(line or {}), "shards": shards, "runs": runs})
 
 
 def _publish_task(storage, part: str, planned: tuple, seed: int, first: int, n_out: int,

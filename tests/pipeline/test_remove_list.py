@@ -162,3 +162,70 @@ def _png(Image, arr) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, "PNG")
     return buf.getvalue()
+
+
+def test_a_removal_reads_the_line_and_decodes_its_list_only_under_the_lock(tmp_path, monkeypatch):
+    """A remove that overlapped an append decoded its list and read line.json before it took the
+    lock, then wrote that line back: the append's 5 shards left line.json. Everything the removal
+    writes from is read after the lock is held."""
+    import contextlib
+    import json
+
+    import infra.ray_runtime as ray_runtime
+    import pipeline.lock as lock
+    import pipeline.remove as remove
+    from pipeline.config import load_config
+
+    run = tmp_path / "run"
+    (run / "shard" / "line").mkdir(parents=True)
+    (run / "manifest.json").write_text(json.dumps({"config": load_config(None, []).to_dict()}))
+    (run / "shard" / "line" / "line.json").write_text(json.dumps({"shards": [], "runs": []}))
+    (tmp_path / "list.txt").write_text("url http://example.invalid/1.jpg\n")
+    events = []
+
+    @contextlib.contextmanager
+    def locked(*a, **k):
+        events.append("lock")
+        yield
+
+    class Stop(Exception):
+        pass
+
+    def session(*a, **k):
+        raise Stop
+
+    monkeypatch.setattr(lock, "run_lock", locked)
+    monkeypatch.setattr(ray_runtime, "ray_session", session)
+    real_read, real_vectors = remove.read_line, remove.image_vectors
+    monkeypatch.setattr(remove, "read_line", lambda s: events.append("line") or real_read(s))
+    monkeypatch.setattr(remove, "image_vectors", lambda *a: events.append("decode") or real_vectors(*a))
+    with pytest.raises(Stop):
+        remove.remove(str(run), tmp_path / "list.txt", "test", None, None, log=lambda m: None)
+    assert events[events.index("lock"):] == ["lock", "line", "decode"], events
+
+
+def test_ending_a_line_keeps_its_removals_in_force(tmp_path):
+    """`append: false` (the way out the line's refusals name) deleted shard/line/ with removed.parquet,
+    and the next run published the removed sample again. Ending a line keeps removed.parquet and its
+    removals' records: dedup's removal digest still names them, and a line started again carries them."""
+    import json
+    import types
+
+    import pyarrow as pa
+
+    from infra.storage import Storage
+    from stages.shard.removals import ENDED_REMOVALS, REMOVED, removal_digest
+    from stages.shard.stage import ShardStage
+
+    storage = Storage.local(tmp_path)
+    removal = {"removal": 1, "reason": "takedown", "keys": ["k1"]}
+    storage.write_json("shard/line/line.json", {"shards": [], "runs": [], "removals": [removal]})
+    storage.write_table(REMOVED, pa.table({"key": ["k1"], "url": ["http://x/1.jpg"]}))
+    storage.write_bytes("shard/line/versions/1/000000.tar", b"old")
+    before = removal_digest(storage)
+    ctx = types.SimpleNamespace(cfg=types.SimpleNamespace(append=False), storage=storage, log=lambda m: None)
+    assert ShardStage()._line(ctx) is None
+    assert not storage.exists("shard/line/line.json") and not storage.exists("shard/line/versions/1/000000.tar")
+    assert storage.exists(REMOVED) and storage.read_json(ENDED_REMOVALS) == [removal]
+    assert removal_digest(storage) == before is not None      # every later run's dedup still applies it
+    assert json.loads((tmp_path / ENDED_REMOVALS).read_text())[0]["reason"] == "takedown"
