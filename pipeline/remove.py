@@ -62,13 +62,17 @@ class Entry:
     line: int
 
 
+MAX_IMAGE_BYTES = 64 << 20   # an image entry's file: a removal list's pictures are photos, not 3 GB sparse files
+
+
 def parse_list(path: Path) -> list[Entry]:
     """The entries of a removal list; a line that is none of the kinds is a UserError naming it."""
     if not path.is_file():
         raise UserError(f"--list {path}: no such file")
     out = []
     for n, raw in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-        text = raw.split("#", 1)[0].strip() if not raw.lstrip().startswith(("http://", "https://")) else raw.strip()
+        # `#` starts a comment at a line's start or after a space: a URL's own fragment (`a.jpg#x`) stays
+        text = re.sub(r"(^|\s)#.*$", "", raw).strip()
         if not text:
             continue
         head, _, rest = text.partition(" ")
@@ -87,6 +91,9 @@ def parse_list(path: Path) -> list[Entry]:
                             "(64 hex digits) or an image file; prefix it with url, key, sha256 or image")
         if kind == "image" and not (path.parent / value).is_file():
             raise UserError(f"--list {path}:{n}: image {value} does not exist (paths are relative to the list's folder)")
+        if kind == "image" and ((path.parent / value).is_symlink() or (path.parent / value).stat().st_size > MAX_IMAGE_BYTES):
+            raise UserError(f"--list {path}:{n}: image {value} is a symbolic link or over {MAX_IMAGE_BYTES >> 20} MiB; "
+                            "name the image file itself")
         out.append(Entry(kind, value, n))
     if not out:
         raise UserError(f"--list {path}: no entries (one URL, key, sha256 or image path a line)")

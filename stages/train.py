@@ -17,8 +17,7 @@ class TrainStage(Sink):
 
     def complete(self, config, stats: dict) -> bool:
         """A finished job with fewer steps than train.steps asks now goes on from its last checkpoint."""
-        done = stats.get("step")
-        return not config.train.steps or done is None or done >= config.train.steps
+        return not config.train.steps or (stats.get("step") or 0) >= config.train.steps
 
     def run(self, ctx: StageContext) -> StageResult:
         import json

@@ -22,11 +22,13 @@ def test_a_list_names_urls_keys_hashes_and_images_by_their_shape_or_prefix(tmp_p
         "photo.png\n"
         "\n"
         "url https://example.com/b.jpg\n"
-        "key ukey-that-is-not-hex\n")
+        "key ukey-that-is-not-hex\n"
+        "url https://example.com/c.jpg#part-2   # opted out\n")
     got = [(e.kind, e.value, e.line) for e in remove.parse_list(tmp_path / "list.txt")]
     assert got == [("url", "https://example.com/a.jpg#frag", 2), ("key", "u0123456789abcdef", 3),
                    ("sha256", sha, 4), ("image", "photo.png", 5), ("url", "https://example.com/b.jpg", 7),
-                   ("key", "ukey-that-is-not-hex", 8)]
+                   ("key", "ukey-that-is-not-hex", 8),
+                   ("url", "https://example.com/c.jpg#part-2", 9)]   # the fragment is the URL's (recheck writes these)
     (tmp_path / "bad.txt").write_text("https://example.com/a.jpg\nnot anything\n")
     with pytest.raises(UserError, match=r"bad.txt:2: 'not anything' is not a URL"):
         remove.parse_list(tmp_path / "bad.txt")
@@ -36,6 +38,16 @@ def test_a_list_names_urls_keys_hashes_and_images_by_their_shape_or_prefix(tmp_p
     (tmp_path / "gone.txt").write_text("image missing.png\n")
     with pytest.raises(UserError, match="missing.png does not exist"):
         remove.parse_list(tmp_path / "gone.txt")
+    # an image entry is a picture: no link to follow, no 3 GB sparse file read whole
+    (tmp_path / "link.png").symlink_to(tmp_path / "photo.png")
+    (tmp_path / "huge.png").touch()
+    import os
+
+    os.truncate(tmp_path / "huge.png", 3 << 30)
+    for name in ("link.png", "huge.png"):
+        (tmp_path / "img.txt").write_text(f"image {name}\n")
+        with pytest.raises(UserError, match=f"image {name} is a symbolic link or over 64 MiB"):
+            remove.parse_list(tmp_path / "img.txt")
 
 
 def _vec(seed: int) -> np.ndarray:

@@ -18,3 +18,5 @@ def test_how_the_training_job_runs_is_out_of_the_train_stages_fingerprint():
     # more steps than a finished job ran: the stage is not complete, so it goes on from its checkpoint
     cfg = load_config(None, ["train.steps=30"])
     assert not TrainStage().complete(cfg, {"step": 20}) and TrainStage().complete(cfg, {"step": 30})
+    assert not TrainStage().complete(cfg, {"trained": False})        # a steps: 0 finish trained nothing
+    assert TrainStage().complete(load_config(None, ["train.steps=0"]), {"trained": False})
