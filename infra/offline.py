@@ -93,6 +93,8 @@ def check_private(path: Path, what: str) -> None:
     ~/.ray/auth_token 0644): refuse it otherwise, saying how to fix it."""
     from infra.errors import UserError
 
+    if path.is_symlink():   # a link can point at a file another user controls, or change under us
+        raise UserError(f"{what} ({path}) is a symbolic link; use a token file of your own, not a link to one")
     st = path.stat()
     if st.st_uid != os.geteuid():
         raise UserError(f"{what} ({path}) belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}): "
@@ -126,8 +128,8 @@ def ray_auth(joining: bool) -> dict[str, str]:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_hex(32))
-        except FileExistsError:
-            os.chmod(path, 0o600)
+        except FileExistsError:   # made by an earlier run: used only as it was made (never chmodded into use)
+            check_private(path, "capline's Ray token")
         env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)}
     os.environ.update(env)
     return env

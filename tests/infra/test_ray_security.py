@@ -55,6 +55,26 @@ def test_a_token_file_others_can_read_or_wrote_is_refused(tmp_path, monkeypatch)
     os.chmod(token, 0o640)
     with pytest.raises(UserError, match="RAY_AUTH_TOKEN_PATH .* is readable by other users"):
         offline.ray_auth(joining=False)
+    # capline's own token, already there: used as it was made, never chmodded into use; no link
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH")
+    token.unlink()
+    monkeypatch.setenv("CAPLINE_CACHE", str(tmp_path / "cache"))
+    mine = tmp_path / "cache" / "ray_auth_token"
+    mine.parent.mkdir()
+    elsewhere = tmp_path / "planted"
+    elsewhere.write_text("p" * 64)
+    os.chmod(elsewhere, 0o666)
+    os.symlink(elsewhere, mine)
+    with pytest.raises(UserError, match="is a symbolic link"):
+        offline.ray_auth(joining=False)
+    mine.unlink()
+    mine.write_text("w" * 64)
+    os.chmod(mine, 0o666)                   # world-writable: anyone could have chosen it
+    with pytest.raises(UserError, match="readable by other users"):
+        offline.ray_auth(joining=False)
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o666      # left as found, not chmodded
+    os.chmod(mine, 0o600)
+    assert offline.ray_auth(joining=False)["RAY_AUTH_TOKEN_PATH"] == str(mine)
 
 
 @pytest.mark.slow
