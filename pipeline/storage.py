@@ -42,13 +42,19 @@ class RunStore:
     def __init__(self, where: str):
         self.uri = where if is_uri(where) else None
         if self.uri:
-            key = self.uri.split("://", 1)[1]
+            import urllib.parse
+
+            # as pyarrow decodes it (%2E%2E is '..')
+            key = urllib.parse.unquote(self.uri.split("://", 1)[1].split("?", 1)[0])
             if any(p in (".", "..") for p in key.split("/")) or "\\" in key:
                 # the working copy is cache_root()/<bucket>/<prefix>: a '..' would put it anywhere on disk
-                raise UserError(f"run folder {self.uri}: '.' and '..' are not folder names in a bucket; "
-                                "give the run folder's URI without them")
+                raise UserError(f"run folder {self.uri}: '.' and '..' are not folder names in a bucket (percent-encoded "
+                                "or not); give the run folder's URI without them")
             self.fs, self.root = filesystem(self.uri)
             self.local = cache_root() / self.root
+            if not self.local.resolve().is_relative_to(cache_root().resolve()):   # whatever else decodes to it
+                raise UserError(f"run folder {self.uri}: its working copy would be outside capline's cache "
+                                f"({self.local}); give the run folder's URI without '.' or '..'")
         else:
             self.fs, self.root, self.local = None, None, Path(where)
 

@@ -151,3 +151,7 @@ def test_dot_dot_in_a_bucket_run_folder_is_refused(tmp_path):
     for uri in ("s3://bucket/runs/../../../etc", "s3://bucket/./x"):
         with pytest.raises(UserError, match="'.' and '..' are not folder names in a bucket"):
             RunStore(uri)
+    # percent-encoded: pyarrow decodes %2E%2E to '..', and the working copy left the cache
+    for uri in ("s3://bucket/runs/%2E%2E/%2E%2E/%2e%2e/etc", "s3://bucket/%2E/x"):
+        with pytest.raises(UserError, match="not folder names in a bucket \\(percent-encoded or not\\)"):
+            RunStore(uri)
