@@ -140,14 +140,29 @@ def check_run_folder(run_dir: Path, stages: list[Stage] | None = None) -> None:
     """A run folder is new, empty, or capline's (a manifest, or only names capline writes): a stage
     clears its own folder before it runs, so a folder of the user's given as --run-dir would lose
     whatever sits in subfolders named like stages."""
-    if not run_dir.is_dir() or (run_dir / "manifest.json").is_file():
+    if not run_dir.is_dir():
         return
+    if (run_dir / "manifest.json").is_file():
+        if _capline_manifest(run_dir / "manifest.json"):
+            return
+        # any folder with a manifest.json counted, and a user's source/ went with the run's
+        raise UserError(f"run folder {run_dir} holds a manifest.json that is not a capline run's (no config, stages "
+                        "and packages in it): give a new or empty --run-dir (a run clears the folders of its stages)")
     ours = RUN_FOLDER_NAMES | {s.name for s in (stages or STAGES)}
     foreign = sorted(p.name for p in run_dir.iterdir() if p.name not in ours)
     if foreign:
         raise UserError(f"run folder {run_dir} holds files that are not a capline run's ({', '.join(foreign[:3])}"
                         f"{', ...' if len(foreign) > 3 else ''}) and no manifest.json: give a new or empty --run-dir "
                         "(a run clears the folders of its stages)")
+
+
+def _capline_manifest(path: Path) -> bool:
+    """Whether a manifest.json is one capline wrote (what Manifest.open always puts in it)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and all(isinstance(data.get(k), dict) for k in ("config", "stages", "packages"))
 
 
 def default_run_dir(cfg: RunConfig) -> Path:

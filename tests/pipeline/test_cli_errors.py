@@ -140,6 +140,15 @@ def test_a_folder_that_is_not_a_capline_run_is_refused_not_wiped(tmp_path):
     out = capline("run", "--run-dir", str(mine), "--set", "source.num_samples=20")
     assert out.returncode == 2 and "holds files that are not a capline run's (thesis.tex)" in out.stderr, out.stderr
     assert (mine / "basic" / "notes.txt").read_text() == "mine" and "Traceback" not in out.stderr
+    # a manifest.json of another tool's made any folder count as a run folder: its source/ was deleted
+    web = tmp_path / "webapp"
+    (web / "source").mkdir(parents=True)
+    (web / "source" / "index.js").write_text("mine")
+    (web / "manifest.json").write_text('{"name": "my app", "start_url": "/"}')
+    out = capline("run", "--run-dir", str(web), "--set", "source.num_samples=20")
+    assert out.returncode == 2 and "holds a manifest.json that is not a capline run's" in out.stderr, out.stderr
+    assert (web / "source" / "index.js").read_text() == "mine"
+    assert (web / "manifest.json").read_text() == '{"name": "my app", "start_url": "/"}'
     bad = capline("run", "--set", "name=..", "--set", "source.num_samples=20", cwd=tmp_path)
     assert bad.returncode == 2 and "must be one folder name" in bad.stderr, bad.stderr
 
