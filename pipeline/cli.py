@@ -201,9 +201,13 @@ def _parser() -> argparse.ArgumentParser:
                         description="Look at the first rows of a Parquet, CSV, TSV or JSON-lines URL list, find "
                                     "the column of URLs and the column of captions (and a unique key column, if "
                                     "any), and write a run config for it that `capline run` takes.")
-    it.add_argument("file", metavar="FILE", help="the URL list (.parquet, .csv, .tsv, .jsonl, optionally .gz)")
+    it.add_argument("file", metavar="FILE_OR_FOLDER",
+                    help="the URL list: a .parquet, .csv, .tsv, .jsonl or .json file (text ones plain or compressed: "
+                         ".gz, .bz2, .zst), or a folder of such parts (LAION's, DataComp's, a dataset line's), "
+                         "whose parts must share their columns")
     it.add_argument("--output", "-o", help="the config to write (default: configs/<file name>.yaml)")
-    it.add_argument("--format", default="auto", choices=["auto", "parquet", "csv", "tsv", "jsonl"])
+    it.add_argument("--format", default="auto", choices=["auto", "parquet", "csv", "tsv", "jsonl"],
+                    help="the list's format (default auto: from each file's suffix, compression suffix aside)")
     it.add_argument("--name", help="the run's name (default: from the file name)")
     ck = sub.add_parser("check", help="check a config before running it: settings, URL list columns, paths, models",
                         description="Every check `capline run` makes before it starts Ray or downloads anything: "
@@ -302,6 +306,26 @@ def _config(args):
             return from_elsewhere(cfg, f"{args.run_dir}'s config", args.overrides, getattr(args, "trust_code", ()),
                                   log=_say)
     return load_config(args.config, args.overrides)
+
+
+def _detect_all(src: Path, fmt: str, detect) -> dict:
+    """What init finds in a list file, or in every list file of a folder (LAION's, DataComp's and a
+    dataset line's lists ship as folders of parts): the same URL and caption columns in each."""
+    from stages.source.stage import SourceConfig, partition_files
+
+    files = partition_files(SourceConfig(kind="urls", path=str(src))) if src.is_dir() else [src]
+    founds = [detect(f, fmt) for f in files]
+    first = founds[0]
+    for f, d in zip(files[1:], founds[1:]):
+        if (d["url_col"], d["caption_col"], d["key_col"]) != (first["url_col"], first["caption_col"], first["key_col"]):
+            raise UserError(f"{f}: URLs in '{d['url_col']}', captions in '{d['caption_col']}', where {files[0].name} has "
+                            f"'{first['url_col']}' and '{first['caption_col']}': a folder's parts are one list with "
+                            "the same columns; move the odd one out")
+    if len({d["format"] for d in founds}) > 1:
+        first = {**first, "format": "auto"}     # each part read by its own suffix
+    if len(files) > 1:
+        print(f"capline init: {len(files)} list files in {src}, the same columns in each", flush=True)
+    return first
 
 
 def _cmd_train(args) -> int:
@@ -772,9 +796,9 @@ def _main(argv: list[str] | None = None) -> int:
             from .init_config import detect, write_config
 
             src = Path(args.file)
-            if not src.is_file():
-                raise UserError(f"{src}: no such file")
-            found = detect(src, args.format)
+            if not src.exists():
+                raise UserError(f"{src}: no such file or folder")
+            found = _detect_all(src, args.format, detect)
             out = Path(args.output) if args.output else Path("configs") / f"{re.sub(r'[^A-Za-z0-9_-]+', '-', src.name)}.yaml"
             name = write_config(src, out, found, args.name)
             print(f"capline init: URLs in '{found['url_col']}', captions in '{found['caption_col']}'"

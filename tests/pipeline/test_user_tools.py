@@ -30,6 +30,20 @@ def test_init_finds_url_caption_and_key_columns_in_csv_and_parquet(tmp_path):
     cfg = load_config(out)
     assert (cfg.source.kind, cfg.source.url_col, cfg.source.caption_col, cfg.source.key_col) == ("urls", "link", "title", None)
     assert capline("init", str(csv), "--output", str(out)).returncode == 2   # never overwrites
+    # a folder of parts in several formats (LAION's, DataComp's, a dataset line's): one config for all
+    import gzip
+
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    pq.write_table(pa.table({"url": ["https://e.com/a.jpg"] * 3, "caption": ["a photo of a red cat"] * 3}),
+                   parts / "part-0.parquet")
+    with gzip.open(parts / "part-1.tsv.gz", "wt") as f:
+        f.write("url\tcaption\n" + "".join(f"https://e.com/{i}.jpg\ta dog on the grass {i}\n" for i in range(4)))
+    proc = capline("init", str(parts), "--output", str(tmp_path / "parts.yaml"))
+    assert proc.returncode == 0 and "2 list files in" in proc.stdout, proc.stdout + proc.stderr
+    cfg = load_config(tmp_path / "parts.yaml")
+    assert (cfg.source.path, cfg.source.format, cfg.source.url_col) == (str(parts.resolve()), "auto", "url")
+    assert "FILE_OR_FOLDER" in capline("init", "--help").stdout
 
 
 def test_init_says_what_it_could_not_find(tmp_path):
