@@ -29,6 +29,10 @@ class TrainStage(Sink):
         if tc.steps == 0:
             ctx.log("train: train.steps is 0, nothing to train")
             return StageResult(parts, {"trained": False})
+        if tc.optim.warmup_steps >= tc.steps:
+            ctx.log(f"train: warning: train.optim.warmup_steps {tc.optim.warmup_steps} >= train.steps {tc.steps}: the "
+                    "learning rate never leaves its warmup; lower train.optim.warmup_steps (about a tenth of the "
+                    "steps is usual) or train longer")
         manifest = json.loads((ctx.run_dir / "manifest.json").read_text())
         digest = manifest["stages"]["shard"]["output_digest"]
         tags = {"mlflow.source.git.commit": manifest.get("git_revision", ""), "mlflow.source.name": "capline run",
@@ -38,6 +42,9 @@ class TrainStage(Sink):
         result = train(ctx.storage, ctx.artifact("shard", "folder"), ctx.artifact("tokenizer", "model"), tc,
                        ctx.seed, digest, "train", ctx.run_dir, log=ctx.log, tags=tags)
         ctx.log(f"train: finished at step {result['step']}, loss {result['loss']:.4f}")
+        model = ctx.storage.uri("train/model")
+        ctx.log(f"train: the model is in {model} (its image encoder alone: {ctx.storage.uri('train/export')}); "
+                f"next: capline eval {model}")
         return StageResult(parts, {"trained": True, **result},
                            artifacts={"model": "train/model", "encoder": "train/export",
                                       "mlflow_run_id": result["mlflow_run_id"]})
