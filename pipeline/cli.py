@@ -787,8 +787,12 @@ def _main(argv: list[str] | None = None) -> int:
             from .config import load_config
             from .runner import preflight
 
+            from .init_config import check_hosts
+
             cfg = load_config(args.config, args.overrides)
             preflight(cfg)
+            for note in check_hosts(cfg):   # the dry read of the lists' first rows init makes
+                print(f"capline check: note: {note}")
             print(f"capline check: {args.config or 'the embedded demo config'} is ready to run ({cfg.name}: settings, inputs and "
                   "models checked; nothing downloaded, no cluster started)")
             return 0

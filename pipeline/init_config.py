@@ -115,6 +115,43 @@ def detect(path: Path, fmt: str = "auto") -> dict:
             "caption_words": scores[caption_col if not headerless else str(caption_col)][1]}
 
 
+def check_hosts(cfg) -> list[str]:
+    """`capline check`'s dry read of a URL list: the first rows of each file, their hosts against
+    stages.ingest.allow_hosts. A list whose every URL looked at is on a private or loopback host
+    ingest would refuse is a UserError (the run would download nothing); -> notes: some such hosts,
+    and allow_hosts entries no URL looked at names."""
+    import urllib.parse
+
+    from stages.source.stage import partition_files
+
+    src = cfg.source
+    if src.kind != "urls" or not src.path:
+        return []
+    urls: list[str] = []
+    for f in partition_files(src):
+        t = _head(f, src.format)
+        col = str(src.url_col) if str(src.url_col) in t.column_names else None   # by position when headerless
+        urls += _strings(t.column(col))[:500] if col else []
+    if not urls:
+        return []
+    allowed = set(cfg.stages.ingest.allow_hosts or ())
+    netlocs = {urllib.parse.urlsplit(u.strip()).netloc.rsplit("@", 1)[-1] for u in urls}
+    refused = [h for h in private_hosts(urls) if h not in allowed and h.rsplit(":", 1)[0] not in allowed]
+    notes = []
+    if refused and set(refused) >= netlocs:
+        raise UserError(f"source.path {src.path}: every URL of the {len(urls)} first rows names a private or loopback "
+                        f"host ({', '.join(refused[:3])}), which ingest refuses: the run would download nothing; if "
+                        f"you trust them, set stages.ingest.allow_hosts: {json.dumps(refused[:5])}")
+    if refused:
+        notes.append(f"{len(refused)} private or loopback host(s) among the first rows ({', '.join(refused[:3])}) are "
+                     "refused by ingest unless stages.ingest.allow_hosts lists them")
+    unused = sorted(a for a in allowed if a not in netlocs and not any(n.rsplit(":", 1)[0] == a for n in netlocs))
+    if unused:
+        notes.append(f"stages.ingest.allow_hosts entr{'y' if len(unused) == 1 else 'ies'} {', '.join(unused[:3])} "
+                     f"match{'es' if len(unused) == 1 else ''} no URL of the first rows (host:port, as the URLs spell it)")
+    return notes
+
+
 def private_hosts(urls: list[str]) -> list[str]:
     """host:port of the URLs that name a private, loopback or link-local address (or localhost), which
     ingest refuses unless stages.ingest.allow_hosts lists them. Names are not looked up (init is offline)."""

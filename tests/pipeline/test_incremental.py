@@ -79,6 +79,14 @@ def test_appending_a_partition(tmp_path, ray_local):
     assert verdicts(tmp_path / "inc") == verdicts(tmp_path / "one")
 
 
+def _line_config(urls, server, *more: str):
+    """A small line over the URL files in `urls` that keeps its bootstrap scorer."""
+    return load_config(None, [
+        "source.kind=urls", f"source.path={urls}", f"stages.ingest.allow_hosts=['{server.netloc}']",
+        "stages.ingest.samples_per_shard=40", "stages.ingest.compact_rows=40", "stages.dedup.eval_sets=[]",
+        "stages.clip_score.bootstrap.reuse=true", *more])
+
+
 def test_a_dataset_line_keeps_its_scorer_and_scores_what_it_added(tmp_path, ray_local):
     """bootstrap.reuse and tokenizer.reuse: the second (scheduled) run trains neither the scorer nor
     the tokenizer again, and does not score the partitions it scored before; the old samples keep
@@ -87,11 +95,8 @@ def test_a_dataset_line_keeps_its_scorer_and_scores_what_it_added(tmp_path, ray_
     urls = tmp_path / "urls"
     urls.mkdir()
     with DemoServer(tmp_path / "site" / "www") as server:
-        cfg = load_config(None, [
-            "source.kind=urls", f"source.path={urls}", f"stages.ingest.allow_hosts=['{server.netloc}']",
-            "stages.ingest.samples_per_shard=40", "stages.ingest.compact_rows=40", "stages.dedup.eval_sets=[]",
-            "stages.clip_score.bootstrap.steps=10", "stages.clip_score.bootstrap.reuse=true",
-            "stages.tokenizer.vocab_size=400", "stages.tokenizer.reuse=true"])
+        cfg = _line_config(urls, server, "stages.clip_score.bootstrap.steps=10", "stages.tokenizer.vocab_size=400",
+                           "stages.tokenizer.reuse=true")
         _write_partition(urls / "a.csv", rows[:120], server.base_url)
         run_pipeline(cfg, tmp_path / "run", until="tokenizer", log=lambda m: None)
         model = (tmp_path / "run" / "tokenizer" / "spm.model").read_bytes()
@@ -220,11 +225,8 @@ def test_a_dataset_line_with_the_bootstrap_scorer_keeps_new_samples_at_the_lines
     urls = tmp_path / "urls"
     urls.mkdir()
     with DemoServer(tmp_path / "site" / "www") as server:
-        cfg = load_config(None, [
-            "source.kind=urls", f"source.path={urls}", f"stages.ingest.allow_hosts=['{server.netloc}']",
-            "stages.ingest.samples_per_shard=40", "stages.ingest.compact_rows=40", "stages.dedup.eval_sets=[]",
-            "stages.clip_score.bootstrap.steps=100", "stages.clip_score.bootstrap.reuse=true",
-            "stages.clip_score.reuse_cut=true", "stages.clip_score.keep_fraction=0.5"])
+        cfg = _line_config(urls, server, "stages.clip_score.bootstrap.steps=100", "stages.clip_score.reuse_cut=true",
+                           "stages.clip_score.keep_fraction=0.5")
         _write_partition(urls / "a.csv", rows[:160], server.base_url)
         run_pipeline(cfg, tmp_path / "run", until="clip_score", log=lambda m: None)
         first = {r["key"]: r["verdict"] for r in read_ledger(tmp_path / "run", "clip_score").to_pylist()}

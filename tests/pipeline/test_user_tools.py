@@ -479,3 +479,21 @@ def test_the_dataset_card_says_the_likeness_level_the_run_warned_past():
     sets["digits"].pop("alike_warn")
     text = card(manifest, {"dedup": {**counts, "eval_sets": sets}}, cfg)
     assert "within the dedup threshold." in text and "(past" not in text and "| digits | 1797 | 0 | 65% |" in text
+
+
+def test_check_reads_the_lists_first_rows_for_hosts_ingest_would_refuse(tmp_path):
+    """`check` said "ready to run" with allow_hosts commented on a list whose every URL is on
+    loopback (init knew), and let an allow_hosts entry that matches no URL pass unflagged."""
+    from pipeline.config import load_config
+    from pipeline.init_config import check_hosts
+
+    urls = tmp_path / "list.csv"
+    urls.write_text("url,caption\n" + "".join(f"http://127.0.0.1:8000/{i}.jpg,a cat on a mat {i}\n" for i in range(5)))
+    base = ["source.kind=urls", f"source.path={urls}"]
+    with pytest.raises(UserError, match=r"every URL of the 5 first rows names a private or loopback host "
+                                        r"\(127.0.0.1:8000\).*stages.ingest.allow_hosts: \[\"127.0.0.1:8000\"\]"):
+        check_hosts(load_config(None, base))
+    assert check_hosts(load_config(None, base + ["stages.ingest.allow_hosts=['127.0.0.1:8000']"])) == []
+    notes = check_hosts(load_config(None, base + ["stages.ingest.allow_hosts=['127.0.0.1:8000', 'cdn.example:81']"]))
+    assert notes == ["stages.ingest.allow_hosts entry cdn.example:81 matches no URL of the first rows (host:port, "
+                     "as the URLs spell it)"]
