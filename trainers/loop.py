@@ -139,7 +139,7 @@ def _train(config: dict, scratch: Path) -> None:
     stream = ShardStream(c.shards, str(tokenizer), tc.micro_batch or tc.per_worker_batch,
                          mc.image_size, mc.max_len, c.seed, rank, world, state,
                          eos=family_spec(mc.family).stop_text is None)
-    batches = iter(make_loader(stream, tc.loader_workers))
+    batches = iter(make_loader(stream, tc.loader_workers, pin=device.type == "cuda"))
     sp = open_tokenizer(tokenizer)
     buffer = MetricBuffer(c.mlflow_uri, c.run_id, log=lambda m: print(m, flush=True)) if rank == 0 else None
     fixed = None
@@ -159,7 +159,8 @@ def _train(config: dict, scratch: Path) -> None:
             sync = i == len(micro) - 1 or not hasattr(wrapped, "no_sync")
             ctxm = torch.autocast("cuda", dtype=torch.bfloat16) if use_amp else torch.autocast("cpu", enabled=False)
             with ctxm, (wrapped.no_sync() if not sync else _null()):
-                loss, metrics = wrapped(b["images"].to(device), b["labels"].to(device), generator=gen)
+                loss, metrics = wrapped(b["images"].to(device, non_blocking=True), b["labels"].to(device, non_blocking=True),
+                                        generator=gen)
                 (loss / len(micro)).backward()
             total += loss.item() / len(micro)
             for k, v in metrics.items():
