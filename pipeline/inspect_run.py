@@ -43,7 +43,14 @@ def status_rows(where) -> list[dict]:
         else:
             state = "pending"
         stats = (storage.read_json(f"{name}/stats.json") or {}) if marker else {}
-        rows.append({"stage": name, "state": state, "in": stats.get("in"), "kept": stats.get("kept"),
+        kept = stats.get("kept")
+        if name == "shard" and kept is not None:   # what removals took out of the line since the stage ran
+            from stages.shard.line import read_line
+
+            since = marker.get("completed_at", "")
+            kept -= sum(int(r.get("removed") or 0) for r in (read_line(storage) or {}).get("removals") or []
+                        if str(r.get("at", "")) >= since)
+        rows.append({"stage": name, "state": state, "in": stats.get("in"), "kept": kept,
                      "dropped": stats.get("dropped", {}), "wall_seconds": stats.get("wall_seconds")})
         prev = marker if state == "done" else None
         if kind != "sink":
@@ -124,12 +131,29 @@ def explain(where, key: str) -> list[dict]:
             out.append(row)
         if rows and rows[0]["verdict"] == "dropped":
             break
+    out += _removals_of(run_dir, key, out)
     if not any(r["stage"] != "(input)" for r in out):
         as_key = key.replace(".", "_").replace("/", "_")     # the list's own id as written (source._check_keys)
         if as_key != key:
             return explain(where, as_key)
         raise UserError(f"no sample with key {key!r} in {run_dir.uri()} "
                         f"(see the key column of {run_dir.uri('source/ledger')}/)")
+    return out
+
+
+def _removals_of(run_dir, key: str, rows: list[dict]) -> list[dict]:
+    """A published sample that `capline remove` or `recheck` took out since: which removal, when, why,
+    and the shard rewritten without it (its old version kept). The ledgers still say where it was."""
+    from stages.shard.line import read_line
+
+    line = read_line(run_dir) or {}
+    tar = next((r.get("tar") for r in rows if r.get("stage") == "shard" and r.get("tar")), None)
+    out = []
+    for r in line.get("removals") or []:
+        if key in (r.get("keys") or ()):
+            where = f"; {tar} rewritten without it (as it was: {r.get('versions')}/{tar})" if tar else ""
+            out.append({"key": key, "stage": "removed", "verdict": "removed", "reason": f"removal {r.get('removal')}",
+                        "score": None, "detail": f"{r.get('reason', '')} at {r.get('at', '?')}{where}"})
     return out
 
 
