@@ -131,7 +131,7 @@ def explain(where, key: str) -> list[dict]:
             out.append(row)
         if rows and rows[0]["verdict"] == "dropped":
             break
-    out += _removals_of(run_dir, key, out)
+    out += _removals_of(run_dir, key)
     if not any(r["stage"] != "(input)" for r in out):
         as_key = key.replace(".", "_").replace("/", "_")     # the list's own id as written (source._check_keys)
         if as_key != key:
@@ -141,16 +141,16 @@ def explain(where, key: str) -> list[dict]:
     return out
 
 
-def _removals_of(run_dir, key: str, rows: list[dict]) -> list[dict]:
+def _removals_of(run_dir, key: str) -> list[dict]:
     """A published sample that `capline remove` or `recheck` took out since: which removal, when, why,
-    and the shard rewritten without it (its old version kept). The ledgers still say where it was."""
+    and the shard rewritten without it (its old version kept)."""
     from stages.shard.line import read_line
 
     line = read_line(run_dir) or {}
-    tar = next((r.get("tar") for r in rows if r.get("stage") == "shard" and r.get("tar")), None)
     out = []
     for r in line.get("removals") or []:
         if key in (r.get("keys") or ()):
+            tar = (r.get("where") or {}).get(key)
             where = f"; {tar} rewritten without it (as it was: {r.get('versions')}/{tar})" if tar else ""
             out.append({"key": key, "stage": "removed", "verdict": "removed", "reason": f"removal {r.get('removal')}",
                         "score": None, "detail": f"{r.get('reason', '')} at {r.get('at', '?')}{where}"})

@@ -326,6 +326,7 @@ def _record(storage, line: dict, number: int, reason: str, entries: list[Entry],
               "list_sha256": hashlib.sha256(list_path.read_bytes()).hexdigest(),
               "entries": {k: sum(1 for e in entries if e.kind == k) for k in KINDS},
               "removed": len(matches), "keys": [m["key"] for m in matches][:1000],
+              "where": {m["key"]: m["shard"] for m in matches[:1000]},   # the shard each left (`capline explain`)
               "shards": sorted(results), "threshold": threshold, "detail_threshold": detail_threshold,
               "versions": f"{VERSIONS}/{number}"}
     storage.write_json(RECORD, {**line, "shards": shards, "removals": (line.get("removals") or []) + [record]})

@@ -108,8 +108,8 @@ def test_removals_leave_the_line_only_where_they_were_and_never_come_back(tmp_pa
         assert "## Removals" in card and "takedown request 7" in card
         status = capline("status", str(run))
         assert "removal 1" in status.stdout
-        rows = json.loads(capline("status", str(run), "--json").stdout)
-        assert next(r for r in rows if r["stage"] == "shard")["kept"] == len(after)   # not the pre-removal count
+        stage_rows = json.loads(capline("status", str(run), "--json").stdout)
+        assert next(r for r in stage_rows if r["stage"] == "shard")["kept"] == len(after)   # not the pre-removal count
         told = capline("explain", str(run), k_key)
         assert told.returncode == 0 and "removed    removed (removal 1)" in told.stdout, told.stdout + told.stderr
         assert "takedown request 7" in told.stdout and f"{before[k_key][0]} rewritten without it" in told.stdout
