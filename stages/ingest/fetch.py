@@ -42,6 +42,7 @@ from infra.media import FORMATS, ImageRefused, _failure, open_checked
 from infra.remote import Gone, ask, get
 
 from .img2dataset_parts import prepare
+from .resize import Decoded, decode_for_resize
 from .polite import Hosts, Manners, retry_after
 
 prepare()   # img2dataset's downloader without its command's imports (img2dataset_parts.py)
@@ -69,6 +70,7 @@ class FetchPolicy:
     pixels_in_flight: int = 100_000_000  # decoded at once per process (>= max_pixels)
     manners: Manners = Manners()        # per-host politeness (stages/ingest/polite.py)
     own_hosts: tuple[str, ...] = ()     # "host:port" capline itself serves (the demo site): no manners needed
+    resize: tuple[str, int] | None = None   # (resize_mode, image_size) the image is decoded for (resize.py)
 
 
 class PixelBudget:
@@ -231,9 +233,11 @@ class _NoProxy(urllib.request.ProxyHandler):
 _opener = urllib.request.build_opener(_NoProxy, _CheckedRedirects, _PinnedHTTPHandler, _PinnedHTTPSHandler)
 
 
-def check_image(data: bytes, policy: FetchPolicy, budget: PixelBudget | None = None) -> None:
+def check_image(data: bytes, policy: FetchPolicy, budget: PixelBudget | None = None) -> io.BytesIO:
     """Refuse formats outside the policy, images over the pixel cap (from the header alone) and
-    files that do not decode fully; decode within the process's budget of pixels in flight."""
+    files that do not decode fully; decode within the process's budget of pixels in flight.
+    -> the download as the resizer reads it: its bytes and, where this decode serves the resize
+    (stages/ingest/resize.py), its pixels, which hold their share of the budget until dropped."""
     budget = budget or _budget
     try:
         img = open_checked(data, policy.formats, policy.max_pixels)
@@ -244,13 +248,19 @@ def check_image(data: bytes, policy: FetchPolicy, budget: PixelBudget | None = N
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            img.load()
+            pixels = decode_for_resize(img, policy.resize)
     except Exception as err:  # noqa: BLE001
+        budget.give(w * h)
         refusal = _failure(err)
         raise Refused(refusal.reason, refusal.detail) from None
     finally:
         del img
+    if pixels is None:
         budget.give(w * h)
+        return io.BytesIO(data)
+    held = pixels.shape[0] * pixels.shape[1]     # a reduced decode holds less than it was given
+    budget.give(w * h - held)
+    return Decoded(data, pixels, (w, h), release=functools.partial(budget.give, held))
 
 
 class _SlowDown(Exception):
@@ -427,13 +437,13 @@ def _fetch_once(key, url, timeout, user_agent_token, disallowed_header_directive
             # as a whole (short) response: the URL ran out of time, the image is not at fault
             raise Refused("deadline_exceeded", f"not fetched within {_policy.deadline:g}s (connect, headers and body)")
         try:
-            check_image(data, _policy)
+            stream = check_image(data, _policy)
         except Refused as err:
             # Servers mislabel images often, so the type only names the failure, never causes it.
             if "undecodable_image" in str(err) and ctype and not ctype.startswith("image/"):
                 raise Refused("not_an_image", f"Content-Type {ctype}") from None
             raise
-        return key, io.BytesIO(data), None
+        return key, stream, None
     except _SlowDown:
         raise
     except Refused as err:

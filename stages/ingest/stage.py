@@ -665,7 +665,8 @@ def fetch_policy(cfg: IngestConfig, allow: tuple, at_once: int = 1, own: tuple =
                       breaker_failures=cfg.breaker_failures, contact=cfg.contact, wait_budget=cfg.host_wait_budget)
     return FetchPolicy(allow_hosts=allow, max_bytes=cfg.max_bytes, max_pixels=cfg.max_pixels,
                        deadline=cfg.deadline, formats=tuple(cfg.formats),
-                       pixels_in_flight=cfg.pixels_in_flight, manners=manners, own_hosts=own)
+                       pixels_in_flight=cfg.pixels_in_flight, manners=manners, own_hosts=own,
+                       resize=(cfg.resize_mode, cfg.image_size))
 
 
 _BUILT: dict[str, object] = {}
@@ -687,11 +688,10 @@ def _built(spec):
 
 def _downloader(cfg: IngestConfig, allow: tuple, at_once: int = 1, own: tuple = ()):
     from .fetch import SafeDownloader
-    from .img2dataset_parts import TarSampleWriter, downloader_classes
+    from .img2dataset_parts import TarSampleWriter
+    from .resize import resizer_class
 
-    _, Resizer = downloader_classes()
-
-    resizer = Resizer(image_size=cfg.image_size, resize_mode=cfg.resize_mode,
+    resizer = resizer_class()(image_size=cfg.image_size, resize_mode=cfg.resize_mode,
                       resize_only_if_bigger=False, encode_quality=cfg.encode_quality,
                       encode_format=cfg.encode_format, min_image_size=0, max_aspect_ratio=float("inf"))
     return SafeDownloader(
