@@ -9,10 +9,12 @@ each call. capline's fetcher had already decoded the image once with PIL to refu
 - the fetcher's decode is the only one (`decode_for_resize`): PIL and OpenCV use the same
   libjpeg-turbo and give the same pixels (tests/stages/test_resize.py), so the array goes on to the
   resize instead of being thrown away;
-- a JPEG at least twice the size it is resized to is decoded reduced, by libjpeg's DCT scaling
-  (PIL's `draft`: 1/2, 1/4 or 1/8, never below the resize's own size), as fast image pipelines do:
-  the resize then starts from a smaller image (the pixels differ from a full decode's within JPEG
-  noise; `benchmarks/ingest.py` measures by how much);
+- a JPEG at least four times the size it is resized to is decoded reduced, by libjpeg's DCT
+  scaling (PIL's `draft`: 1/2, 1/4 or 1/8), to no less than twice that size, as PIL's own
+  `thumbnail` does (its `reducing_gap` of 2): the resize then starts from a smaller image and still
+  averages >= 2 pixels into each. Reducing closer to the target shifts edges by up to a pixel (a
+  DCT-scaled 961-pixel row is 241 blocks of 4 in all) and costs sharp photos ~6 dB of PSNR; at 2x
+  the pixels differ from a full decode's within JPEG noise (`benchmarks/ingest.py` measures it);
 - the resize, crop and pad are the cv2 calls albumentations makes, with its sizes and rounding, so
   an image not decoded reduced comes out byte-identical to img2dataset's.
 
@@ -29,6 +31,7 @@ from .img2dataset_parts import downloader_classes
 
 BORDERS = ("border", "keep_ratio_largest")     # the longest side to image_size (border then pads)
 SMALLEST = ("keep_ratio", "center_crop")       # the shortest side to image_size (center_crop then crops)
+REDUCING_GAP = 2     # a reduced decode stays >= this many times the resize's size (PIL's thumbnail default)
 
 
 def target_size(w: int, h: int, mode: str, size: int) -> tuple[int, int] | None:
@@ -56,14 +59,15 @@ class Decoded(io.BytesIO):
 
 def decode_for_resize(img, resize: tuple[str, int] | None) -> np.ndarray | None:
     """Decode an opened PIL image (`img`, header read) fully, raising as PIL does on a truncated or
-    corrupt file; a JPEG reduced by DCT scaling where `resize` (mode, size) leaves it >= 2x too
-    large. -> the pixels as cv2 would decode them, or None where cv2's own decode is kept (formats
+    corrupt file; a JPEG reduced by DCT scaling where `resize` (mode, size) leaves it >= 4x too
+    large (REDUCING_GAP). -> the pixels as cv2 would decode them, or None where cv2's own decode is kept (formats
     other than JPEG, and JPEG modes other than RGB and L, whose conversions differ)."""
     fast = img.format == "JPEG" and img.mode in ("RGB", "L")
     if fast and resize is not None:
         want = target_size(*img.size, *resize)
-        if want is not None and want[0] * 2 <= img.size[0] and want[1] * 2 <= img.size[1]:
-            img.draft(img.mode, want)    # the largest DCT reduction that keeps both sides >= want
+        if want is not None and want[0] * REDUCING_GAP * 2 <= img.size[0] and want[1] * REDUCING_GAP * 2 <= img.size[1]:
+            # the largest DCT reduction that keeps both sides >= REDUCING_GAP x the resize's
+            img.draft(img.mode, (want[0] * REDUCING_GAP, want[1] * REDUCING_GAP))
     img.load()
     if not fast:
         return None

@@ -60,13 +60,14 @@ def test_png_out_and_upscaling_equal_img2dataset():
 
 
 @pytest.mark.parametrize("mode", ["border", "center_crop"])
-def test_a_jpeg_twice_too_large_is_decoded_reduced_to_the_same_size_and_near_pixels(mode):
+def test_a_jpeg_four_times_too_large_is_decoded_reduced_to_the_same_size_and_near_pixels(mode):
     theirs, ours = _both(mode)
     data = _encoded(_photo(1600, 1000), "JPEG")
     stream = check_image(data, FetchPolicy(resize=(mode, 224)))
     assert isinstance(stream, Decoded) and stream.original == (1600, 1000)
-    assert max(stream.pixels.shape[:2]) < 1000          # DCT-scaled (1/2 or 1/4), never below the target
-    assert min(stream.pixels.shape[:2]) >= 224 * 1000 // 1600
+    assert stream.pixels.shape[:2] == (500, 800)     # DCT-scaled 1/2, never below 2x the resize's size
+    small = check_image(_encoded(_photo(800, 600), "JPEG"), FetchPolicy(resize=(mode, 224)))
+    assert small.pixels.shape[:2] == (600, 800)      # under 4x: decoded whole, byte-identical output
     got, want = ours(stream), theirs(io.BytesIO(data))
     assert got[1:] == want[1:]                          # width, height, original size, no error
     a, b = (np.asarray(Image.open(io.BytesIO(x)), dtype=float) for x in (got[0], want[0]))
