@@ -1,6 +1,7 @@
 """Shard writing and tokenizer training speed.
 
-1. write_shard (the shard stage's writer: USTAR, fixed metadata, temp + rename): MB/s and samples/s
+1. write_shard_table (the writer the shard stage and removals call: USTAR, fixed metadata, the tar,
+   its index and ledger partition through the run folder's storage): MB/s and samples/s
    for 20,000 samples of ~4 KB JPEG each, in shards of 5,000;
 2. SentencePiece training (unigram, 32k soft limit, one thread, as the tokenizer stage runs it) on
    10^4, 10^5 and 10^6 synthetic captions.
@@ -22,22 +23,27 @@ import numpy as np  # noqa: E402
 
 from benchmarks._common import write_results  # noqa: E402
 from stages.source import synthetic  # noqa: E402
-from stages.shard.stage import write_shard  # noqa: E402
 from stages.tokenizer import TokenizerConfig, train_sentencepiece  # noqa: E402
 
 
 def shard_speed(n: int = 20_000, per_shard: int = 5_000) -> dict:
     rng = np.random.default_rng(0)
     images = [synthetic.encode(synthetic.render(synthetic.random_scene(rng), 64)) for _ in range(200)]
-    samples = [{"key": f"s{i:07d}", "image": images[i % 200], "ext": "jpg", "caption": f"caption number {i}",
-                "meta": {"key": f"s{i:07d}", "url": f"http://example.org/{i}.jpg"}} for i in range(n)]
-    out = Path(tempfile.mkdtemp(prefix="capline-bench-shards-"))
+    import json
+
+    import pyarrow as pa
+
+    from infra.storage import Storage
+    from stages.shard.stage import write_shard_table
+
+    rows = pa.table({"key": [f"s{i:07d}" for i in range(n)], "image": [images[i % 200] for i in range(n)],
+                     "ext": ["jpg"] * n, "caption": [f"caption number {i}" for i in range(n)],
+                     "meta": [json.dumps({"key": f"s{i:07d}", "url": f"http://example.org/{i}.jpg"}) for i in range(n)]})
+    storage = Storage.local(Path(tempfile.mkdtemp(prefix="capline-bench-shards-")))
     t0 = time.perf_counter()
     total = 0
     for j in range(0, n, per_shard):
-        p = out / f"{j // per_shard:06d}.tar"
-        write_shard(p, samples[j:j + per_shard])
-        total += p.stat().st_size
+        total += write_shard_table(storage, j // per_shard, rows.slice(j, per_shard)).extra["bytes"]
     dt = time.perf_counter() - t0
     return {"samples": n, "bytes": total, "seconds": round(dt, 3), "mb_per_s": round(total / dt / 1e6, 1),
             "samples_per_s": round(n / dt)}

@@ -17,13 +17,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))   # helpers.write_shard
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks._common import write_results  # noqa: E402
 from stages.source import synthetic  # noqa: E402
-from stages.shard.stage import write_shard  # noqa: E402
+from helpers import write_shard  # noqa: E402
 from stages.tokenizer import TokenizerConfig, train_sentencepiece  # noqa: E402
 from trainers.data import LoaderState, ShardStream, list_shards, make_loader  # noqa: E402
 from trainers.models import ModelConfig, build_model  # noqa: E402

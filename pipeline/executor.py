@@ -32,7 +32,6 @@ from typing import Callable
 
 from infra.errors import UserError
 from infra.progress import Progress
-from infra.remote import importing_ray_data
 
 from . import ray_shuffle
 from .model_pool import run_pool
@@ -166,17 +165,6 @@ class Executor:
         from infra.remote import put
 
         return put(obj)
-
-    def dataset(self, files: list[str], fs, equal: dict, columns: list[str] | None = None):
-        """Parquet files as a Ray Dataset, rows whose columns equal `equal`'s values, `columns` kept."""
-        with importing_ray_data():
-            import ray.data
-            from ray.data.expressions import col
-
-        ds = ray.data.read_parquet(files, filesystem=fs)
-        for name, value in equal.items():
-            ds = ds.filter(expr=col(name) == value)
-        return ds.select_columns(columns) if columns else ds
 
     def call(self, fn: Callable, *args, what: str, num_cpus: float = 1.0, num_gpus: float = 0.0,
              setting: str | None = None, **kwargs):

@@ -3,7 +3,7 @@
 A stage declares its `name`, its config `section`, a `preflight` (checks that need no cluster), a
 `fingerprint` (what besides the previous stage's output decides its result) and `run(ctx)`. It
 reads the previous stage's kept samples through `ctx` (`ctx.upstream`: that stage's partitions;
-`ctx.map_parts`: a Ray task per partition; `ctx.samples()`: the same rows as a Ray Dataset), and
+`ctx.map_parts`: a Ray task per partition), and
 other stages' outputs only through the artifacts they registered (`ctx.artifact`). Its per-sample
 results are partitions written by the workers (stages/dataplane.py); `run` returns their
 PartResults, never rows. The runner (pipeline/runner.py) checks in = kept + dropped from those,
@@ -75,11 +75,6 @@ class StageContext:
     def cluster_cpus(self) -> float:
         """The CPUs the alive nodes declare now: how many tasks a stage's reduce side can keep busy."""
         return self.executor.shape().cpus
-
-    def samples(self, columns: list[str] | None = None):
-        """The previous stage's kept samples as a Ray Dataset, read by the workers from storage."""
-        files = [self.storage.path(u.file) for u in self.upstream or [] if u.kept]
-        return self.executor.dataset(files, self.storage.fs, {"verdict": KEPT}, columns)
 
     def artifact(self, stage: str, key: str) -> str:
         """A file another stage registered (its StageResult.artifacts): its path in `storage`."""

@@ -365,3 +365,16 @@ def eval_index_cache() -> str:
         _EVAL_CACHE.append(tempfile.mkdtemp(prefix="capline-eval-index-"))
         atexit.register(shutil.rmtree, _EVAL_CACHE[0], True)
     return _EVAL_CACHE[0]
+
+
+def write_shard(path: Path, samples: list[dict]) -> list[int]:
+    """A shard for a test, with the shard stage's own tar writer (stages/shard/stage.shard_bytes):
+    samples [{key, image (bytes), ext, caption, meta (dict)}] -> each sample's offset."""
+    import json
+
+    from stages.shard.stage import shard_bytes
+
+    data, offsets = shard_bytes((s["key"], s["image"], s["ext"], s["caption"],
+                                 json.dumps(s["meta"], sort_keys=True, ensure_ascii=False)) for s in samples)
+    path.write_bytes(data)
+    return offsets

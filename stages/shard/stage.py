@@ -30,12 +30,10 @@ import hashlib
 import io
 import json
 import math
-import os
 import re
 import time
 from typing import ClassVar
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -82,19 +80,6 @@ class ShardConfig:
         require(self.min_shards >= 1, join(prefix, "min_shards"), "must be >= 1")
         require(self.map_bytes >= 65536, join(prefix, "map_bytes"), "must be >= 65536")
         require(self.shuffle_pieces >= 1, join(prefix, "shuffle_pieces"), "must be >= 1")
-
-
-def write_shard(path: Path, samples: list[dict]) -> dict:
-    """Write one shard atomically. samples: [{key, image (bytes), ext, caption, meta}] -> its index."""
-    tmp = path.with_name(path.name + ".tmp")
-    offsets = []
-    with open(tmp, "wb") as f, SampleTarWriter(f) as tar:
-        for s in samples:
-            offsets.append((s["key"], tar.add(s["key"], [
-                (s["ext"], s["image"]), ("txt", s["caption"].encode()),
-                ("json", json.dumps(s["meta"], sort_keys=True, ensure_ascii=False).encode())])))
-    os.replace(tmp, path)
-    return {"offsets": offsets}
 
 
 def _new_rows(storage, t: pa.Table, part: str, line_shards: frozenset | None,
@@ -196,17 +181,24 @@ def _reduce_group(storage, shards: list[int], *pieces: pa.Table) -> list:
             for i, s in enumerate(shards)]
 
 
+def shard_bytes(samples) -> tuple[bytes, list[int]]:
+    """A shard's tar from its samples in order, (key, image bytes, ext, caption, meta JSON) each:
+    fixed USTAR headers (infra/tars.py), so the same samples are the same bytes. -> (the tar, each
+    sample's first header's offset)."""
+    buf = io.BytesIO()
+    offsets = []
+    with SampleTarWriter(buf) as tar:
+        for k, img, ext, cap, meta in samples:
+            offsets.append(tar.add(k, [(ext, img), ("txt", (cap or "").encode()), ("json", meta.encode())]))
+    return buf.getvalue(), offsets
+
+
 def write_shard_table(storage, shard: int, t: pa.Table):
     """Shard `shard` from its samples in order (key, image, ext, caption, meta): the tar, its index
     and its ledger partition; -> the ledger's PartResult, the tar's name, samples, bytes, sha256 and
     md5 in its extra. The one tar writer of the stage and of removals (pipeline/remove.py)."""
     name = f"{shard:06d}.tar"
-    buf = io.BytesIO()
-    offsets = []
-    with SampleTarWriter(buf) as tar:
-        for k, img, ext, cap, meta in zip(*(t.column(c).to_pylist() for c in ("key", "image", "ext", "caption", "meta"))):
-            offsets.append(tar.add(k, [(ext, img), ("txt", (cap or "").encode()), ("json", meta.encode())]))
-    data = buf.getvalue()
+    data, offsets = shard_bytes(zip(*(t.column(c).to_pylist() for c in ("key", "image", "ext", "caption", "meta"))))
     sha = storage.write_bytes(f"shard/shards/{name}", data)
     md5 = hashlib.md5(data, usedforsecurity=False).hexdigest()   # wids' index field
     keys = t.column("key").to_pylist()

@@ -173,15 +173,6 @@ def test_only_storage_tells_a_local_folder_from_a_bucket():
     assert not users, f"branch on storage.is_local outside infra/storage.py: {users}"
 
 
-def test_stages_and_pipeline_take_only_trainer_things_from_trainers():
-    base = ("trainers.storage", "trainers.errors", "trainers.configtools", "trainers.progress", "trainers.remote",
-            "trainers.tracking")
-    for pkg in ("stages", "pipeline"):
-        for path in (ROOT / pkg).rglob("*.py"):
-            text = path.read_text()
-            assert not any(b in text for b in base), f"{path.relative_to(ROOT)} takes the base layer from trainers/"
-
-
 def test_the_registry_is_the_one_list_of_stages():
     from pipeline import audit, dataset_card, report
     from pipeline.config import RunConfig

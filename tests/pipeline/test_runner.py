@@ -325,28 +325,6 @@ def test_a_pure_stage_reuses_the_partitions_whose_input_did_not_change(tmp_path,
     assert pq.read_table(tmp_path / "dropodd" / "reuse" / "_summary.parquet").num_rows == 1
 
 
-class Captions(Stage):
-    """Reads the previous stage's kept samples as a Ray Dataset (ctx.samples)."""
-    name = "captions"
-
-    def section(self, config):
-        return {}
-
-    def run(self, ctx):
-        from stages.dataplane import passthrough
-
-        rows = ctx.samples(["key", "caption"]).take_all()
-        self.seen = sorted((r["key"], r["caption"]) for r in rows)
-        return StageResult(ctx.map_parts(passthrough, num_cpus=0.25))
-
-
-@pytest.mark.slow    # starts Ray Data
-def test_samples_is_a_ray_dataset_of_what_the_previous_stage_kept(tmp_path, ray_local):
-    reader = Captions()
-    run_pipeline(_cfg(10), tmp_path, log=lambda m: None, stages=[Numbers(), DropOdd(), reader], observers=[])
-    assert reader.seen == [(f"k{i:04d}", f"caption {i}") for i in range(0, 10, 2)]
-
-
 def test_a_dead_end_names_the_reason_and_the_setting():
     from stages.ingest.stage import IngestStage
     from stages.registry import by_name

@@ -5,7 +5,7 @@ import tarfile
 
 import sentencepiece as spm
 
-from stages.shard.stage import write_shard
+from helpers import write_shard
 from infra.hashing import order_key
 from stages.tokenizer import TokenizerConfig, train_sentencepiece
 from helpers import capline
@@ -61,19 +61,28 @@ def _samples():
 
 
 def test_shards_are_byte_identical_and_well_formed(tmp_path):
-    a, b = tmp_path / "a.tar", tmp_path / "b.tar"
-    idx = write_shard(a, _samples())
-    write_shard(b, _samples())
+    """The writer the shard stage and removals call (write_shard_table), twice on the same samples."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from infra.storage import Storage
+    from stages.shard.stage import write_shard_table
+
+    rows = pa.Table.from_pylist([{**s, "meta": json.dumps(s["meta"], sort_keys=True)} for s in _samples()])
+    for run in ("a", "b"):
+        result = write_shard_table(Storage.local(tmp_path / run), 0, rows)
+        assert result.extra["samples"] == 5
+    a, b = (tmp_path / run / "shard" / "shards" / "000000.tar" for run in ("a", "b"))
     assert a.read_bytes() == b.read_bytes()
-    assert not list(tmp_path.glob("*.tmp"))
     with tarfile.open(a) as tar:
         members = tar.getmembers()
         assert [m.name for m in members[:3]] == ["k0.jpg", "k0.txt", "k0.json"]
         assert all(m.mtime == 0 and m.uid == 0 and m.mode == 0o444 for m in members)
+    index = pq.read_table(tmp_path / "a" / "shard" / "index" / "000000.parquet").to_pylist()
     with open(a, "rb") as f:  # the index's offsets point at each sample's first header
-        for key, off in idx["offsets"]:
-            f.seek(off)
-            assert f.read(512)[:len(key) + 4] == f"{key}.jpg".encode()
+        for row in index:
+            f.seek(row["offset"])
+            assert f.read(512)[:len(row["key"]) + 4] == f"{row['key']}.jpg".encode()
 
 
 def _fake_run(tmp_path):

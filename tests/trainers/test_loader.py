@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from stages.source import synthetic
-from stages.shard.stage import write_shard
+from helpers import write_shard
 from stages.tokenizer import TokenizerConfig, train_sentencepiece
 from trainers.data import LoaderState, ShardStream, check_readers, list_shards, make_loader, next_state
 from infra.errors import UserError
