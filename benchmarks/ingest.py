@@ -86,24 +86,19 @@ def _serve(hosts: int, images_file: str, ports, ready) -> None:
     import pickle
     import threading
 
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import reply
+
     images = pickle.loads(Path(images_file).read_bytes())
 
     class H(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
-
-        def log_message(self, *a):
-            pass
+        log_message = lambda self, *a: None  # noqa: E731
 
         def do_GET(self):
             if self.path == "/robots.txt":
-                body, code, ctype = b"", 404, "text/plain"
-            else:
-                body, code, ctype = images[int(self.path.strip("/").split(".")[0]) % len(images)], 200, "image/jpeg"
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+                return reply(self, 404, b"", "text/plain")
+            reply(self, 200, images[int(self.path.strip("/").split(".")[0]) % len(images)], "image/jpeg")
 
     for i in range(hosts):
         srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
