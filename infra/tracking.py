@@ -97,6 +97,22 @@ def start_run(uri: str, run_dir: Path, experiment: str, name: str, params: dict,
     return run.info.run_id
 
 
+def end_abandoned(uri: str, experiment: str, tags: dict) -> list[str]:
+    """Mark KILLED the runs of `experiment` still RUNNING whose tags include all of `tags` (a
+    training job whose folder a deciding change wiped: it will never be resumed, and MLflow would
+    show it running forever). -> their ids. The run folder's lock keeps a live job from matching."""
+    c = client(uri)
+    exp = c.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    ended = []
+    for run in c.search_runs([exp.experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=1000):
+        if all(run.data.tags.get(k) == v for k, v in tags.items()):
+            c.set_terminated(run.info.run_id, status="KILLED")
+            ended.append(run.info.run_id)
+    return ended
+
+
 def log_dataset(uri: str, run_id: str, name: str, digest: str, source: str, context: str = "training") -> None:
     """The shards as a dataset of the run: context "training" for a run that trained on them,
     "output" for the data-build run that made them."""

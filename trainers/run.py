@@ -133,11 +133,16 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
 
         resolved = {"train": dataclasses.asdict(tc), "model": dataclasses.asdict(mc), "seed": seed}
         params = flatten(resolved)
+        job = {"capline.run_dir": storage.uri(), "capline.train_dir": out_rel}
         try:   # a name per job: a retrain of the same model is told apart in the runs list
+            from infra.tracking import end_abandoned
+
+            for old in end_abandoned(uri, tc.experiment, job):
+                log(f"train: MLflow run {old} trained this folder before a change of what it decides; it will "
+                    "not be resumed, and is marked KILLED")
             run_id = start_run(uri, run_dir, tc.experiment, f"{tc.model}-{tc.size}-{time.strftime('%Y%m%d-%H%M%S')}",
-                               params, {"capline.dataset_digest": dataset_digest,
-                                        "capline.run_dir": storage.uri(), "capline.shards": storage.uri(shards_rel),
-                                        **(tags or {})})
+                               params, {"capline.dataset_digest": dataset_digest, **job,
+                                        "capline.shards": storage.uri(shards_rel), **(tags or {})})
             from infra.tracking import client as _client
 
             _client(uri).log_dict(run_id, resolved, "config/train.json")

@@ -250,6 +250,13 @@ def test_changing_how_the_job_runs_or_extending_steps_resumes_the_same_run(data_
     logs.clear()
     run_pipeline(load_config(None, base + ["train.steps=30"]), run, only="train", log=logs.append)
     assert any(m.startswith("train: done before with the same input") for m in logs), logs
+    # a deciding change after a job that never ended (what a killed driver leaves: the run RUNNING):
+    # the new job marks the old run KILLED, since nothing will resume it, and says so
+    client.update_run(run_id, "RUNNING")
+    logs.clear()
     other = run_pipeline(load_config(None, base + ["train.steps=10", "train.model=clip"]), run, only="train",
-                         log=lambda m: None)
+                         log=logs.append)
     assert other["train"]["mlflow_run_id"] != run_id
+    assert client.get_run(run_id).info.status == "KILLED"
+    assert any(m.startswith(f"train: MLflow run {run_id} trained this folder") for m in logs), logs
+    assert client.get_run(other["train"]["mlflow_run_id"]).info.status == "FINISHED"
