@@ -142,7 +142,7 @@ def iter_captions(es: EvalSetConfig, run_dir: Path | None = None) -> Iterator[tu
                             f"(stages.dedup.eval_sets caption_col; its columns: {', '.join(have[:10])})")
         table = pq.read_table(es.path, columns=[c for c in (es.caption_col, es.id_col) if c])
         ids = table.column(es.id_col).to_pylist() if es.id_col else range(table.num_rows)
-        for i, cell in zip(ids, table.column(es.caption_col).to_pylist()):
+        for i, cell in zip(ids, _texts(table.column(es.caption_col))):
             for c in (cell if isinstance(cell, list) else [cell]):
                 if isinstance(c, str) and c.strip():
                     yield str(i), c
@@ -153,6 +153,21 @@ def iter_captions(es: EvalSetConfig, run_dir: Path | None = None) -> Iterator[tu
             for key, parts in tar_samples(shard, f"evaluation set {es.name}: {shard}"):
                 if "txt" in parts:
                     yield f"{Path(shard).stem}/{key.rpartition('/')[-1]}", parts["txt"].decode("utf-8", "replace")
+
+
+def _texts(column) -> list:
+    """A caption column's cells as Python strings (or lists of them). Parquet does not check that a
+    string column is UTF-8: invalid bytes are decoded as U+FFFD, as a webdataset set's .txt members
+    are, rather than ending the run with a traceback after its downloads."""
+    import pyarrow as pa
+
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        binary = pa.list_(pa.binary()) if pa.types.is_list(column.type) else pa.binary()
+        fix = lambda b: b.decode("utf-8", "replace") if isinstance(b, bytes) else b  # noqa: E731
+        return [[fix(b) for b in cell] if isinstance(cell, list) else fix(cell)
+                for cell in column.cast(binary).to_pylist()]
 
 
 def stat_fingerprint(es: EvalSetConfig) -> str:

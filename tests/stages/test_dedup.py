@@ -862,3 +862,20 @@ def test_an_inverted_file_travels_trained_and_is_never_trained_again(tmp_path, m
     assert eval_search({"hash": {}, "encoder": {}}) == ""
     monkeypatch.setattr(neardup, "NPROBE", 16)
     assert _described_key("f", u, neardup.search_plan(built.arrays())) != _described_key("f", u, plan)
+
+
+def test_invalid_utf8_in_an_evaluation_sets_captions_is_read_with_replacement_not_a_traceback(tmp_path):
+    """Parquet does not check a string column's UTF-8: such a caption ended the run after its downloads."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stages.dedup.eval_sets import EvalSetConfig, iter_captions
+
+    bad = pa.array([b"a clean caption", b"bad \xff\xfe caption"], pa.binary()).view(pa.string())
+    listed = pa.array([[b"one"], [b"two \xff", b"three"]], pa.list_(pa.binary())).cast(pa.list_(pa.binary()))
+    pq.write_table(pa.table({"caption": bad, "captions": listed.view(pa.list_(pa.string())), "id": ["a", "b"]}),
+                   tmp_path / "set.parquet")
+    one = EvalSetConfig(name="x", kind="parquet", path=str(tmp_path / "set.parquet"), id_col="id", caption_col="caption")
+    assert list(iter_captions(one)) == [("a", "a clean caption"), ("b", "bad \ufffd\ufffd caption")]
+    many = EvalSetConfig(name="x", kind="parquet", path=str(tmp_path / "set.parquet"), id_col="id", caption_col="captions")
+    assert list(iter_captions(many)) == [("a", "one"), ("b", "two \ufffd"), ("b", "three")]
