@@ -2,6 +2,7 @@
 reduced, the same sizes and near pixels where a JPEG is; the fetcher's decode is what it hands on."""
 from __future__ import annotations
 
+import functools
 import io
 
 import numpy as np
@@ -26,6 +27,12 @@ def _encoded(img: Image.Image, fmt: str) -> bytes:
     return buf.getvalue()
 
 
+@functools.lru_cache(maxsize=None)
+def _case(w: int, h: int, mode: str, fmt: str) -> bytes:
+    """A test image's file, made once per module (every resize mode reads the same ones)."""
+    return _encoded(_photo(w, h, mode), fmt)
+
+
 CASES = [((512, 384), "RGB", "JPEG"), ((300, 451), "RGB", "JPEG"), ((200, 150), "L", "JPEG"),
          ((97, 61), "RGB", "JPEG"), ((640, 480), "RGBA", "PNG"), ((333, 250), "P", "PNG"),
          ((260, 260), "LA", "PNG"), ((400, 300), "CMYK", "JPEG"), ((225, 500), "RGB", "WEBP")]
@@ -43,7 +50,7 @@ def _both(mode: str, size: int = 224, fmt: str = "jpg"):
 def test_bytes_equal_img2dataset_whatever_the_format_mode_and_size(mode):
     theirs, ours = _both(mode)
     for (w, h), pil_mode, fmt in CASES:
-        data = _encoded(_photo(w, h, pil_mode), fmt)
+        data = _case(w, h, pil_mode, fmt)
         want = theirs(io.BytesIO(data))
         assert want[-1] is None, (w, h, pil_mode, fmt, want[-1])
         # cv2's own decode (what a download a URL repeats, or a format PIL is not trusted for, gets)
@@ -55,7 +62,7 @@ def test_bytes_equal_img2dataset_whatever_the_format_mode_and_size(mode):
 def test_png_out_and_upscaling_equal_img2dataset():
     theirs, ours = _both("border", size=320, fmt="png")
     for (w, h), pil_mode, fmt in CASES[:4]:
-        data = _encoded(_photo(w, h, pil_mode), fmt)
+        data = _case(w, h, pil_mode, fmt)
         assert ours(check_image(data, FetchPolicy(resize=None))) == theirs(io.BytesIO(data))
 
 
