@@ -29,10 +29,14 @@ def quick(monkeypatch):
 
 
 def _beating(path, info, stop, every=0.1):
-    """Another host's live holder: rewrites its lock (heartbeat counter moving) until stopped."""
+    """Another host's live holder: rewrites its lock (heartbeat counter moving) until stopped, by an
+    atomic replace as a real holder does: a plain rewrite is empty for a moment, which reads as a holder
+    that wrote no details."""
+    tmp = path.with_name(path.name + ".beat")
     while not stop.wait(every):
         info["beat"] += 1
-        path.write_text(json.dumps(info))
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, path)
 
 
 def test_a_live_holder_is_refused_and_only_it_releases(tmp_path):
