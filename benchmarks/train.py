@@ -26,7 +26,7 @@ from benchmarks._common import write_results  # noqa: E402
 from stages.source import synthetic  # noqa: E402
 from helpers import write_shard  # noqa: E402
 from stages.tokenizer import TokenizerConfig, train_sentencepiece  # noqa: E402
-from trainers.data import LoaderState, ShardStream, list_shards, make_loader  # noqa: E402
+from trainers.data import LoaderState, ShardStream, as_input, list_shards, make_loader  # noqa: E402
 from trainers.models import ModelConfig, build_model  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def run(family: str, size: str, batch: int, steps: int, loader_workers: int, dev
         b = next(it)
         t1 = time.perf_counter()
         with amp:
-            loss, _ = model.loss(b["images"].to(device, non_blocking=True), b["labels"].to(device))
+            loss, _ = model.loss(as_input(b["images"].to(device, non_blocking=True)), b["labels"].to(device))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

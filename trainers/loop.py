@@ -67,7 +67,7 @@ def _train(config: dict, scratch: Path) -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from .data import LoaderState, ShardStream, make_loader, next_state
+    from .data import LoaderState, ShardStream, as_input, make_loader, next_state
     from .tokenizer import open_tokenizer
     from .models import ModelConfig
     from .optim import build_optimizer, build_schedule
@@ -138,7 +138,8 @@ def _train(config: dict, scratch: Path) -> None:
 
     stream = ShardStream(c.shards, str(tokenizer), tc.micro_batch or tc.per_worker_batch,
                          mc.image_size, mc.max_len, c.seed, rank, world, state,
-                         eos=family_spec(mc.family).stop_text is None)
+                         eos=family_spec(mc.family).stop_text is None, shuffle=tc.shuffle_buffer,
+                         resampled=tc.resampled)
     batches = iter(make_loader(stream, tc.loader_workers, pin=device.type == "cuda"))
     sp = open_tokenizer(tokenizer)
     buffer = MetricBuffer(c.mlflow_uri, c.run_id, log=lambda m: print(m, flush=True)) if rank == 0 else None
@@ -159,7 +160,7 @@ def _train(config: dict, scratch: Path) -> None:
             sync = i == len(micro) - 1 or not hasattr(wrapped, "no_sync")
             ctxm = torch.autocast("cuda", dtype=torch.bfloat16) if use_amp else torch.autocast("cpu", enabled=False)
             with ctxm, (wrapped.no_sync() if not sync else _null()):
-                loss, metrics = wrapped(b["images"].to(device, non_blocking=True), b["labels"].to(device, non_blocking=True),
+                loss, metrics = wrapped(as_input(b["images"].to(device, non_blocking=True)), b["labels"].to(device, non_blocking=True),
                                         generator=gen)
                 (loss / len(micro)).backward()
             total += loss.item() / len(micro)
@@ -203,7 +204,7 @@ def _train(config: dict, scratch: Path) -> None:
                                                          "steps_per_s": per_s, "examples_per_s": tc.global_batch * per_s})
             t_progress, p_step = t2, step
         if buffer is not None and task.writes and tc.sample_every and step % tc.sample_every == 0 and fixed is not None:
-            caps = task.samples(model, fixed.to(device), sp)
+            caps = task.samples(model, as_input(fixed.to(device)), sp)
             try:
                 client(c.mlflow_uri).log_text(c.run_id, "\n".join(caps), f"samples/step_{step:06d}.txt")
             except Exception as err:  # noqa: BLE001 - MLflow down: keep the samples beside the model

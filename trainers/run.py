@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from infra.configtools import build
-from .data import check_readers
+from .data import check_readers, shard_counts
 from infra.errors import UserError
 from .models import ModelConfig
 from infra.tracking import flatten, log_dataset, redact, start_run, tracking_uri
@@ -92,7 +92,7 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
     shards = [storage.uri(r) for r in storage.list(shards_rel, ".tar")]
     if not shards:
         raise UserError(f"no shards (*.tar) in {storage.uri(shards_rel)}; run the pipeline's shard stage first")
-    check_readers(len(shards), tc.num_workers, tc.loader_workers)
+    check_readers(int(shard_counts(shards).sum()), tc.num_workers, tc.micro_batch or tc.per_worker_batch)
     check_fits(tc, _cluster_shape())
     if not storage.exists(tokenizer_rel):
         raise UserError(f"no tokenizer model at {storage.uri(tokenizer_rel)}; run the tokenizer stage first")

@@ -74,6 +74,8 @@ class TrainConfig:
     num_workers: int = 2  # Ray Train workers (data-parallel)
     loader_workers: int = 1        # background loader processes per training worker
     use_gpu: bool = False  # train on GPUs (one a worker)
+    shuffle_buffer: int = 10_000   # samples a worker's loader shuffles together (1: the shards' order); epochs stay exact
+    resampled: bool = False        # draw each epoch's shards with replacement (open_clip's --dataset-resampled)
     checkpoint_every: int = 50  # steps between checkpoints (a stopped run resumes from the last)
     keep_checkpoints: int = 2  # checkpoints kept on disk
     max_failures: int = 2  # worker failures Ray Train recovers from before the run fails
@@ -97,6 +99,7 @@ class TrainConfig:
             per = self.global_batch // self.num_workers
             require(self.micro_batch >= 1 and per % self.micro_batch == 0, join(prefix, "micro_batch"),
                     f"must divide the per-worker batch {per}")
+        require(self.shuffle_buffer >= 1, join(prefix, "shuffle_buffer"), "must be >= 1 (1: no shuffling)")
         require(self.loader_workers >= 0, join(prefix, "loader_workers"), "must be >= 0")
         require(self.checkpoint_every >= 1, join(prefix, "checkpoint_every"), "must be >= 1")
         require(self.log_every >= 1, join(prefix, "log_every"), "must be >= 1 (steps between MLflow writes)")

@@ -1,4 +1,6 @@
 """Unit: the training loader's epoch coverage, resume position, and the optimiser pieces."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -11,52 +13,111 @@ from infra.errors import UserError
 from trainers.optim import lr_factor, param_groups
 
 
+SIZES = (10, 14, 12, 12)       # uneven shards: a rank's share is cut by samples, not by shards
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
+    """48 samples in 4 shards without capline's index (a user's own WebDataset)."""
     root = tmp_path_factory.mktemp("loader")
     rng = np.random.default_rng(0)
     scenes = [synthetic.random_scene(rng) for _ in range(48)]
     caps = [synthetic.caption_en(s) for s in scenes]
     (root / "shards").mkdir()
+    first = np.concatenate([[0], np.cumsum(SIZES)])
     for n in range(4):
         write_shard(root / "shards" / f"{n:06d}.tar", [
-            {"key": f"s{i:03d}", "image": synthetic.encode(synthetic.render(scenes[i], 32)), "ext": "jpg",
-             "caption": caps[i], "meta": {}} for i in range(n * 12, n * 12 + 12)])
+            {"key": f"s{i:03d}", "image": synthetic.encode(synthetic.render(scenes[i], 40)), "ext": "jpg",
+             "caption": caps[i], "meta": {}} for i in range(first[n], first[n + 1])])
     (root / "spm.model").write_bytes(train_sentencepiece(caps * 5, TokenizerConfig(vocab_size=320)))
     return root
 
 
-def _stream(data, rank, world, state, batch=4):
+def _stream(data, rank, world, state, batch=4, shuffle=1, resampled=False):
     return ShardStream(list_shards(data / "shards"), str(data / "spm.model"), batch, 32, 16, 0, rank, world,
-                       state, keys=True)
+                       state, keys=True, shuffle=shuffle, resampled=resampled)
 
 
 def _take(loader_iter, n):
     return [next(loader_iter) for _ in range(n)]
 
 
-def test_every_sample_once_per_epoch_across_2_workers_x_2_loader_processes(data):
-    seen = []
+def _epochs(data, world, loader_workers, epochs, **kw):
+    """{epoch: [keys of every batch of every rank]} and the batches, over `epochs` whole epochs."""
+    per_rank = 48 // world // 4
+    seen, batches = {}, []
+    for rank in range(world):
+        got = _take(iter(make_loader(_stream(data, rank, world, LoaderState(), **kw), loader_workers)),
+                    per_rank * epochs)
+        assert [(b["epoch"], b["batch"]) for b in got] == [(e, i) for e in range(epochs) for i in range(per_rank)]
+        for b in got:
+            seen.setdefault(b["epoch"], []).extend(b["keys"])
+        batches += got
+    return seen, batches
+
+
+def test_every_sample_once_per_epoch_across_3_ranks_x_2_loader_processes_x_2_epochs(data):
+    """Ranks read the shards r, r+W, ...: on 4 uneven shards 3 ranks saw some samples never and others
+    three times over two epochs. Now each epoch is the shards' samples, each exactly once."""
+    everything = [f"s{i:03d}" for i in range(48)]
+    seen, batches = _epochs(data, 3, 2, 2, shuffle=7)
+    assert sorted(seen[0]) == everything and sorted(seen[1]) == everything
+    assert seen[0] != seen[1]                                   # drawn again each epoch
+    ep0 = {tuple(b["keys"]) for b in batches if b["epoch"] == 0}
+    assert not ep0 & {tuple(b["keys"]) for b in batches if b["epoch"] == 1}
+    for b in batches:
+        assert b["images"].shape == (4, 3, 32, 32) and b["images"].dtype == torch.uint8
+        assert b["labels"].shape == (4, 16)
+
+
+def test_the_shuffle_window_mixes_samples_that_file_order_keeps_together(data):
+    plain, _ = _epochs(data, 1, 0, 1)
+    mixed, _ = _epochs(data, 1, 0, 1, shuffle=48)
+    assert sorted(mixed[0]) == sorted(plain[0]) and mixed[0] != plain[0]
+    # file order: each batch is 4 neighbours of one shard's stream; shuffled over the whole epoch, few are
+    neighbours = sum(int(b[1:]) - int(a[1:]) == 1 for a, b in zip(mixed[0], mixed[0][1:]))
+    assert neighbours < 10 and sum(int(b[1:]) - int(a[1:]) == 1 for a, b in zip(plain[0], plain[0][1:])) > 30
+
+
+def test_resampled_epochs_draw_shards_with_replacement(data):
+    from collections import Counter
+
+    from trainers.data import epoch_shards
+
+    orders = [epoch_shards(4, 0, e, resampled=True) for e in range(3)]
+    assert any(len(set(o.tolist())) < 4 for o in orders)        # some shard drawn twice in an epoch
+    first = np.concatenate([[0], np.cumsum(SIZES)])
+    streams = [Counter(f"s{i:03d}" for s in o for i in range(first[s], first[s + 1])) for o in orders]
+    per_rank = [sum(c.values()) // 2 // 4 for c in streams]     # the batches each of 2 ranks gets
+    seen = [Counter() for _ in orders]
     for rank in range(2):
-        it = iter(make_loader(_stream(data, rank, 2, LoaderState()), loader_workers=2))
-        batches = _take(it, 6)                  # 2 shards x 12 samples / batch 4 = one epoch
-        assert [b["batch"] for b in batches] == list(range(6)) and {b["epoch"] for b in batches} == {0}
-        assert next(it)["epoch"] == 1
-        for b in batches:
-            assert b["images"].shape == (4, 3, 32, 32) and b["labels"].shape == (4, 16)
-            assert float(b["images"].min()) >= -1 and float(b["images"].max()) <= 1
-            seen += b["keys"]
-    assert sorted(seen) == [f"s{i:03d}" for i in range(48)]
+        for b in _take(iter(make_loader(_stream(data, rank, 2, LoaderState(), resampled=True), 1)), sum(per_rank)):
+            seen[b["epoch"]].update(b["keys"])
+    for e in range(3):
+        assert sum(seen[e].values()) == 2 * per_rank[e] * 4 and not seen[e] - streams[e]
+    assert any(max(c.values()) > 1 for c in seen)               # a sample twice in one epoch
 
 
 def test_resuming_mid_epoch_continues_with_the_next_batch(data):
-    straight = _take(iter(make_loader(_stream(data, 1, 2, LoaderState()), 2)), 10)
-    first = _take(iter(make_loader(_stream(data, 1, 2, LoaderState()), 2)), 3)
+    straight = _take(iter(make_loader(_stream(data, 1, 2, LoaderState(), shuffle=5), 2)), 10)
+    first = _take(iter(make_loader(_stream(data, 1, 2, LoaderState(), shuffle=5), 2)), 3)
     state = next_state(first[-1])
     assert state.to_dict() == {"epoch": 0, "batch": 3}
-    rest = _take(iter(make_loader(_stream(data, 1, 2, state), 2)), 7)
+    rest = _take(iter(make_loader(_stream(data, 1, 2, state, shuffle=5), 1)), 7)   # another loader count too
     assert [b["keys"] for b in first + rest] == [b["keys"] for b in straight]
-    assert all(torch.equal(a["labels"], b["labels"]) for a, b in zip(first + rest, straight))
+    assert all(torch.equal(a["labels"], b["labels"]) and torch.equal(a["images"], b["images"])
+               for a, b in zip(first + rest, straight))
+
+
+def test_batches_are_uint8_that_as_input_scales_as_the_one_preprocessing(data):
+    from infra.media import to_input
+    from infra.tars import tar_samples
+    from trainers.data import as_input
+
+    b = next(iter(make_loader(_stream(data, 0, 1, LoaderState()), 0)))
+    every = {k: p for shard in list_shards(data / "shards") for k, p in tar_samples(shard, shard)}
+    for key, image in zip(b["keys"], as_input(b["images"])):
+        assert torch.allclose(image, torch.from_numpy(to_input(every[key]["jpg"], 32)), atol=1e-6)
 
 
 def test_labels_end_with_eos_and_pad_with_zero(data):
@@ -66,9 +127,10 @@ def test_labels_end_with_eos_and_pad_with_zero(data):
         assert all(t == 0 for t in row[n + 1:]) and all(t > 1 for t in row[:n])
 
 
-def test_too_few_shards_and_no_shards_are_errors(tmp_path):
-    with pytest.raises(UserError, match="3 shards for 4 training workers"):
-        check_readers(3, 4, 2)
+def test_too_few_samples_and_no_shards_are_errors(tmp_path):
+    with pytest.raises(UserError, match="47 samples for 3 training workers of 16 a batch"):
+        check_readers(47, 3, 16)
+    check_readers(48, 3, 16)
     with pytest.raises(UserError, match="no shards"):
         list_shards(tmp_path)
 
@@ -95,8 +157,8 @@ def test_schedule_and_decay_groups():
 
 @pytest.fixture(scope="module")
 def indexed(data, tmp_path_factory):
-    """The same shards laid out as the shard stage writes them: shards/ and, beside it, index/ (key ->
-    offset of the sample's first member)."""
+    """The same shards laid out as the shard stage writes them: shards/ with sizes.json and, beside
+    it, index/ (key -> offset of the sample's first member)."""
     import shutil
 
     import pyarrow as pa
@@ -113,55 +175,41 @@ def indexed(data, tmp_path_factory):
                 firsts.setdefault(m.name.split(".")[0], m.offset)
         pq.write_table(pa.table({"key": list(firsts), "offset": pa.array(list(firsts.values()), pa.int64())}),
                        root / "index" / f"{tar_path.stem}.parquet")
+    (root / "shards" / "sizes.json").write_text(json.dumps({f"{n:06d}.tar": k for n, k in enumerate(SIZES)}))
     shutil.copy(data / "spm.model", root / "spm.model")
     return root
 
 
-def test_with_the_shard_index_each_loader_process_reads_only_its_batches(data, indexed, monkeypatch):
+def test_with_the_shard_index_a_batch_is_one_read_per_run_of_neighbours(data, indexed, monkeypatch):
     import infra.storage
 
     read = []
     real = infra.storage.read_range_of
-    monkeypatch.setattr(infra.storage, "read_range_of", lambda p, o, n: read.append(n) or real(p, o, n))
-    streamed = _take(iter(make_loader(_stream(data, 1, 2, LoaderState()), 0)), 9)
-    ranged_stream = _stream(indexed, 1, 2, LoaderState())
-    ranged = _take(iter(ranged_stream), 9)        # in this process: the monkeypatched reader sees every read
-    assert [b["keys"] for b in ranged] == [b["keys"] for b in streamed]        # the same batches, in order
-    assert all(torch.equal(a["images"], b["images"]) and torch.equal(a["labels"], b["labels"])
-               for a, b in zip(ranged, streamed))
-    from trainers.data import epoch_shards
-
-    mine = epoch_shards(list_shards(indexed / "shards"), 0, 0, 1, 2)   # rank 1's shards in epoch 0
-    assert len(read) == 9                                               # a batch within one shard: one read
-    assert sum(read[:6]) <= sum(p.stat().st_size for p in mine)         # the epoch's bytes, each once
-    # two loader processes: each takes its own batches, together the same sequence
-    both = _take(iter(make_loader(_stream(indexed, 1, 2, LoaderState()), 2)), 9)
-    assert [b["keys"] for b in both] == [b["keys"] for b in streamed]
-    # a resumed stream starts at its batch
-    resumed = _take(iter(make_loader(_stream(indexed, 1, 2, LoaderState(0, 4)), 2)), 3)
-    assert [b["keys"] for b in resumed] == [b["keys"] for b in streamed[4:7]]
-
-
-def test_a_rank_reads_the_index_of_its_own_shards_only(indexed, monkeypatch):
-    """Every loader process of every rank read every shard's index (40.7 bytes a sample as Python
-    ints: 3.8 GiB a process at 10^8): now each epoch reads the rank's shards' indexes, as int64."""
-    import numpy as np
-
-    import trainers.data as data_mod
-    from trainers.data import epoch_shards
-
-    asked = []
-    real = data_mod.shard_index
-
-    def recording(shards):
-        got = real(shards)
-        asked.append((list(shards), got))
-        return got
-
-    monkeypatch.setattr(data_mod, "shard_index", recording)
-    _take(iter(_stream(indexed, 1, 2, LoaderState())), 2)
+    monkeypatch.setattr(infra.storage, "read_range_of", lambda p, o, n: read.append((p, n)) or real(p, o, n))
+    scanned = _take(iter(_stream(data, 1, 2, LoaderState())), 6)     # no index: the tars' headers scanned once
+    read.clear()
+    ranged = _take(iter(_stream(indexed, 1, 2, LoaderState())), 6)
+    assert [b["keys"] for b in ranged] == [b["keys"] for b in scanned]         # the same batches, in order
+    assert all(torch.equal(a["images"], b["images"]) for a, b in zip(ranged, scanned))
+    # file order: a batch within one shard is one read; one across two shards two; the bytes of rank 1's
+    # half of the epoch, each once
+    assert len(read) <= 6 + 2
     shards = list_shards(indexed / "shards")
-    mine = epoch_shards(shards, 0, 0, 1, 2)
-    read = [s for got, _ in asked for s in got]
-    assert set(read) <= set(mine) | {shards[0]} and len(asked[-1][0]) == len(mine) < len(shards)
-    assert all(v["offsets"].dtype == np.int64 for _, got in asked for v in got.values())
+    assert sum(n for _, n in read) <= sum(p.stat().st_size for p in shards) * 0.6
+    both = _take(iter(make_loader(_stream(indexed, 1, 2, LoaderState()), 2)), 6)
+    assert [b["keys"] for b in both] == [b["keys"] for b in scanned]
+
+
+def test_a_process_holds_the_offsets_of_the_shards_it_reads_only(indexed):
+    """Every loader process of every rank read every shard's index (40.7 bytes a sample as Python
+    ints: 3.8 GiB a process at 10^8); now a process reads the offsets of the shards its batches lie
+    in, as int64, a few kept at a time."""
+    from trainers.data import epoch_shards, shard_offsets
+
+    shard_offsets.cache_clear()
+    _take(iter(_stream(indexed, 0, 2, LoaderState())), 1)          # rank 0's first batch: 4 samples
+    shards = list_shards(indexed / "shards")
+    first_shard = shards[int(epoch_shards(4, 0, 0)[0])]
+    assert shard_offsets.cache_info().currsize == 1
+    offsets, _ = shard_offsets(first_shard)
+    assert offsets.dtype == np.int64 and len(offsets) == SIZES[int(epoch_shards(4, 0, 0)[0])]

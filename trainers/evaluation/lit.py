@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainers.data import as_input
 from trainers.models import ModelConfig
 from trainers.models.captioner import Captioner
 from trainers.models.layers import MAPHead
@@ -79,7 +80,7 @@ def train_lit_decoder(model, cfg: ModelConfig, shards: list[Path], tokenizer: Pa
     lit.to(dev)
     def loss_of(b):
         with torch.no_grad():
-            memory = lit.encoder(b["images"].to(dev))                       # (B, N, D), frozen
+            memory = lit.encoder(as_input(b["images"].to(dev)))                       # (B, N, D), frozen
         labels = b["labels"].to(dev)                                        # (B, L)
         mask = self_mask(None, labels.shape[1], labels.shape[0], labels.device)
         return caption_loss(lit.decoder(shift_right(labels), mask, memory), labels)
@@ -120,7 +121,7 @@ def train_lit_text(model, cfg: ModelConfig, shards: list[Path], tokenizer: Path,
     dev = next(model.parameters()).device
     lit = LitText(model, cfg).to(dev)
     def loss_of(b):
-        return clip_loss(lit.embed_image(b["images"].to(dev)), lit.embed_text(b["labels"].to(dev)), lit.logit_scale)
+        return clip_loss(lit.embed_image(as_input(b["images"].to(dev))), lit.embed_text(b["labels"].to(dev)), lit.logit_scale)
 
     data = _batches(shards, tokenizer, budget.batch_size, cfg.image_size, cfg.max_len, seed + 1)
     loss, secs = _fit([*lit.text.parameters(), lit.logit_scale], data, budget.steps, budget.lr, loss_of)
