@@ -33,7 +33,7 @@ else
   echo "gpu.sh: capline's pipeline dependencies (ray, mlflow, img2dataset in .venv) are not installed here; step 0 skipped"
 fi
 echo "== 1. throughput and MFU (bf16)"
-timeout 240 "$PY" benchmarks/train.py --steps 10 --loader-workers "${LOADER_WORKERS:-8}" --peak-tflops "${PEAK_TFLOPS:-989}" 2>&1 | tee "$OUT/gpu_train.txt"
+timeout 240 "$PY" benchmarks/train.py --skip-side-by-side --throughput --steps 10 --loader-workers "${LOADER_WORKERS:-8}" --peak-tflops "${PEAK_TFLOPS:-989}" 2>&1 | tee "$OUT/gpu_train.txt"
 cp benchmarks/results/train.json "$OUT/gpu_train.json" 2>/dev/null || true
 echo "== 2. every family on CUDA"
 timeout 120 "$PY" - <<'PY' 2>&1 | tee "$OUT/gpu_families.txt"

@@ -80,6 +80,28 @@ def private_temp_dir() -> str:
     return os.path.join(path, "r")     # Ray makes its own root 0777: the 0700 fence is the folder above
 
 
+def prune_sessions(root: str, keep: int = 3) -> list[str]:
+    """Remove the session folders (2-3 MB of logs and sockets each, one per command) of local
+    clusters whose driver is gone, but the newest `keep` (the last runs' logs, for a bug report).
+    Ray names a session `session_<date>_<time>_<microseconds>_<pid of the process that started it>`;
+    a local cluster ends with that process. -> the folders removed."""
+    import re
+    import shutil
+
+    import psutil
+
+    found = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        m = re.fullmatch(r"session_\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+_(\d+)", name)
+        path = os.path.join(root, name)
+        if m and not os.path.islink(path) and not psutil.pid_exists(int(m.group(1))):
+            found.append(path)
+    gone = sorted(found)[:-keep] if keep else sorted(found)
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
 # Ray kills a worker that idles for 1 s once a node has more workers than CPUs, and every new worker
 # imports torch and the stage's libraries again (~2 s of CPU). Stages follow each other with short
 # planning gaps, so a run paid that over and over: the demo at 600 samples started 28 worker
@@ -133,6 +155,7 @@ def ray_session(cfg: RayConfig, address: str | None = None, log=print, trains: b
         # A local cluster lives on loopback: Ray otherwise finds its node address by asking the
         # route to an outside address. address="local": a new cluster, never one that `ray start`
         # left in /tmp/ray/ray_current_cluster (plain ray.init() would join that, or its corpse).
+        prune_sessions(private_temp_dir())
         ray.init(address="local", num_cpus=num_cpus, object_store_memory=cfg.object_store_memory_mb * 2**20,
                  include_dashboard=wants_dashboard(cfg, trains), dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
                  _temp_dir=private_temp_dir(), **common)

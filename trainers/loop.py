@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import contextlib
 import json
 import os
 import tempfile
@@ -22,13 +23,14 @@ import torch
 
 
 def _save(path: Path, model, opt, sched, step: int, loader_states: list, gen_states: list,
-          loss: float = float("nan"), steps: int | None = None) -> None:
+          loss: float = float("nan"), steps: int | None = None, scaler: dict | None = None) -> None:
     from safetensors.torch import save_file
 
     from .models.checkpoint import state_for_saving
 
     save_file(state_for_saving(model), str(path / "model.safetensors"))
-    torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(), "gens": gen_states}, path / "train_state.pt")
+    torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(), "gens": gen_states, "scaler": scaler or {}},
+               path / "train_state.pt")
     (path / "meta.json").write_text(json.dumps({"step": step, "steps": steps, "loader": loader_states, "loss": loss}))
 
 
@@ -49,12 +51,33 @@ class WorkerJob:
     run_id: str
 
 
-def train_loop_per_worker(config: dict) -> None:
-    """A Ray Train worker's loop, in a scratch folder of its own that is removed however the loop
-    ends (every run left ~5 MB in /tmp per worker: the tokenizer, the saved model and export)."""
+SCRATCH = "capline-train-"
+
+
+def prune_scratch(tmp: Path | None = None) -> list[Path]:
+    """Remove the scratch folders of workers that are gone (a worker killed hard never ran its own
+    cleanup): named for their process id, removed when no such process runs. -> what was removed."""
     import shutil
 
-    scratch = Path(tempfile.mkdtemp(prefix="capline-train-"))
+    import psutil
+
+    gone = []
+    for d in Path(tmp or tempfile.gettempdir()).glob(f"{SCRATCH}*-*"):
+        pid = d.name[len(SCRATCH):].split("-")[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """A Ray Train worker's loop, in a scratch folder of its own that is removed however the loop
+    ends (every run left ~5 MB in /tmp per worker: the tokenizer, the saved model and export), and
+    at the next start if the worker was killed before it could."""
+    import shutil
+
+    prune_scratch()
+    scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH}{os.getpid()}-"))
     try:
         _train(config, scratch)
     finally:
@@ -67,6 +90,7 @@ def _train(config: dict, scratch: Path) -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
+    from .scaling import Precision, checkpoint_activations
     from .data import LoaderState, ShardStream, as_input, make_loader, next_state
     from .tokenizer import open_tokenizer
     from .models import ModelConfig
@@ -132,8 +156,14 @@ def _train(config: dict, scratch: Path) -> None:
                       "the run's so far", flush=True)
         storage.write_bytes(f"{out}/_resumed_from_rank{rank}", f"resumed from step {step}\n".encode())
     device = ray.train.torch.get_device()
+    if tc.activation_checkpointing:
+        checkpoint_activations(model)
     wrapped = ray.train.torch.prepare_model(LossModule(model))
-    use_amp = device.type == "cuda"
+    if tc.compile:
+        wrapped = torch.compile(wrapped)
+    precision = Precision(tc.precision, device)
+    if ckpt and "scaler" in ts:
+        precision.load_state_dict(ts["scaler"])
     from .families import spec as family_spec
 
     stream = ShardStream(c.shards, str(tokenizer), tc.micro_batch or tc.per_worker_batch,
@@ -145,7 +175,7 @@ def _train(config: dict, scratch: Path) -> None:
     buffer = MetricBuffer(c.mlflow_uri, c.run_id, log=lambda m: print(m, flush=True)) if rank == 0 else None
     fixed = None
     # a job resumed from its last checkpoint (killed after it, before final.json) runs no step here
-    total = resumed_loss if ckpt else float("nan")
+    total = mean_loss = resumed_loss if ckpt else float("nan")
     last_finite, t_last = step, time.perf_counter()
     t_progress, p_step = t_last, step
     wait_total = busy_total = 0.0
@@ -158,11 +188,10 @@ def _train(config: dict, scratch: Path) -> None:
         total, parts, tokens = 0.0, {}, 0
         for i, b in enumerate(micro):
             sync = i == len(micro) - 1 or not hasattr(wrapped, "no_sync")
-            ctxm = torch.autocast("cuda", dtype=torch.bfloat16) if use_amp else torch.autocast("cpu", enabled=False)
-            with ctxm, (wrapped.no_sync() if not sync else _null()):
-                loss, metrics = wrapped(as_input(b["images"].to(device, non_blocking=True)), b["labels"].to(device, non_blocking=True),
-                                        generator=gen)
-                (loss / len(micro)).backward()
+            with precision.autocast(), (wrapped.no_sync() if not sync else contextlib.nullcontext()):
+                loss, metrics = wrapped(as_input(b["images"].to(device, non_blocking=True)),
+                                        b["labels"].to(device, non_blocking=True), generator=gen)
+                precision.backward(loss / len(micro))
             total += loss.item() / len(micro)
             for k, v in metrics.items():
                 parts[k] = parts.get(k, 0.0) + float(v) / len(micro)
@@ -172,8 +201,9 @@ def _train(config: dict, scratch: Path) -> None:
                                f"{last_finite}); stopping: lower train.optim.lr or check the data")
         last_finite = step + 1
         # the gradient norm is logged every step: clipping at inf measures it without changing it
+        precision.unscale(opt)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.optim.clip or float("inf")))
-        opt.step()
+        precision.step(opt)
         sched.step()
         opt.zero_grad(set_to_none=True)
         step += 1
@@ -200,7 +230,7 @@ def _train(config: dict, scratch: Path) -> None:
         if rank == 0 and (t2 - t_progress >= 2.0 or step == tc.steps):
             # the driver's progress bar reads this (any node writes to the run folder's storage)
             per_s = (step - p_step) / max(t2 - t_progress, 1e-9)
-            storage.write_json(f"{out}/progress.json", {"step": step, "steps": tc.steps, "loss": total,
+            storage.write_json(f"{out}/progress.json", {"step": step, "steps": tc.steps, "loss": mean_loss,
                                                          "steps_per_s": per_s, "examples_per_s": tc.global_batch * per_s})
             t_progress, p_step = t2, step
         if buffer is not None and task.writes and tc.sample_every and step % tc.sample_every == 0 and fixed is not None:
@@ -221,10 +251,10 @@ def _train(config: dict, scratch: Path) -> None:
             with tempfile.TemporaryDirectory() as d:
                 checkpoint = None
                 if rank == 0:
-                    _save(Path(d), model, opt, sched, step, states, gens, total, tc.steps)
+                    _save(Path(d), model, opt, sched, step, states, gens, mean_loss, tc.steps, precision.state_dict())
                     checkpoint = ray.train.Checkpoint.from_directory(d)
                     buffer.flush()
-                ray.train.report({"step": step, "loss": total}, checkpoint=checkpoint)
+                ray.train.report({"step": step, "loss": mean_loss}, checkpoint=checkpoint)
     if rank == 0:
         from .export import export_encoder
         from .models.checkpoint import save_model
@@ -240,13 +270,7 @@ def _train(config: dict, scratch: Path) -> None:
             old = storage.read_bytes(spill) if storage.exists(spill) else b""
             storage.write_bytes(spill, old + (scratch / "unlogged_metrics.jsonl").read_bytes())
             unlogged["file"] = storage.uri(spill)
-        storage.write_json(f"{out}/final.json", {"step": step, "loss": total, "mlflow": unlogged,
+        storage.write_json(f"{out}/final.json", {"step": step, "loss": mean_loss, "mlflow": unlogged,
                                                  "data_wait_fraction": wait_total / max(wait_total + busy_total, 1e-9)})
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False

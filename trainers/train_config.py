@@ -62,7 +62,7 @@ class TrainConfig:
     # of the stage's fingerprint). `steps` too: more steps continue the run where it stopped (the
     # train stage reruns a finished job that has fewer steps than asked: TrainStage.complete)
     HOW: ClassVar[tuple] = ("num_workers", "loader_workers", "checkpoint_every", "keep_checkpoints", "max_failures",
-                            "sample_every", "log_every", "experiment", "steps")
+                            "sample_every", "log_every", "experiment", "steps", "activation_checkpointing", "compile")
     model: Literal["cap", "cappa", "clip", "siglip", "coca", "clipcap"] = "cappa"  # the family to pretrain: cap, cappa, clip, siglip, coca, clipcap
     size: Literal["tiny", "s16", "m16", "b16", "l14"] = "tiny"  # the family's size (tiny, S/16, B/16, L/14 ...): `capline models` lists them
     model_args: dict[str, Any] = field(default_factory=dict)   # any ModelConfig field, e.g. {width: 96}
@@ -78,7 +78,10 @@ class TrainConfig:
     resampled: bool = False        # draw each epoch's shards with replacement (open_clip's --dataset-resampled)
     checkpoint_every: int = 50  # steps between checkpoints (a stopped run resumes from the last)
     keep_checkpoints: int = 2  # checkpoints kept on disk
-    max_failures: int = 2  # worker failures Ray Train recovers from before the run fails
+    max_failures: int = 2  # worker failures Ray Train recovers from before the run fails (-1: any number)
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on GPUs, fp32 on CPUs; fp16 scales the loss
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward pass (less memory)
+    compile: bool = False          # torch.compile the model (the first steps compile; needs a C++ compiler on CPUs)
     sample_every: int = 100        # captioning models: log a few generated captions every N steps
     log_every: int = 10            # steps between MLflow writes of the metrics (every step is logged)
     image_encoder: str | None = None  # clipcap: a capline checkpoint whose encoder stays frozen
@@ -104,7 +107,7 @@ class TrainConfig:
         require(self.checkpoint_every >= 1, join(prefix, "checkpoint_every"), "must be >= 1")
         require(self.log_every >= 1, join(prefix, "log_every"), "must be >= 1 (steps between MLflow writes)")
         require(self.keep_checkpoints >= 1, join(prefix, "keep_checkpoints"), "must be >= 1")
-        require(self.max_failures >= 0, join(prefix, "max_failures"), "must be >= 0")
+        require(self.max_failures >= -1, join(prefix, "max_failures"), "must be >= 0, or -1 for any number of failures")
         require(self.max_len >= 4, join(prefix, "max_len"), "must be >= 4")
         require(self.image_size is None or 16 <= self.image_size <= 1024, join(prefix, "image_size"),
                 f"must be 16..1024 pixels or null, got {self.image_size}")

@@ -1,6 +1,7 @@
 """The contrastive losses split over two gloo processes equal the single-process full-batch loss,
-gradients included (each rank computes the loss on gathered embeddings, then gradients are
-averaged as data-parallel training does)."""
+gradients included: each rank scores its own rows against the gathered embeddings (a local loss,
+B x G, never the G x G matrix), the ranks' losses and gradients are averaged as data-parallel
+training does."""
 import socket
 
 import pytest
@@ -37,12 +38,12 @@ def _worker(rank, world, port, kind, out):
     rows = slice(rank * half, (rank + 1) * half)
     loss = _loss(kind, wi, wt, xi[rows], xt[rows])
     loss.backward()
-    grads = [wi.grad.clone(), wt.grad.clone()]
+    grads = [wi.grad.clone(), wt.grad.clone(), loss.detach().clone()]
     for g in grads:
         dist.all_reduce(g)
         g /= world
     if rank == 0:
-        torch.save({"loss": loss.detach(), "gi": grads[0], "gt": grads[1]}, out)
+        torch.save({"loss": grads[2], "gi": grads[0], "gt": grads[1]}, out)
     dist.barrier()  # neither rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
 

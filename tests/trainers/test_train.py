@@ -231,14 +231,20 @@ def test_changing_how_the_job_runs_or_extending_steps_resumes_the_same_run(data_
     """Every train.* setting was in the stage's fingerprint: a rerun with only max_failures changed
     started a new MLflow run at step 1 and deleted the checkpoints. How-settings (max_failures,
     loader_workers, checkpoint cadence) and more steps now go on from the last checkpoint, in the
-    same MLflow run, each step logged once; a setting that decides (the model) starts anew."""
+    same MLflow run, each step logged once; a setting that decides (the model) starts anew. The job
+    trains in fp16 (its loss scaler checkpointed and restored) and the resumed part with activation
+    checkpointing, which changes nothing it decides."""
+    import torch
+
     run, cache = data_run
     base = DATA + [f"stages.dedup.cache_dir={cache}", "train.model=cappa", "train.checkpoint_every=10",
-                   "train.optim.warmup_steps=2"]
+                   "train.optim.warmup_steps=2", "train.precision=fp16"]
     first = run_pipeline(load_config(None, base + ["train.steps=20"]), run, only="train", log=lambda m: None)
     logs = []
-    again = run_pipeline(load_config(None, base + ["train.steps=30", "train.max_failures=5", "train.loader_workers=0",
-                                                   "train.checkpoint_every=15"]),
+    states = sorted((run / "train").rglob("train_state.pt"))
+    assert states and all(torch.load(p, weights_only=True)["scaler"]["scale"] > 0 for p in states)
+    again = run_pipeline(load_config(None, base + ["train.steps=30", "train.max_failures=-1", "train.loader_workers=0",
+                                                   "train.checkpoint_every=15", "train.activation_checkpointing=true"]),
                          run, only="train", log=logs.append)
     run_id = first["train"]["mlflow_run_id"]
     assert again["train"]["mlflow_run_id"] == run_id and again["train"]["step"] == 30

@@ -43,29 +43,35 @@ class _GatherWithGrad(torch.autograd.Function):
         return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
 
 
-def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
-    """(B, E) on each worker -> (G, E) everywhere, gradients flowing back to each worker's rows.
-    Every worker must hold the same B."""
+def gather_with_grad(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(B, E) on each worker -> ((G, E) everywhere, this worker's first row in it), gradients flowing
+    back to each worker's rows. Every worker must hold the same B."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return x
-    return _GatherWithGrad.apply(x)
+        return x, 0
+    return _GatherWithGrad.apply(x), dist.get_rank() * x.shape[0]
+
+
+# Both losses are local (open_clip's `--local-loss`): a worker scores its own B images against all G
+# texts and its own B texts against all G images, a (B, G) matrix where the full loss on every worker
+# is (G, G). The mean of the workers' local losses is the full-batch loss, and with the gather's
+# backward summing every worker's contribution and data-parallel averaging, so is the gradient
+# (tests/trainers/test_distributed_loss.py).
 
 
 def clip_loss(zimg: torch.Tensor, ztxt: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
-    """Mean of image->text and text->image CE over the (gathered) batch. z* (B, E) normalised.
-
-    Every worker computes the loss over the whole gathered batch; with the gather's backward summing
-    contributions and data-parallel averaging of gradients, the result is the full-batch gradient.
-    """
-    zi, zt = gather_with_grad(zimg), gather_with_grad(ztxt)
-    logits = logit_scale.exp().clamp(max=100.0) * zi @ zt.T   # (G, G)
-    target = torch.arange(zi.shape[0], device=zi.device)
-    return 0.5 * (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target))
+    """Mean of image->text and text->image CE, this worker's rows against the gathered batch.
+    z* (B, E) normalised -> scalar."""
+    (zi, first), (zt, _) = gather_with_grad(zimg), gather_with_grad(ztxt)
+    scale = logit_scale.exp().clamp(max=100.0)
+    target = first + torch.arange(zimg.shape[0], device=zimg.device)
+    return 0.5 * (F.cross_entropy(scale * zimg @ zt.T, target) + F.cross_entropy(scale * ztxt @ zi.T, target))
 
 
 def siglip_loss(zimg: torch.Tensor, ztxt: torch.Tensor, t_prime: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """-mean_i sum_j log sigmoid(label_ij * (t * zi . zj + b)), label +1 on the diagonal, -1 elsewhere."""
-    zi, zt = gather_with_grad(zimg), gather_with_grad(ztxt)
-    logits = t_prime.exp() * zi @ zt.T + bias
-    labels = 2 * torch.eye(zi.shape[0], device=zi.device) - 1
+    """-mean_i sum_j log sigmoid(label_ij * (t * zi . zj + b)) over this worker's images i and every
+    text j, label +1 on the (global) diagonal, -1 elsewhere."""
+    zt, first = gather_with_grad(ztxt)
+    logits = t_prime.exp() * zimg @ zt.T + bias                                  # (B, G)
+    labels = -torch.ones_like(logits)
+    labels[torch.arange(zimg.shape[0]), first + torch.arange(zimg.shape[0])] = 1
     return -F.logsigmoid(labels * logits).sum(1).mean()

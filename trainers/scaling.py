@@ -1,0 +1,81 @@
+"""The knobs a large run turns, applied to one model and one step: numeric precision (autocast and,
+for fp16, loss scaling), activation checkpointing of every transformer block, and torch.compile.
+Each leaves the recipe what it is: fp32, checkpointing and compile give the plain loss (checkpointing
+exactly, compile to float tolerance); bf16 and fp16 round as autocast does.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+
+
+def resolve(precision: str, device: torch.device) -> str:
+    """auto: bf16 on CUDA (what every B/16+ recipe trains in), fp32 elsewhere."""
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+class Precision:
+    """autocast for the forward and loss, and for fp16 a gradient scaler (fp16's range underflows
+    small gradients; bf16's does not, so it needs none)."""
+
+    def __init__(self, precision: str, device: torch.device):
+        self.name, self.device = resolve(precision, device), device
+        self.scaler = torch.amp.GradScaler(device.type) if self.name == "fp16" else None
+
+    def autocast(self):
+        if self.name == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16 if self.name == "bf16" else torch.float16)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def unscale(self, opt) -> None:
+        """Before clipping: gradients at their true size."""
+        if self.scaler:
+            self.scaler.unscale_(opt)
+
+    def step(self, opt) -> None:
+        """The optimiser step; fp16 skips a step whose gradients overflowed and lowers the scale."""
+        if self.scaler:
+            self.scaler.step(opt)
+            self.scaler.update()
+        else:
+            opt.step()
+
+    def state_dict(self) -> dict:
+        return self.scaler.state_dict() if self.scaler else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler and state:
+            self.scaler.load_state_dict(state)
+
+
+def checkpoint_activations(model: torch.nn.Module) -> int:
+    """Every transformer block recomputes its activations in the backward pass instead of keeping
+    them (memory of one block's activations, ~1/3 more compute). Outside training (decoding with a
+    key/value cache) a block runs as it is. -> the number of blocks wrapped."""
+    from torch.utils.checkpoint import checkpoint
+
+    from .models.layers import Block
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Block) and not getattr(m, "_checkpointed", False):
+            plain = m.forward
+
+            @functools.wraps(plain)
+            def forward(*args, _plain=plain, _m=m, **kwargs):
+                if _m.training and torch.is_grad_enabled() and kwargs.get("cache") is None:
+                    return checkpoint(_plain, *args, use_reentrant=False, **kwargs)
+                return _plain(*args, **kwargs)
+
+            m.forward, m._checkpointed = forward, True
+            n += 1
+    return n
