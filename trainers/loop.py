@@ -22,14 +22,12 @@ from pathlib import Path
 import torch
 
 
-def _save(path: Path, model, opt, sched, step: int, loader_states: list, gen_states: list,
+def _save(path: Path, weights: dict, opt_state: dict, sched, step: int, loader_states: list, gen_states: list,
           loss: float = float("nan"), steps: int | None = None, scaler: dict | None = None) -> None:
     from safetensors.torch import save_file
 
-    from .models.checkpoint import state_for_saving
-
-    save_file(state_for_saving(model), str(path / "model.safetensors"))
-    torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(), "gens": gen_states, "scaler": scaler or {}},
+    save_file(weights, str(path / "model.safetensors"))
+    torch.save({"opt": opt_state, "sched": sched.state_dict(), "gens": gen_states, "scaler": scaler or {}},
                path / "train_state.pt")
     (path / "meta.json").write_text(json.dumps({"step": step, "steps": steps, "loader": loader_states, "loss": loss}))
 
@@ -90,7 +88,7 @@ def _train(config: dict, scratch: Path) -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from .scaling import Precision, checkpoint_activations
+    from .scaling import Precision, average_replicated, checkpoint_activations, full_states, load_optimizer, shard
     from .data import LoaderState, ShardStream, as_input, make_loader, next_state
     from .tokenizer import open_tokenizer
     from .models import ModelConfig
@@ -124,19 +122,17 @@ def _train(config: dict, scratch: Path) -> None:
     lm = c.lm_checkpoint
     task = make_task(mc, str(storage.local_dir(encoder)) if encoder else None,
                      str(storage.local_dir(lm)) if lm else None)
-    model = task.build()
+    with torch.random.fork_rng():
+        torch.manual_seed(c.seed * 1000)    # one initialisation on every worker (FSDP shards it as it is)
+        model = task.build()
     model.train()       # a pretrained LM loads in eval mode: training starts in train mode (dropout), not after the first sample log
-    opt = build_optimizer(model, tc.optim)
-    sched = build_schedule(opt, tc.optim, tc.steps)
-    step, state = 0, LoaderState()
+    step, state, ts = 0, LoaderState(), None
     ckpt = ray.train.get_checkpoint()
     if ckpt:
         with ckpt.as_directory() as d:
             d = Path(d)
             model.load_state_dict(load_file(str(d / "model.safetensors")), strict=False)
             ts = torch.load(d / "train_state.pt", weights_only=True)
-            opt.load_state_dict(ts["opt"])
-            sched.load_state_dict(ts["sched"])
             meta = json.loads((d / "meta.json").read_text())
             step, saved = meta["step"], meta["loader"]
             resumed_loss = meta.get("loss", float("nan"))
@@ -158,12 +154,21 @@ def _train(config: dict, scratch: Path) -> None:
     device = ray.train.torch.get_device()
     if tc.activation_checkpointing:
         checkpoint_activations(model)
-    wrapped = ray.train.torch.prepare_model(LossModule(model))
+    fsdp = tc.parallel == "fsdp"
+    wrapped = shard(LossModule(model), device) if fsdp else ray.train.torch.prepare_model(LossModule(model))
     if tc.compile:
         wrapped = torch.compile(wrapped)
+    # built on the parameters as wrapped: FSDP replaces each with its shard
+    opt = build_optimizer(model, tc.optim)
+    sched = build_schedule(opt, tc.optim, tc.steps)
     precision = Precision(tc.precision, device)
-    if ckpt and "scaler" in ts:
-        precision.load_state_dict(ts["scaler"])
+    if ts is not None:
+        load_optimizer(model, opt, ts["opt"], fsdp)
+        sched.load_state_dict(ts["sched"])
+        precision.load_state_dict(ts.get("scaler", {}))
+    if fsdp and rank == 0 and task.writes and tc.sample_every:
+        print("train: train.parallel fsdp writes no sample captions during training (a sharded model decodes "
+              "only on every worker at once); the final model's evaluation writes them", flush=True)
     from .families import spec as family_spec
 
     stream = ShardStream(c.shards, str(tokenizer), tc.micro_batch or tc.per_worker_batch,
@@ -183,7 +188,7 @@ def _train(config: dict, scratch: Path) -> None:
         t0 = time.perf_counter()
         micro = [next(batches) for _ in range(tc.accumulation)]
         t1 = time.perf_counter()
-        if fixed is None and task.writes and rank == 0:
+        if fixed is None and task.writes and rank == 0 and not fsdp:
             fixed = micro[0]["images"][:4]
         total, parts, tokens = 0.0, {}, 0
         for i, b in enumerate(micro):
@@ -201,6 +206,8 @@ def _train(config: dict, scratch: Path) -> None:
                                f"{last_finite}); stopping: lower train.optim.lr or check the data")
         last_finite = step + 1
         # the gradient norm is logged every step: clipping at inf measures it without changing it
+        if fsdp:
+            average_replicated(wrapped)
         precision.unscale(opt)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.optim.clip or float("inf")))
         precision.step(opt)
@@ -248,13 +255,20 @@ def _train(config: dict, scratch: Path) -> None:
                 states, gens = [None] * world, [None] * world
                 dist.all_gather_object(states, state.to_dict())
                 dist.all_gather_object(gens, gen.get_state())
+            weights, opt_state = full_states(model, opt, fsdp)     # every worker, for FSDP's gathers
             with tempfile.TemporaryDirectory() as d:
                 checkpoint = None
                 if rank == 0:
-                    _save(Path(d), model, opt, sched, step, states, gens, mean_loss, tc.steps, precision.state_dict())
+                    _save(Path(d), weights, opt_state, sched, step, states, gens, mean_loss, tc.steps,
+                          precision.state_dict())
                     checkpoint = ray.train.Checkpoint.from_directory(d)
                     buffer.flush()
                 ray.train.report({"step": step, "loss": mean_loss}, checkpoint=checkpoint)
+    if fsdp:    # the whole model on rank 0, as a plain module, for saving and export
+        weights, _ = full_states(model, None, fsdp)
+        if rank == 0:
+            model = task.build()
+            model.load_state_dict(weights, strict=False)
     if rank == 0:
         from .export import export_encoder
         from .models.checkpoint import save_model

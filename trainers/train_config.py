@@ -81,6 +81,7 @@ class TrainConfig:
     max_failures: int = 2  # worker failures Ray Train recovers from before the run fails (-1: any number)
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on GPUs, fp32 on CPUs; fp16 scales the loss
     activation_checkpointing: bool = False  # recompute each block's activations in the backward pass (less memory)
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # ddp: a whole model per worker; fsdp: sharded over them (FSDP2, for L/14+)
     compile: bool = False          # torch.compile the model (the first steps compile; needs a C++ compiler on CPUs)
     sample_every: int = 100        # captioning models: log a few generated captions every N steps
     log_every: int = 10            # steps between MLflow writes of the metrics (every step is logged)

@@ -266,3 +266,28 @@ def test_changing_how_the_job_runs_or_extending_steps_resumes_the_same_run(data_
     assert client.get_run(run_id).info.status == "KILLED"
     assert any(m.startswith(f"train: MLflow run {run_id} trained this folder") for m in logs), logs
     assert client.get_run(other["train"]["mlflow_run_id"]).info.status == "FINISHED"
+
+
+def test_fsdp_trains_as_ddp_does_and_resumes_from_its_sharded_state(data_run):
+    """train.parallel fsdp (FSDP2 over 2 gloo workers): the same losses as DDP step for step (one
+    initialisation on every worker, the same data), its checkpoint gathered whole, and a job
+    extended from 6 to 10 steps resumes it (weights and each worker's optimiser shard)."""
+    run, cache = data_run
+    base = DATA + [f"stages.dedup.cache_dir={cache}", "train.model=siglip", "train.checkpoint_every=3",
+                   "train.optim.warmup_steps=2", "train.optim.lr=0.003"]
+    client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
+    for steps in (6, 10):   # the same two jobs as below, so the schedule's change of shape is the same
+        ddp = run_pipeline(load_config(None, base + [f"train.steps={steps}"]), run, only="train", log=lambda m: None)
+    plain = _history(client, ddp["train"]["mlflow_run_id"], "loss")
+    run_pipeline(load_config(None, base + ["train.steps=6", "train.parallel=fsdp"]), run, only="train", log=lambda m: None)
+    logs = []
+    fsdp = run_pipeline(load_config(None, base + ["train.steps=10", "train.parallel=fsdp"]), run, only="train",
+                        log=logs.append)
+    assert any(m.startswith("train: resuming MLflow run") for m in logs), logs
+    sharded = _history(client, fsdp["train"]["mlflow_run_id"], "loss")
+    assert [s for s, _ in sharded] == [s for s, _ in plain] == list(range(1, 11))
+    assert all(abs(a - b) <= 1e-3 * abs(a) for (_, a), (_, b) in zip(plain, sharded)), (plain, sharded)
+    assert plain[-1][1] < plain[0][1]
+    from safetensors.torch import load_file
+
+    assert "blocks.0.attn.q.weight" in load_file(str(run / "train" / "export" / "encoder.safetensors"))
