@@ -86,3 +86,15 @@ def test_dockerfile_copies_what_exists_and_pins_the_stack():
     torch_pin = next(ln for ln in (ROOT / "constraints.txt").read_text().splitlines() if ln.startswith("torch=="))
     assert torch_pin in text and "-c constraints.txt" in text
     assert 'ENTRYPOINT ["capline"]' in text
+
+
+def test_gpu_workers_have_a_group_of_their_own_with_the_cuda_image_and_shared_memory():
+    groups = {g["groupName"]: g for g in _doc("raycluster.yaml")["spec"]["workerGroupSpecs"]}
+    gpu = groups["gpu"]["template"]["spec"]
+    box = gpu["containers"][0]
+    assert box["image"] == "capline:gpu" and box["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in box["volumeMounts"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in gpu["volumes"]
+    launcher = yaml.safe_load((ROOT / "infra/ray/cluster.yaml").read_text())["available_node_types"]["gpu_worker"]
+    assert launcher["docker"]["worker_image"] == "capline:gpu"
+    assert "TORCH_INDEX=https://download.pytorch.org/whl/cu128" in (ROOT / "infra/docker/Dockerfile").read_text()
