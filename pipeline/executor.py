@@ -184,7 +184,7 @@ class Executor:
     # -- per-partition functions -----------------------------------------------------------------
     def map_parts(self, ctx, fn: Callable, tasks: list, num_cpus: float = 1.0, num_gpus: float = 0.0,
                   what: str | None = None, reuse: bool = False, setting: str | None = None, model=None,
-                  pick: tuple | None = None) -> list[dict]:
+                  pick: tuple | None = None) -> list:
         """`fn` over partitions (stages/dataplane.py: PartTask), in tasks that write their own results;
         -> PartResults. `reuse` (a pure function of the partition and the stage's config): a partition
         whose input and the stage's fingerprint are those of an earlier run is taken as it is, even

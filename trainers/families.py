@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .models.config import PARALLEL_FRACTION
+from .models.config import FAMILIES, PARALLEL_FRACTION
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class FamilySpec:
     # a caption ends at the first token ending in this text, trained without an end token (ClipCap's
     # reference stops at "."); None: at EOS, trained with one
     stop_text: str | None = None
+    title: str = ""                 # as the paper's tables name it
 
 
 def stop_ids(sp, text: str | None) -> list[int]:
@@ -65,17 +66,20 @@ def _clipcap(cfg, image_encoder=None):
 
 
 SPECS: dict[str, FamilySpec] = {s.name: s for s in (
-    FamilySpec("cap", _captioner, "CaptioningTask", writes=True, captioner=True, embeds_text=False),
-    FamilySpec("cappa", _captioner, "CaptioningTask", writes=True, captioner=True, embeds_text=False,
+    FamilySpec("cap", _captioner, "CaptioningTask", title="Cap", writes=True, captioner=True, embeds_text=False),
+    FamilySpec("cappa", _captioner, "CaptioningTask", title="CapPa", writes=True, captioner=True, embeds_text=False,
                parallel_fraction=PARALLEL_FRACTION["cappa"]),
-    FamilySpec("clip", _two_tower, "ContrastiveTask", writes=False, captioner=False, embeds_text=True,
+    FamilySpec("clip", _two_tower, "ContrastiveTask", title="CLIP*", writes=False, captioner=False, embeds_text=True,
                pooled_by_head=True),
-    FamilySpec("siglip", _two_tower, "ContrastiveTask", writes=False, captioner=False, embeds_text=True,
+    FamilySpec("siglip", _two_tower, "ContrastiveTask", title="SigLIP", writes=False, captioner=False, embeds_text=True,
                pooled_by_head=True),
-    FamilySpec("coca", _coca, "CoCaTask", writes=True, captioner=False, embeds_text=True),
-    FamilySpec("clipcap", _clipcap, "PrefixCaptioningTask", writes=True, captioner=False, embeds_text=False,
+    FamilySpec("coca", _coca, "CoCaTask", title="CoCa", writes=True, captioner=False, embeds_text=True),
+    FamilySpec("clipcap", _clipcap, "PrefixCaptioningTask", title="ClipCap", writes=True, captioner=False, embeds_text=False,
                needs_encoder=True, lit_decoder=False, stop_text="."),
 )}
+
+
+assert tuple(SPECS) == FAMILIES, "trainers/models/config.py's Family and the registry name the same families"
 
 
 def spec(family: str) -> FamilySpec:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from infra.configtools import build
 from infra.errors import UserError
+from trainers.families import SPECS
 
 # per budget: the training of each model, and the evaluations that train something on top of it
 BUDGETS = {
@@ -43,7 +44,7 @@ EVAL_BUDGETS = {
     "gpu-8min": {"lit_decoder": {"steps": 300, "batch_size": 64}, "lit": {"steps": 300, "batch_size": 128},
                  "map_probe": {"steps": 200}},
 }
-NAMES = {"cap": "Cap", "cappa": "CapPa", "clip": "CLIP*", "siglip": "SigLIP", "coca": "CoCa", "clipcap": "ClipCap"}
+NAMES = {name: s.title for name, s in SPECS.items()}
 
 
 def check_experiment(run_dir: Path, models, budget: str, clipcap_lm: str | None = None) -> None:

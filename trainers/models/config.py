@@ -6,7 +6,7 @@ demo. Any field of a size can be overridden (width, depth, ...), so new sizes ne
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from infra.configtools import join, require
 
@@ -26,7 +26,9 @@ COCA_TEXT = {
     "l14": (768, 12, 3072, 12),
 }
 
-FAMILIES = ("cap", "cappa", "clip", "siglip", "coca", "clipcap")
+# the one list of model families (trainers/families.py registers each; config fields are typed by it)
+Family = Literal["cap", "cappa", "clip", "siglip", "coca", "clipcap"]
+FAMILIES: tuple[str, ...] = get_args(Family)
 PAD_ID, EOS_ID = 0, 1
 
 
@@ -38,7 +40,7 @@ PARALLEL_FRACTION = {"cappa": 0.75}
 
 @dataclass
 class ModelConfig:
-    family: Literal["cap", "cappa", "clip", "siglip", "coca", "clipcap"] = "cappa"
+    family: Family = "cappa"
     size: Literal["tiny", "s16", "m16", "b16", "l14"] = "tiny"
     vocab_size: int = 32000
     max_len: int = 64
