@@ -47,6 +47,26 @@ def decoded_lengths(arr) -> np.ndarray:
     return pc.fill_null(pc.binary_length(arr), 0).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
+def _leaf_index(pf, path: str) -> int:
+    return next(i for i in range(len(pf.schema)) if pf.schema.column(i).path == path)
+
+
+def _nested_bytes(arr) -> int:
+    """The text and binary bytes of a column once decoded, through lists and structs, counting each
+    dictionary value once per use and decoding none."""
+    t = arr.type
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _nested_bytes(arr.flatten())
+    if pa.types.is_struct(t):
+        return sum(_nested_bytes(arr.field(i)) for i in range(t.num_fields))
+    if pa.types.is_map(t):
+        return _nested_bytes(arr.keys) + _nested_bytes(arr.items)
+    v = t.value_type if pa.types.is_dictionary(t) else t
+    if pa.types.is_string(v) or pa.types.is_large_string(v) or pa.types.is_binary(v) or pa.types.is_large_binary(v):
+        return int(decoded_lengths(arr).sum())
+    return 0
+
+
 def check_parquet(path: Path, what: str, setting: str, max_bytes: int | None = None,
                   expansion: float = EXPANSION) -> int:
     """Refuses (one line, naming the file and `setting`) a Parquet file whose text and binary values
@@ -64,15 +84,25 @@ def check_parquet(path: Path, what: str, setting: str, max_bytes: int | None = N
         # when a dictionary outgrows its page) shows here without reading a page
         if sum(pf.metadata.row_group(i).total_byte_size for i in range(pf.metadata.num_row_groups)) > limit:
             refuse()
+        # nested columns (list<string>, struct): a row holds any number of leaf values, each at
+        # least an offset (8 bytes) once read, however few bytes its run-length encoding took
+        md = pf.metadata
+        nested = [(md.row_group(i).column(j).path_in_schema, md.row_group(i).column(j).num_values)
+                  for i in range(md.num_row_groups) for j in range(md.num_columns)
+                  if "." in md.row_group(i).column(j).path_in_schema]
+        if 8 * sum(n for _, n in nested) > limit:
+            refuse()
         texty = text_columns(pf.schema_arrow)
-        if not texty:
+        leaves = sorted({p for p, _ in nested if pf.schema.column(_leaf_index(pf, p)).physical_type == "BYTE_ARRAY"})
+        tops = texty + sorted({p.split(".")[0] for p in leaves})
+        if not tops:
             return 0
         # a dictionary's values count once on disk and once per row in memory: summed from the
         # dictionary and its indices, a small batch at a time, never decoded
-        pf = pq.ParquetFile(path, read_dictionary=texty)
+        pf = pq.ParquetFile(path, read_dictionary=texty + leaves)
         total = 0
-        for batch in pf.iter_batches(batch_size=4096, columns=texty):
-            total += sum(int(decoded_lengths(batch.column(n)).sum()) for n in texty)
+        for batch in pf.iter_batches(batch_size=4096, columns=tops):
+            total += sum(_nested_bytes(batch.column(n)) for n in tops)
             if total > limit:
                 refuse()
         return total

@@ -355,3 +355,40 @@ def test_a_large_text_list_is_keyed_a_batch_at_a_time(tmp_path):
     assert [p.n_in for p in parts] == [50_000] * 6
     keys = pa.concat_tables(pq.read_table(tmp_path / "run" / p.file, columns=["key"]) for p in parts).column("key")
     assert len(keys) == len(keys.unique()) == 300_000
+
+
+@pytest.mark.parametrize("shape", ["list", "struct", "repeats"])
+def test_a_dictionary_bomb_in_a_nested_column_is_refused_before_it_is_decoded(tmp_path, shape):
+    """A 1 MB string repeated 6,000 times inside list<string> or struct<string> (the flat check read
+    top-level text columns only: ArrowMemoryError), and one row's list of 9 million empty strings (a
+    few KB of run-length encoding, 72 MB of offsets once read: past the 64 MiB any file may become)."""
+    if shape == "repeats":
+        import numpy as np
+
+        inner = pa.DictionaryArray.from_arrays(pa.array(np.zeros(9_000_000, np.int32)), pa.array([""]))
+        column = pa.ListArray.from_arrays(pa.array([0, 9_000_000], pa.int32()), inner)
+        url = pa.array(["http://x.example/a.jpg"])
+    else:
+        inner = pa.DictionaryArray.from_arrays(pa.array([0] * 6000, pa.int32()), pa.array(["x" * 1_000_000]))
+        if shape == "list":
+            column = pa.ListArray.from_arrays(pa.array([0, 3000, 6000], pa.int32()), inner)
+        else:
+            column = pa.StructArray.from_arrays([inner], ["text"])
+        url = pa.array(["http://x.example/a.jpg"] * len(column))
+    path = tmp_path / "nested.parquet"
+    pq.write_table(pa.table({"url": url, "caption": column}), path, compression="zstd")
+    assert path.stat().st_size < 1 << 20
+    with pytest.raises(UserError, match=r"source.path: .*nested.parquet holds more than .* bytes of values once decoded"):
+        _read_list(tmp_path, path)
+    with pytest.raises(UserError, match=r"evaluation set e: .*nested.parquet holds more than .* dictionary bomb"):
+        load_classification(ClassificationSet(name="e", kind="parquet", path=str(path), image_col="url",
+                                              label_col="caption"), tmp_path)
+
+
+def test_an_ordinary_nested_column_passes_the_bomb_check(tmp_path):
+    from infra.bombs import check_parquet
+
+    path = tmp_path / "tags.parquet"
+    pq.write_table(pa.table({"url": ["http://x.example/1.jpg", "http://x.example/2.jpg"],
+                             "tags": [["cat", "sofa"], ["dog"]], "meta": [{"w": 1, "src": "a"}, {"w": 2, "src": "bb"}]}), path)
+    assert check_parquet(path, "list", "raise it") == len("http://x.example/1.jpg") * 2 + 3 + 4 + 3 + 1 + 2
