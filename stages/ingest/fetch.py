@@ -766,11 +766,16 @@ def recheck(urls: list[str], policy: FetchPolicy, token: str, directives: tuple[
         if host.spent or host.take_slot() is None:
             return f"unreachable: {_spent(host, parts.hostname, _policy.manners)[len('capline:'):]}"
         _pins.sockets = []
-        ticket = _watchdog.watch(time.monotonic() + _policy.deadline, _pins.sockets)
+        start = time.monotonic()
+        ticket = _watchdog.watch(start + _policy.deadline, _pins.sockets)
         try:
             check_url(url, _policy)
             request = urllib.request.Request(url, method="HEAD", headers={"User-Agent": _policy.manners.user_agent})
             with _opener.open(request, timeout=timeout) as r:
+                if time.monotonic() - start >= _policy.deadline:
+                    # the watchdog cut the headers short and the reader took what came as all of them:
+                    # a header that says "opt out" may be among those never read
+                    return f"unreachable: no answer within {_policy.deadline:g}s"
                 if directives and _i2d.is_disallowed(r.headers, token, list(directives)):
                     return "robots_disallowed: X-Robots-Tag"
             return ""

@@ -382,3 +382,24 @@ def test_a_trickled_robots_txt_is_cut_at_the_deadline_and_counts_as_disallow(mon
     assert took < 5, took                                   # the deadline, not the minute the server trickles
     assert stream2 is None and reason_of("failed", err2) == "robots_disallowed"
     assert _TrickledRobots.hits == ["/robots.txt"]          # asked once, no image fetched
+
+
+def test_a_recheck_head_whose_headers_trickle_past_the_deadline_is_unanswered(counting, monkeypatch):
+    """recheck's HEAD under the same whole-exchange deadline as a download: headers sent a byte at a
+    time (each beats the socket timeout) end as `unreachable`, never as checked."""
+    import time
+
+    from stages.ingest.fetch import recheck
+
+    port, hits = counting
+    _Counting.do_HEAD = _Counting.do_GET
+    try:
+        policy = FetchPolicy(allow_hosts=(f"127.0.0.1:{port}",), deadline=0.6, manners=Manners(robots=False))
+        t0 = time.monotonic()
+        got = recheck([f"http://127.0.0.1:{port}/trickle-headers", f"http://127.0.0.1:{port}/ok.jpg"], policy,
+                      "capline", ("noai",), timeout=5)
+    finally:
+        del _Counting.do_HEAD
+    assert got[f"http://127.0.0.1:{port}/ok.jpg"] == ""
+    assert got[f"http://127.0.0.1:{port}/trickle-headers"].startswith("unreachable"), got
+    assert time.monotonic() - t0 < 10
