@@ -124,8 +124,11 @@ def build(cls, data: Any, prefix: str = ""):
     if validate is not None:      # the section's own checks first: their messages say more
         validate(prefix)
     # a number whose default is not negative is a count, size, time, rate or share: never negative
+    # (but where the class names it in SIGNED: a sentinel such as max_failures' -1, "no limit")
     for name, f in fields.items():
         value = getattr(obj, name)
+        if name in getattr(cls, "SIGNED", ()):
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or isinstance(f.default, bool):
             continue
         if isinstance(f.default, (int, float)) and f.default >= 0 and value < 0:

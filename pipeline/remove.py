@@ -100,26 +100,43 @@ def parse_list(path: Path) -> list[Entry]:
     return out
 
 
-def image_vectors(entries: list[Entry], base: Path) -> tuple[np.ndarray, np.ndarray]:
-    """(k, 768) thumbnail and (k, 576) detail descriptors of the image entries, float32 unit rows
-    (dedup's within-data descriptors, described as its describe step describes a picture)."""
+def removal_views(core: np.ndarray) -> list[np.ndarray]:
+    """A removed picture as it may come back: itself, cropped up to 10 % (centred, corner-anchored,
+    one side: imagehash.crops), mirrored, in grey, and turned by each whole degree up to 6 either way (black
+    corners, as a rotated re-upload has them). Each is described and matched as a reference of its own."""
+    from PIL import Image
+
+    from stages.dedup.imagehash import crops
+
+    im = Image.fromarray(core)
+    turned = [np.asarray(im.rotate(a, resample=Image.BICUBIC)) for a in (-6, -5, -4, -3, -2, -1, 1, 2, 3, 4, 5, 6)]
+    grey = np.repeat(np.asarray(im.convert("L"))[..., None], 3, -1)
+    return crops(core, scales=(0.05, 0.10)) + [core[:, ::-1], grey] + turned
+
+
+def image_vectors(entries: list[Entry], base: Path) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(k, 768) thumbnail and (k, 576) detail descriptors of the image entries' views (`removal_views`),
+    float32 unit rows (dedup's within-data descriptors, described as its describe step describes a
+    picture), and which entry each row is a view of."""
     from stages.dedup.imagehash import DETAIL_DIM, describe, detail, to_rgb_array, trim_border
 
-    vecs, details = [], []
-    for e in entries:
+    vecs, details, owner = [], [], []
+    for n, e in enumerate(entries):
         try:
             core = trim_border(to_rgb_array((base / e.value).read_bytes()))
-            vecs.append(describe(core)[0])
-            details.append(detail(core))
+            for view in removal_views(core):
+                vecs.append(describe(view)[0])
+                details.append(detail(view))
+                owner.append(n)
         except Exception as err:  # noqa: BLE001 - an image we cannot read is the list's fault: said with its line
             raise UserError(f"--list line {e.line}: image {e.value} could not be read ({type(err).__name__}: {err})") from None
     if not vecs:
-        return np.zeros((0, 768), np.float32), np.zeros((0, DETAIL_DIM), np.float32)
-    return np.stack(vecs), np.stack(details)
+        return np.zeros((0, 768), np.float32), np.zeros((0, DETAIL_DIM), np.float32), []
+    return np.stack(vecs), np.stack(details), owner
 
 
 def _match_task(storage, part: str, ingest_file: str, desc_file: str | None, keys: frozenset, urls: frozenset,
-                shas: frozenset, images: tuple[np.ndarray, np.ndarray], threshold: float,
+                shas: frozenset, images: tuple[np.ndarray, np.ndarray, list], threshold: float,
                 detail_threshold: float) -> list[dict]:
     """Ray task: the published samples of one input partition that an entry names: -> rows of (key,
     shard, how, url, sha256, vec, detail). Reads the partition's published keys, its ingest ledger's
@@ -127,7 +144,7 @@ def _match_task(storage, part: str, ingest_file: str, desc_file: str | None, key
     and detail descriptors) were given."""
     from stages.dedup.imagehash import DETAIL_DIM
 
-    vecs, details = images
+    vecs, details, _ = images
     pub = published_all(storage, part)
     if not pub.num_rows:
         return []
@@ -283,13 +300,12 @@ def remove(where: str, list_path: Path, reason: str, threshold: float | None, ad
     return record
 
 
-def _record(storage, line: dict, number: int, reason: str, entries: list[Entry], images: tuple[np.ndarray, np.ndarray],
+def _record(storage, line: dict, number: int, reason: str, entries: list[Entry], images: tuple,
             matches: list[dict], rewritten: list, thresholds: tuple[float, float], list_path: Path) -> dict:
     """removed.parquet gains the entries (`images`: the image entries' descriptors, in their order)
     and the samples removed; line.json the removal and the rewritten shards (its last write: the
     removal is done once the line lists it)."""
     at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    described = zip(*images)
     rows = {c: [] for c in REMOVED_SCHEMA.names}
 
     threshold, detail_threshold = thresholds
@@ -299,11 +315,11 @@ def _record(storage, line: dict, number: int, reason: str, entries: list[Entry],
             rows[c].append(v)
 
     for e in entries:
-        vec = det = None
-        if e.kind == "image":
-            v, d = next(described)
-            vec, det = v.astype(np.float16).tobytes(), d.astype(np.float16).tobytes()
-        add(e.kind, e.value, vec=vec, det=det)
+        if e.kind != "image":
+            add(e.kind, e.value)
+    pictures = [e for e in entries if e.kind == "image"]
+    for v, d, n in zip(*images):      # a row per view of each image entry
+        add("image", pictures[n].value, vec=v.astype(np.float16).tobytes(), det=d.astype(np.float16).tobytes())
     for m in matches:
         add("sample", m["how"], m["key"], m["url"], m["sha256"], m["vec"], m.get("detail"))
     new = pa.table(rows, schema=REMOVED_SCHEMA)

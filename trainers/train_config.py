@@ -64,6 +64,7 @@ class TrainConfig:
     # train stage reruns a finished job that has fewer steps than asked: TrainStage.complete)
     HOW: ClassVar[tuple] = ("num_workers", "loader_workers", "checkpoint_every", "keep_checkpoints", "max_failures",
                             "sample_every", "log_every", "experiment", "steps", "activation_checkpointing", "compile")
+    SIGNED: ClassVar[tuple] = ("max_failures",)     # -1: any number of failures
     model: Family = "cappa"  # the family to pretrain: cap, cappa, clip, siglip, coca, clipcap
     size: Literal["tiny", "s16", "m16", "b16", "l14"] = "tiny"  # the family's size (tiny, S/16, B/16, L/14 ...): `capline models` lists them
     model_args: dict[str, Any] = field(default_factory=dict)   # any ModelConfig field, e.g. {width: 96}

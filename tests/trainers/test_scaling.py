@@ -98,7 +98,12 @@ def test_a_compiled_model_gives_the_eager_loss_and_gradients():
 
 
 def test_max_failures_takes_minus_one_for_any_number():
+    from pipeline.config import load_config
+
     TrainConfig(max_failures=-1).validate("train")
+    assert load_config(None, ["train.max_failures=-1"]).train.max_failures == -1    # through the config's own checks
+    with pytest.raises(UserError, match="'train.num_workers'"):
+        load_config(None, ["train.num_workers=-1"])
     with pytest.raises(UserError, match="'train.max_failures': must be >= 0, or -1"):
         TrainConfig(max_failures=-2).validate("train")
     with pytest.raises(UserError, match="train.shuffle_buffer"):
