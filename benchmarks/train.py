@@ -66,7 +66,9 @@ def decode_speed() -> dict:
 
     imgs = photos()
 
-    def rate(f, rounds=4):
+    def rate(f, rounds=8):
+        for d in imgs:          # warm: the first pass pays for lazy set-up (OpenCV's, PIL's plugins)
+            f(d)
         t0 = time.process_time()
         for _ in range(rounds):
             for d in imgs:
@@ -154,19 +156,20 @@ def _tree_pss(pid: int, stop: threading.Event, out: list) -> None:
     out.append(peak)
 
 
-def _timed(cmd: list[str], env=None) -> tuple[float, int, float]:
-    """(start time, peak PSS of the process tree, seconds) of a command run to its end."""
+def _timed(cmd: list[str], env=None) -> tuple[float, int, float, list]:
+    """(start time, peak PSS of the process tree, seconds, [(arrival time, output line)]) of a command."""
     stop, peak = threading.Event(), []
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     watch = threading.Thread(target=_tree_pss, args=(proc.pid, stop, peak))
     watch.start()
-    output, _ = proc.communicate()
+    lines = [(time.time(), line.rstrip()) for line in proc.stdout]
+    proc.wait()
     stop.set()
     watch.join()
     if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd[:4])}... failed ({proc.returncode}):\n{output[-3000:]}")
-    return t0, (peak or [0])[0], time.time() - t0
+        raise SystemExit(f"{' '.join(cmd[:4])}... failed ({proc.returncode}):\n" + "\n".join(l for _, l in lines[-40:]))
+    return t0, (peak or [0])[0], time.time() - t0, lines
 
 
 def _steady(stamps: list[float], batch: int) -> float:
@@ -219,15 +222,17 @@ def side_by_side(tmp: Path, steps: int) -> dict:
 
     from mlflow.tracking import MlflowClient
 
-    from pipeline.config import load_config
-    from pipeline.runner import run_pipeline
-
     run = tmp / "run"
     print("side by side: building a run folder's shards ...", flush=True)
-    run_pipeline(load_config(None, DATA + ["train.steps=0"]), run, log=lambda m: None)
     capline = str(Path(sys.executable).with_name("capline"))
-    sets = [a for d in DATA for a in ("--set", d)] + ["--set", f"train.steps={steps}"]
-    t0, peak_capline, wall_capline = _timed([capline, "train", "--run-dir", str(run), *sets])
+    sets = [a for d in DATA for a in ("--set", d)]
+    subprocess.run([capline, "run", "--run-dir", str(run), *sets, "--set", "train.steps=0"], check=True,
+                   capture_output=True)
+    sets += ["--set", f"train.steps={steps}"]
+    t0, peak_capline, wall_capline, lines = _timed([capline, "train", "--run-dir", str(run), *sets])
+    # Ray's start as capline does it: from its "ray: starting" line to the next one
+    at = next(i for i, (_, line) in enumerate(lines) if line.startswith("ray: starting"))
+    ray_start = lines[at + 1][0] - lines[at][0]
     client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
     runs = client.search_runs(client.get_experiment_by_name("capline").experiment_id,
                               filter_string="attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"])
@@ -240,12 +245,8 @@ def side_by_side(tmp: Path, steps: int) -> dict:
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
             "import torch.multiprocessing as mp; from train import plain_rank; "
             f"mp.spawn(plain_rank, args=(2, {port}, {str(run)!r}, {steps}, {str(out)!r}), nprocs=2, join=True)")
-    p0, peak_plain, wall_plain = _timed([sys.executable, "-c", code])
+    p0, peak_plain, wall_plain, _ = _timed([sys.executable, "-c", code])
     stamps_plain = json.loads(out.read_text())
-    r0 = time.time()
-    subprocess.run([sys.executable, "-c", "import ray; ray.init(include_dashboard=False); ray.shutdown()"],
-                   check=True, capture_output=True)
-    ray_start = time.time() - r0
     batch = 32
     ratio = _steady(stamps_capline, batch) / _steady(stamps_plain, batch)
     return {
