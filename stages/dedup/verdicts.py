@@ -62,7 +62,7 @@ def _verdicts(table: pa.Table, part: str, index: int, has_decisions: bool, cfg: 
 
         keys = desc.column("key").to_pylist()
         removed = blocked(storage, table, dict(zip(keys, desc.column("vec").to_pylist())),
-                          dict(zip(keys, desc.column("detail").to_pylist())))
+                          dict(zip(keys, desc.column("detail").to_pylist())), digest=removals)
         desc = desc.drop_columns(["vec", "detail"])
     info = {k: (o, s, i, sim) for k, o, s, i, sim in zip(*(desc.column(c).to_pylist() for c in desc.column_names))}
     decisions = {}

@@ -81,6 +81,15 @@ def test_a_later_sample_is_blocked_by_key_url_hash_or_as_a_near_copy(tmp_path):
     assert "near copy of p.png" in got["k5"] and "safety list" in got["k5"]
     assert "near copy of ugone" in got["k7"]
     assert removals.blocked(Storage.local(tmp_path / "none"), table, vecs) == {}
+    # with the removals' digest, a worker reads and indexes the file once for all its verdict tasks
+    # (each task read it whole: 10^6 entries, 4.9 s and 688 MB a task); a new digest reads it again
+    reads = []
+    real = storage.read_table
+    storage.read_table = lambda *a, **k: reads.append(a) or real(*a, **k)
+    assert removals.blocked(storage, table, vecs, digest="d1") == got
+    assert removals.blocked(storage, table, vecs, digest="d1") == got and len(reads) == 1
+    removals.blocked(storage, table, vecs, digest="d2")
+    assert len(reads) == 2
 
 
 def test_the_lookup_finds_entries_in_the_buckets_they_hash_to_over_every_run(tmp_path):
