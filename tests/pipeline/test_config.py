@@ -162,14 +162,18 @@ def test_how_the_work_runs_is_neither_fingerprinted_nor_on_the_card():
 @pytest.mark.slow   # 1.6-5.5 s: kept out of the fast set (under a minute)
 def test_no_numeric_setting_takes_a_negative_nan_or_infinite_value():
     """Every count, size, time, rate and share: -1, .nan and .inf are refused with the key named
-    (stages.ingest.task_retries=-1 was infinite retries in Ray)."""
+    (stages.ingest.task_retries=-1 was infinite retries in Ray). The one exception a class declares
+    (SIGNED): train.max_failures, whose -1 is Ray Train's "any number"; its .nan and .inf are refused."""
     from infra.configtools import describe_settings
     from pipeline.config import RunConfig
+    from trainers.train_config import TrainConfig
 
+    signed = {f"train.{k}" for k in TrainConfig.SIGNED}
+    assert signed == {"train.max_failures"}
     numeric = [k for k, d, _ in describe_settings(RunConfig) if isinstance(d, (int, float)) and not isinstance(d, bool)]
     assert len(numeric) > 80
     for key in numeric:
-        for bad in ("-1", ".nan", ".inf"):
+        for bad in ("-1", ".nan", ".inf") if key not in signed else (".nan", ".inf", "-2"):
             section = key.rsplit(".", 1)[0] + "." if "." in key else key   # the key, or its section's pair check
             with pytest.raises(UserError, match=section.replace(".", r"\.")):
                 load_config(None, [f"{key}={bad}"])
