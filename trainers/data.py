@@ -101,7 +101,7 @@ def shard_offsets(shard) -> tuple[np.ndarray, int]:
     beside it, else by reading the tar's headers once (a WebDataset of the user's own)."""
     import pyarrow.parquet as pq
 
-    from infra.storage import file_size, filesystem, is_uri, read_range_of
+    from infra.storage import file_size, filesystem, is_uri
 
     size = file_size(str(shard))
     rel = _index_of(shard)
@@ -118,22 +118,25 @@ def shard_offsets(shard) -> tuple[np.ndarray, int]:
         pass
     import tarfile
 
+    from infra.storage import open_input
+    from infra.tars import sample_key, tar_members
+
     firsts: dict = {}
-    with tarfile.open(fileobj=io.BytesIO(read_range_of(str(shard), 0, size))) as tar:
-        for m in tar:
-            firsts.setdefault(m.name.rpartition("/")[2].split(".")[0], m.offset)
+    with open_input(str(shard)) as f, tarfile.open(fileobj=f, mode="r|") as tar:    # headers, streamed
+        for m in tar_members(tar, shard):
+            firsts.setdefault(sample_key(m.name)[0], m.offset)
     return np.fromiter(firsts.values(), np.int64, len(firsts)), size
 
 
 def shard_counts(shards: list) -> np.ndarray:
     """Samples in each shard: from the `sizes.json` beside them (capline writes it, open_clip reads
     it) when it names them all, else from each shard's offsets."""
-    from infra.storage import is_uri, read_range_of, file_size
+    from infra.storage import open_input
 
     folder = str(shards[0]).rpartition("/")[0]
-    sizes = f"{folder}/sizes.json"
     try:
-        listed = json.loads(read_range_of(sizes, 0, file_size(sizes)) if is_uri(sizes) else Path(sizes).read_bytes())
+        with open_input(f"{folder}/sizes.json") as f:
+            listed = json.loads(f.read())
         names = [str(s).rpartition("/")[2] for s in shards]
         if all(str(s).rpartition("/")[0] == folder for s in shards) and all(n in listed for n in names):
             return np.array([int(listed[n]) for n in names], np.int64)

@@ -255,7 +255,8 @@ def _train(config: dict, scratch: Path) -> None:
                 states, gens = [None] * world, [None] * world
                 dist.all_gather_object(states, state.to_dict())
                 dist.all_gather_object(gens, gen.get_state())
-            weights, opt_state = full_states(model, opt, fsdp)     # every worker, for FSDP's gathers
+            # FSDP: every worker, for the gathers; DDP: rank 0 alone holds what it saves
+            weights, opt_state = full_states(model, opt, fsdp) if fsdp or rank == 0 else (None, None)
             with tempfile.TemporaryDirectory() as d:
                 checkpoint = None
                 if rank == 0:

@@ -12,9 +12,6 @@ import functools
 
 import torch
 
-PRECISIONS = ("auto", "bf16", "fp16", "fp32")
-
-
 def resolve(precision: str, device: torch.device) -> str:
     """auto: bf16 on CUDA (what every B/16+ recipe trains in), fp32 elsewhere."""
     if precision == "auto":

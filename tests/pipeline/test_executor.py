@@ -528,6 +528,7 @@ def test_a_failed_task_is_said_by_what_killed_it():
     assert isinstance(err, UserError) and str(err) == "source: file a.csv: the list has no url column"
 
 
+@pytest.mark.slow   # seconds: kept out of the fast set (its 45 s budget)
 def test_a_watched_iterator_says_when_nothing_came_and_is_closed_when_stopped():
     import threading
     import time

@@ -287,6 +287,7 @@ def test_a_stage_key_index_names_the_one_ledger_file_of_a_key(tmp_path, ray_loca
         key_index.build(storage, Failing(ValueError("a bug")), "shard", files, rows, given=given)
 
 
+@pytest.mark.slow   # seconds: kept out of the fast set (its 45 s budget)
 def test_the_key_index_writes_what_an_append_adds_and_merges_its_segments_geometrically(tmp_path, monkeypatch):
     """Thirty 1 % appends: each writes its own keys and the small segments it merges, never the
     stage's first segment, and the segments stay few; a ledger rewritten in place, ledgers removed,

@@ -152,6 +152,7 @@ def test_distinct_products_shot_alike_are_kept_and_their_copies_dropped(tmp_path
         (len(distinct), told_apart, len(kept_apart))
 
 
+@pytest.mark.slow   # seconds: kept out of the fast set (its 45 s budget)
 def test_the_detail_descriptor_keeps_a_copy_close_and_tells_two_products_apart():
     """Unit: a photo resized to 0.4x and saved as a JPEG of quality 30 stays at detail cosine >= 0.99
     of itself; of Fashion-MNIST's garments whose 16x16 thumbnails are >= 0.97 alike, most are below it."""

@@ -503,6 +503,7 @@ def test_pacing_counts_the_seconds_every_busy_thread_waited_on_a_host():
     assert after["idle_s"] == pytest.approx(alone["idle_s"], abs=0.03)
 
 
+@pytest.mark.slow   # seconds: kept out of the fast set (its 45 s budget)
 def test_a_thread_already_asleep_gives_the_cpu_back_once_every_other_thread_waits_or_ends():
     from stages.ingest.polite import Hosts
 

@@ -79,6 +79,7 @@ def test_eval_split_has_labels(tmp_path):
         assert r["shape"] in first and r["colour"] in first
 
 
+@pytest.mark.slow   # seconds: kept out of the fast set (its 45 s budget)
 def test_evaluation_captions_planted_in_alt_text_and_the_leaks_by_chance_are_recorded(tmp_path):
     """The demo plants held-out captions in alt-text (exact, re-cased, inside longer text) from
     their own random stream, so every other defect lands where it did; a clean caption that holds

@@ -56,6 +56,7 @@ def _epochs(data, world, loader_workers, epochs, **kw):
     return seen, batches
 
 
+@pytest.mark.slow   # background loader processes: seconds, out of the fast set
 def test_every_sample_once_per_epoch_across_3_ranks_x_2_loader_processes_x_2_epochs(data):
     """Ranks read the shards r, r+W, ...: on 4 uneven shards 3 ranks saw some samples never and others
     three times over two epochs. Now each epoch is the shards' samples, each exactly once."""
@@ -79,6 +80,7 @@ def test_the_shuffle_window_mixes_samples_that_file_order_keeps_together(data):
     assert neighbours < 10 and sum(int(b[1:]) - int(a[1:]) == 1 for a, b in zip(plain[0], plain[0][1:])) > 30
 
 
+@pytest.mark.slow   # background loader processes: seconds, out of the fast set
 def test_resampled_epochs_draw_shards_with_replacement(data):
     from collections import Counter
 
@@ -98,6 +100,7 @@ def test_resampled_epochs_draw_shards_with_replacement(data):
     assert any(max(c.values()) > 1 for c in seen)               # a sample twice in one epoch
 
 
+@pytest.mark.slow   # background loader processes: seconds, out of the fast set
 def test_resuming_mid_epoch_continues_with_the_next_batch(data):
     straight = _take(iter(make_loader(_stream(data, 1, 2, LoaderState(), shuffle=5), 2)), 10)
     first = _take(iter(make_loader(_stream(data, 1, 2, LoaderState(), shuffle=5), 2)), 3)
@@ -180,6 +183,7 @@ def indexed(data, tmp_path_factory):
     return root
 
 
+@pytest.mark.slow   # background loader processes: seconds, out of the fast set
 def test_with_the_shard_index_a_batch_is_one_read_per_run_of_neighbours(data, indexed, monkeypatch):
     import infra.storage
 

@@ -240,6 +240,7 @@ def test_clipcap_freezing_follows_the_mapper_and_the_encoder_stays_frozen():
     assert all(p.grad is None for p in enc.parameters())
 
 
+@pytest.mark.slow   # seconds: kept out of the fast set (its 45 s budget)
 @pytest.mark.parametrize("family", ["cap", "cappa", "clip", "siglip", "coca", "clipcap"])
 def test_every_family_runs_on_the_inputs_device(family):
     """GPU readiness without a GPU: on the meta device, any tensor a model makes on the CPU (a mask,

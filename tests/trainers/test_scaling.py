@@ -27,6 +27,7 @@ def _grads(model, images, y):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow   # three models trained twice: seconds, kept out of the fast set
 @pytest.mark.parametrize("family", ["cappa", "siglip", "coca"])
 def test_activation_checkpointing_gives_the_plain_gradients(family):
     images, y = torch.randn(4, 3, 16, 16), labels(4)
@@ -62,6 +63,7 @@ def _train(precision, steps=6):
     return losses, p
 
 
+@pytest.mark.slow   # 6 + 6 training steps each
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_half_precisions_train_within_rounding_of_fp32(precision):
     full, _ = _train("fp32")
