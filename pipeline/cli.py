@@ -165,10 +165,13 @@ def _parser() -> argparse.ArgumentParser:
                                     "MLflow data-build run record what went, why and when; every later run of the "
                                     "line drops what the list names before publishing.")
     rm.add_argument("run_dir", metavar="RUN_DIR", help="the dataset line's run folder (local or s3://)")
-    rm.add_argument("--list", required=True, type=Path, metavar="FILE",
+    rm.add_argument("--list", type=Path, metavar="FILE",
                     help="one entry a line: a URL, a key, a sha256, or an image path (relative to FILE); "
                          "`url `, `key `, `sha256 ` or `image ` before it says which; # starts a comment")
-    rm.add_argument("--reason", required=True, help="why (recorded with every item removed)")
+    rm.add_argument("--reason", help="why (recorded with every item removed)")
+    rm.add_argument("--finish", action="store_true",
+                    help="only finish a removal that was interrupted (killed, a node lost): `capline verify` names "
+                         "one; any later remove, recheck or run of the line asks for this first")
     rm.add_argument("--threshold", type=float, default=None,
                     help="cosine of thumbnail descriptors above which an image entry matches a sample "
                          "(default: the run's stages.dedup.within_threshold)")
@@ -638,8 +641,13 @@ def _line_status(storage) -> list[str]:
 def _cmd_remove(args) -> int:
     from .remove import remove
 
+    if args.finish == (args.list is not None) or (args.list is not None and args.reason is None):
+        raise UserError("capline remove: give --list FILE and --reason TEXT, or --finish alone")
     r = remove(str(args.run_dir), args.list, args.reason, args.threshold, args.address, log=_say,
                detail_threshold=args.detail_threshold)
+    if r is None:
+        print("remove: no removal of this line is half done; nothing to finish", flush=True)
+        return 0
     print(f"removal {r['removal']}: {r['removed']} samples removed ({', '.join(f'{n} {k}' for k, n in r['entries'].items() if n)} "
           f"entries); shards rewritten: {', '.join(r['shards']) or 'none'} (as they were: {r['versions']}/); "
           "later runs of the line drop what the list names", flush=True)

@@ -40,8 +40,10 @@ import pyarrow.compute as pc
 from infra.errors import UserError
 from stages.shard import line_lookup
 from stages.shard.line import LINE, RECORD, published_all, published_file, published_parts, read_line
-from stages.shard.removals import (DESCRIPTIONS, REMOVED, near_copies, removal_digest,  # noqa: F401 - the line's removals, as dedup applies them
-                                   unit_or_none, unit_rows)
+from stages.shard.removals import (DESCRIPTIONS, PENDING, PENDING_ROWS, REMOVED, near_copies,  # noqa: F401
+                                   removal_digest, unit_or_none, unit_rows)   # the line's removals, as dedup applies them
+
+from infra.faults import killpoint
 
 VERSIONS = f"{LINE}/versions"
 KINDS = ("url", "key", "sha256", "image")
@@ -140,8 +142,8 @@ def _match_task(storage, part: str, ingest_file: str, desc_file: str | None, key
                 detail_threshold: float) -> list[dict]:
     """Ray task: the published samples of one input partition that an entry names: -> rows of (key,
     shard, how, url, sha256, vec, detail). Reads the partition's published keys, its ingest ledger's
-    URL and sha256 columns, and its descriptions only where image entries (`images`: their thumbnail
-    and detail descriptors) were given."""
+    URL and sha256 columns, and its descriptions where image entries (`images`: their thumbnail and
+    detail descriptors) were given or a sample matched."""
     from stages.dedup.imagehash import DETAIL_DIM
 
     vecs, details, _ = images
@@ -151,21 +153,25 @@ def _match_task(storage, part: str, ingest_file: str, desc_file: str | None, key
     led = storage.read_table(ingest_file, ["key", "url", "sha256"])
     led = led.filter(pc.is_in(led.column("key"), pub.column("key")))
     info = {k: (u, s) for k, u, s in zip(*(led.column(c).to_pylist() for c in ("key", "url", "sha256")))}
-    vec_of: dict[str, bytes] = {}
-    detail_of: dict[str, bytes | None] = {}
-    if desc_file:
-        d = storage.read_table(desc_file)     # a line described before the detail was has none: thumbnail alone
-        d = d.filter(pc.is_in(d.column("key"), pub.column("key")))
-        vec_of = dict(zip(d.column("key").to_pylist(), d.column("vec").to_pylist()))
-        if "detail" in d.column_names:
-            detail_of = dict(zip(d.column("key").to_pylist(), d.column("detail").to_pylist()))
+    def described(names) -> tuple[dict, dict]:
+        """key -> thumbnail and detail descriptors of `names` (a line described before the detail was
+        has none: the thumbnail alone)."""
+        if not desc_file or not names:
+            return {}, {}
+        d = storage.read_table(desc_file)
+        d = d.filter(pc.is_in(d.column("key"), pa.array(sorted(names), pa.string())))
+        keys = d.column("key").to_pylist()
+        return (dict(zip(keys, d.column("vec").to_pylist())),
+                dict(zip(keys, d.column("detail").to_pylist())) if "detail" in d.column_names else {})
+
     near = {}
-    if len(vecs) and vec_of:
+    if len(vecs):
+        vec_of, detail_of = described(pub.column("key").to_pylist())
         names = list(vec_of)
         sd, has = unit_or_none([detail_of.get(k) for k in names], DETAIL_DIM)
         k = len(vecs)
         found = near_copies(unit_rows([vec_of[n] for n in names]), sd, has, vecs, details, np.ones(k, bool),
-                            np.full(k, threshold), np.full(k, detail_threshold))
+                            np.full(k, threshold), np.full(k, detail_threshold)) if names else []
         near = {n: hit[1] for n, hit in zip(names, found) if hit is not None}
     out = []
     for key, shard in zip(pub.column("key").to_pylist(), pub.column("shard").to_pylist()):
@@ -173,19 +179,27 @@ def _match_task(storage, part: str, ingest_file: str, desc_file: str | None, key
         how = ("key" if key in keys else "url" if url in urls else "sha256" if sha in shas
                else f"image (cosine {near[key]:.3f})" if key in near else None)
         if how:
-            out.append({"key": key, "shard": shard, "part": part, "how": how, "url": url, "sha256": sha,
-                        "vec": vec_of.get(key), "detail": detail_of.get(key)})
+            out.append({"key": key, "shard": shard, "part": part, "how": how, "url": url, "sha256": sha})
+    # every removed sample's descriptors are recorded, however it was named: a re-encoded copy of it
+    # under a URL never seen is a near copy of a removed image to every later run's dedup
+    vec_of, detail_of = described([m["key"] for m in out])
+    for m in out:
+        m.update(vec=vec_of.get(m["key"]), detail=detail_of.get(m["key"]))
     return out
 
 
 def _rewrite_task(storage, name: str, removed: frozenset, old_copy: str):
     """Ray task: shard `name` without the removed samples, by the shard stage's tar writer (what
-    stays keeps its bytes, order and headers); the shard as it was copied to `old_copy` first."""
+    stays keeps its bytes, order and headers); the shard as it was copied to `old_copy` first. Run
+    again after a kill, it starts from that copy, never from its own half-finished result."""
     from infra.tars import tar_samples
     from stages.shard.stage import write_shard_table
 
-    data = storage.read_bytes(f"shard/shards/{name}")
-    storage.write_bytes(old_copy, data)          # the old version stays readable until pruned
+    if storage.exists(old_copy):
+        data = storage.read_bytes(old_copy)
+    else:
+        data = storage.read_bytes(f"shard/shards/{name}")
+        storage.write_bytes(old_copy, data)          # the old version stays readable until pruned
     cols = {c: [] for c in ("key", "image", "ext", "caption", "meta")}
     gone = 0
     for key, parts in tar_samples(io.BytesIO(data), where=name):
@@ -230,9 +244,11 @@ def open_line(where: str, what: str):
     return store, storage, manifest, line
 
 
-def remove(where: str, list_path: Path, reason: str, threshold: float | None, address: str | None, log=print,
-           detail_threshold: float | None = None) -> dict:
-    """Remove the list's items from the dataset line at `where`; -> the removal's record."""
+def remove(where: str, list_path: Path | None, reason: str | None, threshold: float | None, address: str | None,
+           log=print, detail_threshold: float | None = None) -> dict | None:
+    """Remove the list's items from the dataset line at `where`; -> the removal's record. An earlier
+    removal that was interrupted is finished first; `list_path` None: only that (-> its record, or
+    None when none was half done)."""
     from infra.ray_runtime import ray_session
     from infra.configtools import build
 
@@ -241,9 +257,9 @@ def remove(where: str, list_path: Path, reason: str, threshold: float | None, ad
     from .lock import run_lock
     from .trust import from_elsewhere
 
-    if not reason.strip():
+    if list_path is not None and not (reason or "").strip():
         raise UserError("--reason: say why these items are removed (it is recorded with them)")
-    entries = parse_list(list_path)
+    entries = parse_list(list_path) if list_path is not None else []
     store, storage, manifest, line = open_line(where, "`capline remove` takes items out of")
     cfg = from_elsewhere(build(RunConfig, manifest["config"]), f"{where}'s manifest", log=log, loads_code=False)
     threshold = threshold if threshold is not None else cfg.stages.dedup.within_threshold
@@ -258,15 +274,22 @@ def remove(where: str, list_path: Path, reason: str, threshold: float | None, ad
     # is the line an append may have grown meanwhile, and writing it back dropped the append's shards
     with run_lock(store.local, log=log, uri=store.uri):
         store.pull(log=log)
-        manifest, line = storage.read_json("manifest.json"), read_line(storage)   # as the lock holder sees them
-        images = image_vectors(by_kind["image"], list_path.parent)
-        vecs = images[0]
-        number = len(line.get("removals") or []) + 1
         with ray_session(cfg.ray, address, log=log, trains=False):
             ex = Executor(log=log)
+            pending = storage.read_json(PENDING)
+            if pending is not None:
+                log(f"remove: removal {pending['removal']} (started {pending['at']}) was interrupted; finishing it")
+                done = _finish(ex, storage, store, pending, log)
+                if list_path is None or (pending["list_sha256"] == _sha(list_path) and pending["reason"] == reason):
+                    return done     # the interrupted command, run again: it is done now
+            elif list_path is None:
+                return None
+            manifest, line = storage.read_json("manifest.json"), read_line(storage)   # as the lock holder sees them
+            images = image_vectors(by_kind["image"], list_path.parent)
+            vecs = images[0]
             parts = {p["part"]: p["file"] for p in storage.read_json("ingest/parts.json") or []}
             published = sorted(published_parts(storage))
-            desc = storage.read_json(DESCRIPTIONS) or {} if len(vecs) else {}
+            desc = storage.read_json(DESCRIPTIONS) or {}
             if len(vecs) and not desc:
                 raise UserError(f"{where}: this line's dedup stage did not record where its descriptions are "
                                 f"({DESCRIPTIONS}); run `capline run` on it once, then remove by image")
@@ -282,33 +305,27 @@ def remove(where: str, list_path: Path, reason: str, threshold: float | None, ad
                                          for p in published if p in parts],
                            "remove: find matches", num_cpus=0.5, unit="partitions")
             matches = sorted((m for got in found for m in got), key=lambda m: m["key"])
-            removed = frozenset(m["key"] for m in matches)
-            shards = sorted({m["shard"] for m in matches})
-            listed = {s["name"]: s for s in line["shards"]}
-            stray = [s for s in shards if s not in listed]
+            listed = {s["name"] for s in line["shards"]}
+            stray = sorted({m["shard"] for m in matches} - listed)
             if stray:
                 raise UserError(f"the line's published records name shard(s) {', '.join(stray[:3])} that line.json does not "
                                 "list; `capline verify` the line before removing from it")
-            rewritten = ex.run(_rewrite_task, [(storage, s, removed, f"{VERSIONS}/{number}/{s}") for s in shards],
-                               "remove: rewrite shards", num_cpus=1, unit="shards")
-            ex.run(_unpublish_task, [(storage, p, removed) for p in sorted({m["part"] for m in matches})],
-                   "remove: published records", num_cpus=0.25, unit="partitions", quiet=True)
-        record = _record(storage, line, number, reason, entries, images, matches, rewritten,
-                         (threshold, detail_threshold), list_path)
-        _update_lists(storage, store, manifest, line, record)
-        store.push_top()
-    return record
+            pending = _journal(storage, len(line.get("removals") or []) + 1, reason, entries, images, matches,
+                               (threshold, detail_threshold), list_path)
+            killpoint("remove: journalled")
+            return _finish(ex, storage, store, pending, log)
 
 
-def _record(storage, line: dict, number: int, reason: str, entries: list[Entry], images: tuple,
-            matches: list[dict], rewritten: list, thresholds: tuple[float, float], list_path: Path) -> dict:
-    """removed.parquet gains the entries (`images`: the image entries' descriptors, in their order)
-    and the samples removed; line.json the removal and the rewritten shards (its last write: the
-    removal is done once the line lists it)."""
-    at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    rows = {c: [] for c in REMOVED_SCHEMA.names}
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
+
+def _journal(storage, number: int, reason: str, entries: list[Entry], images: tuple, matches: list[dict],
+             thresholds: tuple[float, float], list_path: Path) -> dict:
+    """The removal decided, before anything is rewritten: its rows for removed.parquet, then what it
+    takes from which shard and partition (written last: from here on it is finished, not redone)."""
     threshold, detail_threshold = thresholds
+    rows = {c: [] for c in REMOVED_SCHEMA.names}
 
     def add(kind, value, key=None, url=None, sha=None, vec=None, det=None):
         for c, v in zip(rows, (number, kind, value, key, url, sha, vec, threshold, reason, det, detail_threshold)):
@@ -322,13 +339,49 @@ def _record(storage, line: dict, number: int, reason: str, entries: list[Entry],
         add("image", pictures[n].value, vec=v.astype(np.float16).tobytes(), det=d.astype(np.float16).tobytes())
     for m in matches:
         add("sample", m["how"], m["key"], m["url"], m["sha256"], m["vec"], m.get("detail"))
-    new = pa.table(rows, schema=REMOVED_SCHEMA)
+    storage.write_table(PENDING_ROWS, pa.table(rows, schema=REMOVED_SCHEMA))
+    pending = {"removal": number, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "reason": reason,
+               "list": list_path.name, "list_sha256": _sha(list_path),
+               "entries": {k: sum(1 for e in entries if e.kind == k) for k in KINDS},
+               "threshold": threshold, "detail_threshold": detail_threshold,
+               "where": {m["key"]: m["shard"] for m in matches}, "parts": sorted({m["part"] for m in matches})}
+    storage.write_json(PENDING, pending)
+    return pending
+
+
+def _finish(ex, storage, store, pending: dict, log) -> dict:
+    """Carry out a journalled removal; every step can run again after a kill and gives the same
+    files: a shard is rewritten from its kept old version once that exists, removed.parquet's rows of
+    this removal and its line and manifest entries are replaced, not added again."""
+    number, where = pending["removal"], pending["where"]
+    removed = frozenset(where)
+    rewritten = ex.run(_rewrite_task, [(storage, s, removed, f"{VERSIONS}/{number}/{s}") for s in sorted(set(where.values()))],
+                       "remove: rewrite shards", num_cpus=1, unit="shards")
+    killpoint("remove: shards rewritten")
+    ex.run(_unpublish_task, [(storage, p, removed) for p in pending["parts"]],
+           "remove: published records", num_cpus=0.25, unit="partitions", quiet=True)
+    killpoint("remove: records unpublished")
+    line = read_line(storage)
+    record = _record(storage, line, pending, storage.read_table(PENDING_ROWS), rewritten)
+    killpoint("remove: line written")
+    _update_lists(storage, store, line, record)
+    store.push_top()
+    storage.delete_files([PENDING, PENDING_ROWS])
+    return record
+
+
+def _record(storage, line: dict, pending: dict, rows: pa.Table, rewritten: list) -> dict:
+    """removed.parquet gains the removal's rows; line.json the removal and the rewritten shards (its
+    last write: the removal is in force once the line lists it)."""
+    number = pending["removal"]
+    new = rows
     try:
         old = storage.read_table(REMOVED)
         for f in REMOVED_SCHEMA:       # a file from before a column was recorded: missing there
             if f.name not in old.column_names:
                 old = old.append_column(f.name, pa.nulls(old.num_rows, f.type))
-        new = pa.concat_tables([old.select(REMOVED_SCHEMA.names).cast(REMOVED_SCHEMA), new])
+        old = old.filter(pc.not_equal(old.column("removal"), number))   # a finish after a kill wrote them once
+        new = pa.concat_tables([old.select(REMOVED_SCHEMA.names).cast(REMOVED_SCHEMA), rows.cast(REMOVED_SCHEMA)])
     except (FileNotFoundError, OSError):
         pass
     storage.write_table(REMOVED, new)
@@ -338,19 +391,19 @@ def _record(storage, line: dict, number: int, reason: str, entries: list[Entry],
         r = results.get(s["name"])
         shards.append(s if r is None else {**{k: r.extra[k] for k in ("name", "samples", "bytes", "sha256", "md5")},
                                            "result": r.to_json()})
-    record = {"removal": number, "at": at, "reason": reason, "list": list_path.name,
-              "list_sha256": hashlib.sha256(list_path.read_bytes()).hexdigest(),
-              "entries": {k: sum(1 for e in entries if e.kind == k) for k in KINDS},
-              "removed": len(matches), "keys": [m["key"] for m in matches][:1000],
-              "where": {m["key"]: m["shard"] for m in matches[:1000]},   # the shard each left (`capline explain`)
-              "shards": sorted(results), "threshold": threshold, "detail_threshold": detail_threshold,
-              "versions": f"{VERSIONS}/{number}"}
-    storage.write_json(RECORD, {**line, "shards": shards, "removals": (line.get("removals") or []) + [record]})
-    line["shards"] = shards
+    keys = list(pending["where"])
+    record = {**{k: pending[k] for k in ("removal", "at", "reason", "list", "list_sha256", "entries")},
+              "removed": len(keys), "keys": keys[:1000],
+              "where": dict(list(pending["where"].items())[:1000]),   # the shard each left (`capline explain`)
+              "shards": sorted(results), "threshold": pending["threshold"],
+              "detail_threshold": pending["detail_threshold"], "versions": f"{VERSIONS}/{number}"}
+    removals = [r for r in line.get("removals") or [] if r.get("removal") != number] + [record]
+    storage.write_json(RECORD, {**line, "shards": shards, "removals": removals})
+    line.update(shards=shards, removals=removals)
     return record
 
 
-def _update_lists(storage, store, manifest: dict, line: dict, record: dict) -> None:
+def _update_lists(storage, store, line: dict, record: dict) -> None:
     """The shard lists users' readers take (sizes.json, shardindex.json, shards.json), the manifest's
     shard list (what `capline verify` checks), the card and the MLflow data-build run."""
     from .manifest import Manifest
@@ -364,9 +417,10 @@ def _update_lists(storage, store, manifest: dict, line: dict, record: dict) -> N
                      ("shard/shards/shardindex.json", index), ("shard/shards.json", listed)):
         storage.write_both(store.local, rel, json.dumps(obj, indent=1).encode())
     path = store.local / "manifest.json"
-    m = Manifest(path, json.loads(path.read_text()) if path.is_file() else manifest)
+    m = Manifest(path, json.loads(path.read_text()) if path.is_file() else storage.read_json("manifest.json"))
     m.data["artifacts"].setdefault("shard", {})["shards"] = listed
-    m.data.setdefault("removals", []).append({k: v for k, v in record.items() if k != "keys"})
+    m.data["removals"] = [r for r in m.data.get("removals") or [] if r.get("removal") != record["removal"]] + \
+        [{k: v for k, v in record.items() if k != "keys"}]
     m.save()       # pushed with the run's top files (RunStore.push_top)
     _card(storage, store, m)
     _mlflow(store, m, record)
@@ -474,29 +528,32 @@ def recheck_line(where: str, address: str | None, log=print) -> dict:
     cfg = from_elsewhere(build(RunConfig, manifest["config"]), f"{where}'s manifest", log=log, loads_code=False)
     ing = cfg.stages.ingest
     parts = {p["part"]: p["file"] for p in storage.read_json("ingest/parts.json") or []}
-    published = sorted(published_parts(storage))
+    # one Ray session for the HEADs and the removal (remove() finds Ray up and uses it)
     with ray_session(cfg.ray, address, log=log, trains=False):
+        if storage.exists(PENDING):   # an interrupted removal (a recheck's own, killed) first
+            remove(where, None, None, None, address, log=log)
         ex = Executor(log=log)
         buckets = max(1, int(ex.shape().cpus))
         # a host's URLs all in one task: its rate and concurrency hold whole there, hosts in parallel
         policy = fetch_policy(ing, tuple(ing.allow_hosts), at_once=1)
+        published = sorted(published_parts(storage))
         got = ex.shuffle(_host_pieces, [(storage, p, parts[p], buckets) for p in published if p in parts], buckets,
                          _recheck_reduce, [(policy, ing.user_agent_token, HEADER_DIRECTIVES, ing.timeout)] * buckets,
                          "recheck: robots.txt and headers", num_cpus=1)
-    opted = dict(sorted((u, why) for g in got for u, why in g.opted_out.items()))
-    hosts = {h: c for g in got for h, c in g.hosts.items()}
-    number = len(storage.list(RECHECKS, ".json")) + 1
-    report = {"recheck": number, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "checked": sum(c["checked"] for c in hosts.values()), "opted_out": len(opted),
-              "unreachable": sum(g.unreachable for g in got), "hosts": dict(sorted(hosts.items())),
-              "urls": opted, "removal": None}
-    if opted:
-        with tempfile.TemporaryDirectory(prefix="capline-recheck-") as tmp:
-            listed = Path(tmp) / f"recheck-{number}.txt"
-            listed.write_text("".join(f"url {u}\n" for u in opted))
-            removal = remove(where, listed, f"opted out since publication (capline recheck {number}: robots.txt or "
-                                            "X-Robots-Tag)", None, address, log=log)
-        report["removal"] = removal["removal"]
-        report["removed"] = removal["removed"]
+        opted = dict(sorted((u, why) for g in got for u, why in g.opted_out.items()))
+        hosts = {h: c for g in got for h, c in g.hosts.items()}
+        number = len(storage.list(RECHECKS, ".json")) + 1
+        report = {"recheck": number, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "checked": sum(c["checked"] for c in hosts.values()), "opted_out": len(opted),
+                  "unreachable": sum(g.unreachable for g in got), "hosts": dict(sorted(hosts.items())),
+                  "urls": opted, "removal": None}
+        if opted:
+            with tempfile.TemporaryDirectory(prefix="capline-recheck-") as tmp:
+                listed = Path(tmp) / f"recheck-{number}.txt"
+                listed.write_text("".join(f"url {u}\n" for u in opted))
+                removal = remove(where, listed, f"opted out since publication (capline recheck {number}: robots.txt "
+                                                "or X-Robots-Tag)", None, address, log=log)
+            report["removal"] = removal["removal"]
+            report["removed"] = removal["removed"]
     storage.write_json(f"{RECHECKS}/{number:04d}.json", report)
     return report

@@ -24,6 +24,7 @@ from pathlib import Path
 from stages.base import Stage, StageContext
 from stages.dataplane import PartResult, Storage, check_parts, parts_from_json
 from stages.registry import STAGES
+from stages.shard.removals import half_done
 from infra.errors import UserError
 
 from .config import RunConfig, save_config
@@ -254,6 +255,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, until: str | None = None, only: 
     manifest.data["selected"] = {"until": until, "only": only, "stages": [s.name for s in stages if s.name in wanted]}
     # workers read and write the run folder's storage itself: a bucket for an s3:// run folder
     storage = Storage.from_uri(store.uri) if store is not None and store.uri else Storage.local(run_dir)
+    if (stop := half_done(storage, storage.uri())) is not None:
+        raise UserError(f"{stop}, then run again")   # what it took out would be placed again as new
     controls = Controls(storage, run_dir)
     executor = Executor(log=log)
     warming = None     # the shuffles' warm-up thread, once a data stage runs

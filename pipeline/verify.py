@@ -35,10 +35,14 @@ def _shard_list(run_dir: Path, manifest: dict) -> list[dict]:
 
 def verify_run(run_dir: Path) -> tuple[list[str], int]:
     """-> (problems, shards checked)."""
+    from infra.storage import Storage
+    from stages.shard.removals import half_done
+
     manifest = _manifest(run_dir)
     shards = _shard_list(run_dir, manifest)
     folder = run_dir / "shard" / "shards"
-    problems = []
+    # what a kill left half done comes first: the checksums below then say what it touched
+    problems = [p for p in [half_done(Storage.of(str(run_dir)), str(run_dir))] if p]
     sizes_path = folder / "sizes.json"
     sizes = json.loads(sizes_path.read_text()) if sizes_path.is_file() else {}
     digests = _hash_all([folder / s["name"] for s in shards])

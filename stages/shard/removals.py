@@ -15,6 +15,21 @@ from .line import LINE, read_line
 REMOVED = f"{LINE}/removed.parquet"
 ENDED_REMOVALS = f"{LINE}/ended_removals.json"   # the removals of a line that ended (append: false), still in force
 DESCRIPTIONS = "dedup/descriptions.json"      # partition -> its description file (written by dedup)
+# A removal's journal (pipeline/remove.py): decided (what goes, from which shards) before any shard is
+# rewritten, deleted once the line, its lists and the manifest record it. While it is there the line is
+# half removed: its shards may lack samples that removed.parquet does not name yet.
+PENDING = f"{LINE}/removal_pending.json"
+PENDING_ROWS = f"{LINE}/removal_pending.parquet"    # its rows for removed.parquet
+
+
+def half_done(storage, where: str = "RUN") -> str | None:
+    """A one-line account of an interrupted removal and how to finish it, or None."""
+    pending = storage.read_json(PENDING)
+    if pending is None:
+        return None
+    return (f"removal {pending.get('removal')} of this dataset line ({str(pending.get('reason'))[:80]!r}, started "
+            f"{pending.get('at')}) was interrupted: its shards may already be rewritten while the line does not "
+            f"record it; run `capline remove {where} --finish` to finish it")
 
 
 def unit_rows(blob: list[bytes]) -> np.ndarray:
@@ -54,7 +69,13 @@ def near_copies(vecs: np.ndarray, details: np.ndarray, has_detail: np.ndarray, r
 
 
 def removal_digest(storage) -> str | None:
-    """What later runs' dedup verdicts depend on: the removals the line records (None: none)."""
+    """What later runs' dedup verdicts depend on: the removals the line records (None: none). A
+    removal that was interrupted is finished first, never worked around: until then, what it
+    took out of the shards is not in removed.parquet and would come back as new."""
+    from infra.errors import UserError
+
+    if (stop := half_done(storage, storage.uri())) is not None:
+        raise UserError(f"dedup: {stop}, then run again")
     line = read_line(storage)
     removals = (line or {}).get("removals") or ([] if line else storage.read_json(ENDED_REMOVALS) or [])
     return hashlib.sha256(json.dumps(removals, sort_keys=True).encode()).hexdigest()[:16] if removals else None

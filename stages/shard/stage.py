@@ -41,6 +41,7 @@ import pyarrow.compute as pc
 
 from infra.configtools import join, require
 from infra.errors import UserError
+from infra.faults import killpoint
 
 from . import line_lookup
 from ..base import KEPT, Sink, StageContext, StageResult
@@ -99,23 +100,20 @@ PLACED_COLUMNS = ["key", "url", "caption", "notes", "tar", "member", "offset", "
 
 
 class Plan(dict):
-    """A partition's plan (samples, bytes, withdrawn, first_withdrawn, unlisted); its `aside` (the
+    """A partition's plan (samples, bytes, withdrawn, first_withdrawn); its `aside` (the
     rows to place, in tar order, and the partition's published rows) stays in the object store for
     the shard writers and the line's records: the partition is read once, by the plan."""
 
 
 def _plan_task(storage, part: str, file: str, line_shards: frozenset | None) -> Plan:
     """Ray task: what a partition brings to new shards (samples, bytes) and, in a dataset line,
-    how many samples it published before that are no longer kept (the first by key, to name), and
-    the shards its published record names that the line's record does not list (a stale or
-    crafted line.json: going on would write new shards over them)."""
+    how many samples it published before that are no longer kept (the first by key, to name)."""
     t = read_kept(storage, file, PLACED_COLUMNS)
     record = published_all(storage, part) if line_shards is not None else None
     new, published = _new_rows(storage, t, part, line_shards, record)
     gone = published.filter(pc.invert(pc.is_in(published.column("key"), t.column("key")))).column("key")
-    unlisted = sorted(set(pc.unique(record.column("shard")).to_pylist()) - line_shards)[:3] if record is not None else []
     plan = Plan(samples=new.num_rows, bytes=int(pc.sum(new.column("size")).as_py() or 0) + 1600 * new.num_rows,
-                withdrawn=len(gone), first_withdrawn=pc.min(gone).as_py(), unlisted=unlisted)
+                withdrawn=len(gone), first_withdrawn=pc.min(gone).as_py())
     plan.aside = (by_location(new), published)
     return plan
 
@@ -264,12 +262,9 @@ class ShardStage(Sink):
         upstream = [u for u in upstream if u.part not in same]
         plans = ctx.run(_plan_task, [(ctx.storage, u.part, u.file, line_shards) for u in upstream], "shard plan",
                         num_cpus=0.25, quiet=True, sizes=[u.kept for u in upstream], items_per_worker=ROWS_PER_WORKER)
-        unlisted = sorted({s for p in plans for s in p["unlisted"]})
-        if unlisted:
-            raise UserError(f"shard: {ctx.storage.uri(RECORD)} does not list shard(s) {', '.join(unlisted[:3])} that "
-                            "this dataset line's published records name: the record is stale or not this line's, and "
-                            "going on would write new shards over published ones; restore the line's own line.json, "
-                            "or set stages.shard.append: false to end the line and write every shard anew")
+        # a published record may name a shard line.json does not list: a run killed before it wrote
+        # line.json (_line refused a record behind sizes.json or the versions, so that is all it can
+        # be); those samples are not published and are placed again, into the same names
         withdrawn = [p for p in plans if p["withdrawn"]]
         if withdrawn:
             first = min(p["first_withdrawn"] for p in withdrawn)
@@ -292,6 +287,7 @@ class ShardStage(Sink):
         shards = old + [{**{k: p.extra[k] for k in ("name", "samples", "bytes", "sha256", "md5")},
                          "result": p.to_json()} for p in added]
         self._delete_stale(ctx, {s["name"] for s in shards})
+        killpoint("shard: shards written")
         if cfg.append:      # the new shards are published once the line lists them: last
             self._publish(ctx, line, todo, shards, [s["name"] for s in shards[len(old):]], n_new,
                           {p: seen[p] for p in published if seen.get(p)}, (first, n_out, line_shards))
@@ -421,7 +417,9 @@ class ShardStage(Sink):
         # everything else the line records (its removals) stays as it is
         # a line started again carries the removals of the one that ended before it
         started = {} if line else {"removals": ctx.storage.read_json(ENDED_REMOVALS) or []}
+        killpoint("shard: records published")
         ctx.storage.write_json(RECORD, {**started, **(line or {}), "shards": shards, "runs": runs})
+        killpoint("shard: line written")
 
 
 def _publish_task(storage, part: str, planned: tuple, seed: int, first: int, n_out: int,
