@@ -4,7 +4,8 @@ Each step: `accumulation` micro-batches of the worker's share of the global batc
 averaged across workers by DDP, clipped, one optimiser and schedule step. Every `checkpoint_every`
 steps (and at the end) every worker calls ray.train.report the same number of times; rank 0 also
 hands over a checkpoint (weights, optimiser, schedule, step, every worker's loader position and
-random state) and flushes its buffered MLflow metrics, so a restarted run repeats no step in MLflow.
+random state), which Ray Train uploads in the background while training goes on, and flushes its
+buffered MLflow metrics, so a restarted run repeats no step in MLflow.
 A NaN or infinite loss stops the run, naming the steps since the last finite one.
 """
 from __future__ import annotations
@@ -66,6 +67,24 @@ def prune_scratch(tmp: Path | None = None) -> list[Path]:
             shutil.rmtree(d, ignore_errors=True)
             gone.append(d)
     return gone
+
+
+def _system_metrics(c: WorkerJob, every: float, ctx):
+    """MLflow's system-metrics sampler (CPU, memory, disk, network; GPUs where pynvml sees them), one
+    per node, as `system/node<N>/...` on the training run; resumed runs go on from its last step. A
+    sampler that cannot start (no MLflow server yet) costs a line, never the training."""
+    if not every or not c.run_id or ctx.get_local_rank() != 0:
+        return None
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(c.run_id, sampling_interval=every, resume_logging=True,
+                                       node_id=f"node{ctx.get_node_rank()}", tracking_uri=c.mlflow_uri)
+        monitor.start()
+        return monitor
+    except Exception as err:  # noqa: BLE001 - tracking is not the training
+        print(f"mlflow: no system metrics from node {ctx.get_node_rank()} ({type(err).__name__}: {err})", flush=True)
+        return None
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -178,6 +197,7 @@ def _train(config: dict, scratch: Path) -> None:
     batches = iter(make_loader(stream, tc.loader_workers, pin=device.type == "cuda"))
     sp = open_tokenizer(tokenizer)
     buffer = MetricBuffer(c.mlflow_uri, c.run_id, log=lambda m: print(m, flush=True)) if rank == 0 else None
+    monitor = _system_metrics(c, tc.system_metrics_every, ctx)
     fixed = None
     # a job resumed from its last checkpoint (killed after it, before final.json) runs no step here
     total = mean_loss = resumed_loss if ckpt else float("nan")
@@ -257,14 +277,20 @@ def _train(config: dict, scratch: Path) -> None:
                 dist.all_gather_object(gens, gen.get_state())
             # FSDP: every worker, for the gathers; DDP: rank 0 alone holds what it saves
             weights, opt_state = full_states(model, opt, fsdp) if fsdp or rank == 0 else (None, None)
-            with tempfile.TemporaryDirectory() as d:
-                checkpoint = None
-                if rank == 0:
-                    _save(Path(d), weights, opt_state, sched, step, states, gens, mean_loss, tc.steps,
-                          precision.state_dict())
-                    checkpoint = ray.train.Checkpoint.from_directory(d)
-                    buffer.flush()
-                ray.train.report({"step": step, "loss": mean_loss}, checkpoint=checkpoint)
+            checkpoint = None
+            if rank == 0:
+                # written here, uploaded to the run folder's storage by Ray Train in the background
+                # (ASYNC): the workers stall for a local write, not for the bucket (a B/16 with AdamW
+                # is ~2.3 GB). Not in `scratch`: an upload may outlive this loop; Ray deletes the folder
+                # once it is uploaded, prune_scratch if the worker is killed first.
+                d = Path(tempfile.mkdtemp(prefix=f"{SCRATCH}{os.getpid()}-ckpt{step}-"))
+                _save(d, weights, opt_state, sched, step, states, gens, mean_loss, tc.steps, precision.state_dict())
+                checkpoint = ray.train.Checkpoint.from_directory(str(d))
+                buffer.flush()
+            ray.train.report({"step": step, "loss": mean_loss}, checkpoint=checkpoint,
+                             checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+    if monitor is not None:
+        monitor.finish()
     if fsdp:    # the whole model on rank 0, as a plain module, for saving and export
         weights, _ = full_states(model, None, fsdp)
         if rank == 0:

@@ -42,7 +42,8 @@ def test_cappa_and_clip_train_and_land_in_mlflow(data_run):
     ids = {}
     for model in ("cappa", "clip"):
         cfg = load_config(None, DATA + [f"stages.dedup.cache_dir={cache}", f"train.model={model}",
-                                        "train.steps=200", "train.checkpoint_every=50", "train.sample_every=100"])
+                                        "train.steps=200", "train.checkpoint_every=50", "train.sample_every=100",
+                                        "train.system_metrics_every=1"])
         summary = run_pipeline(cfg, run, only="train", log=lambda m: None)
         ids[model] = summary["train"]["mlflow_run_id"]
     client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
@@ -56,6 +57,9 @@ def test_cappa_and_clip_train_and_land_in_mlflow(data_run):
         assert last < 0.8 * first, (model, first, last)
         for key in ("lr", "examples_per_s", "tokens_per_s", "data_wait_fraction"):
             assert len(_history(client, run_id, key)) == 200
+        # the node's own figures beside the training's, sampled every second while it trained
+        assert {"system/node0/cpu_utilization_percentage", "system/node0/system_memory_usage_megabytes"} \
+            <= set(r.data.metrics), sorted(r.data.metrics)
         arts = {a.path for a in client.list_artifacts(run_id)}
         assert {"model", "encoder", "tokenizer"} <= arts
         assert r.inputs.dataset_inputs and r.inputs.dataset_inputs[0].dataset.digest
