@@ -777,6 +777,10 @@ def _main(argv: list[str] | None = None) -> int:
                 progress = sys.stderr if args.json else sys.stdout
                 results = evaluate(ckpt, run_dir, [t.strip() for t in args.tasks.split(",") if t.strip()], shots=shots,
                                    log=lambda m: print(m, file=progress, flush=True))
+                if (run_dir / "manifest.json").is_file():   # the run's page shows what was just measured
+                    from .report import write_report
+
+                    print(f"report: {write_report(run_dir)} (refreshed with this evaluation)", file=progress, flush=True)
             print(json.dumps(results, indent=1) if args.json else summary(results))
             return 0
         if args.command == "verify":

@@ -40,6 +40,8 @@ def status_rows(where) -> list[dict]:
             state = "done" if upstream_ok else "stale"
         elif storage.exists(f"{name}/_STARTED"):
             state = "incomplete"
+        elif name == "eval" and storage.list("eval", ".json"):
+            state = "evaluated"     # by `capline eval` on a checkpoint, not by the run's eval stage
         else:
             state = "pending"
         stats = (storage.read_json(f"{name}/stats.json") or {}) if marker else {}

@@ -122,6 +122,11 @@ def test_data_build_and_training_runs_linked_by_digest(server, data_run):
     assert set(table["columns"]) >= {"task", "dataset", "shots", "metric", "value"} and len(table["data"]) >= 4
     evals = {k for k in c.get_run(train.info.run_id).data.metrics if k.startswith("eval.")}
     assert "eval.wordorder.demo.precision_at_1" in evals and len(evals) <= 20, evals
+    # the run's page and status show it: the report refreshed, the eval row no longer `pending`
+    assert f"report: {data_run / 'report.html'} (refreshed with this evaluation)" in ev.stdout
+    assert "word order" in (data_run / "report.html").read_text().lower()
+    status = json.loads(capline("status", str(data_run), "--json").stdout)
+    assert next(r for r in status if r["stage"] == "eval")["state"] == "evaluated"
     # a rerun of the finished folder logs nothing twice
     again = capline(*args, env={"MLFLOW_TRACKING_URI": url}, timeout=600)
     assert again.returncode == 0 and "mlflow: data-build run" not in again.stdout

@@ -279,3 +279,31 @@ def test_the_map_probe_can_read_the_whole_train_split(tmp_path):
              True, results, tmp_path, lambda m: None)
     assert list(results["fewshot_map"]["f"]) == ["all"] and len(results["fewshot_map"]["f"]["all"]["runs"]) == 1
     assert not results["skipped"]
+
+
+def test_shots_asked_on_the_command_line_leave_out_a_map_probe_they_do_not_name(tmp_path):
+    """`capline eval --shots 1,5` ran the MAP-head 10-shot probe too, silently and for minutes. Asked
+    shots that do not name the probe's own leave it out with the reason; ones that do run it, saying
+    each draw as it goes, with the time left from the second on."""
+    import torch
+
+    from trainers.evaluation.config import EvalConfig, MapProbe
+    from trainers.evaluation.run import _fewshot
+    from trainers.models import ModelConfig, build_model
+
+    _folder(tmp_path, "train", per=6)
+    _folder(tmp_path, "test", per=2)
+    torch.manual_seed(0)
+    cfg = ModelConfig(family="cappa", size="tiny", vocab_size=64, max_len=8, image_size=16, patch=4, width=32,
+                      depth=1, heads=2, mlp=64, caption_queries=4, prefix_len=3)
+    model = build_model(cfg).eval()
+    ec = EvalConfig(fewshot=[], shots=[1, 2], seeds=2, map_probe=MapProbe(steps=3, shots=2, sweep=False))
+    sets = [ClassificationSet(name="f", kind="folder", path=str(tmp_path))]
+    for asked, shots, runs in ((True, (1,), False), (True, (1, 2), True), (False, (1,), True)):
+        results, said = {"skipped": [], "sets": {}}, []
+        _fewshot(model, cfg, sets, ec, shots, True, results, tmp_path, said.append, asked=asked)
+        draws = [m for m in said if "MAP-head probe, draw" in m]
+        assert bool(results["fewshot_map"]) == runs and len(draws) == (2 if runs else 0), (asked, shots, said)
+        assert runs or results["skipped"] == ["MAP-head probe on f: its 2-shot probe (eval.map_probe.shots) is not "
+                                              "among --shots 1"]
+        assert not runs or ("draw 1/2 (1 learning rate(s) x 3 steps)" in draws[0] and "s left)" in draws[1])

@@ -135,10 +135,12 @@ def _shards(run_dir: Path) -> list[Path]:
     return sorted((Path(run_dir) / "shard" / "shards").glob("*.tar"))
 
 
-def _fewshot(model, cfg, sets, ec: EvalConfig, shots, strict, results, run_dir: Path, log=print) -> None:
+def _fewshot(model, cfg, sets, ec: EvalConfig, shots, strict, results, run_dir: Path, log=print,
+             asked: bool = False) -> None:
     """sets: the eval.fewshot entries, loaded one at a time (a set's images are dropped before the next).
     Shots are drawn from the set's official train split and scored on its test split (or, without
-    one, from and on the two sides of eval.holdout); only the images drawn and tested are read."""
+    one, from and on the two sides of eval.holdout); only the images drawn and tested are read.
+    asked: the shots came from the command line: the MAP-head probe runs only if they name its own."""
     from .datasets import labelled_set
     from .fewshot import few_shot_split, fewest_in, holdout_split, probe
     from .lit import features_from_tokens, map_probe
@@ -169,8 +171,13 @@ def _fewshot(model, cfg, sets, ec: EvalConfig, shots, strict, results, run_dir: 
             results["skipped"].append(f"few-shot on {s.name}: {sorted(set(shots) - set(fitting))}-shot left out, "
                                       f"a class has only {fewest} examples {where}")
         k = ec.map_probe.shots
+        unasked = asked and k not in shots
+        if unasked and ec.map_probe.steps:
+            results["skipped"].append(f"MAP-head probe on {s.name}: its {'whole-split' if k is None else f'{k}-shot'} "
+                                      f"probe (eval.map_probe.shots) is not among --shots {','.join(map(str, shots))}")
         # at least one validation image per class beside the training ones
-        map_probe_runs = bool(ec.map_probe.steps) and (fewest >= 2 if k is None else k + 1 <= fewest)
+        map_probe_runs = (bool(ec.map_probe.steps) and not unasked
+                          and (fewest >= 2 if k is None else k + 1 <= fewest))
         draws = [few_shot_split(y, n, seed, pool) for n in fitting for seed in range(ec.seeds)]
         map_draws = []
         for seed in range(ec.seeds if map_probe_runs else 0):
@@ -195,14 +202,18 @@ def _fewshot(model, cfg, sets, ec: EvalConfig, shots, strict, results, run_dir: 
         if map_probe_runs:
             mp = ec.map_probe
             lrs = [mp.lr / 3, mp.lr, mp.lr * 3] if mp.sweep else [mp.lr]
-            runs = []
+            runs, t0 = [], time.perf_counter()
             for seed, (tr, val) in enumerate(map_draws):
+                # the probe trains len(lrs) heads of mp.steps steps a draw: minutes on a CPU, so said as it goes
+                left = "" if not seed else f", about {(time.perf_counter() - t0) / seed * (len(map_draws) - seed):.0f}s left"
+                log(f"eval: {s.name}: MAP-head probe, draw {seed + 1}/{len(map_draws)} ({len(lrs)} learning rate(s) x "
+                    f"{mp.steps} steps{left})")
                 runs.append(map_probe((tokens[row[tr]], y[tr]), (tokens[row[val]], y[val]),
                                       (tokens[row[test]], y[test]), cfg, mp.steps, lrs, seed))
             accs = [r["accuracy"] for r in runs]
             maps[s.name] = {("all" if k is None else str(k)): {"mean": float(np.mean(accs)), "std": float(np.std(accs)), "runs": accs,
                                      "chosen": [{"lr": r["lr"], "steps": r["steps"]} for r in runs]}}
-        elif ec.map_probe.steps:
+        elif ec.map_probe.steps and not unasked:
             results["skipped"].append(f"MAP-head probe on {s.name}: a class has only {fewest} examples {where} "
                                       f"for {'training' if k is None else f'{k}-shot'} and validation")
     results["fewshot"], results["fewshot_map"] = fs, maps
@@ -260,7 +271,7 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
     if unknown:
         raise UserError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
     ec = eval_cfg or run_eval_config(run_dir)
-    shots = tuple(shots or ec.shots)
+    asked, shots = shots is not None, tuple(shots or ec.shots)
     model, cfg = load_model(model_dir)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(dev).eval()
@@ -292,7 +303,7 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
     if "fewshot" in tasks and ec.fewshot:
         t0 = time.perf_counter()
         log(f"eval: few-shot probes on {', '.join(s.name for s in ec.fewshot)} ({', '.join(map(str, shots))} shots)")
-        _fewshot(model, cfg, ec.fewshot, ec, shots, strict, results, run_dir, log)
+        _fewshot(model, cfg, ec.fewshot, ec, shots, strict, results, run_dir, log, asked=asked)
         timings["fewshot"] = time.perf_counter() - t0
         log(f"eval: few-shot probes done ({timings['fewshot']:.0f}s)")
     lit_decoder = None
