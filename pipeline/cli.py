@@ -803,7 +803,10 @@ def _main(argv: list[str] | None = None) -> int:
 
             cfg = load_config(args.config, args.overrides)
             preflight(cfg)
-            for note in check_hosts(cfg):   # the dry read of the lists' first rows init makes
+            from stages.dedup.eval_sets import caption_notes
+
+            notes = check_hosts(cfg) + [n for es in cfg.stages.dedup.eval_sets for n in caption_notes(es)]
+            for note in notes:   # the dry read of the lists' first rows init makes; the evaluation captions
                 print(f"capline check: note: {note}")
             print(f"capline check: {args.config or 'the embedded demo config'} is ready to run ({cfg.name}: settings, inputs and "
                   "models checked; nothing downloaded, no cluster started)")

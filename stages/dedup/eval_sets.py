@@ -155,6 +155,39 @@ def iter_captions(es: EvalSetConfig, run_dir: Path | None = None) -> Iterator[tu
                     yield f"{Path(shard).stem}/{key.rpartition('/')[-1]}", parts["txt"].decode("utf-8", "replace")
 
 
+def caption_notes(es: EvalSetConfig) -> list[str]:
+    """What `capline check` says of a parquet set's caption column before a run: cells that are not
+    valid UTF-8 (Parquet does not check) are named by row; the run reads them with U+FFFD in place
+    of the bad bytes, so a caption planted there may match less."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    if es.kind != "parquet" or not es.caption_col or not Path(es.path).is_file() \
+            or es.caption_col not in pq.read_schema(es.path).names:
+        return []
+    column = pq.read_table(es.path, columns=[es.caption_col]).column(es.caption_col)
+    lists = pa.types.is_list(column.type)
+    if lists:
+        column = pc.list_flatten(column)
+    try:
+        column.validate(full=True)
+        return []
+    except pa.ArrowInvalid:
+        pass
+    raw = column.cast(pa.binary()).to_pylist()
+    bad = []
+    for row, b in enumerate(raw):
+        try:
+            b is None or b.decode("utf-8")
+        except UnicodeDecodeError:
+            bad.append(row)
+    return [f"evaluation set {es.name}: {len(bad)} caption(s) in {es.path} column {es.caption_col!r} are not valid "
+            f"UTF-8 (first: row {bad[0]}{' of the flattened lists' if lists else ''}); the "
+            "run reads them with U+FFFD for the bad bytes, so dedup's caption match may miss them: re-encode the "
+            "column as UTF-8"] if bad else []
+
+
 def _texts(column) -> list:
     """A caption column's cells as Python strings (or lists of them). Parquet does not check that a
     string column is UTF-8: invalid bytes are decoded as U+FFFD, as a webdataset set's .txt members

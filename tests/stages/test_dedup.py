@@ -879,3 +879,13 @@ def test_invalid_utf8_in_an_evaluation_sets_captions_is_read_with_replacement_no
     assert list(iter_captions(one)) == [("a", "a clean caption"), ("b", "bad \ufffd\ufffd caption")]
     many = EvalSetConfig(name="x", kind="parquet", path=str(tmp_path / "set.parquet"), id_col="id", caption_col="captions")
     assert list(iter_captions(many)) == [("a", "one"), ("b", "two \ufffd"), ("b", "three")]
+    # and `capline check` names them before a run, by column and first row; a clean column says nothing
+    from stages.dedup.eval_sets import caption_notes
+
+    (note,) = caption_notes(one)
+    assert "evaluation set x: 1 caption(s)" in note and "column 'caption' are not valid UTF-8 (first: row 1)" in note
+    (note,) = caption_notes(many)
+    assert "(first: row 1 of the flattened lists)" in note
+    pq.write_table(pa.table({"caption": ["fine", "also fine"]}), tmp_path / "clean.parquet")
+    assert caption_notes(EvalSetConfig(name="c", kind="parquet", path=str(tmp_path / "clean.parquet"),
+                                       caption_col="caption")) == []

@@ -244,6 +244,13 @@ def test_capline_check_names_each_mistake_before_anything_downloads(tmp_path):
         assert len(proc.stderr.strip().splitlines()) == 1
     ok = capline("check", *base, "--set", "stages.clip_score.column=similarity")
     assert ok.returncode == 0 and "is ready to run" in ok.stdout, ok.stderr
+    # an evaluation set whose caption column holds bytes that are not UTF-8: named before the run
+    pq.write_table(pa.table({"caption": pa.array([b"fine", b"bad \xff"], pa.binary()).view(pa.string()),
+                             "path": ["a.jpg", "b.jpg"]}), tmp_path / "eval.parquet")
+    sets = f"stages.dedup.eval_sets=[{{name: held, kind: parquet, path: {tmp_path / 'eval.parquet'}, caption_col: caption}}]"
+    told = capline("check", *base[:-8], *base[-6:], "--set", "stages.clip_score.column=similarity", "--set", sets)
+    assert told.returncode == 0 and "note: evaluation set held: 1 caption(s)" in told.stdout \
+        and "not valid UTF-8 (first: row 1)" in told.stdout, told.stdout + told.stderr
 
 
 def test_two_lists_that_differ_only_in_compression_get_two_runs_and_a_batch_that_fits(tmp_path):
