@@ -19,6 +19,9 @@ from infra.errors import UserError
 CAPTION_NAMES = ("caption", "text", "alt", "alt_text", "title", "description", "txt")
 KEY_NAMES = ("key", "uid", "id", "sample_id")
 SIMILARITY_NAMES = ("similarity", "clip_score", "clip_similarity")   # an image-text score a list may carry
+# DataComp's pool metadata: OpenAI CLIP L/14's and B/32's cosines; its best baseline cuts L/14's at
+# the top 30 % of the pool ("CLIP score (L/14 30%)"), so that is what init writes, L/14 first
+DATACOMP_SCORES = ("clip_l14_similarity_score", "clip_b32_similarity_score")
 URL_RE = re.compile(r"^https?://\S+$", re.I)
 
 
@@ -108,9 +111,12 @@ def detect(path: Path, fmt: str = "auto") -> dict:
         key_col = int(key_col) if key_col is not None else None
     malformed = json.loads((t.schema.metadata or {}).get(b"capline_malformed", b"[]"))
     urls = _strings(t.column(url_col if not headerless else str(url_col)))
-    similarity = next((n for n in t.column_names if n.lower() in SIMILARITY_NAMES), None)
+    lowered = {n.lower(): n for n in t.column_names}
+    datacomp = next((lowered[n] for n in DATACOMP_SCORES if n in lowered), None)
+    similarity = datacomp or next((n for n in t.column_names if n.lower() in SIMILARITY_NAMES), None)
     return {"format": _format(path, fmt), "url_col": url_col, "caption_col": caption_col, "key_col": key_col,
-            "malformed": malformed, "similarity_col": similarity, "private_hosts": private_hosts(urls),
+            "malformed": malformed, "similarity_col": similarity, "datacomp": datacomp is not None,
+            "private_hosts": private_hosts(urls),
             "header": not headerless, "rows_seen": t.num_rows, "url_share": scores[url_col if not headerless else str(url_col)][0],
             "caption_words": scores[caption_col if not headerless else str(caption_col)][1]}
 
@@ -194,7 +200,12 @@ def write_config(path: Path, out: Path, found: dict, name: str | None = None) ->
         source["header"] = False
     dump = lambda obj: yaml.safe_dump(obj, sort_keys=False, width=1000).rstrip("\n")   # noqa: E731
     indent = lambda text, n: "\n".join(" " * n + line for line in text.splitlines())   # noqa: E731
-    if found.get("similarity_col"):
+    if found.get("datacomp"):
+        clip = (f"    clip_score:   # DataComp's CLIP score (L/14 30%) baseline: the top 30 % of the pool by the list's "
+                f"'{found['similarity_col']}'\n"
+                f"      {{scorer: column, column: {found['similarity_col']}, threshold: null, keep_fraction: 0.3, "
+                "keep_fraction_of: pool}\n")
+    elif found.get("similarity_col"):
         clip = (f"    clip_score:   # the list's own '{found['similarity_col']}' column is the score (LAION's cut): "
                 "no scorer to train\n"
                 f"      {{scorer: column, column: {found['similarity_col']}, threshold: 0.28, keep_fraction: null}}\n")

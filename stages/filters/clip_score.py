@@ -60,6 +60,10 @@ class ClipScoreConfig:
     tokenizer: str | None = None      # default: <checkpoint>/spm.model
     threshold: float | None = None    # keep score >= threshold ...
     keep_fraction: float | None = 0.3  # ... or the top fraction (DataComp's best: 30 %); set one of them
+    # what keep_fraction is a fraction of: kept (the samples that reach this stage) or pool (every row
+    # the list names, as DataComp defines its baselines: its score column, whether or not a row
+    # downloads or passes the filters before; scorer: column only)
+    keep_fraction_of: Literal["kept", "pool"] = "kept"
     # a dataset line's cut: keep_fraction's cut as its first run computed it (the score and the
     # last key kept at it), so a later run keeps what that one kept and judges new samples alike;
     # false recomputes the quantile over every sample each run (earlier verdicts may change)
@@ -84,6 +88,9 @@ class ClipScoreConfig:
         if self.scorer == "column":
             require(bool(self.column), join(prefix, "column"),
                     "scorer: column needs the name of the URL list's score column (e.g. similarity)")
+        require(self.keep_fraction_of == "kept" or (self.scorer == "column" and self.keep_fraction is not None),
+                join(prefix, "keep_fraction_of"), "pool takes keep_fraction over the list's own score column: it needs "
+                "scorer: column and a keep_fraction (a model scores only the samples that were downloaded)")
 
 
 def preflight(cfg: ClipScoreConfig) -> None:
@@ -233,18 +240,27 @@ def _write_scores(storage, out: str, part: str, rows: pa.Table, ints: np.ndarray
     return result
 
 
-def _column_task(storage, part: str, file: str, out: str, column: str) -> Scored:
-    """Ray task: a partition's scores from the URL list's own column (in each sample's notes)."""
-    import json
-
-    rows = read_kept(storage, file)
+def _column_ints(rows: pa.Table, column: str) -> np.ndarray:
+    """The URL list's own score column (in each sample's notes) as integer scores; missing: -1."""
     scores = []
     for n in rows.column("notes").to_pylist():
         got = json.loads(n) if n else {}
         v = got.get(column, got.get(f"source_{column}"))    # a list column named like capline's own is prefixed
         scores.append(float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else -1.0)
-    ints = np.round(np.clip(np.asarray(scores, np.float64), -1.0, 1.0) * SCALE).astype(np.int64)
-    return _write_scores(storage, out, part, rows, ints)
+    return np.round(np.clip(np.asarray(scores, np.float64), -1.0, 1.0) * SCALE).astype(np.int64)
+
+
+def _column_task(storage, part: str, file: str, out: str, column: str) -> Scored:
+    """Ray task: a partition's scores from the URL list's own column."""
+    rows = read_kept(storage, file)
+    return _write_scores(storage, out, part, rows, _column_ints(rows, column))
+
+
+def _pool_counts_task(storage, file: str, column: str) -> dict[int, int]:
+    """Ray task: how many rows of one source partition (the pool: every row the list names) have
+    each score of the list's column."""
+    values, counts = np.unique(_column_ints(read_kept(storage, file, ["notes"]), column), return_counts=True)
+    return dict(zip(values.tolist(), counts.tolist()))
 
 
 def _tied_task(storage, scores: str, cut: int) -> list[str]:
@@ -363,11 +379,30 @@ class ClipScoreStage(Decide):
             counts.update(dict(zip(f.values, f.counts)))
         return Scores(scorer, counts, outs)
 
+    def _pool_cut(self, ctx: StageContext, cfg: ClipScoreConfig) -> Cut:
+        """keep_fraction over the pool, as DataComp cuts its baselines: the quantile of the list's
+        score column over every row the source stage read, from the partitions' counts per value
+        (a dataset line's pool grows with it, so its cut is recomputed each run). Samples tied at the
+        cut value are all kept: with 1e-6 steps of a model's cosine, ties are rare."""
+        files = [p["file"] for p in ctx.storage.read_json("source/parts.json") or []]
+        counts: Counter = Counter()
+        for got in ctx.run(_pool_counts_task, [(ctx.storage, f, cfg.column) for f in files], "clip_score pool",
+                           num_cpus=0.25, quiet=True):
+            counts.update({int(k): v for k, v in got.items()})
+        n = sum(counts.values())
+        cut, _ = cut_from_counts(counts, n, cfg.keep_fraction)
+        value = cut / SCALE if cut is not None else float("inf")
+        ctx.log(f"clip_score: top {cfg.keep_fraction:.0%} of the pool's {n} rows by {cfg.column}: cut {value:.6f} "
+                "(stages.clip_score.keep_fraction_of: pool)")
+        return Cut(f"top {cfg.keep_fraction:.0%} of the pool cut {value:.6f}", value, cut, "\uffff")
+
     def decide(self, ctx: StageContext, measured: Scores) -> Cut:
         """The cut: a threshold, or the exact quantile from the counts (tied keys fetched only if ties decide)."""
         cfg: ClipScoreConfig = ctx.cfg
         if cfg.threshold is not None:
             return Cut(f"threshold {cfg.threshold}", float(cfg.threshold))
+        if cfg.keep_fraction_of == "pool":
+            return self._pool_cut(ctx, cfg)
         kept_cut = ctx.storage.read_json(CUT) if cfg.reuse_cut else None
         if kept_cut and (kept_cut["scorer"], kept_cut["keep_fraction"]) == (measured.scorer["sha256"], cfg.keep_fraction):
             c = kept_cut["cut"]

@@ -503,7 +503,9 @@ def keyed_rows(table: pa.Table | None, cfg: SourceConfig, part: str, lines: list
         urls = texts(table.column(url_col))
         caps = texts(table.column(caption_col))
         ids = _ids(table.column(key_col)) if key_col else None
-        notes = _carried(table, cfg, part, {url_col, caption_col, key_col})
+        # the key column stays in the sample's JSON as the list wrote it (DataComp's uid): the key
+        # itself is made safe for tar member names, and unique
+        notes = _carried(table, cfg, part, {url_col, caption_col})
         if ids is not None:
             _check_keys(ids, key_col, part, state)
     seen = state.seen
@@ -586,6 +588,8 @@ SAMPLE_FIELDS = {"key", "url", "caption", "status", "error_message", "width", "h
 
 
 def _jsonable(v):
+    """A list cell as JSON: nested lists and structs as JSON arrays and objects (DataComp's
+    face_bboxes stays a list of boxes, not its string), anything else unknown as its string."""
     import math
 
     if isinstance(v, bytes):
@@ -594,6 +598,10 @@ def _jsonable(v):
         return None
     if isinstance(v, (str, int, float, bool)) or v is None:
         return v
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
     return str(v)
 
 
