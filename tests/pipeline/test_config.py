@@ -193,3 +193,30 @@ def test_the_dashboard_starts_when_the_command_trains_unless_the_config_says():
     assert not wants_dashboard(load_config(None, ["ray.dashboard=false"]).ray, True)
     with pytest.raises(ConfigError, match=r"ray.dashboard"):
         load_config(None, ["ray.dashboard=sometimes"])
+
+
+def test_every_shipped_config_loads_and_the_recipes_say_what_they_keep():
+    """configs/ is what users copy: each file loads and validates; the published recipes keep what
+    their papers say (DataComp's 30 % of the pool by L/14, LAION-400M's B/32 cosine >= 0.3)."""
+    from pathlib import Path
+
+    from pipeline.config import load_config
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    loaded = {p.stem: load_config(str(p), []) for p in sorted(root.glob("*.yaml"))}
+    assert {"demo", "datacomp_clip_l14_30", "datacomp_basic", "datacomp_basic_and_clip_l14_30", "laion400m"} <= set(loaded)
+    for name in ("datacomp_clip_l14_30", "datacomp_basic_and_clip_l14_30"):
+        c = loaded[name].stages.clip_score
+        assert (c.scorer, c.column, c.keep_fraction, c.keep_fraction_of) == ("column", "clip_l14_similarity_score", 0.3, "pool")
+    assert not loaded["datacomp_basic"].stages.clip_score.enabled and not loaded["datacomp_clip_l14_30"].stages.basic.enabled
+    b = loaded["datacomp_basic"].stages.basic
+    assert (b.min_chars, b.min_words, b.min_image_side, b.max_aspect_ratio) == (6, 3, 200, 3.0)
+    c = loaded["laion400m"].stages.clip_score
+    assert (c.scorer, c.column, c.threshold) == ("column", "similarity", 0.3)
+    # the pool is the list's own column: a model's scores exist only for what was downloaded
+    import pytest
+
+    from infra.errors import UserError
+
+    with pytest.raises(UserError, match="keep_fraction_of.*needs scorer: column"):
+        load_config(None, ["stages.clip_score.keep_fraction_of=pool"])
