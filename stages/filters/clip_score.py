@@ -549,7 +549,8 @@ def _train_task(storage, rows: list[dict], **kwargs) -> dict:
     with tempfile.TemporaryDirectory(prefix="capline-scorer-") as tmp:
         for k, idx in enumerate(folds):
             infos.append(train_bootstrap(images=[images[i] for i in idx], captions=[rows[i]["caption"] for i in idx],
-                                         out_dir=fold_dir(tmp, k), cfg=half, **kwargs))
+                                         out_dir=fold_dir(tmp, k), cfg=half, what=f"(half {k + 1} of {FOLDS})",
+                                         **kwargs))
         for k in range(FOLDS):
             storage.put_dir(fold_dir(SCORER_DIR, k), fold_dir(tmp, k))
     sha = hashlib.sha256("".join(i["sha256"] for i in infos).encode()).hexdigest()

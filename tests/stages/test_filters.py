@@ -286,3 +286,28 @@ def test_a_bootstrap_scorer_on_too_few_pairs_is_warned_about_at_the_measured_siz
     assert below and f"{MIN_BOOTSTRAP_PAIRS - 1} pairs" in below and "stages.clip_score.scorer" in below
     assert small_bootstrap({"kind": "bootstrap", "trained_on": MIN_BOOTSTRAP_PAIRS}) is None
     assert small_bootstrap({"kind": "hf", "trained_on": 10}) is None                # only a scorer trained here
+
+
+def test_the_bootstrap_scorer_says_its_progress_with_the_time_left(tmp_path):
+    """Minutes on a CPU (686 s of a 797 s build for 159 pairs): it said 4 lines with no ETA. Now every
+    tenth of the steps (or 15 s), naming the half of the cross-fit, with the seconds left."""
+    import io
+
+    from PIL import Image
+
+    from stages.filters.scorer import BootstrapConfig, train_bootstrap
+
+    images = []
+    for i in range(8):
+        buf = io.BytesIO()
+        Image.new("RGB", (32, 32), (30 * i, 255 - 30 * i, 90)).save(buf, "PNG")
+        images.append(buf.getvalue())
+    said = []
+    cfg = BootstrapConfig(steps=20, batch_size=4, image_size=16, vocab_size=300,
+                          model_args={"width": 16, "depth": 1, "heads": 2, "mlp": 32, "patch": 8})
+    info = train_bootstrap(images, [f"a picture of colour number {i}" for i in range(8)], cfg, 0, str(tmp_path / "s"),
+                           log=said.append, what="(half 1 of 2)")
+    steps = [m for m in said if "bootstrap scorer (half 1 of 2) step" in m]
+    assert len(steps) == 10 and steps[0].startswith("clip_score: bootstrap scorer (half 1 of 2) step 2/20, loss ")
+    assert all("s left" in m for m in steps[:-1]) and "left" not in steps[-1] and "step 20/20" in steps[-1]
+    assert info["steps"] == 20 and (tmp_path / "s" / "spm.model").is_file()
