@@ -135,12 +135,26 @@ def explain(where, key: str) -> list[dict]:
             break
     out += _removals_of(run_dir, key)
     if not any(r["stage"] != "(input)" for r in out):
-        as_key = key.replace(".", "_").replace("/", "_")     # the list's own id as written (source._check_keys)
-        if as_key != key:
-            return explain(where, as_key)
+        for as_key in _as_keys(key):
+            if as_key != key:
+                try:
+                    return explain(where, as_key)
+                except UserError:
+                    continue
         raise UserError(f"no sample with key {key!r} in {run_dir.uri()} "
                         f"(see the key column of {run_dir.uri('source/ledger')}/)")
     return out
+
+
+def _as_keys(typed: str) -> list[str]:
+    """The keys a list's own id becomes, as the source stage makes them: a float id's integer form
+    (1000056.0 -> 1000056, source._ids), then '.' and '/' made '_' (7.5 -> 7_5)."""
+    try:
+        number = float(typed)
+        whole = [str(int(number))] if number.is_integer() and "." in typed else []
+    except ValueError:
+        whole = []
+    return whole + [typed.replace(".", "_").replace("/", "_")]
 
 
 def _removals_of(run_dir, key: str) -> list[dict]:

@@ -498,3 +498,14 @@ def test_check_reads_the_lists_first_rows_for_hosts_ingest_would_refuse(tmp_path
     notes = check_hosts(load_config(None, base + ["stages.ingest.allow_hosts=['127.0.0.1:8000', 'cdn.example:81']"]))
     assert notes == ["stages.ingest.allow_hosts entry cdn.example:81 matches no URL of the first rows (host:port, "
                      "as the URLs spell it)"]
+
+
+def test_explain_finds_a_list_id_as_the_user_types_it():
+    """`explain RUN 1000056.0` (a float id as LAION's files write it) looked up `1000056_0`, a key the
+    source never makes: it makes 1000056 (float ids stay integers), and 7_5 of 7.5."""
+    from pipeline.inspect_run import _as_keys
+
+    assert _as_keys("1000056.0") == ["1000056", "1000056_0"]
+    assert _as_keys("7.5") == ["7_5"]
+    assert _as_keys("a/b.c") == ["a_b_c"]
+    assert _as_keys("u0123") == ["u0123"]
