@@ -287,8 +287,10 @@ def _train(config: dict, scratch: Path) -> None:
                 _save(d, weights, opt_state, sched, step, states, gens, mean_loss, tc.steps, precision.state_dict())
                 checkpoint = ray.train.Checkpoint.from_directory(str(d))
                 buffer.flush()
+            # train.eval_every: Ray Train evaluates this checkpoint in a task of its own (eval_during.py)
+            due = bool(tc.eval_every) and step % tc.eval_every == 0 and checkpoint is not None
             ray.train.report({"step": step, "loss": mean_loss}, checkpoint=checkpoint,
-                             checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+                             checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC, validation=due)
     if monitor is not None:
         monitor.finish()
     if fsdp:    # the whole model on rank 0, as a plain module, for saving and export

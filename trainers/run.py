@@ -84,7 +84,7 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
     from infra.remote import importing_ray_data
 
     with importing_ray_data():      # Ray Train imports Ray Data
-        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, ValidationConfig, ValidationTaskConfig
         from ray.train.torch import TorchTrainer
 
     from .loop import WorkerJob, train_loop_per_worker
@@ -169,6 +169,7 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
                                             storage=storage, out=out_rel, image_encoder=encoder_rel,
                                             lm_checkpoint=lm_rel, hf_lm=hf_rel, mlflow_uri=uri, run_id=run_id)},
         scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu),
+        validation_config=_evaluation_during(tc, mc, run_dir, uri, run_id, ValidationConfig, ValidationTaskConfig),
         run_config=RunConfig(name=f"train-{run_id[:12]}", storage_path=storage.path(f"{out_rel}/ray"),
                              storage_filesystem=storage.fs,
                              checkpoint_config=CheckpointConfig(num_to_keep=tc.keep_checkpoints),
@@ -211,6 +212,23 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
                            storage.uri(f"{out_rel}/unlogged_metrics.jsonl") if lost else None}
     nodes = sorted({storage.read_bytes(p).decode().strip() for p in storage.list(f"{out_rel}/_nodes")})
     return {**final, "mlflow_run_id": run_id, "tracking_uri": redact(uri), "nodes": nodes}
+
+
+def _evaluation_during(tc: TrainConfig, mc: ModelConfig, run_dir: Path, uri: str, run_id: str, config, task):
+    """train.eval_every's evaluation task, on this (the driver's) node: the run folder's working copy,
+    with the evaluation config and the tokenizer, is here."""
+    if not tc.eval_every:
+        return None
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from .eval_during import validate_checkpoint
+
+    return config(fn=validate_checkpoint,
+                  task_config=task(fn_kwargs={"run_dir": str(run_dir), "model": mc, "mlflow_uri": uri, "run_id": run_id}),
+                  # no CPU of its own: a cluster full of training workers would hold it back until the end
+                  ray_remote_kwargs={"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
+                      ray.get_runtime_context().get_node_id(), soft=False)})
 
 
 class _TrainingProgress:

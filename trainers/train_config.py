@@ -63,7 +63,7 @@ class TrainConfig:
     # of the stage's fingerprint). `steps` too: more steps continue the run where it stopped (the
     # train stage reruns a finished job that has fewer steps than asked: TrainStage.complete)
     HOW: ClassVar[tuple] = ("num_workers", "loader_workers", "checkpoint_every", "keep_checkpoints", "max_failures",
-                            "sample_every", "log_every", "system_metrics_every", "experiment", "steps",
+                            "sample_every", "log_every", "system_metrics_every", "eval_every", "experiment", "steps",
                             "activation_checkpointing", "compile")
     SIGNED: ClassVar[tuple] = ("max_failures",)     # -1: any number of failures
     model: Family = "cappa"  # the family to pretrain: cap, cappa, clip, siglip, coca, clipcap
@@ -88,6 +88,7 @@ class TrainConfig:
     compile: bool = False          # torch.compile the model (the first steps compile; needs a C++ compiler on CPUs)
     sample_every: int = 100        # captioning models: log a few generated captions every N steps
     log_every: int = 10            # steps between MLflow writes of the metrics (every step is logged)
+    eval_every: int = 0            # steps between evaluations during training (few-shot, captioning; on a checkpoint, beside training; 0: off)
     system_metrics_every: float = 10.0  # seconds between each node's CPU, memory, disk, network, GPU samples in MLflow (0: off)
     image_encoder: str | None = None  # clipcap: a capline checkpoint whose encoder stays frozen
     lm_checkpoint: str | None = None  # clipcap: a trained ClipCap checkpoint whose LM (lm.*) to start from
@@ -111,6 +112,10 @@ class TrainConfig:
         require(self.loader_workers >= 0, join(prefix, "loader_workers"), "must be >= 0")
         require(self.checkpoint_every >= 1, join(prefix, "checkpoint_every"), "must be >= 1")
         require(self.log_every >= 1, join(prefix, "log_every"), "must be >= 1 (steps between MLflow writes)")
+        require(self.eval_every >= 0 and self.eval_every % self.checkpoint_every == 0, join(prefix, "eval_every"),
+                f"must be 0 (off) or a multiple of train.checkpoint_every ({self.checkpoint_every}): it evaluates a checkpoint")
+        require(not self.eval_every or self.model != "clipcap", join(prefix, "eval_every"),
+                "clipcap is evaluated at the end only (its checkpoint needs its frozen encoder beside it); set 0")
         require(self.system_metrics_every == 0 or self.system_metrics_every >= 1, join(prefix, "system_metrics_every"),
                 "must be 0 (off) or >= 1 (seconds between samples)")
         require(self.keep_checkpoints >= 1, join(prefix, "keep_checkpoints"), "must be >= 1")

@@ -220,3 +220,20 @@ def test_every_shipped_config_loads_and_the_recipes_say_what_they_keep():
 
     with pytest.raises(UserError, match="keep_fraction_of.*needs scorer: column"):
         load_config(None, ["stages.clip_score.keep_fraction_of=pool"])
+
+
+def test_evaluation_during_training_is_on_checkpoints_and_not_for_clipcap():
+    import pytest
+
+    from infra.errors import UserError
+    from pipeline.config import load_config
+
+    assert load_config(None, ["train.eval_every=100", "train.checkpoint_every=50"]).train.eval_every == 100
+    with pytest.raises(UserError, match=r"train.eval_every.*multiple of train.checkpoint_every \(50\)"):
+        load_config(None, ["train.eval_every=30", "train.checkpoint_every=50"])
+    with pytest.raises(UserError, match=r"train.eval_every.*clipcap is evaluated at the end only"):
+        load_config(None, ["train.eval_every=50", "train.checkpoint_every=50", "train.model=clipcap",
+                           "train.image_encoder=/nowhere"])
+    from trainers.train_config import TrainConfig
+
+    assert "eval_every" in TrainConfig.HOW     # changing it resumes the job, never restarts it

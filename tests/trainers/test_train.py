@@ -43,7 +43,7 @@ def test_cappa_and_clip_train_and_land_in_mlflow(data_run):
     for model in ("cappa", "clip"):
         cfg = load_config(None, DATA + [f"stages.dedup.cache_dir={cache}", f"train.model={model}",
                                         "train.steps=200", "train.checkpoint_every=50", "train.sample_every=100",
-                                        "train.system_metrics_every=1"])
+                                        "train.system_metrics_every=1", "train.eval_every=100"])
         summary = run_pipeline(cfg, run, only="train", log=lambda m: None)
         ids[model] = summary["train"]["mlflow_run_id"]
     client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
@@ -57,6 +57,10 @@ def test_cappa_and_clip_train_and_land_in_mlflow(data_run):
         assert last < 0.8 * first, (model, first, last)
         for key in ("lr", "examples_per_s", "tokens_per_s", "data_wait_fraction"):
             assert len(_history(client, run_id, key)) == 200
+        # few-shot probes on the checkpoints of steps 100 and 200, run by Ray Train beside training
+        during = sorted(k for k in r.data.metrics if k.startswith("train_eval.fewshot."))
+        assert during and all([s for s, _ in _history(client, run_id, k)] == [100, 200] for k in during), during
+        assert not list(run.glob("eval/capline-train-eval-*"))     # nothing in the run's own eval/ results
         # the node's own figures beside the training's, sampled every second while it trained
         assert {"system/node0/cpu_utilization_percentage", "system/node0/system_memory_usage_megabytes"} \
             <= set(r.data.metrics), sorted(r.data.metrics)

@@ -257,10 +257,12 @@ def _decode_scores(model, cfg, sp, x, ids, refs) -> dict:
 
 def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_id: str | None = None,
              shots: tuple[int, ...] | None = None, strict: bool = True, eval_cfg: EvalConfig | None = None,
-             seed: int = 0) -> dict:
+             seed: int = 0, record: bool = True) -> dict:
     """Every task of `tasks` on every dataset of the run's `eval:` section (or `eval_cfg`). A task
     with no dataset, or a model it does not apply to, is listed in results["skipped"] with the
-    reason, never left out silently. strict: asked shots a dataset cannot serve are an error."""
+    reason, never left out silently. strict: asked shots a dataset cannot serve are an error.
+    record: write the results into the run folder's eval/ and its MLflow run (false: an evaluation
+    during training, trainers/eval_during.py, which logs its own)."""
 
     from trainers.models.checkpoint import load_model
 
@@ -415,6 +417,8 @@ def evaluate(model_dir: Path, run_dir: Path, tasks=TASKS, log=print, mlflow_run_
     for note in results["skipped"]:
         log(f"eval: skipped {note}")
     results["seconds"] = timings
+    if not record:
+        return results
     out_dir = run_dir / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{Path(model_dir).resolve().parent.name}-{cfg.family}-{cfg.size}.json"
