@@ -70,8 +70,49 @@ def _with_dims(data: bytes, old: bytes, new: bytes) -> bytes:
     return data.replace(old, new, 1)
 
 
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+
+def _png_with(extra: list[bytes], idat: bytes | None = None, w: int = 8, h: int = 8) -> bytes:
+    """An 8x8 RGB PNG with `extra` chunks before its pixels (or `idat` as them)."""
+    raw = idat if idat is not None else zlib.compress(b"\x00" * (w * 3 + 1) * h)
+    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) + b"".join(extra)
+            + _chunk(b"IDAT", raw) + _chunk(b"IEND", b""))
+
+
+def _bad_crc() -> bytes:
+    data = bytearray(_encoded("PNG"))
+    data[29] ^= 0xFF                       # IHDR's checksum
+    return bytes(data)
+
+
+def _frames(fmt: str, n: int) -> bytes:
+    buf = io.BytesIO()
+    first, *rest = [Image.new("RGB", (8, 8), (i % 256, 0, 0)) for i in range(n)]
+    first.save(buf, fmt, save_all=True, append_images=rest)
+    return buf.getvalue()
+
+
+_TEXT_BOMB = zlib.compress(b"A" * (200 << 20), 9)       # 200 MB of text in 200 KB
+
 IMAGES = {
     "png_bomb_14000x14000": (_png_header(14000, 14000), "image_too_large"),
+    "png_bad_crc": (_bad_crc(), "undecodable_image"),
+    "png_ztxt_text_bomb": (_png_with([_chunk(b"zTXt", b"k\x00\x00" + _TEXT_BOMB)]), "undecodable_image"),
+    "png_itxt_text_bomb": (_png_with([_chunk(b"iTXt", b"k\x00\x01\x00\x00\x00" + _TEXT_BOMB)]), "undecodable_image"),
+    "png_iccp_profile_bomb": (_png_with([_chunk(b"iCCP", b"p\x00\x00" + zlib.compress(b"\x00" * (200 << 20), 9))]),
+                              "undecodable_image"),
+    "png_zero_width": (_png_header(0, 8), "undecodable_image"),
+    "png_behind_html": (b"<html>" + _encoded("PNG"), "undecodable_image"),
+    "gzip_of_a_png": (gzip.compress(_encoded("PNG")), "undecodable_image"),
+    "webp_truncated": (_encoded("WEBP")[:30], "undecodable_image"),
+    "jpeg_without_its_end": (_encoded("JPEG", (64, 64))[:-2], "truncated_image"),
+    "jpeg_progressive_truncated": (_encoded("JPEG", (64, 64), progressive=True)[:300], "truncated_image"),
+    "xbm_source_text": (b"#define a_width 8\n#define a_height 8\nstatic char a_bits[] = {0};\n", "undecodable_image"),
+    "ppm_60000x60000_header": (b"P6\n60000 60000\n255\n" + b"\x00" * 100, "undecodable_image"),
+    "psd_magic": (b"8BPS" + b"\x00" * 100, "undecodable_image"),
+    "utf16_html_page": ("<html>nope</html>".encode("utf-16"), "undecodable_image"),
     "png_over_pil_hard_limit": (_png_header(60000, 60000), "image_too_large"),
     "gif_logical_screen_65535": (_with_dims(_encoded("GIF"), b"\x08\x00\x08\x00", b"\xff\xff\xff\xff"), "image_too_large"),
     "bmp_huge_header": (_with_dims(_encoded("BMP"), struct.pack("<ii", 8, 8), struct.pack("<ii", 60000, 60000)),
@@ -99,6 +140,22 @@ def test_image_inputs_are_refused_with_a_reason(name):
     if reason in ("image_too_large", "unsupported_format"):
         assert err.value.reason == reason, err.value
     assert Image.MAX_IMAGE_PIXELS is not None      # never switched off for the whole process
+
+
+# inputs that are pictures after all, built to cost a reader: each decodes to its first frame at its
+# own small size, within the fixture's seconds and memory
+BOUNDED = {
+    "png_pixels_inflating_to_300_mb": (_png_with([], idat=zlib.compress(b"\x00" * (300 << 20), 9)), (8, 8)),
+    "gif_of_300_frames": (_frames("GIF", 300), (8, 8)),
+    "apng_of_50_frames": (_frames("PNG", 50), (8, 8)),
+}
+
+
+@pytest.mark.parametrize("name", BOUNDED)
+def test_costly_but_real_pictures_decode_their_first_frame_within_bounds(name):
+    data, size = BOUNDED[name]
+    img = decode(data)
+    assert img.size == size and getattr(img, "n_frames", 1) == 1
 
 
 def test_importing_the_downloader_leaves_pils_limit_alone():
