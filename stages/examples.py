@@ -82,7 +82,8 @@ def render_html(title: str, groups: dict[str, list[dict]], totals: dict[str, int
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
              f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>"]
     if cut is not None:
-        parts.append(f"<p>Shown: the samples whose score is nearest the cut {cut:.4g}, on each side of it.</p>")
+        # six digits: scores are kept to 1e-6, and the samples nearest a cut differ in the fourth
+        parts.append(f"<p>Shown: the samples whose score is nearest the cut {cut:.6g}, on each side of it.</p>")
     parts.append("<p>" + ", ".join(f"<a href='#{html.escape(r)}'>{html.escape(r)}</a>: {totals[r]}"
                                    for r in groups) + "</p>")
     for reason, rows in groups.items():
@@ -91,7 +92,7 @@ def render_html(title: str, groups: dict[str, list[dict]], totals: dict[str, int
         for r in rows:
             img = images.get(r["key"])
             src = f"data:image/jpeg;base64,{base64.b64encode(img).decode()}" if img else ""
-            score = "" if r["score"] is None else f" · score {r['score']:.4g}"
+            score = "" if r["score"] is None else f" · score {r['score']:.6g}"
             detail = f"<div class='meta'>{html.escape(r['detail'][:200])}</div>" if r["detail"] else ""
             parts.append(f"<div class='card'><img alt='{html.escape(r['key'])}' src='{src}'>"
                          f"<div class='cap'>{html.escape(r.get('caption') or '')}</div>"

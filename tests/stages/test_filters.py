@@ -311,3 +311,13 @@ def test_the_bootstrap_scorer_says_its_progress_with_the_time_left(tmp_path):
     assert len(steps) == 10 and steps[0].startswith("clip_score: bootstrap scorer (half 1 of 2) step 2/20, loss ")
     assert all("s left" in m for m in steps[:-1]) and "left" not in steps[-1] and "step 20/20" in steps[-1]
     assert info["steps"] == 20 and (tmp_path / "s" / "spm.model").is_file()
+
+
+def test_examples_near_a_cut_are_told_apart_by_their_scores():
+    """The clip_score examples nearest the cut all printed `0.847`: scores are kept to 1e-6."""
+    from stages.examples import render_html
+
+    rows = [{"key": f"k{i}", "score": 0.846812 + i * 0.00009, "detail": "", "caption": "c"} for i in range(3)]
+    page = render_html("t", {"clip_score": rows}, {"clip_score": 3}, {}, cut=0.846905)
+    assert "nearest the cut 0.846905" in page
+    assert all(f"score {0.846812 + i * 0.00009:.6g}" in page for i in range(3)) and page.count("score 0.847<") == 0
