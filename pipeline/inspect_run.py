@@ -40,7 +40,8 @@ def status_rows(where) -> list[dict]:
             state = "done" if upstream_ok else "stale"
         elif storage.exists(f"{name}/_STARTED"):
             state = "incomplete"
-        elif name == "eval" and storage.list("eval", ".json"):
+        elif name == "eval" and [f for f in storage.list("eval", ".json")
+                                 if f.rsplit("/", 1)[-1] not in ("parts.json", "stats.json")]:
             state = "evaluated"     # by `capline eval` on a checkpoint, not by the run's eval stage
         else:
             state = "pending"

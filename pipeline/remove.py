@@ -40,7 +40,7 @@ import pyarrow.compute as pc
 from infra.errors import UserError
 from stages.shard import line_lookup
 from stages.shard.line import LINE, RECORD, published_all, published_file, published_parts, read_line
-from stages.shard.removals import (DESCRIPTIONS, PENDING, PENDING_ROWS, REMOVED, near_copies,  # noqa: F401
+from stages.shard.removals import (DESCRIPTIONS, PENDING, PENDING_ROWS, REMOVED, half_done, near_copies,  # noqa: F401
                                    removal_digest, unit_or_none, unit_rows)   # the line's removals, as dedup applies them
 
 from infra.faults import killpoint
@@ -164,7 +164,7 @@ def _match_task(storage, part: str, ingest_file: str, desc_file: str | None, key
         return (dict(zip(keys, d.column("vec").to_pylist())),
                 dict(zip(keys, d.column("detail").to_pylist())) if "detail" in d.column_names else {})
 
-    near = {}
+    near, vec_of, detail_of = {}, None, None
     if len(vecs):
         vec_of, detail_of = described(pub.column("key").to_pylist())
         names = list(vec_of)
@@ -182,7 +182,8 @@ def _match_task(storage, part: str, ingest_file: str, desc_file: str | None, key
             out.append({"key": key, "shard": shard, "part": part, "how": how, "url": url, "sha256": sha})
     # every removed sample's descriptors are recorded, however it was named: a re-encoded copy of it
     # under a URL never seen is a near copy of a removed image to every later run's dedup
-    vec_of, detail_of = described([m["key"] for m in out])
+    if vec_of is None:      # no image entry read them: the matched samples' alone
+        vec_of, detail_of = described([m["key"] for m in out])
     for m in out:
         m.update(vec=vec_of.get(m["key"]), detail=detail_of.get(m["key"]))
     return out
@@ -277,14 +278,19 @@ def remove(where: str, list_path: Path | None, reason: str | None, threshold: fl
         with ray_session(cfg.ray, address, log=log, trains=False):
             ex = Executor(log=log)
             pending = storage.read_json(PENDING)
-            if pending is not None:
-                log(f"remove: removal {pending['removal']} (started {pending['at']}) was interrupted; finishing it")
-                done = _finish(ex, storage, store, pending, log)
-                if list_path is None or (pending["list_sha256"] == _sha(list_path) and pending["reason"] == reason):
-                    return done     # the interrupted command, run again: it is done now
-            elif list_path is None:
+            if pending is None and list_path is None:
                 return None
-            manifest, line = storage.read_json("manifest.json"), read_line(storage)   # as the lock holder sees them
+            if pending is not None:
+                # the journal is a file in the run folder: what it deletes runs only when this user's own
+                # command asks, by --finish or by naming the same list and reason again
+                again = list_path is not None and pending["list_sha256"] == _sha(list_path) and pending["reason"] == reason
+                if list_path is not None and not again:
+                    raise UserError(half_done(storage, where))
+                log(f"remove: finishing removal {pending['removal']} (started {pending['at']}, "
+                    f"{pending.get('reason')!r}): {len(pending['where'])} sample(s) from "
+                    f"{len(set(pending['where'].values()))} shard(s)")
+                return _finish(ex, storage, store, pending, log)
+            line = read_line(storage)   # as the lock holder sees it
             images = image_vectors(by_kind["image"], list_path.parent)
             vecs = images[0]
             parts = {p["part"]: p["file"] for p in storage.read_json("ingest/parts.json") or []}
@@ -354,6 +360,10 @@ def _finish(ex, storage, store, pending: dict, log) -> dict:
     files: a shard is rewritten from its kept old version once that exists, removed.parquet's rows of
     this removal and its line and manifest entries are replaced, not added again."""
     number, where = pending["removal"], pending["where"]
+    listed = {s["name"] for s in (read_line(storage) or {}).get("shards") or []}
+    if not set(where.values()) <= listed:    # a journal naming shards its line does not hold is not this line's
+        raise UserError(f"{PENDING} names shard(s) {', '.join(sorted(set(where.values()) - listed)[:3])} that the "
+                        "line does not list; it is not this line's journal: restore the line's own or delete it")
     removed = frozenset(where)
     rewritten = ex.run(_rewrite_task, [(storage, s, removed, f"{VERSIONS}/{number}/{s}") for s in sorted(set(where.values()))],
                        "remove: rewrite shards", num_cpus=1, unit="shards")
@@ -529,9 +539,9 @@ def recheck_line(where: str, address: str | None, log=print) -> dict:
     ing = cfg.stages.ingest
     parts = {p["part"]: p["file"] for p in storage.read_json("ingest/parts.json") or []}
     # one Ray session for the HEADs and the removal (remove() finds Ray up and uses it)
+    if (stop := half_done(storage, where)) is not None:   # an interrupted removal (a recheck's own, killed)
+        raise UserError(stop)
     with ray_session(cfg.ray, address, log=log, trains=False):
-        if storage.exists(PENDING):   # an interrupted removal (a recheck's own, killed) first
-            remove(where, None, None, None, address, log=log)
         ex = Executor(log=log)
         buckets = max(1, int(ex.shape().cpus))
         # a host's URLs all in one task: its rate and concurrency hold whole there, hosts in parallel

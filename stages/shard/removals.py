@@ -29,7 +29,7 @@ def half_done(storage, where: str = "RUN") -> str | None:
         return None
     return (f"removal {pending.get('removal')} of this dataset line ({str(pending.get('reason'))[:80]!r}, started "
             f"{pending.get('at')}) was interrupted: its shards may already be rewritten while the line does not "
-            f"record it; run `capline remove {where} --finish` to finish it")
+            f"record it; run `capline remove {where} --finish` to finish it (it says what it takes out)")
 
 
 def unit_rows(blob: list[bytes]) -> np.ndarray:
@@ -69,13 +69,8 @@ def near_copies(vecs: np.ndarray, details: np.ndarray, has_detail: np.ndarray, r
 
 
 def removal_digest(storage) -> str | None:
-    """What later runs' dedup verdicts depend on: the removals the line records (None: none). A
-    removal that was interrupted is finished first, never worked around: until then, what it
-    took out of the shards is not in removed.parquet and would come back as new."""
-    from infra.errors import UserError
-
-    if (stop := half_done(storage, storage.uri())) is not None:
-        raise UserError(f"dedup: {stop}, then run again")
+    """What later runs' dedup verdicts depend on: the removals the line records (None: none). (A
+    removal that was interrupted is refused before any stage runs: pipeline/runner.py.)"""
     line = read_line(storage)
     removals = (line or {}).get("removals") or ([] if line else storage.read_json(ENDED_REMOVALS) or [])
     return hashlib.sha256(json.dumps(removals, sort_keys=True).encode()).hexdigest()[:16] if removals else None

@@ -1,6 +1,7 @@
 """A `capline remove` SIGKILLed at each of its write points (CAPLINE_KILLPOINT), then whatever the user
-runs next: `verify` names the half-done removal, the next remove, recheck or run finishes it (or
-refuses until it is), and the line ends as an undisturbed removal leaves it: the sample out of every
+runs next: `verify` names the half-done removal, `remove --finish` or the same command again
+finishes it, any other remove, recheck or run refuses until then (the journal is a file in the run
+folder: what it deletes runs only on the user's own command), and the line ends as an undisturbed removal leaves it: the sample out of every
 shard, its URL, sha256 and descriptor in removed.parquet, the removal listed once, the line verifies,
 no other published sample lost, and the sample does not come back in the next append."""
 import json
@@ -113,10 +114,14 @@ def test_a_removal_killed_at_any_write_point_is_finished_by_the_next_command(tmp
         _ok(capline("remove", str(run), "--finish"))
         in_force(3)
 
-        # 4. killed with the line written, its lists not: a new removal finishes it first
+        # 4. killed with the line written, its lists not: another removal is refused until it is finished
         _killed(*remove(3), at="remove: line written")
         (tmp_path / "none.txt").write_text("key u0000000000000000\n")
-        _ok(capline("remove", str(run), "--list", str(tmp_path / "none.txt"), "--reason", "nothing"))
+        other = ("remove", str(run), "--list", str(tmp_path / "none.txt"), "--reason", "nothing")
+        refused = capline(*other)
+        assert refused.returncode != 0 and "--finish" in refused.stderr, refused.stdout[-2000:] + refused.stderr
+        assert "1 sample(s) from 1 shard(s)" in _ok(capline("remove", str(run), "--finish"))
+        _ok(capline(*other))
         line = json.loads((run / "shard" / "line" / "line.json").read_text())
         assert [r["removal"] for r in line["removals"]] == [1, 2, 3, 4, 5] and line["removals"][4]["removed"] == 0
         assert set(_samples(run)) == set(before) - set(victims)
@@ -144,7 +149,9 @@ def test_a_removal_killed_at_any_write_point_is_finished_by_the_next_command(tmp
         (tmp_path / "site" / "www" / "robots.txt").write_text(
             f"User-agent: *\nDisallow: {urls_now[key].split(server.base_url, 1)[1]}\n")
         _killed("recheck", str(run), at="remove: shards rewritten")
-        _ok(capline("recheck", str(run), timeout=900))
+        refused = capline("recheck", str(run), timeout=900)
+        assert refused.returncode != 0 and "--finish" in refused.stderr, refused.stdout[-2000:] + refused.stderr
+        _ok(capline("remove", str(run), "--finish"))
         line = json.loads((run / "shard" / "line" / "line.json").read_text())
         assert line["removals"][-1]["keys"] == [key] and "recheck 1" in line["removals"][-1]["reason"]
         assert set(_samples(run)) == set(final) - {key}
