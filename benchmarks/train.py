@@ -198,7 +198,7 @@ def plain_rank(rank: int, world: int, port: int, run: str, steps: int, out: str)
     model = make_task(mc).build().train()
     ddp = torch.nn.parallel.DistributedDataParallel(LossModule(model))
     opt = build_optimizer(model, tc.optim)
-    stream = ShardStream(list_shards(Path(run) / "shard" / "shards"), str(spm), tc.per_worker_batch, mc.image_size,
+    stream = ShardStream(list_shards(Path(run) / "shard" / "shards"), str(spm), tc.per_worker_batch(tc.num_workers), mc.image_size,
                          mc.max_len, 0, rank, world, LoaderState(), shuffle=tc.shuffle_buffer)
     batches = iter(make_loader(stream, tc.loader_workers))
     gen = torch.Generator().manual_seed(rank)

@@ -170,6 +170,9 @@ def _train(config: dict, scratch: Path) -> None:
                       f"schedule is now laid over {tc.steps} steps, so its shape from step {step} on differs from "
                       "the run's so far", flush=True)
         storage.write_bytes(f"{out}/_resumed_from_rank{rank}", f"resumed from step {step}\n".encode())
+    if rank == 0 and tc.min_workers:
+        print(f"train: {world} of up to {tc.num_workers} workers (train.min_workers {tc.min_workers}), "
+              f"{tc.per_worker_batch(world)} samples each a step", flush=True)
     device = ray.train.torch.get_device()
     if tc.activation_checkpointing:
         checkpoint_activations(model)
@@ -190,7 +193,7 @@ def _train(config: dict, scratch: Path) -> None:
               "only on every worker at once); the final model's evaluation writes them", flush=True)
     from .families import spec as family_spec
 
-    stream = ShardStream(c.shards, str(tokenizer), tc.micro_batch or tc.per_worker_batch,
+    stream = ShardStream(c.shards, str(tokenizer), tc.micro_batch or tc.per_worker_batch(world),
                          mc.image_size, mc.max_len, c.seed, rank, world, state,
                          eos=family_spec(mc.family).stop_text is None, shuffle=tc.shuffle_buffer,
                          resampled=tc.resampled)
@@ -206,7 +209,7 @@ def _train(config: dict, scratch: Path) -> None:
     wait_total = busy_total = 0.0
     while step < tc.steps:
         t0 = time.perf_counter()
-        micro = [next(batches) for _ in range(tc.accumulation)]
+        micro = [next(batches) for _ in range(tc.accumulation(world))]
         t1 = time.perf_counter()
         if fixed is None and task.writes and rank == 0 and not fsdp:
             fixed = micro[0]["images"][:4]
@@ -313,7 +316,7 @@ def _train(config: dict, scratch: Path) -> None:
             old = storage.read_bytes(spill) if storage.exists(spill) else b""
             storage.write_bytes(spill, old + (scratch / "unlogged_metrics.jsonl").read_bytes())
             unlogged["file"] = storage.uri(spill)
-        storage.write_json(f"{out}/final.json", {"step": step, "loss": mean_loss, "mlflow": unlogged,
+        storage.write_json(f"{out}/final.json", {"step": step, "loss": mean_loss, "mlflow": unlogged, "workers": world,
                                                  "data_wait_fraction": wait_total / max(wait_total + busy_total, 1e-9)})
 
 

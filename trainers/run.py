@@ -53,12 +53,13 @@ def _cluster_shape() -> dict:
 def check_fits(tc, shape: dict) -> None:
     """Ray Train waits, silently and forever, for workers the cluster cannot place: say so before
     it starts, naming the setting."""
-    if tc.use_gpu and shape["gpus"] < tc.num_workers:
-        raise UserError(f"train.use_gpu is true and train.num_workers is {tc.num_workers}, but the cluster has "
-                        f"{shape['gpus']:g} GPU(s); set train.use_gpu: false, lower train.num_workers, or add GPU nodes")
-    if shape["cpus"] < tc.num_workers:
-        raise UserError(f"train.num_workers is {tc.num_workers} (a CPU each) but the cluster has {shape['cpus']:g} CPUs "
-                        f"on {shape['nodes']} node(s); lower train.num_workers or add nodes")
+    least, name = (tc.min_workers, "train.min_workers") if tc.min_workers else (tc.num_workers, "train.num_workers")
+    if tc.use_gpu and shape["gpus"] < least:
+        raise UserError(f"train.use_gpu is true and {name} is {least}, but the cluster has "
+                        f"{shape['gpus']:g} GPU(s); set train.use_gpu: false, lower {name}, or add GPU nodes")
+    if shape["cpus"] < least:
+        raise UserError(f"{name} is {least} (a CPU each) but the cluster has {shape['cpus']:g} CPUs "
+                        f"on {shape['nodes']} node(s); lower {name} or add nodes")
 
 def model_config(tc: TrainConfig, vocab_size: int) -> ModelConfig:
     args = dict(tc.model_args)
@@ -92,7 +93,9 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
     shards = [storage.uri(r) for r in storage.list(shards_rel, ".tar")]
     if not shards:
         raise UserError(f"no shards (*.tar) in {storage.uri(shards_rel)}; run the pipeline's shard stage first")
-    check_readers(int(shard_counts(shards).sum()), tc.num_workers, tc.micro_batch or tc.per_worker_batch)
+    samples = int(shard_counts(shards).sum())
+    for world in tc.worker_counts:
+        check_readers(samples, world, tc.micro_batch or tc.per_worker_batch(world))
     check_fits(tc, _cluster_shape())
     if not storage.exists(tokenizer_rel):
         raise UserError(f"no tokenizer model at {storage.uri(tokenizer_rel)}; run the tokenizer stage first")
@@ -161,14 +164,16 @@ def train(storage, shards_rel: str, tokenizer_rel: str, tc: TrainConfig, seed: i
                             "(unset MLFLOW_TRACKING_URI to track in the run folder)") from None
         storage.write_bytes(id_file, run_id.encode())
     log(f"train: workers read the {len(shards)} shards from {storage.uri(shards_rel)}")
-    log(f"train: {tc.model}/{tc.size}, {tc.steps} steps of {tc.global_batch} on {tc.num_workers} workers "
-        f"({tc.accumulation} micro-batches each), MLflow run {run_id} at {redact(uri)}")
+    on = (f"{tc.min_workers}-{tc.num_workers} workers as the cluster has them (elastic; the global batch stays "
+          f"{tc.global_batch})" if tc.min_workers else
+          f"{tc.num_workers} workers ({tc.accumulation(tc.num_workers)} micro-batches each)")
+    log(f"train: {tc.model}/{tc.size}, {tc.steps} steps of {tc.global_batch} on {on}, MLflow run {run_id} at {redact(uri)}")
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": WorkerJob(train=tc, model=mc, seed=seed, shards=shards, tokenizer=tokenizer,
                                             storage=storage, out=out_rel, image_encoder=encoder_rel,
                                             lm_checkpoint=lm_rel, hf_lm=hf_rel, mlflow_uri=uri, run_id=run_id)},
-        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu),
+        scaling_config=ScalingConfig(num_workers=tc.scaling, use_gpu=tc.use_gpu),
         validation_config=_evaluation_during(tc, mc, run_dir, uri, run_id, ValidationConfig, ValidationTaskConfig),
         run_config=RunConfig(name=f"train-{run_id[:12]}", storage_path=storage.path(f"{out_rel}/ray"),
                              storage_filesystem=storage.fs,

@@ -1,6 +1,8 @@
 """The `train:` config section."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import ClassVar, Any, Literal
 
@@ -62,7 +64,7 @@ class TrainConfig:
     # how the job runs, not what it trains: changing one resumes from the last checkpoint (kept out
     # of the stage's fingerprint). `steps` too: more steps continue the run where it stopped (the
     # train stage reruns a finished job that has fewer steps than asked: TrainStage.complete)
-    HOW: ClassVar[tuple] = ("num_workers", "loader_workers", "checkpoint_every", "keep_checkpoints", "max_failures",
+    HOW: ClassVar[tuple] = ("num_workers", "min_workers", "loader_workers", "checkpoint_every", "keep_checkpoints", "max_failures",
                             "sample_every", "log_every", "system_metrics_every", "eval_every", "experiment", "steps",
                             "activation_checkpointing", "compile")
     SIGNED: ClassVar[tuple] = ("max_failures",)     # -1: any number of failures
@@ -75,6 +77,7 @@ class TrainConfig:
     global_batch: int = 64         # independent of the number of workers
     micro_batch: int | None = None  # per worker and step of accumulation (default: global / workers)
     num_workers: int = 2  # Ray Train workers (data-parallel)
+    min_workers: int = 0  # elastic: start (and go on after a lost node) with as few as this, up to num_workers (0: exactly num_workers)
     loader_workers: int = 1        # background loader processes per training worker
     use_gpu: bool = False  # train on GPUs (one a worker)
     shuffle_buffer: int = 10_000   # samples a worker's loader shuffles together (1: the shards' order); epochs stay exact
@@ -101,13 +104,19 @@ class TrainConfig:
         require(self.steps >= 0, join(prefix, "steps"), f"must be >= 0, got {self.steps}")
         require(self.num_workers >= 1, join(prefix, "num_workers"), "must be >= 1")
         require(self.global_batch >= 1, join(prefix, "global_batch"), "must be >= 1")
-        require(self.global_batch % self.num_workers == 0, join(prefix, "global_batch"),
-                f"{self.global_batch} is not divisible by num_workers {self.num_workers}; the global "
-                "batch is split evenly over the workers")
-        if self.micro_batch is not None:
-            per = self.global_batch // self.num_workers
-            require(self.micro_batch >= 1 and per % self.micro_batch == 0, join(prefix, "micro_batch"),
-                    f"must divide the per-worker batch {per}")
+        require(0 <= self.min_workers <= self.num_workers, join(prefix, "min_workers"),
+                f"must be 0 (a fixed train.num_workers) or 1..{self.num_workers} (train.num_workers), got {self.min_workers}")
+        # the global batch is the recipe's: whatever number of workers the job runs on, it is split evenly
+        uneven = [w for w in self.worker_counts if self.global_batch % w]
+        require(not uneven, join(prefix, "global_batch"),
+                f"{self.global_batch} is not divisible by {uneven[0] if uneven else 0} workers"
+                + (f" (train.min_workers {self.min_workers} to num_workers {self.num_workers}: choose a global batch "
+                   f"divisible by {math.lcm(*self.worker_counts)}, or narrow the range)" if self.min_workers else
+                   "; the global batch is split evenly over train.num_workers"))
+        if self.micro_batch is not None and not uneven:
+            bad = [self.global_batch // w for w in self.worker_counts if (self.global_batch // w) % self.micro_batch]
+            require(self.micro_batch >= 1 and not bad, join(prefix, "micro_batch"),
+                    f"must divide the per-worker batch {bad[0] if bad else self.micro_batch}")
         require(self.shuffle_buffer >= 1, join(prefix, "shuffle_buffer"), "must be >= 1 (1: no shuffling)")
         require(self.loader_workers >= 0, join(prefix, "loader_workers"), "must be >= 0")
         require(self.checkpoint_every >= 1, join(prefix, "checkpoint_every"), "must be >= 1")
@@ -143,9 +152,17 @@ class TrainConfig:
         return self.image_size or (64 if self.size == "tiny" else 224)
 
     @property
-    def per_worker_batch(self) -> int:
-        return self.global_batch // self.num_workers
+    def worker_counts(self) -> range:
+        """The numbers of workers the job may run on (one unless elastic)."""
+        return range(self.min_workers or self.num_workers, self.num_workers + 1)
 
     @property
-    def accumulation(self) -> int:
-        return self.per_worker_batch // (self.micro_batch or self.per_worker_batch)
+    def scaling(self) -> int | tuple[int, int]:
+        """Ray Train's num_workers: a (min, max) pair makes the worker group elastic."""
+        return (self.min_workers, self.num_workers) if self.min_workers else self.num_workers
+
+    def per_worker_batch(self, world: int) -> int:
+        return self.global_batch // world
+
+    def accumulation(self, world: int) -> int:
+        return self.per_worker_batch(world) // (self.micro_batch or self.per_worker_batch(world))

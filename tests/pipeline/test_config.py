@@ -237,3 +237,23 @@ def test_evaluation_during_training_is_on_checkpoints_and_not_for_clipcap():
     from trainers.train_config import TrainConfig
 
     assert "eval_every" in TrainConfig.HOW     # changing it resumes the job, never restarts it
+
+
+def test_an_elastic_worker_range_keeps_the_global_batch_whole_on_every_count():
+    import pytest
+
+    from infra.errors import UserError
+    from pipeline.config import load_config
+    from trainers.train_config import TrainConfig
+
+    tc = load_config(None, ["train.num_workers=4", "train.min_workers=2", "train.global_batch=48"]).train
+    assert tc.scaling == (2, 4) and list(tc.worker_counts) == [2, 3, 4]
+    assert [tc.per_worker_batch(w) for w in tc.worker_counts] == [24, 16, 12]
+    assert load_config(None, ["train.num_workers=4"]).train.scaling == 4      # fixed unless min_workers is set
+    with pytest.raises(UserError, match=r"train.global_batch': 64 is not divisible by 3 workers .*divisible by 12"):
+        load_config(None, ["train.num_workers=4", "train.min_workers=2", "train.global_batch=64"])
+    with pytest.raises(UserError, match=r"train.min_workers': must be 0 .* or 1..2"):
+        load_config(None, ["train.min_workers=3"])
+    with pytest.raises(UserError, match=r"train.micro_batch': must divide the per-worker batch 16"):
+        load_config(None, ["train.num_workers=4", "train.min_workers=2", "train.global_batch=48", "train.micro_batch=12"])
+    assert "min_workers" in TrainConfig.HOW    # a changed range resumes the job

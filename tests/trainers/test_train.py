@@ -299,3 +299,26 @@ def test_fsdp_trains_as_ddp_does_and_resumes_from_its_sharded_state(data_run):
     from safetensors.torch import load_file
 
     assert "blocks.0.attn.q.weight" in load_file(str(run / "train" / "export" / "encoder.safetensors"))
+
+
+def test_an_elastic_job_runs_on_the_workers_the_cluster_has_with_the_same_global_batch(data_run, tmp_path):
+    """train.min_workers 1 with num_workers 4 on a 2-CPU cluster: Ray Train starts the worker group
+    with the 2 it can place (no wait for 4), each takes half of the global batch, and the losses are a
+    fixed 2-worker job's, step for step."""
+    import shutil
+
+    run, cache = data_run
+    base = DATA + [f"stages.dedup.cache_dir={cache}", "train.model=clip", "train.steps=4", "train.global_batch=24",
+                   "train.checkpoint_every=4", "train.optim.warmup_steps=2"]
+    elastic_run = tmp_path / "run"
+    shutil.copytree(run, elastic_run, ignore=lambda d, names: ["train"] if Path(d) == run else [])
+    fixed = run_pipeline(load_config(None, base), run, only="train", log=lambda m: None)
+    logs = []
+    elastic = run_pipeline(load_config(None, base + ["train.num_workers=4", "train.min_workers=1"]), elastic_run,
+                           only="train", log=logs.append)
+    assert any("on 1-4 workers as the cluster has them" in m for m in logs), logs
+    assert json.loads((elastic_run / "train" / "final.json").read_text())["workers"] == 2
+    losses = [_history(MlflowClient(f"sqlite:///{r / 'mlflow.db'}"), s["train"]["mlflow_run_id"], "loss")
+              for r, s in ((run, fixed), (elastic_run, elastic))]
+    assert [s for s, _ in losses[0]] == [s for s, _ in losses[1]] == [1, 2, 3, 4]
+    assert all(abs(a - b) <= 1e-5 * abs(a) for (_, a), (_, b) in zip(*losses)), losses
