@@ -304,7 +304,8 @@ def test_fsdp_trains_as_ddp_does_and_resumes_from_its_sharded_state(data_run):
 def test_an_elastic_job_runs_on_the_workers_the_cluster_has_with_the_same_global_batch(data_run, tmp_path):
     """train.min_workers 1 with num_workers 4 on a 2-CPU cluster: Ray Train starts the worker group
     with the 2 it can place (no wait for 4), each takes half of the global batch, and the losses are a
-    fixed 2-worker job's, step for step."""
+    fixed 2-worker job's, step for step. The fixed job is torch.compiled (inductor, through Ray Train's
+    DDP workers): the same losses as eager within float32 noise."""
     import shutil
 
     run, cache = data_run
@@ -312,7 +313,7 @@ def test_an_elastic_job_runs_on_the_workers_the_cluster_has_with_the_same_global
                    "train.checkpoint_every=4", "train.optim.warmup_steps=2"]
     elastic_run = tmp_path / "run"
     shutil.copytree(run, elastic_run, ignore=lambda d, names: ["train"] if Path(d) == run else [])
-    fixed = run_pipeline(load_config(None, base), run, only="train", log=lambda m: None)
+    fixed = run_pipeline(load_config(None, base + ["train.compile=true"]), run, only="train", log=lambda m: None)
     logs = []
     elastic = run_pipeline(load_config(None, base + ["train.num_workers=4", "train.min_workers=1"]), elastic_run,
                            only="train", log=logs.append)
@@ -321,4 +322,4 @@ def test_an_elastic_job_runs_on_the_workers_the_cluster_has_with_the_same_global
     losses = [_history(MlflowClient(f"sqlite:///{r / 'mlflow.db'}"), s["train"]["mlflow_run_id"], "loss")
               for r, s in ((run, fixed), (elastic_run, elastic))]
     assert [s for s, _ in losses[0]] == [s for s, _ in losses[1]] == [1, 2, 3, 4]
-    assert all(abs(a - b) <= 1e-5 * abs(a) for (_, a), (_, b) in zip(*losses)), losses
+    assert all(abs(a - b) <= 1e-4 * abs(a) for (_, a), (_, b) in zip(*losses)), losses
