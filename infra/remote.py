@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any
 
 _RAY_DATA_IMPORT = threading.RLock()
 
@@ -104,12 +104,3 @@ def node_id() -> str:
     import ray
 
     return ray.get_runtime_context().get_node_id()
-
-
-def fan_out(fn: Callable, calls: list[tuple], num_cpus: float = 0.25) -> list:
-    """Inside a task: `fn(*call)` for each call as tasks of their own, their results in order (the
-    calling task gives its CPU back while it waits)."""
-    import ray
-
-    remote = ray.remote(num_cpus=num_cpus)(fn)
-    return ray.get([remote.remote(*c) for c in calls])

@@ -314,6 +314,34 @@ def read_kept(storage: Storage, rel: str, columns=None) -> pa.Table:
     return t if columns is None else t.select(columns)
 
 
+def _rows_below(storage: Storage, file: str, seed: int, below: str, columns: list[str],
+                trusted: frozenset | None) -> list[dict]:
+    """Ray task: the partition's kept rows whose seeded order key is below `below` (and trusted, if
+    listed), each with its `order`."""
+    from infra.hashing import order_key
+
+    rows = read_kept(storage, file, ["key", *columns]).to_pylist()
+    return [dict(r, order=o) for r in rows if (o := order_key(seed, r["key"])) < below
+            and (trusted is None or r["key"] in trusted)]
+
+
+def first_in_seeded_order(ctx, want: int, pool: int, columns: list[str], what: str,
+                          trusted: frozenset | None = None) -> list[dict]:
+    """The `want` kept rows (key, `columns`) first in sha256(seed:key) order over the upstream's
+    partitions, without sorting them all: each partition's task takes the rows whose order key falls
+    under a threshold that should catch a few more of the `pool` rows, widened if it caught too few.
+    The one seeded sample (the tokenizer's captions, the bootstrap scorer's pairs)."""
+    frac = min(1.0, 1.5 * want / max(1, pool))
+    while True:
+        below = "f" * 64 if frac >= 1 else format(int(frac * 16 ** 16), "016x") + "0" * 48
+        rows = [r for rs in ctx.run(_rows_below, [(ctx.storage, u.file, ctx.seed, below, columns, trusted)
+                                                   for u in ctx.upstream or [] if u.kept],
+                                    what, num_cpus=0.25, quiet=True) for r in rs]
+        if len(rows) >= want or frac >= 1:
+            return sorted(rows, key=lambda r: r["order"])[:want]
+        frac = min(1.0, frac * 2)
+
+
 # -- running one task per partition --------------------------------------------------------------
 @dataclass
 class PartTask:

@@ -1,7 +1,8 @@
 """The tokenizer stage: train a SentencePiece model on the kept captions.
 
 Captions are sampled deterministically (the `max_sentences` keys first in sha256(seed:key) order,
-found by a threshold on that hash in a task per partition, never by sorting every key), training runs
+found by a threshold on that hash in a task per partition, never by sorting every key: the sampler
+the bootstrap scorer shares, `dataplane.first_in_seeded_order`), training runs
 in one Ray task with `threads` threads (and as many CPUs). SentencePiece's model depends on its
 thread count (measured: 1 and 2 threads give different bytes, 2 and 2 the same), so `threads` is a
 setting that decides the result, never the cluster's size: the same captions and config give the
@@ -22,6 +23,7 @@ from infra.configtools import join, require
 from infra.hashing import order_key  # noqa: F401 - the tests import it from here too
 
 from .base import Sink, StageContext, StageResult
+from .dataplane import first_in_seeded_order
 
 
 @dataclass
@@ -60,14 +62,6 @@ def train_sentencepiece(captions: list[str], cfg: TokenizerConfig) -> bytes:
 
 
 @dataclass(frozen=True)
-class Sampled:
-    """One partition's captions below the hash threshold, and what the partition held."""
-    rows: list              # (order key, caption)
-    n: int                  # samples read
-    sum: str                # their key-set checksum (decimal text)
-
-
-@dataclass(frozen=True)
 class Trained:
     """The tokenizer as trained (or kept from the dataset line): its stats, and what it consumed."""
     vocab_size: int
@@ -89,58 +83,32 @@ class Trained:
 STATS = tuple(f.name for f in fields(Trained) if f.name != "consumed")
 
 
-def _sample_task(storage, file: str, seed: int, below: str) -> Sampled:
-    """Ray task: (order key, caption) of the partition's samples whose order key is below `below`,
-    and how many it read (count and key-set checksum: what the stage consumed)."""
-    from .dataplane import keyset_sum, read_kept
-
-    t = read_kept(storage, file, ["key", "caption"])
-    keys = t.column("key").to_pylist()
-    out = []
-    for k, c in zip(keys, t.column("caption").to_pylist()):
-        o = order_key(seed, k)
-        if o < below:
-            out.append((o, c or ""))
-    return Sampled(out, len(keys), str(keyset_sum(keys)))
-
-
-def _train_task(storage, files: list[str], n: int, seed: int, cfg: TokenizerConfig) -> Trained:
-    """Ray task: sample the captions by a hash threshold, train, write spm.model to the run folder."""
+def _train_task(storage, captions: list[str], cfg: TokenizerConfig, consumed: tuple) -> Trained:
+    """Ray task: train on the sampled captions, write spm.model to the run folder."""
     import sentencepiece as spm
 
-    from infra.remote import fan_out
-
-    frac = min(1.0, 1.2 * cfg.max_sentences / max(1, n))
-    while True:
-        below = "f" * 64 if frac >= 1 else format(int(frac * 16 ** 16), "016x") + "0" * 48
-        found = fan_out(_sample_task, [(storage, f, seed, below) for f in files])
-        rows = [r for got in found for r in got.rows]
-        if len(rows) >= min(n, cfg.max_sentences) or frac >= 1:
-            break
-        frac = min(1.0, frac * 2)
-    captions = [c for _, c in sorted(rows)[: cfg.max_sentences]]
-    if not captions:
-        raise RuntimeError("tokenizer: no captions left to train on; every sample was dropped upstream")
     model = train_sentencepiece(captions, cfg)
     sha = storage.write_bytes("tokenizer/spm.model", model)
     sp = spm.SentencePieceProcessor(model_proto=model)
     lengths = [len(ids) + 1 for ids in sp.encode(captions[:2000])]  # + EOS
+    return Trained(sp.get_piece_size(), len(captions), sha, sum(lengths) / len(lengths), max(lengths), consumed)
+
+
+def _consumed(ctx) -> tuple:
+    """What the stage consumed: the upstream partitions' kept counts and key-set checksums from their
+    summaries (the upstream checked them when it wrote them)."""
     from .dataplane import add_sums
 
-    return Trained(sp.get_piece_size(), len(captions), sha, sum(lengths) / len(lengths), max(lengths),
-                   (sum(g.n for g in found), add_sums(*(g.sum for g in found))))
+    upstream = ctx.upstream or []
+    return sum(u.kept for u in upstream), add_sums(*(u.kept_sum for u in upstream))
 
 
 def _keep(ctx) -> Trained:
-    """The dataset line's model as this run's (two requests on the driver), and what the stage
-    consumed: the upstream partitions' kept counts and key-set checksums from their summaries (the
-    upstream checked them when it wrote them): an append reads no partition here."""
-    from .dataplane import add_sums
-
+    """The dataset line's model as this run's (two requests on the driver): an append reads no
+    partition here."""
     info = ctx.storage.read_json(f"{LINE}/info.json")
     ctx.storage.write_bytes("tokenizer/spm.model", ctx.storage.read_bytes(f"{LINE}/spm.model"))
-    upstream = ctx.upstream or []
-    return Trained.from_stats(info, (sum(u.kept for u in upstream), add_sums(*(u.kept_sum for u in upstream))))
+    return Trained.from_stats(info, _consumed(ctx))
 
 
 LINE = "tokenizer/line"      # the model kept for later runs (reuse)
@@ -153,14 +121,16 @@ class TokenizerStage(Sink):
 
     def run(self, ctx: StageContext) -> StageResult:
         cfg: TokenizerConfig = ctx.cfg
-        files = [u.file for u in ctx.upstream or [] if u.kept]
         if cfg.reuse and ctx.storage.exists(f"{LINE}/info.json"):
             info = _keep(ctx)
             ctx.log(f"tokenizer: the model of this dataset line ({info.sha256[:12]}, {info.vocab_size} pieces), "
                     "not trained again (stages.tokenizer.reuse; set it false to retrain)")
         else:
-            info = ctx.call(_train_task, ctx.storage, files, ctx.n_in, ctx.seed, cfg, what="tokenizer",
-                            num_cpus=cfg.threads, setting="stages.tokenizer.threads")
+            rows = first_in_seeded_order(ctx, min(ctx.n_in, cfg.max_sentences), ctx.n_in, ["caption"], "tokenizer sample")
+            if not rows:
+                raise RuntimeError("tokenizer: no captions left to train on; every sample was dropped upstream")
+            info = ctx.call(_train_task, ctx.storage, [r["caption"] or "" for r in rows], cfg, _consumed(ctx),
+                            what="tokenizer", num_cpus=cfg.threads, setting="stages.tokenizer.threads")
             ctx.log(f"tokenizer: trained a {cfg.model_type} model of {info.vocab_size} pieces on "
                     f"{info.trained_on} captions")
             if cfg.reuse:

@@ -35,12 +35,11 @@ from infra.configtools import join, require
 from infra.errors import UserError
 
 from ..base import DROPPED, KEPT, Decide, PartTask, StageContext, StageResult
-from ..dataplane import PICTURE_COLUMNS, by_location, picture_batches, pictures, read_images, read_kept, reused_or_run
+from ..dataplane import PICTURE_COLUMNS, by_location, first_in_seeded_order, picture_batches, pictures, read_images, read_kept, reused_or_run
 from ..examples import write_examples
 from ..shared_model import TORCH_MB, WORKER_MB, SharedModel
 from .scorer import (FOLDS, BootstrapConfig, CrossFitScorer, Scorer, check_scorer, fold_dir, fold_of, read_trusted_keys,
                      small_bootstrap, train_bootstrap)
-from infra.hashing import order_key
 
 
 @dataclass
@@ -281,13 +280,6 @@ def _decide(table: pa.Table, threshold: float | None, cut: int | None, last_tied
                                            ("score", pa.float64()), ("detail", pa.string())])), {}
 
 
-def _sample_task(storage, file: str, seed: int, below: str, trusted: frozenset | None) -> list[dict]:
-    """Ray task: the partition's rows whose seeded order key is below `below` (and trusted, if listed)."""
-    rows = read_kept(storage, file, ["key", "caption", *PICTURE_COLUMNS]).to_pylist()
-    return [dict(r, order=order_key(seed, r["key"])) for r in rows
-            if order_key(seed, r["key"]) < below and (trusted is None or r["key"] in trusted)]
-
-
 @dataclass(frozen=True)
 class Scored:
     """One partition's scores as counts: how many samples got each integer score (its record)."""
@@ -491,18 +483,8 @@ class ClipScoreStage(Decide):
             return info
         trusted = frozenset(read_trusted_keys(b.trusted_keys)) if b.trusted_keys else None
         pool = len(trusted) if trusted is not None else ctx.n_in
-        # the first max_samples keys in seeded order, without sorting them all: take those whose order
-        # key falls under a threshold that should catch a few more, widen it if it caught too few
-        frac = min(1.0, 1.5 * b.max_samples / max(1, min(pool, ctx.n_in)))
-        while True:
-            below = "f" * 64 if frac >= 1 else format(int(frac * 16 ** 16), "016x") + "0" * 48
-            rows = [r for rs in ctx.run(_sample_task, [(ctx.storage, u.file, ctx.seed, below, trusted)
-                                                        for u in ctx.upstream or []], "clip_score sample",
-                                        num_cpus=0.25, quiet=True) for r in rs]
-            if len(rows) >= b.max_samples or frac >= 1:
-                break
-            frac = min(1.0, frac * 2)
-        rows = sorted(rows, key=lambda r: r["order"])[: b.max_samples]
+        rows = first_in_seeded_order(ctx, b.max_samples, min(pool, ctx.n_in), ["caption", *PICTURE_COLUMNS],
+                                     "clip_score sample", trusted)
         if trusted is not None and len(rows) < 2:
             raise UserError(f"stages.clip_score.bootstrap.trusted_keys: {len(rows)} of its keys reach this "
                             f"stage ({len(trusted)} listed); name keys of samples that survive the earlier stages")
