@@ -93,7 +93,7 @@ def keyset_sum(keys) -> int:
     return int(h.sum(dtype=np.uint64)) if len(h) else 0   # numpy's uint64 sum wraps mod 2^64
 
 
-def add_sums(*sums: int) -> int:
+def add_sums(*sums: int | str) -> int:
     return sum(int(s) for s in sums) & MASK
 
 
@@ -247,7 +247,7 @@ def add_notes(table: pa.Table, stage: str, notes: tuple | None = None) -> pa.Tab
 
 def write_part(storage: Storage, stage: str, part: str, input_name: str | None, in_keys, out: pa.Table,
                extra: dict | None = None, rel: str | None = None, notes: tuple | None = None,
-               pick: tuple | None = None) -> dict:
+               pick: tuple | None = None) -> PartResult:
     """Check and write a partition's ledger; -> its PartResult. `pick` (per_reason, seed, cut): the
     examples page's picks from the rows in hand, as `result.picks` (an attribute, never in
     parts.json: stages/examples.py keeps them by partition), so no task reads the ledger to pick.
@@ -358,7 +358,7 @@ class PartTask:
 
 
 def run_part(storage: Storage, stage: str, fn: Callable, task: PartTask, rel: str | None = None,
-             record: str | None = None, notes: tuple | None = None, pick: tuple | None = None) -> dict:
+             record: str | None = None, notes: tuple | None = None, pick: tuple | None = None) -> PartResult:
     table = read_kept(storage, task.file) if task.file else pa.table({"key": pa.array([], pa.string())})
     if task.start or task.stop is not None:
         table = table.slice(task.start, (task.stop if task.stop is not None else table.num_rows) - task.start)
