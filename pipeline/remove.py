@@ -40,8 +40,8 @@ import pyarrow.compute as pc
 from infra.errors import UserError
 from stages.shard import line_lookup
 from stages.shard.line import LINE, RECORD, published_all, published_file, published_parts, read_line
-from stages.shard.removals import (DESCRIPTIONS, PENDING, PENDING_ROWS, REMOVED, half_done, near_copies,  # noqa: F401
-                                   removal_digest, unit_or_none, unit_rows)   # the line's removals, as dedup applies them
+from stages.shard.removals import (DESCRIPTIONS, PENDING, PENDING_ROWS, REMOVED, framed_of, half_done,  # noqa: F401
+                                   near_copies, near_copies_of, removal_digest)   # the line's removals, as dedup applies them
 
 from infra.faults import killpoint
 
@@ -144,8 +144,6 @@ def _match_task(storage, part: str, ingest_file: str, desc_file: str | None, key
     shard, how, url, sha256, vec, detail). Reads the partition's published keys, its ingest ledger's
     URL and sha256 columns, and its descriptions where image entries (`images`: their thumbnail and
     detail descriptors) were given or a sample matched."""
-    from stages.dedup.imagehash import DETAIL_DIM
-
     vecs, details, _ = images
     pub = published_all(storage, part)
     if not pub.num_rows:
@@ -153,25 +151,24 @@ def _match_task(storage, part: str, ingest_file: str, desc_file: str | None, key
     led = storage.read_table(ingest_file, ["key", "url", "sha256"])
     led = led.filter(pc.is_in(led.column("key"), pub.column("key")))
     info = {k: (u, s) for k, u, s in zip(*(led.column(c).to_pylist() for c in ("key", "url", "sha256")))}
-    def described(names) -> tuple[dict, dict]:
+    def described(names) -> tuple[dict, dict, dict]:
         """key -> thumbnail and detail descriptors of `names` (a line described before the detail was
-        has none: the thumbnail alone)."""
+        has none: the thumbnail alone), and those inside a flat frame (`framed_of`)."""
         if not desc_file or not names:
-            return {}, {}
+            return {}, {}, {}
         d = storage.read_table(desc_file)
         d = d.filter(pc.is_in(d.column("key"), pa.array(sorted(names), pa.string())))
         keys = d.column("key").to_pylist()
         return (dict(zip(keys, d.column("vec").to_pylist())),
-                dict(zip(keys, d.column("detail").to_pylist())) if "detail" in d.column_names else {})
+                dict(zip(keys, d.column("detail").to_pylist())) if "detail" in d.column_names else {}, framed_of(d))
 
     near, vec_of, detail_of = {}, None, None
     if len(vecs):
-        vec_of, detail_of = described(pub.column("key").to_pylist())
+        vec_of, detail_of, framed = described(pub.column("key").to_pylist())
         names = list(vec_of)
-        sd, has = unit_or_none([detail_of.get(k) for k in names], DETAIL_DIM)
         k = len(vecs)
-        found = near_copies(unit_rows([vec_of[n] for n in names]), sd, has, vecs, details, np.ones(k, bool),
-                            np.full(k, threshold), np.full(k, detail_threshold)) if names else []
+        found = near_copies_of(names, vec_of, detail_of, framed, vecs, details, np.ones(k, bool),
+                               np.full(k, threshold), np.full(k, detail_threshold)) if names else []
         near = {n: hit[1] for n, hit in zip(names, found) if hit is not None}
     out = []
     for key, shard in zip(pub.column("key").to_pylist(), pub.column("shard").to_pylist()):
@@ -183,7 +180,7 @@ def _match_task(storage, part: str, ingest_file: str, desc_file: str | None, key
     # every removed sample's descriptors are recorded, however it was named: a re-encoded copy of it
     # under a URL never seen is a near copy of a removed image to every later run's dedup
     if vec_of is None:      # no image entry read them: the matched samples' alone
-        vec_of, detail_of = described([m["key"] for m in out])
+        vec_of, detail_of, _ = described([m["key"] for m in out])
     for m in out:
         m.update(vec=vec_of.get(m["key"]), detail=detail_of.get(m["key"]))
     return out

@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from ..dataplane import PICTURE_COLUMNS, by_location, picture_batches
 from ..shared_model import TORCH_MB, WORKER_MB, SharedModel
-from .imagehash import DETAIL_DIM, describe, detail, to_rgb_array, trim_border, trim_flat_bars
+from .imagehash import DETAIL_DIM, describe, detail, framed_descriptors, to_rgb_array, trim_border
 from .neardup import NearDupIndex, search_plan
 from .config import DedupConfig
 from .encoder import EncoderDescriber
@@ -74,6 +74,8 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
     n = rows.num_rows
     vec16, means, codes = np.zeros((n, 768), np.float16), np.zeros((n, 3), np.float32), np.zeros((n, cfg.bits // 8), np.uint8)
     detail16 = np.zeros((n, DETAIL_DIM), np.float16)
+    framed_vec: list[bytes | None] = [None] * n     # the picture inside a flat frame, for removals
+    framed_detail: list[bytes | None] = [None] * n
     pix, ok = [bytes(16)] * n, np.zeros(n, bool)
     best_set, best_id, best_sim = [""] * n, [""] * n, np.full(n, -1.0, np.float32)
     at = 0
@@ -92,8 +94,11 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
             detail16[i] = detail(core)
             pix[i] = hashlib.sha256(arr.tobytes()).digest()[:16]
             ok[i] = True
-            if hash_sets and (query := framed_query(arr)) is not None:
-                framed.append((j, *query))
+            if (inside := framed_descriptors(arr)) is not None:
+                fv, fm, fd = inside
+                framed_vec[i], framed_detail[i] = fv.astype(np.float16).tobytes(), fd.astype(np.float16).tobytes()
+                if hash_sets:
+                    framed.append((j, fv, fm))
         vec16[at:at + m], codes[at:at + m] = vecs, simhash(vecs, cfg.bits)
         for kind, idx_map in (("hash", indexes), ("encoder", enc_indexes)):
             if not idx_map:
@@ -116,6 +121,7 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
     table = pa.table({
         "key": keys, "vec": pa.array([v.tobytes() for v in vec16], pa.binary()),
         "detail": pa.array([v.tobytes() for v in detail16], pa.binary()),
+        "framed_vec": pa.array(framed_vec, pa.binary()), "framed_detail": pa.array(framed_detail, pa.binary()),
         "ok": ok, "eval_set": best_set, "eval_id": best_id, "eval_sim": best_sim,
         "code": pa.array([c.tobytes() for c in codes], pa.binary()),
         "mean": pa.FixedSizeListArray.from_arrays(pa.array(means.ravel()), 3),
@@ -136,9 +142,9 @@ def _describe_task(storage, part: str, file: str, blobs: dict, names: tuple,
 
 def framed_query(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """The evaluation query of a picture inside bars of one flat colour other than black, without
-    them (`imagehash.trim_flat_bars`); None where it has none."""
-    inside = trim_flat_bars(arr)
-    return None if inside is None else describe(inside)
+    them (`imagehash.framed_descriptors`); None where it has none."""
+    inside = framed_descriptors(arr)
+    return None if inside is None else inside[:2]
 
 
 def best_matches(idx_map: dict, kind: str, vecs: np.ndarray, means: np.ndarray,
@@ -168,7 +174,9 @@ WITHIN_DESCRIPTOR = "thumb16-unpadded"
 # inside bars of one flat colour is searched again without them (`imagehash.trim_flat_bars`). In the
 # reuse key where the stage has evaluation sets, so descriptions searched before it are searched again.
 FRAMED_QUERY = "flat-bars"
-DESCRIBED_LAYOUT = 4        # what a description file holds (3: codes, colours and hashes for the sign step; 4: `detail`)
+# what a description file holds (3: codes, colours and hashes for the sign step; 4: `detail`; 5: the
+# descriptors of a picture inside a flat frame, `framed_vec`/`framed_detail`, which removals search too)
+DESCRIBED_LAYOUT = 5
 
 
 def eval_search(arrays: dict) -> str:

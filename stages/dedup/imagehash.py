@@ -87,6 +87,10 @@ def trim_flat_bars(arr: np.ndarray, tol: float = PAD_TOLERANCE, level: float = 1
     # must span half of each side at least
     if max(top, h - bottom, left, w - right) < 2 or 2 * (bottom - top) < h or 2 * (right - left) < w:
         return None
+    # the picture's first line beside a bar is a blend of the two (the resize's and JPEG's filters): a
+    # copy framed at 256 px matched its original at cosine 0.991 (detail 0.989) with it, 0.999 without
+    top, bottom = top + (top > 0), bottom - (bottom < h)
+    left, right = left + (left > 0), right - (right < w)
     return arr[top:bottom, left:right]
 
 
@@ -113,6 +117,16 @@ def detail(image) -> np.ndarray:
     x = np.asarray(small.filter(ImageFilter.GaussianBlur(0.6)), np.float32)
     v = (x - x.mean()).ravel()
     return (v / (np.linalg.norm(v) + 1e-6)).astype(np.float32)
+
+
+def framed_descriptors(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The thumbnail descriptor, mean colour and detail of the picture inside bars of one flat colour
+    (`trim_flat_bars`), None where it has none: what the evaluation search and removals search
+    besides the whole."""
+    inside = trim_flat_bars(arr)
+    if inside is None:
+        return None
+    return (*describe(inside), detail(inside))
 
 
 def crops(image, scales=(0.05, 0.10, 0.15)) -> list[np.ndarray]:

@@ -55,15 +55,15 @@ def _verdicts(table: pa.Table, part: str, index: int, has_decisions: bool, cfg: 
     """A partition's verdicts: undecodable, removed from the dataset line (`removals`: the line
     records some), evaluation-set matches, then its within-data duplicates (its row group of the
     components task's file)."""
-    desc = storage.read_table(desc, ["key", "ok", "eval_set", "eval_id", "eval_sim"] + (["vec", "detail"] if removals else []))
+    desc = storage.read_table(desc, ["key", "ok", "eval_set", "eval_id", "eval_sim"] + (["vec", "detail", "framed_vec", "framed_detail"] if removals else []))
     removed = {}
     if removals:
-        from ..shard.removals import blocked
+        from ..shard.removals import blocked, framed_of
 
         keys = desc.column("key").to_pylist()
         removed = blocked(storage, table, dict(zip(keys, desc.column("vec").to_pylist())),
-                          dict(zip(keys, desc.column("detail").to_pylist())), digest=removals)
-        desc = desc.drop_columns(["vec", "detail"])
+                          dict(zip(keys, desc.column("detail").to_pylist())), digest=removals, framed=framed_of(desc))
+        desc = desc.drop_columns(["vec", "detail", "framed_vec", "framed_detail"])
     info = {k: (o, s, i, sim) for k, o, s, i, sim in zip(*(desc.column(c).to_pylist() for c in desc.column_names))}
     decisions = {}
     if has_decisions:

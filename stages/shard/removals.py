@@ -68,6 +68,37 @@ def near_copies(vecs: np.ndarray, details: np.ndarray, has_detail: np.ndarray, r
     return [(int(j), float(sims[i, j])) if ok[i, j] else None for i, j in enumerate(best)]
 
 
+def near_copies_of(keys: list[str], vecs: dict, details: dict, framed: dict, ref_vecs: np.ndarray,
+                   ref_details: np.ndarray, ref_has_detail: np.ndarray, threshold: np.ndarray,
+                   detail_threshold: np.ndarray) -> list[tuple[int, float] | None]:
+    """`near_copies` of samples by key (`vecs`, `details`: key -> the float16 descriptors dedup's
+    describe step wrote), each searched as a whole and, where that step found it inside bars of one
+    flat colour (`framed`: key -> (thumbnail, detail) of the picture inside), once more inside them,
+    as dedup's evaluation search does: a removed image re-hosted in a coloured frame is otherwise the
+    framed whole's descriptor, and was found 0 of 8 times."""
+    from ..dedup.imagehash import DETAIL_DIM
+
+    rows = [(i, vecs[k], details.get(k)) for i, k in enumerate(keys)]
+    rows += [(i, *framed[k]) for i, k in enumerate(keys) if framed.get(k) and framed[k][0]]
+    sd, has = unit_or_none([d for _, _, d in rows], DETAIL_DIM)
+    found = near_copies(unit_rows([v for _, v, _ in rows]), sd, has, ref_vecs, ref_details, ref_has_detail,
+                        threshold, detail_threshold)
+    out: list[tuple[int, float] | None] = [None] * len(keys)
+    for (i, _, _), hit in zip(rows, found):
+        if hit is not None and (out[i] is None or hit[1] > out[i][1]):
+            out[i] = hit
+    return out
+
+
+def framed_of(desc: pa.Table) -> dict:
+    """key -> (thumbnail, detail) of the picture inside a flat frame, from a description file's
+    columns (a line described before layout 5 has none)."""
+    if "framed_vec" not in desc.column_names:
+        return {}
+    keys, fv, fd = (desc.column(c).to_pylist() for c in ("key", "framed_vec", "framed_detail"))
+    return {k: (v, d) for k, v, d in zip(keys, fv, fd) if v is not None}
+
+
 def removal_digest(storage) -> str | None:
     """What later runs' dedup verdicts depend on: the removals the line records (None: none). (A
     removal that was interrupted is refused before any stage runs: pipeline/runner.py.)"""
@@ -127,13 +158,12 @@ def _removed(storage, digest: str | None) -> _Removed | None:
 
 
 def blocked(storage, table: pa.Table, vecs: dict[str, bytes], details: dict[str, bytes] | None = None,
-            digest: str | None = None) -> dict[str, str]:
+            digest: str | None = None, framed: dict | None = None) -> dict[str, str]:
     """For the dedup stage of a later run: key -> why, for the samples of `table` (key, url, sha256)
     that a removal names, or that are near copies of a removed image or sample (`vecs`, `details`:
-    key -> the sample's thumbnail and detail descriptors, as dedup's describe step wrote them).
+    key -> the sample's thumbnail and detail descriptors, as dedup's describe step wrote them;
+    `framed`: those of the picture inside a flat frame, `framed_of`).
     `digest` (removal_digest): the removals it names, indexed once per process."""
-    from ..dedup.imagehash import DETAIL_DIM
-
     r = _removed(storage, digest)
     if r is None:
         return {}
@@ -148,9 +178,8 @@ def blocked(storage, table: pa.Table, vecs: dict[str, bytes], details: dict[str,
                 break
     todo = [k for k in cols["key"] if k not in out and vecs.get(k)]
     if r.have and todo:
-        sd, shas = unit_or_none([(details or {}).get(k) for k in todo], DETAIL_DIM)
-        found = near_copies(unit_rows([vecs[k] for k in todo]), sd, shas, r.vecs, r.details, r.has_detail,
-                            r.cut, r.detail_cut)
+        found = near_copies_of(todo, vecs, details or {}, framed or {}, r.vecs, r.details, r.has_detail,
+                               r.cut, r.detail_cut)
         for k, hit in zip(todo, found):
             if hit is not None:
                 j, sim = hit

@@ -119,9 +119,13 @@ def test_removals_leave_the_line_only_where_they_were_and_never_come_back(tmp_pa
         near = www / "img" / "near-copy.png"
         near.parent.mkdir(exist_ok=True)
         img.resize((img.width // 2, img.height // 2)).save(near)
+        from PIL import ImageOps      # and in a coloured frame, as a page re-hosting it shows it
+
+        ImageOps.expand(img, border=img.width // 10, fill=(200, 30, 30)).save(www / "img" / "framed-copy.png")
         again = [{"url": meta[k]["url"].replace(server.base_url, SERVER_PLACEHOLDER), "caption": "seen again " + k}
                  for k in gone]
         again.append({"url": f"{SERVER_PLACEHOLDER}/img/near-copy.png", "caption": "a near copy"})
+        again.append({"url": f"{SERVER_PLACEHOLDER}/img/framed-copy.png", "caption": "a framed copy"})
         _list(urls / "b.parquet", rows[50:] + again, server)
         more = capline("run", config, "--run-dir", str(run), "--until", "shard", timeout=900)
         assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
@@ -158,6 +162,8 @@ def test_removals_leave_the_line_only_where_they_were_and_never_come_back(tmp_pa
     why = {r["key"]: (r["reason"], r["detail"]) for r in ledger}
     near_key = sample_key(f"{server.base_url}/img/near-copy.png", "a near copy")
     assert why[near_key][0] == "removed" and "near copy" in why[near_key][1], why.get(near_key)
+    framed_key = sample_key(f"{server.base_url}/img/framed-copy.png", "a framed copy")
+    assert why[framed_key][0] == "removed" and "near copy" in why[framed_key][1], why.get(framed_key)
     for k in gone:
         relisted = sample_key(meta[k]["url"], "seen again " + k)
         assert why[relisted][0] == "removed" and "removal 1" in why[relisted][1], why.get(relisted)
