@@ -111,12 +111,30 @@ def check_parquet(path: Path, what: str, setting: str, max_bytes: int | None = N
         raise UserError(f"{what}: {path} is not a readable Parquet file ({first})") from None
 
 
+# JSON nesting a JSONL line may have: pyarrow's reader recurses per level and a line nested 20,000
+# deep killed the reading process (SIGSEGV, no error); 5,000 still read
+MAX_JSON_DEPTH = 1000
+
+
+def json_depths(data: bytes, carried: int = 0) -> tuple[int, int]:
+    """(deepest, at the end) bracket nesting of JSONL `data`, counted per line from `carried` (the
+    depth the previous chunk ended at). Brackets inside strings count too: an upper bound."""
+    if not data:
+        return carried, carried
+    a = np.frombuffer(data, np.uint8)
+    depth = np.cumsum(((a == 91) | (a == 123)).astype(np.int32) - ((a == 93) | (a == 125)).astype(np.int32)) + carried
+    newline = np.maximum.accumulate(np.where(a == 10, np.arange(len(a)), -1))
+    depth -= np.where(newline >= 0, depth[np.maximum(newline, 0)], 0)
+    return int(depth.max()), int(depth[-1])
+
+
 class Counted:
     """A readable stream that counts what passes and refuses past `limit` bytes (a compressed text
-    list, decompressed as it is read)."""
+    list, decompressed as it is read); with `json`, also a line nested past MAX_JSON_DEPTH."""
 
-    def __init__(self, raw, limit: int, what: str):
+    def __init__(self, raw, limit: int, what: str, json: bool = False):
         self.raw, self.limit, self.what, self.n = raw, limit, what, 0
+        self.json, self.depth = json, 0
         self.closed = False
 
     def read(self, size: int = -1) -> bytes:
@@ -124,6 +142,11 @@ class Counted:
         self.n += len(data)
         if self.n > self.limit:
             raise UserError(f"{self.what}: more than {self.limit:,} bytes once decompressed")
+        if self.json:
+            deepest, self.depth = json_depths(data, self.depth)
+            if deepest > MAX_JSON_DEPTH:
+                raise UserError(f"{self.what.split(':')[0]}: a line nests JSON more than {MAX_JSON_DEPTH} levels "
+                                f"deep (near byte {self.n - len(data):,}): not a URL list's row")
         return data
 
     def readable(self) -> bool:

@@ -15,7 +15,61 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, UserError
+
+# a config file is read whole by the driver, and may come from elsewhere (a run folder's own
+# config.yaml): bounded before it is parsed and after (aliases expand without bound: "billion laughs")
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_VALUES = 100_000
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """safe_load, with a key given twice in one mapping refused (PyYAML keeps the last, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _values(obj, budget: list[int]) -> None:
+    """Counts the values `obj` expands to (an alias once per use), stopping past the budget."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        return
+    for v in (obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else ()):
+        _values(v, budget)
+
+
+def parse_yaml(text: str | bytes, what: str):
+    """YAML text from a file or a --set value -> its value, or a one-line UserError naming `what`:
+    over MAX_CONFIG_BYTES, not UTF-8, not YAML (python tags included: safe_load), a key given twice,
+    nested past Python's recursion limit, or expanding to more than MAX_CONFIG_VALUES values."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise UserError(f"{what}: more than the {MAX_CONFIG_BYTES >> 20} MiB a config may be")
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UserError(f"{what}: not UTF-8 text (byte {err.start}: {text[err.start:err.start + 1]!r}); "
+                            "save it as UTF-8") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeys)   # noqa: S506 - a SafeLoader
+        budget = [MAX_CONFIG_VALUES]
+        _values(data, budget)
+    except yaml.YAMLError as err:
+        raise UserError(f"{what}: not valid YAML ({' '.join(str(err).split())[:300]})") from None
+    except RecursionError:
+        raise UserError(f"{what}: nested too deeply to be a config") from None
+    except ValueError:     # Python refuses to convert an integer of more than 4,300 digits
+        raise UserError(f"{what}: holds a number of thousands of digits") from None
+    if budget[0] < 0:
+        raise UserError(f"{what}: expands to more than {MAX_CONFIG_VALUES:,} values (YAML aliases used as a bomb?)")
+    return data
 
 
 def _type_name(tp) -> str:
@@ -149,9 +203,9 @@ def apply_override(data: dict, assignment: str) -> None:
     if not key:
         raise ConfigError("", f"--set needs a key before '=': {assignment!r}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as err:
-        raise ConfigError(key, f"cannot parse value {raw!r}: {err}") from None
+        value = parse_yaml(raw, f"--set {key}") if raw.strip() else ""
+    except UserError as err:
+        raise ConfigError(key, f"cannot parse value {raw[:80]!r}: {err}") from None
     node = data
     parts = key.split(".")
     for i, part in enumerate(parts[:-1]):

@@ -16,7 +16,7 @@ import yaml
 
 from stages.registry import sections
 from stages.source.stage import SourceConfig
-from infra.configtools import apply_override, build, require
+from infra.configtools import MAX_CONFIG_BYTES, apply_override, build, parse_yaml, require
 from trainers.evaluation.config import EvalConfig
 from trainers.train_config import TrainConfig
 from infra.errors import UserError
@@ -64,10 +64,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     path = Path(path) if path else DEFAULT_CONFIG
     if not path.is_file():
         raise UserError(f"config file {path}: no such file")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise UserError(f"config file {path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    with open(path, "rb") as f:       # no more than the cap is read, however large the file
+        data = parse_yaml(f.read(MAX_CONFIG_BYTES + 1), f"config file {path}") or {}
     if not isinstance(data, dict):
         raise UserError(f"config file {path}: expected a mapping at the top level")
     data = copy.deepcopy(data)

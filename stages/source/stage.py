@@ -227,7 +227,7 @@ def iter_list(path: Path, fmt: str, text_cols: tuple = (), header: bool = True, 
                     pass
         block = max(1 << 20, 4 * max_field)
         with pa.input_stream(str(path), compression="detect") as raw:
-            stream = Counted(raw, limit, what)
+            stream = Counted(raw, limit, what, json=fmt == "jsonl")
             if fmt == "jsonl":
                 reader = pajson.open_json(stream, read_options=pajson.ReadOptions(block_size=block, use_threads=False))
                 line = 1

@@ -94,6 +94,26 @@ def _frames(fmt: str, n: int) -> bytes:
     return buf.getvalue()
 
 
+def _png_ihdr(w: int, h: int, colour: int = 0, depth: int = 8, idat: bytes | None = None) -> bytes:
+    """A PNG of whatever header we like, its pixels a few zero rows."""
+    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, depth, colour, 0, 0, 0))
+            + _chunk(b"IDAT", zlib.compress(b"\x00" * 9 * 8) if idat is None else idat) + _chunk(b"IEND", b""))
+
+
+def _tiff_60000() -> bytes:
+    """An 8x8 TIFF whose ImageWidth and ImageLength tags say 60000."""
+    tif = _encoded("TIFF")
+    for tag in (256, 257):
+        tif = _with_dims(tif, struct.pack("<HHII", tag, 4, 1, 8), struct.pack("<HHII", tag, 4, 1, 60000))
+    return tif
+
+
+def _mode(fmt: str, mode: str) -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, (8, 8)).save(buf, fmt)
+    return buf.getvalue()
+
+
 _TEXT_BOMB = zlib.compress(b"A" * (200 << 20), 9)       # 200 MB of text in 200 KB
 
 IMAGES = {
@@ -128,6 +148,18 @@ IMAGES = {
     "empty": (b"", "undecodable_image"),
     "one_byte": (b"\xff", "undecodable_image"),
     "html_error_page": (b"<html><body>404 Not Found</body></html>", "undecodable_image"),
+    "tiff_60000x60000_tags": (_tiff_60000(), "image_too_large"),
+    "tiff_truncated": (_encoded("TIFF")[:60], "undecodable_image"),
+    "png_1_by_2147483647": (_png_ihdr(1, 2**31 - 1), "image_too_large"),
+    "png_bit_depth_3": (_png_ihdr(8, 8, depth=3), "undecodable_image"),
+    "png_pixels_not_zlib": (_png_ihdr(8, 8, idat=bytes(range(50))), "undecodable_image"),
+    "jpeg_0x0_header": (_with_dims(_encoded("JPEG"), b"\x00\x08\x00\x08", b"\x00\x00\x00\x00"), "undecodable_image"),
+    "gif_truncated": (_encoded("GIF", (64, 64))[:40], "truncated_image"),
+    "tga_not_allowed": (_encoded("TGA"), "unsupported_format"),
+    "pcx_not_allowed": (_encoded("PCX"), "unsupported_format"),
+    "sgi_not_allowed": (_encoded("SGI"), "unsupported_format"),
+    "pil_im_not_allowed": (_encoded("IM"), "unsupported_format"),
+    "dds_not_allowed": (_mode("DDS", "RGBA"), "unsupported_format"),
 }
 
 
@@ -148,6 +180,12 @@ BOUNDED = {
     "png_pixels_inflating_to_300_mb": (_png_with([], idat=zlib.compress(b"\x00" * (300 << 20), 9)), (8, 8)),
     "gif_of_300_frames": (_frames("GIF", 300), (8, 8)),
     "apng_of_50_frames": (_frames("PNG", 50), (8, 8)),
+    "tiff_of_300_pages": (_frames("TIFF", 300), (8, 8)),
+    "webp_of_100_frames": (_frames("WEBP", 100), (8, 8)),
+    "cmyk_jpeg": (_mode("JPEG", "CMYK"), (8, 8)),
+    "png_16_bit_grey": (_mode("PNG", "I;16"), (8, 8)),
+    "png_grey_with_alpha": (_mode("PNG", "LA"), (8, 8)),
+    "jpeg_with_html_after_its_end": (_encoded("JPEG") + b"<html>an error page glued on</html>", (8, 8)),
 }
 
 
@@ -155,7 +193,7 @@ BOUNDED = {
 def test_costly_but_real_pictures_decode_their_first_frame_within_bounds(name):
     data, size = BOUNDED[name]
     img = decode(data)
-    assert img.size == size and getattr(img, "n_frames", 1) == 1
+    assert img.size == size and getattr(img, "n_frames", 1) == 1 and img.mode == "RGB"
 
 
 def test_importing_the_downloader_leaves_pils_limit_alone():
@@ -449,3 +487,109 @@ def test_an_ordinary_nested_column_passes_the_bomb_check(tmp_path):
     pq.write_table(pa.table({"url": ["http://x.example/1.jpg", "http://x.example/2.jpg"],
                              "tags": [["cat", "sofa"], ["dog"]], "meta": [{"w": 1, "src": "a"}, {"w": 2, "src": "bb"}]}), path)
     assert check_parquet(path, "list", "raise it") == len("http://x.example/1.jpg") * 2 + 3 + 4 + 3 + 1 + 2
+
+
+# ---- config files: a run folder's own config.yaml comes from wherever the folder did ----------------
+
+def _laughs(levels: int = 8) -> str:
+    """"Billion laughs": each level ten aliases of the one before, 10^8 values from ~600 bytes, in a
+    free-form mapping (train.model_args) that the key checks do not look into before the config's
+    digest writes it out."""
+    lines = ["train:", "  model_args:", "    l0: &l0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"    l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+CONFIGS = {
+    "yaml_billion_laughs": (_laughs(), "expands to more than 100,000 values"),
+    "yaml_python_object_tag": ("source: !!python/object/apply:os.system ['touch /tmp/capline-pwned']\n",
+                               "not valid YAML (could not determine a constructor"),
+    "yaml_custom_tag": ("seed: !custom 3\n", "not valid YAML"),
+    "yaml_nested_20000_deep": ("source: " + "[" * 20000 + "]" * 20000 + "\n", "nested too deeply"),
+    "latin1_bytes": (b"source:\n  kind: demo  # caf\xe9\n", "not UTF-8 text (byte 27"),
+    "binary_garbage": (bytes(range(256)) * 8, "not UTF-8 text"),
+    "a_key_given_twice": ("seed: 1\nseed: 2\n", "key 'seed' is given twice"),
+    "a_5000_digit_number": ("seed: " + "9" * 5000 + "\n", "a number of thousands of digits"),
+    "over_one_mib": ("k" * (2 << 20) + ": 1\n", "more than the 1 MiB a config may be"),
+    "a_list_not_a_mapping": ("- source\n- stages\n", "expected a mapping at the top level"),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_hostile_config_files_are_refused_in_one_line(name, tmp_path):
+    from pipeline.config import load_config
+
+    text, expected = CONFIGS[name]
+    path = tmp_path / "config.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(UserError) as err:
+        load_config(path)
+    assert expected in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value), err.value
+    assert not os.path.exists("/tmp/capline-pwned")
+
+
+def test_a_hostile_set_value_is_refused_naming_its_key():
+    from pipeline.config import load_config
+
+    with pytest.raises(UserError, match=r"config key 'seed': cannot parse value .*nested too deeply"):
+        load_config(None, ["seed=" + "[" * 20000 + "]" * 20000])
+
+
+# ---- more URL lists: each refused in one line naming the file, or read with every row accounted for --
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return buf.getvalue()
+
+
+_ONE_ROW = _parquet_bytes(pa.table({"url": ["http://x.example/1.jpg"], "caption": ["a"]}))
+
+REFUSED_LISTS = {
+    "jsonl_nested_100000_deep.jsonl": (b'{"url": "http://x.example/1.jpg", "caption": ' + b"[" * 100_000 + b"]" * 100_000
+                                       + b"}\n", "nests JSON more than 1000 levels"),
+    "utf16.csv": ("url,caption\nhttp://x.example/1.jpg,a\n".encode("utf-16"), "its header is not UTF-8"),
+    "truncated.parquet": (_ONE_ROW[: len(_ONE_ROW) // 2], "is not a readable Parquet file"),
+    "a_csv_named.parquet": (b"url,caption\nhttp://x.example/1.jpg,a\n", "is not a readable Parquet file"),
+    "empty.parquet": (b"", "is not a readable Parquet file (Parquet file size is 0 bytes)"),
+    "bomb.csv.bz2": (bz2.compress(b"url,caption\n" + (b"http://x.example/a.jpg," + b"a" * 1000 + b"\n") * 100_000),
+                     "(a compression bomb?); raise source.max_list_bytes"),
+    "bomb.jsonl.zst": (pa.compress(b'{"url": "http://x.example/a.jpg", "caption": "' + b"a" * 100_000_000 + b'"}\n',
+                                   "zstd", asbytes=True), "(a compression bomb?); raise source.max_list_bytes"),
+    "list.csv.xz": (lzma.compress(b"url,caption\nhttp://x.example/1.jpg,a\n"),
+                    "cannot tell the format from '.xz'; set source.format"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED_LISTS)
+def test_hostile_url_lists_are_refused_naming_the_file(name, tmp_path):
+    data, expected = REFUSED_LISTS[name]
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(UserError) as err:
+        _read_list(tmp_path, path, "source.max_list_bytes=50000000")
+    assert expected in str(err.value) and name in str(err.value) and "\n" not in str(err.value), err.value
+
+
+READ_LISTS = {
+    "nul_bytes_in_a_caption.tsv": (b"url\tcaption\nhttp://x.example/1.jpg\ta\x00b\nhttp://x.example/2.jpg\tok\n", 2),
+    "bom_and_crlf.csv": (b"\xef\xbb\xbfurl,caption\r\nhttp://x.example/1.jpg,a\r\nhttp://x.example/2.jpg,b\r\n", 2),
+    "a_100_kb_url.csv": (b"url,caption\nhttp://x.example/" + b"a" * 100_000 + b".jpg,a\nhttp://x.example/ok.jpg,b\n", 2),
+}
+
+
+@pytest.mark.parametrize("name", READ_LISTS)
+def test_odd_but_readable_url_lists_keep_every_row(name, tmp_path):
+    data, n = READ_LISTS[name]
+    path = tmp_path / name
+    path.write_bytes(data)
+    rows = _read_list(tmp_path, path)
+    assert len(rows) == n and all(r["verdict"] == "kept" for r in rows), rows
+
+
+def test_json_nesting_is_counted_per_line_and_across_chunks():
+    from infra.bombs import json_depths
+
+    assert json_depths(b'{"a": [[1]]}\n[]\n') == (3, 0)
+    deepest, carried = json_depths(b'{"a": [[[')           # a line cut by the reader's chunk
+    assert (deepest, carried) == (4, 4) and json_depths(b"]]]}\n[", carried) == (3, 1)

@@ -114,12 +114,14 @@ def _encode(sp, texts: list[str], max_len: int, eos: bool) -> torch.Tensor:
 
 def run_eval_config(run_dir: Path) -> EvalConfig:
     """The run's own `eval:` section (its config.yaml), else the defaults."""
-    import yaml
-
-    from infra.configtools import build
+    from infra.configtools import MAX_CONFIG_BYTES, build, parse_yaml
 
     path = Path(run_dir) / "config.yaml"
-    data = (yaml.safe_load(path.read_text()) or {}).get("eval") if path.is_file() else None
+    data = None
+    if path.is_file():
+        with open(path, "rb") as f:
+            doc = parse_yaml(f.read(MAX_CONFIG_BYTES + 1), f"config file {path}")
+        data = doc.get("eval") if isinstance(doc, dict) else None
     return build(EvalConfig, data or {}, "eval")
 
 
