@@ -153,12 +153,15 @@ class Executor:
 
     def shuffle(self, map_fn: Callable, calls: list[tuple], n_out: int, reduce_fn: Callable,
                 reduce_calls: list[tuple], what: str, num_cpus: float = 1.0, unit: str = "buckets",
-                sizes: list[int] | None = None, items_per_worker: int | None = None) -> list:
+                sizes: list[int] | None = None, items_per_worker: int | None = None,
+                items: int | None = None, item_unit: str = "URLs") -> list:
         """A shuffle through Ray's object store (pipeline/ray_shuffle.py): `map_fn(*call)` returns
         `n_out` pieces, reducer b runs `reduce_fn(*reduce_calls[b], *pieces)` with the b-th piece of
-        every map, in map order. -> the reducers' results, in order."""
+        every map, in map order. `items`: how many `item_unit` the reducers work through in all; then
+        each reducer's call ends with a counter it adds to as it goes (`ItemCounter`), and the
+        progress counts those, with an ETA, not buckets. -> the reducers' results, in order."""
         return ray_shuffle.shuffle(self, map_fn, calls, n_out, reduce_fn, reduce_calls, what, num_cpus, unit,
-                                   sizes, items_per_worker)
+                                   sizes, items_per_worker, items, item_unit)
 
     def put(self, obj):
         """`obj` in Ray's object store, once; the reference is what tasks get."""

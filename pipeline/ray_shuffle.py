@@ -18,7 +18,7 @@ from infra.progress import Progress
 from infra.remote import importing_ray_data
 
 from .sizing import NodeShape, fit_request, in_flight, spans
-from .task_results import failpoint, settle, task_error, worker_died
+from .task_results import ItemCounter, failpoint, settle, task_error, worker_died
 
 # how many times a map or a reducer runs before its failure ends the shuffle (a reducer's bound goes
 # through Ray Data's deprecated `ray_remote_args`: README, "Layout", what a Ray upgrade must check)
@@ -205,7 +205,8 @@ def quiet_ray_data() -> None:
 
 def shuffle(executor, map_fn: Callable, calls: list[tuple], n_out: int, reduce_fn: Callable,
             reduce_calls: list[tuple], what: str, num_cpus: float = 1.0, unit: str = "buckets",
-            sizes: list[int] | None = None, items_per_worker: int | None = None) -> list:
+            sizes: list[int] | None = None, items_per_worker: int | None = None,
+            items: int | None = None, item_unit: str = "URLs") -> list:
     """A shuffle through Ray's object store, never the bucket: `map_fn(*call)` returns `n_out`
     pieces (a sequence), one per reducer; reducer b runs `reduce_fn(*reduce_calls[b], *pieces)`
     with the b-th piece of every map, in map order. The maps are the executor's tasks (windowed,
@@ -213,10 +214,16 @@ def shuffle(executor, map_fn: Callable, calls: list[tuple], n_out: int, reduce_f
     (`groupby().map_groups`, object store with spilling to the nodes' disks), each reducer a group.
     `sizes`, `items_per_worker`: the maps' window as `run`'s (all submitted at once without them:
     Ray schedules them, a CPU each), and the reducers' by the same rule, each taking an equal share
-    of the rows. -> the reducers' results, in order."""
+    of the rows. `items` (Executor.shuffle): the reducers count their items to a counter that ends
+    each reducer's call. -> the reducers' results, in order."""
     import ray
 
     from .shuffle_rows import routes as routes_of
+
+    counter = None
+    if items is not None:
+        counter = ray.remote(num_cpus=0)(ItemCounter).remote()
+        reduce_calls = [(*c, counter) for c in reduce_calls]
 
     if not calls:
         return executor.run(reduce_fn, reduce_calls, what, num_cpus=num_cpus, unit=unit)
@@ -258,14 +265,16 @@ def shuffle(executor, map_fn: Callable, calls: list[tuple], n_out: int, reduce_f
                              "seconds": round(time.time() - t0, 3)})
     share = [math.ceil(sum(sizes) / n_out)] * n_out if sizes is not None else None
     return _reduce(executor, _dataset_of(tables, metadata), n_out, reduce_fn, reduce_calls, what, cpus, shape, unit,
-                   in_flight(cpus, shape, share, items_per_worker) if share is not None else None)
+                   in_flight(cpus, shape, share, items_per_worker) if share is not None else None,
+                   (counter, items, item_unit) if counter is not None else None)
 
 
 def _reduce(executor, pieces, n_out: int, reduce_fn: Callable, reduce_calls: list[tuple], what: str,
-            cpus: float, shape: NodeShape, unit: str, limit: int | None) -> list:
+            cpus: float, shape: NodeShape, unit: str, limit: int | None, counted: tuple | None = None) -> list:
     """The reducers of `shuffle`, as groups of Ray Data's hash shuffle over the maps' rows (the
     Dataset `pieces`), grouped by route: a partition each; a reducer's exception said in one
-    line naming it, as `run` says a task's."""
+    line naming it, as `run` says a task's. `counted` (counter, items, unit): the progress counts
+    the reducers' items, read from the counter every 2 s, and a stall is one of those too."""
     import ray
 
     from .shuffle_rows import reduce_group
@@ -282,13 +291,24 @@ def _reduce(executor, pieces, n_out: int, reduce_fn: Callable, reduce_calls: lis
                                 compute=ray.data.TaskPoolStrategy(size=min(limit, n_out) if limit else None))
     results: dict[int, object] = {}
     intervals: list[tuple[float, float]] = []
-    progress = Progress(what, n_out, executor.log, unit=unit)
+    counter, items, item_unit = counted or (None, None, None)
+    progress = (Progress(what, items, executor.log, unit=item_unit) if counter is not None
+                else Progress(what, n_out, executor.log, unit=unit))
     failed = None
-    watched = Watched(answers.iter_batches(batch_size=None, batch_format="pyarrow"), executor.poll_seconds)
+    watched = Watched(answers.iter_batches(batch_size=None, batch_format="pyarrow"),
+                      2.0 if counter is not None else executor.poll_seconds)
     last = time.time()
     ended = False
+    done_items = 0
     try:
         while (batch := watched.next()) is not Watched.END:
+            if counter is not None:
+                now_done = min(items, ray.get(counter.get.remote()))
+                if now_done > done_items:
+                    done_items, last = now_done, time.time()
+                    progress.update(done_items)
+                if batch is None and time.time() - last < executor.poll_seconds:
+                    continue
             if batch is None:          # nothing answered for a while: said, and the cluster checked
                 progress.stalled(time.time() - last, n_out - len(results))
                 executor.check_still_feasible(cpus, 0, what, None)
@@ -302,7 +322,8 @@ def _reduce(executor, pieces, n_out: int, reduce_fn: Callable, reduce_calls: lis
             if failed is not None:
                 break
             last = time.time()
-            progress.update(len(intervals))
+            if counter is None:
+                progress.update(len(intervals))
         else:
             ended = True
     except UserError:

@@ -496,15 +496,16 @@ class Rechecked:
     hosts: dict              # host -> {"checked", "opted_out", "unreachable"}
 
 
-def _recheck_reduce(policy, token: str, directives: tuple, timeout: float, *pieces: list[str]) -> Rechecked:
+def _recheck_reduce(policy, token: str, directives: tuple, timeout: float, progress, *pieces: list[str]) -> Rechecked:
     """Ray task (the recheck shuffle's reduce): every URL of its hosts asked again (stages/ingest/fetch.py:
-    recheck): -> the URLs that opt out now, with why, and counts per host."""
+    recheck), each counted to `progress` as it is answered: -> the URLs that opt out now, with why,
+    and counts per host."""
     import urllib.parse
 
     from stages.ingest.fetch import recheck
 
     urls = sorted({u for p in pieces for u in p})
-    got = recheck(urls, policy, token, directives, timeout)
+    got = recheck(urls, policy, token, directives, timeout, progress=progress)
     hosts: dict[str, dict[str, int]] = {}
     for u, why in got.items():
         h = hosts.setdefault(urllib.parse.urlsplit(u).netloc, {"checked": 0, "opted_out": 0, "unreachable": 0})
@@ -544,9 +545,11 @@ def recheck_line(where: str, address: str | None, log=print) -> dict:
         # a host's URLs all in one task: its rate and concurrency hold whole there, hosts in parallel
         policy = fetch_policy(ing, tuple(ing.allow_hosts), at_once=1)
         published = sorted(published_parts(storage))
+        # progress in URLs: a line's samples (sizes.json), each one URL
+        total = sum((storage.read_json("shard/shards/sizes.json") or {}).values())
         got = ex.shuffle(_host_pieces, [(storage, p, parts[p], buckets) for p in published if p in parts], buckets,
                          _recheck_reduce, [(policy, ing.user_agent_token, HEADER_DIRECTIVES, ing.timeout)] * buckets,
-                         "recheck: robots.txt and headers", num_cpus=1)
+                         "recheck: robots.txt and headers", num_cpus=1, items=total, item_unit="URLs")
         opted = dict(sorted((u, why) for g in got for u, why in g.opted_out.items()))
         hosts = {h: c for g in got for h, c in g.hosts.items()}
         number = len(storage.list(RECHECKS, ".json")) + 1

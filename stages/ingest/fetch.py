@@ -738,11 +738,12 @@ def reason_of(status: str, error: str | None) -> str:
 
 
 def recheck(urls: list[str], policy: FetchPolicy, token: str, directives: tuple[str, ...], timeout: float,
-            threads: int = 16) -> dict[str, str]:
+            threads: int = 16, progress=None) -> dict[str, str]:
     """Each URL asked again whether it may be used, as politely as a download: robots.txt once per
     host, then a HEAD whose X-Robots-Tag is read, within the host's rate and concurrency; hosts in
-    parallel. -> url -> why it opts out now, or "" when it does not (a URL or robots.txt that does
-    not answer is no opt-out: `unreachable: ...`, recorded, not removed)."""
+    parallel; each URL told to `progress` (a counter) once answered. -> url -> why it opts out now,
+    or "" when it does not (a URL or robots.txt that does not answer is no opt-out: `unreachable:
+    ...`, recorded, not removed)."""
     from concurrent.futures import ThreadPoolExecutor
 
     global _policy, _budget, _hosts
@@ -751,6 +752,12 @@ def recheck(urls: list[str], policy: FetchPolicy, token: str, directives: tuple[
     _hosts = Hosts(policy.manners)
 
     def one(url: str) -> str:
+        try:
+            return ask(url)
+        finally:
+            _finished.one()
+
+    def ask(url: str) -> str:
         try:
             check_url(url, _policy)
         except Refused as err:
@@ -796,8 +803,12 @@ def recheck(urls: list[str], policy: FetchPolicy, token: str, directives: tuple[
         by_host.setdefault(urllib.parse.urlsplit(u).netloc, []).append(u)
     # URLs interleaved across hosts: every thread busy while each host's own limits hold
     order = [u for group in _interleave(list(by_host.values())) for u in group]
-    with ThreadPoolExecutor(max(1, min(threads, len(order)))) as pool:
-        return dict(zip(order, pool.map(one, order)))
+    _finished.report_to(progress)
+    try:
+        with ThreadPoolExecutor(max(1, min(threads, len(order)))) as pool:
+            return dict(zip(order, pool.map(one, order)))
+    finally:
+        _finished.flush()
 
 
 def _interleave(groups: list[list[str]]) -> list[list[str]]:

@@ -142,6 +142,8 @@ def test_removals_leave_the_line_only_where_they_were_and_never_come_back(tmp_pa
         assert rechecked.returncode == 0, rechecked.stdout[-3000:] + rechecked.stderr[-3000:]
         assert f"{len(final)} URLs on 1 hosts; 2 opt out now, removed as removal 2 (2 samples)" in rechecked.stdout
         assert rechecked.stdout.count("ray: starting") == 1      # the HEADs and the removal share one Ray
+        # its progress counts URLs (it counted host buckets: "2/2 buckets" for the whole line)
+        assert f"recheck: robots.txt and headers: {len(final)}/{len(final)} URLs" in rechecked.stdout, rechecked.stdout
         # by URL only: the line's lookup named the partitions to check, not every one the line holds
         checked = re.search(r"remove: the line's lookup names (\d+) partition\(s\) to check", rechecked.stdout)
         assert checked and 1 <= int(checked.group(1)) <= 2, rechecked.stdout[-2000:]

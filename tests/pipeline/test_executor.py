@@ -4,6 +4,7 @@ every kind through the runner."""
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -445,6 +446,34 @@ def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces
                          items_per_worker=1)
     assert out == [(0, [c[0] for c in many])]
     assert not [w for w in caught if "concurrent tasks" in str(w.message)], [str(w.message) for w in caught]
+    # reducers that count their items (a recheck's URLs): the progress is in those, not in buckets
+    def _counting(bucket, progress, *pieces):
+        import time
+
+        for piece in pieces:
+            for _ in piece:
+                time.sleep(0.8)
+                progress.add.remote(1)
+        return bucket
+
+    import pipeline.ray_shuffle as ray_shuffle
+    from infra.progress import Progress
+
+    class Often(Progress):      # a line every 0.5 s, not every 10 s
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.every = 0.5
+
+    monkeypatch.setattr(ray_shuffle, "Progress", Often)
+    said.clear()
+    counted = Executor(log=said.append)
+    out = counted.shuffle(lambda v: _split_by_parity(v, 2), calls, 2, _counting, [(0,), (1,)], "counted",
+                          items=9, item_unit="URLs")
+    assert out == [0, 1]
+    lines = [line for line in said if line.startswith("counted: ")]
+    assert lines and all(" URLs" in line and "buckets" not in line for line in lines), said
+    assert any(line.startswith("counted: 9/9 URLs") for line in lines), lines
+    assert any(re.match(r"counted: [1-8]/9 URLs.*ETA", line) for line in lines), lines     # counted as they go
     # a reducer's exception is said in one line naming it; reducers stalled on a cluster whose
     # large node left (every node now smaller than their request) end in one line, not a wait
     def _fail_one(bucket, *pieces):
