@@ -46,31 +46,67 @@ def unit_or_none(blob: list[bytes | None], dim: int) -> tuple[np.ndarray, np.nda
     return out, have
 
 
+# removed references past which a sample's candidates come from a Hamming index over their SimHash
+# codes (dedup's evaluation search: stages/dedup/neardup.py) instead of every reference: 10^4 samples
+# against 10^6 references is 7.7 TFLOP a partition by brute force
+ANN_ABOVE = 20_000
+CANDIDATES = 16
+
+
+def ref_index(ref_vecs: np.ndarray):
+    """The Hamming index `near_copies` searches for candidates, or None (few references: all compared)."""
+    if len(ref_vecs) <= ANN_ABOVE:
+        return None
+    from ..dedup.imagehash import simhash
+    from ..dedup.neardup import binary_index
+
+    return binary_index(simhash(np.ascontiguousarray(ref_vecs, np.float32)), 256)
+
+
 def near_copies(vecs: np.ndarray, details: np.ndarray, has_detail: np.ndarray, ref_vecs: np.ndarray,
                 ref_details: np.ndarray, ref_has_detail: np.ndarray, threshold: np.ndarray,
-                detail_threshold: np.ndarray) -> list[tuple[int, float] | None]:
+                detail_threshold: np.ndarray, index=None, chunk: int = 512) -> list[tuple[int, float] | None]:
     """For each sample (unit rows `vecs` (n, 768), `details` (n, 576)): the removed image it is a
     near copy of, as (index, thumbnail cosine), or None. A near copy is what dedup's within-data rule
     joins: the 16x16 thumbnail within the reference's `threshold`, then the 24x24 detail within its
     `detail_threshold` where both have one and it is > 0 (a removal recorded before the detail was,
     or with the check off, compares the thumbnail alone). Without the detail, a takedown of one shirt
     photographed on white took every shirt photographed alike with it (the thumbnail alone joins
-    44.6 % of 4,000 distinct garments shot alike: benchmarks/dedup_real.py --data products)."""
+    44.6 % of 4,000 distinct garments shot alike: benchmarks/dedup_real.py --data products).
+    `index` (`ref_index`): each sample is compared with its CANDIDATES nearest references by
+    Hamming distance only; without it, with every reference."""
     if not len(vecs) or not len(ref_vecs):
         return [None] * len(vecs)
-    sims = vecs @ ref_vecs.T
-    ok = sims >= threshold[None, :]
-    checked = has_detail[:, None] & ref_has_detail[None, :] & (detail_threshold[None, :] > 0)
-    if checked.any():
-        ok &= ~checked | (details @ ref_details.T >= detail_threshold[None, :])
-    margin = np.where(ok, sims - threshold[None, :], -np.inf)
-    best = margin.argmax(axis=1)
-    return [(int(j), float(sims[i, j])) if ok[i, j] else None for i, j in enumerate(best)]
+    out: list[tuple[int, float] | None] = []
+    if index is not None:
+        from ..dedup.imagehash import simhash
+
+        _, found = index.search(simhash(np.ascontiguousarray(vecs, np.float32)), min(CANDIDATES, len(ref_vecs)))
+    for a in range(0, len(vecs), chunk):
+        q, qd, qh = vecs[a:a + chunk], details[a:a + chunk], has_detail[a:a + chunk]
+        if index is None:      # every reference a candidate of every sample
+            cand = np.broadcast_to(np.arange(len(ref_vecs)), (len(q), len(ref_vecs)))
+            valid = np.ones(cand.shape, bool)
+            sims = q @ ref_vecs.T
+            dsims = (lambda: qd @ ref_details.T)   # noqa: E731 - only where a detail is checked
+        else:
+            valid = found[a:a + chunk] >= 0
+            cand = np.where(valid, found[a:a + chunk], 0)
+            sims = np.einsum("qkd,qd->qk", ref_vecs[cand].astype(np.float32), q)
+            dsims = (lambda: np.einsum("qkd,qd->qk", ref_details[cand].astype(np.float32), qd))   # noqa: E731
+        cut, dcut = threshold[cand], detail_threshold[cand]
+        ok = valid & (sims >= cut)
+        checked = qh[:, None] & ref_has_detail[cand] & (dcut > 0)
+        if (ok & checked).any():
+            ok &= ~checked | (dsims() >= dcut)
+        best = np.where(ok, sims - cut, -np.inf).argmax(axis=1)
+        out += [(int(cand[i, j]), float(sims[i, j])) if ok[i, j] else None for i, j in enumerate(best)]
+    return out
 
 
 def near_copies_of(keys: list[str], vecs: dict, details: dict, framed: dict, ref_vecs: np.ndarray,
                    ref_details: np.ndarray, ref_has_detail: np.ndarray, threshold: np.ndarray,
-                   detail_threshold: np.ndarray) -> list[tuple[int, float] | None]:
+                   detail_threshold: np.ndarray, index=None) -> list[tuple[int, float] | None]:
     """`near_copies` of samples by key (`vecs`, `details`: key -> the float16 descriptors dedup's
     describe step wrote), each searched as a whole and, where that step found it inside bars of one
     flat colour (`framed`: key -> (thumbnail, detail) of the picture inside), once more inside them,
@@ -82,7 +118,7 @@ def near_copies_of(keys: list[str], vecs: dict, details: dict, framed: dict, ref
     rows += [(i, *framed[k]) for i, k in enumerate(keys) if framed.get(k) and framed[k][0]]
     sd, has = unit_or_none([d for _, _, d in rows], DETAIL_DIM)
     found = near_copies(unit_rows([v for _, v, _ in rows]), sd, has, ref_vecs, ref_details, ref_has_detail,
-                        threshold, detail_threshold)
+                        threshold, detail_threshold, index)
     out: list[tuple[int, float] | None] = [None] * len(keys)
     for (i, _, _), hit in zip(rows, found):
         if hit is not None and (out[i] is None or hit[1] > out[i][1]):
@@ -139,6 +175,9 @@ class _Removed:
         self.details, self.has_detail = unit_or_none(ref_details, DETAIL_DIM)
         self.vecs = unit_rows(described.column("vec").to_pylist())
         self.cut = described.column("threshold").to_numpy(zero_copy_only=False)
+        self.index = ref_index(self.vecs)
+        if self.index is not None:     # searched by candidates: kept as float16, half the memory
+            self.vecs, self.details = self.vecs.astype(np.float16), self.details.astype(np.float16)
 
 
 def _removed(storage, digest: str | None) -> _Removed | None:
@@ -179,7 +218,7 @@ def blocked(storage, table: pa.Table, vecs: dict[str, bytes], details: dict[str,
     todo = [k for k in cols["key"] if k not in out and vecs.get(k)]
     if r.have and todo:
         found = near_copies_of(todo, vecs, details or {}, framed or {}, r.vecs, r.details, r.has_detail,
-                               r.cut, r.detail_cut)
+                               r.cut, r.detail_cut, r.index)
         for k, hit in zip(todo, found):
             if hit is not None:
                 j, sim = hit

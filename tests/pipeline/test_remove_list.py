@@ -316,3 +316,26 @@ def test_a_removed_photo_is_found_cropped_mirrored_grey_or_turned_and_no_other_p
         assert not missed, (i, missed)
         assert not any(found(jpeg(ImageOps.expand(Image.fromarray(b), border=w // 12, fill=(200, 30, 30))), refs[i])
                        for j, b in enumerate(photos) if j != i)
+
+
+def test_past_many_removals_candidates_come_from_a_hamming_index_and_find_the_same_copies():
+    """Past ANN_ABOVE removed references a sample is compared with its 16 nearest by SimHash
+    Hamming distance, not with all of them (10^6 references: 7.7 TFLOP a partition); the copies found
+    and their references are those an exhaustive comparison finds."""
+    from stages.shard.removals import ANN_ABOVE, near_copies, ref_index
+
+    rng = np.random.default_rng(0)
+    unit = lambda a: (a / np.linalg.norm(a, axis=1, keepdims=True)).astype(np.float32)   # noqa: E731
+    m = ANN_ABOVE + 5000
+    refs, ref_details = unit(rng.standard_normal((m, 768))), unit(rng.standard_normal((m, 576)))
+    picked = rng.choice(m, 60, replace=False)
+    copies = unit(refs[picked] + 0.08 * unit(rng.standard_normal((60, 768))))        # cosine ~0.997
+    copy_details = unit(ref_details[picked] + 0.05 * unit(rng.standard_normal((60, 576))))
+    others = unit(rng.standard_normal((60, 768)))
+    queries, q_details = np.vstack([copies, others]), np.vstack([copy_details, unit(rng.standard_normal((60, 576)))])
+    args = (queries, q_details, np.ones(120, bool), refs, ref_details, np.ones(m, bool),
+            np.full(m, 0.97), np.full(m, 0.99))
+    index = ref_index(refs)
+    assert index is not None and ref_index(refs[:ANN_ABOVE]) is None
+    ann, exact = near_copies(*args, index=index), near_copies(*args)
+    assert [h and h[0] for h in ann] == [h and h[0] for h in exact] == list(picked) + [None] * 60
