@@ -4,7 +4,7 @@ that an actor never waits for the driver. An actor killed mid-call (the OOM kill
 its model and its calls are sent again, each alone; a call blamed only when its actor dies under it
 three times while it ran alone, named as the task window names a failed task.
 
-Why capline's own and not Ray Data's `ActorPoolStrategy`: SCALING.md, "Session 23" (Ray Data's pool
+Why capline's own and not Ray Data's `ActorPoolStrategy`: benchmarks/results/scaling-history.md, "Session 23 asked Ray Data for capline's semantics" (Ray Data's pool
 retries a partition that kills its actor without end unless bounded through a deprecated parameter).
 """
 from __future__ import annotations
