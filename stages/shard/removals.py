@@ -84,23 +84,24 @@ def near_copies(vecs: np.ndarray, details: np.ndarray, has_detail: np.ndarray, r
         _, found = index.search(simhash(np.ascontiguousarray(vecs, np.float32)), min(CANDIDATES, len(ref_vecs)))
     for a in range(0, len(vecs), chunk):
         q, qd, qh = vecs[a:a + chunk], details[a:a + chunk], has_detail[a:a + chunk]
-        if index is None:      # every reference a candidate of every sample
-            cand = np.broadcast_to(np.arange(len(ref_vecs)), (len(q), len(ref_vecs)))
-            valid = np.ones(cand.shape, bool)
+        if index is None:      # every reference a candidate of every sample: broadcast, never gathered
+            cand = None
+            valid, cut, dcut, rh = True, threshold[None, :], detail_threshold[None, :], ref_has_detail[None, :]
             sims = q @ ref_vecs.T
             dsims = (lambda: qd @ ref_details.T)   # noqa: E731 - only where a detail is checked
         else:
             valid = found[a:a + chunk] >= 0
             cand = np.where(valid, found[a:a + chunk], 0)
+            cut, dcut, rh = threshold[cand], detail_threshold[cand], ref_has_detail[cand]
             sims = np.einsum("qkd,qd->qk", ref_vecs[cand].astype(np.float32), q)
             dsims = (lambda: np.einsum("qkd,qd->qk", ref_details[cand].astype(np.float32), qd))   # noqa: E731
-        cut, dcut = threshold[cand], detail_threshold[cand]
         ok = valid & (sims >= cut)
-        checked = qh[:, None] & ref_has_detail[cand] & (dcut > 0)
+        checked = qh[:, None] & rh & (dcut > 0)
         if (ok & checked).any():
             ok &= ~checked | (dsims() >= dcut)
         best = np.where(ok, sims - cut, -np.inf).argmax(axis=1)
-        out += [(int(cand[i, j]), float(sims[i, j])) if ok[i, j] else None for i, j in enumerate(best)]
+        out += [(int(j if cand is None else cand[i, j]), float(sims[i, j])) if ok[i, j] else None
+                for i, j in enumerate(best)]
     return out
 
 
