@@ -4,14 +4,14 @@ here and in the executor (pipeline/executor.py), not in each stage.
 
 What stages need beyond the executor's task groups: small actors that hold a run's shared state
 (the URL registry, the pacer) on the driver's node, calls to them, objects put once and read by
-reference, and, inside a task, a few more tasks whose results that task needs (the tokenizer's
-caption sample). A call to an actor that is gone (its node lost) raises `Gone`, which stages catch
+reference, and the data a task's result stores for later tasks (`Stored`). A call to an actor that is gone (its node lost) raises `Gone`, which stages catch
 to carry on without it.
 """
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 _RAY_DATA_IMPORT = threading.RLock()
@@ -104,3 +104,35 @@ def node_id() -> str:
     import ray
 
     return ray.get_runtime_context().get_node_id()
+
+
+@dataclass
+class Stored:
+    """Data a task's result hands to later tasks through Ray's object store, never through the driver
+    (a partition's keys for the stage's key index, the rows a shard plan read for the shard writers).
+    A result that has some declares a field `stored: Stored | None`; in the task it holds `data`. A
+    task of the task window sends the data as its second return and the driver's copy holds only
+    its reference, `ref`; a result that came back whole (a shuffle reducer's answer) still holds
+    `data`. Later tasks are given `handle()`: either way, what they read."""
+    data: Any = None
+    ref: Any = None
+
+    def handle(self):
+        return self.ref if self.ref is not None else self.data
+
+    @staticmethod
+    def leaving(out):
+        """In the task: `out`'s stored data taken off it, to be its task's second return (None: none)."""
+        box = getattr(out, "stored", None)
+        if not isinstance(box, Stored) or box.data is None:
+            return None
+        data, box.data = box.data, None
+        return data
+
+    @staticmethod
+    def arrived(out, ref):
+        """On the driver: `out` with its stored data's reference, the task's second return."""
+        box = getattr(out, "stored", None)
+        if isinstance(box, Stored) and box.data is None and box.ref is None:
+            box.ref = ref
+        return out

@@ -14,15 +14,16 @@ alone decides
 - how a shuffle moves its pieces: the maps are its own tasks (windowed, named when they fail, reused
   as any task), the pieces then go through Ray Data's hash shuffle (`groupby().map_groups`: object
   store, spilled to the nodes' disks), each reducer one group (`shuffle_rows`);
-- what stays in the object store: what a result sets aside for later tasks (its `aside`: a
-  partition's keys for the stage's key index, the rows a shard plan read for the shard writers) is
+- what stays in the object store: the data a result stores for later tasks (`infra.remote.Stored`:
+  a partition's keys for the stage's key index, the rows a shard plan read for the shard writers) is
   the task's second return; the driver holds its reference, never the data, and nothing reads it
   back from the bucket.
 
 It runs every task through Ray; the driver holds only the calls and the small results. What it
-decides with lives beside it: the cluster's shape and the sizing rules (`sizing.py`), a task's
-returns and the wording of its failure (`task_results.py`), the actor pool of a model's calls
-(`model_pool.py`), the shuffle (`ray_shuffle.py`, its rows `shuffle_rows.py`).
+decides with lives beside it: the one loop that keeps calls in flight (`task_window.py`), the
+cluster's shape and the sizing rules (`sizing.py`), a task's returns and the wording of its failure
+(`task_results.py`), the actor pool of a model's calls (`model_pool.py`), the shuffle
+(`ray_shuffle.py`, its rows `shuffle_rows.py`).
 """
 from __future__ import annotations
 
@@ -31,12 +32,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from infra.errors import UserError
-from infra.progress import Progress
 
 from . import ray_shuffle
 from .model_pool import run_pool
-from .sizing import NodeShape, fit_request, in_flight, spans
-from .task_results import ItemCounter, settle, task_error, timed, with_aside
+from .sizing import NodeShape, fit_request, in_flight
+from .task_results import ItemCounter, timed
+from .task_window import Counted, TaskSlots, drive, record
 
 
 @dataclass
@@ -91,64 +92,22 @@ class Executor:
             return run_pool(self, fn, calls, kwargs, what, cpus, num_gpus, model, shape, describe, unit, quiet)
         remote = ray.remote(num_cpus=cpus, num_gpus=num_gpus or None, max_retries=max_retries, num_returns=2)(timed)
         limit = in_flight(cpus, shape, sizes if sizes is not None else items, items_per_worker)
-        describe = describe or (lambda c: "")
-        total = len(calls)
-        results: list = [None] * total
-        asides: list = [None] * total
-        intervals: list[tuple[float, float]] = []
-        pending: dict = {}
-        nxt = done = 0
-        counter = None
+        counted = None
         if items is not None:
-            counter = ray.remote(num_cpus=0)(ItemCounter).remote()
-            kwargs = [{**(kwargs[i] if kwargs else {}), "progress": counter} for i in range(total)]
-            progress = Progress(what, sum(items), (lambda m: None) if quiet else self.log, unit=item_unit)
-        else:
-            progress = Progress(what, total, (lambda m: None) if quiet else self.log, unit=unit)
-        counted = finished = 0
-        last_done = time.time()
+            counted = Counted(ray.remote(num_cpus=0)(ItemCounter).remote(), sum(items), item_unit, items)
+            kwargs = [{**(kwargs[i] if kwargs else {}), "progress": counted.counter} for i in range(len(calls))]
+        slots = TaskSlots(remote, what, fn, calls, kwargs, limit, describe or (lambda c: ""), max_retries + 1)
+        return self.drive(slots, len(calls), what, cpus, shape, unit=unit, quiet=quiet, counted=counted,
+                          on_stall=lambda: self.check_still_feasible(cpus, num_gpus, what, setting))
+
+    def drive(self, slots, n_calls: int, title: str, cpus: float, shape: NodeShape, unit: str = "partitions",
+              quiet: bool = False, counted: Counted | None = None, on_stall=None, close=None, **more) -> list:
+        """The task window (task_window.drive) over `slots`, recorded under `title`; -> the results."""
         t_start = time.time()
-        while done < total:
-            while nxt < total and len(pending) < limit:
-                ref, asides[nxt] = remote.remote(what, fn, *calls[nxt], **(kwargs[nxt] if kwargs else {}))
-                pending[ref] = nxt
-                nxt += 1
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=2.0 if counter else self.poll_seconds)
-            if counter is not None:
-                now_counted = min(progress.total, ray.get(counter.get.remote()))
-                if now_counted > counted:
-                    counted, last_done = now_counted, time.time()
-                    progress.update(counted)
-                if not ready and time.time() - last_done < self.poll_seconds:
-                    continue
-            if not ready:
-                progress.stalled(time.time() - last_done, len(pending))
-                self.check_still_feasible(cpus, num_gpus, what, setting)
-                continue
-            for ref in ready:
-                i = pending.pop(ref)
-                try:
-                    t0, t1, out = ray.get(ref)
-                    results[i] = with_aside(out, asides[i])
-                except Exception as err:
-                    progress.close()
-                    settle(asides[i])
-                    failure = task_error(err, what, describe(calls[i]) or f"task {i}", tries=max_retries + 1)
-                    raise failure from (None if isinstance(failure, UserError) else err)
-                intervals.append((t0, t1))
-                done += 1
-                last_done = time.time()
-                if counter is None:
-                    progress.update(done)
-                else:
-                    finished += items[i]        # what finished tasks did, whatever their reports said
-                    counted = max(counted, min(progress.total, finished))
-                    progress.update(counted)
-        progress.close()
-        if total:
-            self.records.append({"what": what, "tasks": total, **spans(intervals, t_start),
-                                 "cpus_per_task": cpus, "cluster_cpus": shape.cpus, "nodes": shape.nodes,
-                                 "seconds": round(time.time() - t_start, 3)})
+        results, intervals = drive(slots, n_calls, title, (lambda m: None) if quiet else self.log, self.poll_seconds,
+                                   unit=unit, counted=counted, on_stall=on_stall, close=close)
+        if n_calls:
+            self.records.append(record(title, n_calls, intervals, t_start, cpus, shape, **more))
         return results
 
     def shuffle(self, map_fn: Callable, calls: list[tuple], n_out: int, reduce_fn: Callable,

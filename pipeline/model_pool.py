@@ -14,10 +14,10 @@ import time
 from typing import Callable
 
 from infra.errors import UserError
-from infra.progress import Progress
+from infra.remote import Stored
 
-from .sizing import NodeShape, actors_that_fit, spans
-from .task_results import died, failpoint, settle, take_aside, task_error, with_aside
+from .sizing import NodeShape, actors_that_fit
+from .task_results import died, failpoint, settle, task_error
 
 CALLS_PER_ACTOR = 8    # the fewest calls a model's actor is started for (run_pool)
 
@@ -102,68 +102,72 @@ def run_pool(executor, fn: Callable, calls: list[tuple], kwargs: list[dict] | No
     actor = ray.remote(num_cpus=cpus, num_gpus=gpus or None, memory=model.memory_bytes or None,
                        max_restarts=-1, max_task_retries=0)(PoolWorker)
     actors = [actor.remote(what, fn, model.load, *model.args) for _ in range(size)]
-    progress = Progress(what, len(calls), (lambda m: None) if quiet else executor.log, unit=unit)
-    describe = describe or (lambda c: "")
-    results: list = [None] * len(calls)
-    intervals: list[tuple[float, float]] = []
-    pending: dict = {}                      # call's ref -> (call index, actor index)
-    queue = PoolQueue(len(calls), size)
-    t_start, last_done = time.time(), time.time()
 
-    asides: list = [None] * len(calls)
-
-    def send(i: int, a: int) -> None:
-        ref, asides[i] = actors[a].call.options(num_returns=2).remote(*calls[i], **(kwargs[i] if kwargs else {}))
-        pending[ref] = (i, a)
-
-    try:
-        while len(intervals) < len(calls):
-            for a in range(size):
-                while (i := queue.next_for(a)) is not None:
-                    send(i, a)
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=executor.poll_seconds)
-            if not ready:
-                progress.stalled(time.time() - last_done, len(pending))
-                continue
-            for ref in ready:
-                i, a = pending.pop(ref)
-                queue.returned(i, a)
-                try:
-                    t0, t1, out, err = ray.get(ref)
-                except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as dead:
-                    settle(asides[i])
-                    if "creation task" in str(dead):      # restarts are unlimited: its model never loaded
-                        err, label = dead, f"loading {model.name}"
-                    elif "is restarting" in str(dead):    # sent while it came back: not a try
-                        time.sleep(0.2)
-                        queue.resend(i)
-                        continue
-                    elif not queue.died(i):               # its actor was killed: again, once it is back
-                        continue
-                    else:
-                        err = dead
-                        label = died(describe(calls[i]) or f"task {i}", queue.max_tries, "actor")
-                except Exception as lost:    # noqa: BLE001 - a result lost with its node: said as a task's is
-                    settle(asides[i])
-                    err, label = lost, describe(calls[i]) or f"task {i}"
-                else:
-                    label = describe(calls[i]) or f"task {i}"
-                if err is not None:
-                    progress.close()
-                    failure = task_error(err, what, label)
-                    raise failure from (None if isinstance(failure, UserError) else err)
-                results[i] = with_aside(out, asides[i])
-                intervals.append((t0, t1))
-                last_done = time.time()
-                progress.update(len(intervals))
-    finally:
+    def end(finished: bool) -> None:
         for a in actors:
             ray.kill(a, no_restart=True)
-    progress.close()
-    executor.records.append({"what": what, "tasks": len(calls), **spans(intervals, t_start),
-                             "cpus_per_task": cpus, "cluster_cpus": shape.cpus, "nodes": shape.nodes,
-                             "actors": size, "model": model.name, "seconds": round(time.time() - t_start, 3)})
-    return results
+
+    slots = PoolSlots(actors, what, calls, kwargs, describe or (lambda c: ""), model.name)
+    return executor.drive(slots, len(calls), what, cpus, shape, unit=unit, quiet=quiet, close=end,
+                          on_stall=lambda: executor.check_still_feasible(cpus, gpus, what, model.setting),
+                          actors=size, model=model.name)
+
+
+class PoolSlots:
+    """The task window's slots on a model's actors (task_window.drive): which call goes where is
+    PoolQueue's; a call whose actor died under it is sent again, or blamed when that was its last try."""
+
+    def __init__(self, actors: list, what: str, calls: list[tuple], kwargs: list[dict] | None,
+                 describe: Callable[[tuple], str], model_name: str):
+        self.actors, self.what, self.calls, self.kwargs = actors, what, calls, kwargs
+        self.describe, self.model_name = describe, model_name
+        self.queue = PoolQueue(len(calls), len(actors))
+        self.stored: list = [None] * len(calls)
+        self.pending: dict = {}           # a call's ref -> (call index, actor index)
+
+    def submit(self) -> None:
+        for a in range(len(self.actors)):
+            while (i := self.queue.next_for(a)) is not None:
+                ref, self.stored[i] = self.actors[a].call.options(num_returns=2).remote(
+                    *self.calls[i], **(self.kwargs[i] if self.kwargs else {}))
+                self.pending[ref] = (i, a)
+
+    def wait(self, timeout: float) -> list:
+        import ray
+
+        ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=timeout)
+        return ready
+
+    def running(self) -> int:
+        return len(self.pending)
+
+    def take(self, ref) -> list[tuple[int, float, float, object]]:
+        import ray
+
+        i, a = self.pending.pop(ref)
+        self.queue.returned(i, a)
+        label = self.describe(self.calls[i]) or f"task {i}"
+        try:
+            t0, t1, out, err = ray.get(ref)
+        except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as dead:
+            settle(self.stored[i])
+            if "creation task" in str(dead):      # restarts are unlimited: its model never loaded
+                err, label = dead, f"loading {self.model_name}"
+            elif "is restarting" in str(dead):    # sent while it came back: not a try
+                time.sleep(0.2)
+                self.queue.resend(i)
+                return []
+            elif not self.queue.died(i):          # its actor was killed: again, once it is back
+                return []
+            else:
+                err, label = dead, died(label, self.queue.max_tries, "actor")
+        except Exception as lost:    # noqa: BLE001 - a result lost with its node: said as a task's is
+            settle(self.stored[i])
+            err = lost
+        if err is not None:
+            failure = task_error(err, self.what, label)
+            raise failure from (None if isinstance(failure, UserError) else err)
+        return [(i, t0, t1, Stored.arrived(out, self.stored[i]))]
 
 
 class PoolWorker:
@@ -181,7 +185,7 @@ class PoolWorker:
         t0 = time.time()
         try:
             out = self.fn(*args, **kwargs)
-            return (t0, time.time(), out, None), take_aside(out)
+            return (t0, time.time(), out, None), Stored.leaving(out)
         except Exception as exc:       # noqa: BLE001 - reported by the driver, naming the call
             try:
                 import ray

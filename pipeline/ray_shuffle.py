@@ -11,34 +11,42 @@ import math
 import os
 import pickle
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from infra.errors import UserError
-from infra.progress import Progress
-from infra.remote import importing_ray_data
+from infra.remote import Stored, importing_ray_data
 
-from .sizing import NodeShape, fit_request, in_flight, spans
-from .task_results import ItemCounter, failpoint, settle, task_error, worker_died
+from .sizing import NodeShape, fit_request, in_flight
+from .task_results import ItemCounter, failpoint, task_error, timed, worker_died
+from .task_window import Counted, TaskSlots
 
 # how many times a map or a reducer runs before its failure ends the shuffle (a reducer's bound goes
 # through Ray Data's deprecated `ray_remote_args`: README, "Layout", what a Ray upgrade must check)
 TRIES = 3
 
 
-def _map_pieces(what: str, m: int, routes: list[int], fn: Callable, *args):
-    """Runs in the worker: a shuffle's map m, its pieces (one per route: per reducer) as one table of
-    rows for Ray Data's hash shuffle (`shuffle_rows`), and as the second return when it ran and the
-    table's rows and bytes (what Ray Data would otherwise start a task per map to learn; the driver
-    makes its block metadata of them, so a map's worker never imports Ray Data: 0.4 s a process)."""
+@dataclass
+class MapOut:
+    """A shuffle map's answer: its pieces as one table of rows, stored for Ray Data's hash shuffle
+    (`shuffle_rows`), and the table's rows and bytes (what Ray Data would otherwise start a task per
+    map to learn; the driver makes its block metadata of them, so a map's worker never imports Ray
+    Data: 0.4 s a process)."""
+    rows: int
+    nbytes: int
+    stored: Stored
+
+
+def _map_pieces(m: int, routes: list[int], fn: Callable, *args) -> MapOut:
+    """Runs in the worker (through task_results.timed, as any task): a shuffle's map m, its pieces
+    one per route (per reducer)."""
     from .shuffle_rows import pack_pieces
 
-    failpoint(what)
-    t0 = time.time()
     out = list(fn(*args))
     if len(out) != len(routes):
-        raise RuntimeError(f"{what}: a map returned {len(out)} pieces for {len(routes)} reducers")
+        raise RuntimeError(f"a map returned {len(out)} pieces for {len(routes)} reducers")
     table = pack_pieces(m, out, routes)
-    return table, (t0, time.time(), table.num_rows, table.nbytes)
+    return MapOut(table.num_rows, table.nbytes, Stored(table))
 
 
 def _block_metadata(rows: int, nbytes: int):
@@ -125,59 +133,6 @@ def warm_shuffles(started: list) -> None:
         pass
 
 
-class Watched:
-    """An iterator that blocks until its next item (Ray Data's `iter_batches`), read in a thread of its
-    own so that the reader can do something while none comes: `next()` -> the next item, None when
-    none came within `timeout` seconds, `Watched.END` after the last; the iterator's own exception
-    raised. `stop()`: the iterator is closed at its next item (or its end), never read further."""
-
-    END = object()
-
-    def __init__(self, items, timeout: float):
-        import queue
-        import threading
-
-        self._queue: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._timeout = timeout
-        self._thread = threading.Thread(target=self._pump, args=(items,), name="capline-watched", daemon=True)
-        self._thread.start()
-
-    def _pump(self, items) -> None:
-        it = iter(items)
-        try:
-            for item in it:
-                if self._stop.is_set():
-                    return
-                self._queue.put((True, item))
-            self._queue.put((True, self.END))
-        except BaseException as err:   # noqa: BLE001 - raised again by the reader, in its thread
-            self._queue.put((False, err))
-        finally:
-            close = getattr(it, "close", None)
-            if close is not None:
-                close()
-
-    def next(self):
-        import queue
-
-        try:
-            ok, item = self._queue.get(timeout=self._timeout)
-        except queue.Empty:
-            return None
-        if not ok:
-            raise item
-        return item
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def join(self, timeout: float) -> bool:
-        """-> whether the iterator is done (ended, failed or closed) within `timeout` seconds."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-
 def _stop_execution(dataset) -> None:
     """Ray Data's execution of `dataset` stopped now (its tasks still running cancelled), from any
     thread: Ray 2.60 keeps the executor of a dataset being iterated on the dataset, to shut it
@@ -230,58 +185,29 @@ def shuffle(executor, map_fn: Callable, calls: list[tuple], n_out: int, reduce_f
     shape = executor.shape()
     cpus = fit_request(num_cpus, 0, shape, what)
     routes = routes_of(n_out)
-    remote = ray.remote(num_cpus=cpus, num_returns=2, max_retries=TRIES - 1)(_map_pieces)
-    limit = in_flight(cpus, shape, sizes, items_per_worker) if sizes is not None else len(calls)
-    t0 = time.time()
-    tables: list = [None] * len(calls)
-    metadata: list = [None] * len(calls)
-    nxt = 0
-    progress = Progress(f"{what} (map)", len(calls), executor.log, unit="tasks")
-    intervals, pending = [], {}
-    while nxt < len(calls) or pending:
-        while nxt < len(calls) and len(pending) < limit:
-            tables[nxt], timing = remote.remote(what, nxt, routes, map_fn, *calls[nxt])
-            pending[timing] = nxt
-            nxt += 1
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=executor.poll_seconds)
-        if not ready:
-            progress.stalled(time.time() - t0, len(pending))
-            continue
-        for ref in ready:
-            i = pending.pop(ref)
-            try:
-                start, end, rows, nbytes = ray.get(ref)
-                metadata[i] = _block_metadata(rows, nbytes)
-                intervals.append((start, end))
-            except Exception as err:
-                progress.close()
-                settle(tables[i])
-                failure = task_error(err, what, f"map task {i}", tries=TRIES)
-                raise failure from (None if isinstance(failure, UserError) else err)
-            progress.update(len(intervals))
-    progress.close()
-    executor.records.append({"what": f"{what} (map)", "tasks": len(calls), **spans(intervals, t0),
-                             "cpus_per_task": cpus, "cluster_cpus": shape.cpus, "nodes": shape.nodes,
-                             "seconds": round(time.time() - t0, 3)})
+    remote = ray.remote(num_cpus=cpus, num_returns=2, max_retries=TRIES - 1)(timed)
+    limit = in_flight(cpus, shape, sizes, items_per_worker)
+    maps = TaskSlots(remote, what, _map_pieces, [(m, routes, map_fn, *c) for m, c in enumerate(calls)], None,
+                     limit, lambda c: f"map task {c[0]}", TRIES)
+    made = executor.drive(maps, len(calls), f"{what} (map)", cpus, shape, unit="tasks")
+    pieces = _dataset_of([m.stored.ref for m in made], [_block_metadata(m.rows, m.nbytes) for m in made])
     share = [math.ceil(sum(sizes) / n_out)] * n_out if sizes is not None else None
-    return _reduce(executor, _dataset_of(tables, metadata), n_out, reduce_fn, reduce_calls, what, cpus, shape, unit,
+    return _reduce(executor, pieces, n_out, reduce_fn, reduce_calls, what, cpus, shape, unit,
                    in_flight(cpus, shape, share, items_per_worker) if share is not None else None,
-                   (counter, items, item_unit) if counter is not None else None)
+                   Counted(counter, items, item_unit) if counter is not None else None)
 
 
 def _reduce(executor, pieces, n_out: int, reduce_fn: Callable, reduce_calls: list[tuple], what: str,
-            cpus: float, shape: NodeShape, unit: str, limit: int | None, counted: tuple | None = None) -> list:
+            cpus: float, shape: NodeShape, unit: str, limit: int | None, counted: Counted | None = None) -> list:
     """The reducers of `shuffle`, as groups of Ray Data's hash shuffle over the maps' rows (the
-    Dataset `pieces`), grouped by route: a partition each; a reducer's exception said in one
-    line naming it, as `run` says a task's. `counted` (counter, items, unit): the progress counts
-    the reducers' items, read from the counter every 2 s, and a stall is one of those too."""
+    Dataset `pieces`), grouped by route: a partition each, run through the task window
+    (`ReducerSlots`); a reducer's exception said in one line naming it, as `run` says a task's."""
     import ray
 
     from .shuffle_rows import reduce_group
 
     with importing_ray_data():
         import ray.data
-    t0 = time.time()
     groups = pieces.groupby("route", num_partitions=n_out)
     answers = groups.map_groups(functools.partial(reduce_group, what=what, reduce_fn=reduce_fn,
                                                   calls_ref=ray.put(list(reduce_calls)), failpoint=failpoint),
@@ -289,59 +215,77 @@ def _reduce(executor, pieces, n_out: int, reduce_fn: Callable, reduce_calls: lis
                                 # never wider than the reducers: Ray Data warns users of a window
                                 # its input cannot fill (a bucket is one input)
                                 compute=ray.data.TaskPoolStrategy(size=min(limit, n_out) if limit else None))
-    results: dict[int, object] = {}
-    intervals: list[tuple[float, float]] = []
-    counter, items, item_unit = counted or (None, None, None)
-    progress = (Progress(what, items, executor.log, unit=item_unit) if counter is not None
-                else Progress(what, n_out, executor.log, unit=unit))
-    failed = None
-    watched = Watched(answers.iter_batches(batch_size=None, batch_format="pyarrow"),
-                      2.0 if counter is not None else executor.poll_seconds)
-    last = time.time()
-    ended = False
-    done_items = 0
-    try:
-        while (batch := watched.next()) is not Watched.END:
-            if counter is not None:
-                now_done = min(items, ray.get(counter.get.remote()))
-                if now_done > done_items:
-                    done_items, last = now_done, time.time()
-                    progress.update(done_items)
-                if batch is None and time.time() - last < executor.poll_seconds:
-                    continue
-            if batch is None:          # nothing answered for a while: said, and the cluster checked
-                progress.stalled(time.time() - last, n_out - len(results))
-                executor.check_still_feasible(cpus, 0, what, None)
-                continue
-            for row in batch.to_pylist():
-                if row["error"] is not None:
-                    failed = task_error(pickle.loads(row["error"]), what, f"task {row['bucket']}")
-                    break
-                results[row["bucket"]] = pickle.loads(row["result"])
-                intervals.append((row["t0"], row["t1"]))
-            if failed is not None:
-                break
-            last = time.time()
-            if counter is None:
-                progress.update(len(intervals))
-        else:
-            ended = True
-    except UserError:
-        raise
-    except Exception as err:   # Ray Data's own failure (a node lost past its retries): said in one line
-        failure = task_error(err, what, "a reducer" if worker_died(err) else "reducers", tries=TRIES)
-        raise failure from (None if isinstance(failure, UserError) else err)
-    finally:
-        watched.stop()
-        if not ended:           # a reducer failed, or the cluster cannot run them: the rest stop now,
-            _stop_execution(answers)       # before the command goes on (or Ray stops under them)
-            watched.join(timeout=30)
-        progress.close()
-    if failed is not None:
-        raise failed
-    if len(results) != n_out:
-        missing = sorted(set(range(n_out)) - set(results))
-        raise RuntimeError(f"{what}: {len(missing)} of {n_out} reducers gave no answer (buckets {missing[:5]})")
-    executor.records.append({"what": what, "tasks": n_out, **spans(intervals, t0), "cpus_per_task": cpus,
-                             "cluster_cpus": shape.cpus, "nodes": shape.nodes, "seconds": round(time.time() - t0, 3)})
-    return [results[b] for b in range(n_out)]
+    slots = ReducerSlots(answers, what, n_out)
+    return executor.drive(slots, n_out, what, cpus, shape, unit=unit, counted=counted, close=slots.close,
+                          on_stall=lambda: executor.check_still_feasible(cpus, 0, what, None))
+
+
+class ReducerSlots:
+    """The task window's slots on Ray Data's execution of a shuffle's reducers: nothing to submit (Ray
+    Data runs them); their answers read as it gives them (`iter_batches`), in a thread of its own so
+    that the window can say progress and stalls while none comes. A reducer's exception is its answer,
+    said in one line; Ray Data's own failure (a node lost past its retries) too."""
+
+    def __init__(self, answers, what: str, n_out: int):
+        import queue
+        import threading
+
+        self.answers, self.what, self.n_out = answers, what, n_out
+        self.got = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, name="capline-reducers", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        it = iter(self.answers.iter_batches(batch_size=None, batch_format="pyarrow"))
+        try:
+            for batch in it:
+                if self._stop.is_set():
+                    return
+                self._queue.put((True, batch))
+            self._queue.put((True, None))
+        except BaseException as err:   # noqa: BLE001 - raised again by the window, in its thread
+            self._queue.put((False, err))
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
+    def submit(self) -> None:
+        pass
+
+    def running(self) -> int:
+        return self.n_out - self.got
+
+    def wait(self, timeout: float) -> list:
+        import queue
+
+        try:
+            ok, batch = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return []
+        if not ok:
+            failure = task_error(batch, self.what, "a reducer" if worker_died(batch) else "reducers", tries=TRIES)
+            raise failure from (None if isinstance(failure, UserError) else batch)
+        if batch is None:
+            missing = self.n_out - self.got
+            raise RuntimeError(f"{self.what}: {missing} of {self.n_out} reducers gave no answer")
+        return [batch]
+
+    def take(self, batch) -> list[tuple[int, float, float, object]]:
+        out = []
+        for row in batch.to_pylist():
+            if row["error"] is not None:
+                raise task_error(pickle.loads(row["error"]), self.what, f"task {row['bucket']}")
+            out.append((row["bucket"], row["t0"], row["t1"], pickle.loads(row["result"])))
+        self.got += len(out)
+        return out
+
+    def close(self, finished: bool) -> None:
+        """The reader stopped; unless every reducer answered (a reducer failed, or the cluster cannot
+        run them), the rest stop now, before the command goes on (or Ray stops under them)."""
+        self._stop.set()
+        if not finished:
+            _stop_execution(self.answers)
+            self._thread.join(timeout=30)

@@ -433,9 +433,9 @@ def _run_stage(stage: Stage, ctx: StageContext, in_digest: str, controls: Contro
         index = build(ctx.storage, ctx.executor, stage.name, {p.file: p.sha256 for p in parts}, {p.file: p.n_in for p in parts},
                       # a stage that wrote from the driver (no task) and is small: its index there too
                       in_driver=len(ctx.executor.records) == first_record and sum(p.n_in for p in parts) <= 100_000,
-                      given={p.file: p.aside for p in parts if getattr(p, "aside", None) is not None})
+                      given={p.file: p.stored.handle() for p in parts if p.stored is not None})
     for p in result.parts:     # the keys' references let go: the object store frees them
-        p.__dict__.pop("aside", None)
+        p.stored = None
     wall = time.time() - t0
     from stages.dataplane import HIST_BINS, HIST_RANGE, sum_histograms
 

@@ -1,9 +1,9 @@
 """What a task of the executor hands back and how its failure is said: the result with when it ran,
-what it set aside for later tasks (a second return the driver passes on by reference), the fault
+the data it stores for later tasks (`Stored`: a second return the driver passes on by reference), the fault
 injection the fault tests use, the small actor a run's tasks count their items on, and the one-line
 wording of a failed task (the input's fault, a full disk, a node without the bucket's credentials).
-Shared by the task window (pipeline/executor.py), the model pool (pipeline/model_pool.py) and the
-shuffle (pipeline/ray_shuffle.py)."""
+Shared by the task window (pipeline/task_window.py) and its slots (Ray tasks, a model's pool, the
+shuffle's reducers)."""
 from __future__ import annotations
 
 import os
@@ -11,6 +11,7 @@ import time
 from typing import Callable
 
 from infra.errors import UserError
+from infra.remote import Stored
 
 
 FAILPOINTS = "CAPLINE_FAILPOINTS"
@@ -38,26 +39,13 @@ def failpoint(what: str) -> None:
 
 
 def timed(what: str, fn: Callable, *args, **kwargs):
-    """Runs in the worker: the result and when it ran (this node's clock), and what the result set
-    aside as a second return (`take_aside`). The call's arguments stay top-level arguments of the task,
-    so Ray resolves any ObjectRef among them (an index put once, a plan's rows set aside)."""
+    """Runs in the worker: the result and when it ran (this node's clock), and the data it stores for
+    later tasks as a second return (`Stored.leaving`). The call's arguments stay top-level arguments of
+    the task, so Ray resolves any ObjectRef among them (an index put once, a plan's rows stored)."""
     failpoint(what)
     t0 = time.time()
     out = fn(*args, **kwargs)
-    return (t0, time.time(), out), take_aside(out)
-
-
-ASIDE = "in the object store"    # what a result's `aside` says on its way to the driver
-
-
-def take_aside(out):
-    """What a result set aside for later tasks (`out.aside`: a partition's keys, a plan's rows), taken
-    off it: the task's second return, which the driver hands on by reference, never fetching it."""
-    data = getattr(out, "aside", None)
-    if data is None or isinstance(data, str):
-        return None
-    out.aside = ASIDE
-    return data
+    return (t0, time.time(), out), Stored.leaving(out)
 
 
 def settle(ref) -> None:
@@ -69,13 +57,6 @@ def settle(ref) -> None:
         ray.get(ref, timeout=10)
     except Exception:   # noqa: BLE001 - the error was the first return's, and is reported from there
         pass
-
-
-def with_aside(out, ref):
-    """The result as the driver keeps it: its `aside` the reference to the task's second return."""
-    if isinstance(getattr(out, "aside", None), str):
-        out.aside = ref
-    return out
 
 
 class ItemCounter:

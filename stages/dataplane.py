@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from infra.remote import Stored
 from infra.storage import Storage  # noqa: F401 - the run folder's filesystem, shared with trainers/
 
 from .picks import pick_rows
@@ -119,9 +120,12 @@ class PartResult:
     dropped: dict[str, int]      # per reason
     dropped_sum: str
     extra: dict = field(default_factory=dict)   # the stage's own per-partition figures
+    # the ledger's keys, for the stage's key index: never in parts.json; through the object store
+    # from the task that wrote them (pipeline/task_results.Stored), let go once the index is built
+    stored: Stored | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict:
-        out = dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "stored"}
         out["in"] = out.pop("n_in")
         return out
 
@@ -251,8 +255,8 @@ def write_part(storage: Storage, stage: str, part: str, input_name: str | None, 
     """Check and write a partition's ledger; -> its PartResult. `pick` (per_reason, seed, cut): the
     examples page's picks from the rows in hand, as `result.picks` (an attribute, never in
     parts.json: stages/examples.py keeps them by partition), so no task reads the ledger to pick.
-    The ledger's keys are set aside (`result.aside`) for the stage's key index: a task's stay in
-    the object store (pipeline/executor.py), so nothing reads the ledger back to index it."""
+    The ledger's keys are stored (`result.stored`) for the stage's key index: a task's stay in
+    the object store (pipeline/task_results.Stored), so nothing reads the ledger back to index it."""
     out = add_notes(conform(out, stage), stage, notes)
     keys = out.column("key")
     if len(pc.unique(keys)) != len(keys):
@@ -268,7 +272,7 @@ def write_part(storage: Storage, stage: str, part: str, input_name: str | None, 
         extra = {**(extra or {}), "score_hist": hist}
     result = summarize(stage, part, input_name, in_keys, out, sha, nbytes, extra)
     result.file = rel
-    result.aside = out.select(["key"])
+    result.stored = Stored(out.select(["key"]))
     if pick is not None and pick[0]:
         result.picks = {"choice": list(pick), "groups": pick_rows(out, *pick)}
     return result

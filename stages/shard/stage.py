@@ -32,8 +32,8 @@ import json
 import math
 import re
 import time
+from dataclasses import dataclass, field
 from typing import ClassVar
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -42,6 +42,7 @@ import pyarrow.compute as pc
 from infra.configtools import join, require
 from infra.errors import UserError
 from infra.faults import killpoint
+from infra.remote import Stored
 
 from . import line_lookup
 from ..base import KEPT, Sink, StageContext, StageResult
@@ -99,10 +100,17 @@ def _new_rows(storage, t: pa.Table, part: str, line_shards: frozenset | None,
 PLACED_COLUMNS = ["key", "url", "caption", "notes", "tar", "member", "offset", "size", "sha256", "width", "height"]
 
 
-class Plan(dict):
-    """A partition's plan (samples, bytes, withdrawn, first_withdrawn); its `aside` (the
-    rows to place, in tar order, and the partition's published rows) stays in the object store for
-    the shard writers and the line's records: the partition is read once, by the plan."""
+@dataclass
+class Plan:
+    """A partition's plan: what it brings to new shards and, in a dataset line, how many samples it
+    published before that are no longer kept (the first by key, to name). `stored`: the rows to
+    place, in tar order, and the partition's published rows, in the object store for the shard
+    writers and the line's records: the partition is read once, by the plan."""
+    samples: int
+    bytes: int
+    withdrawn: int
+    first_withdrawn: str | None
+    stored: Stored = field(default_factory=Stored, repr=False)
 
 
 def _plan_task(storage, part: str, file: str, line_shards: frozenset | None) -> Plan:
@@ -112,10 +120,8 @@ def _plan_task(storage, part: str, file: str, line_shards: frozenset | None) -> 
     record = published_all(storage, part) if line_shards is not None else None
     new, published = _new_rows(storage, t, part, line_shards, record)
     gone = published.filter(pc.invert(pc.is_in(published.column("key"), t.column("key")))).column("key")
-    plan = Plan(samples=new.num_rows, bytes=int(pc.sum(new.column("size")).as_py() or 0) + 1600 * new.num_rows,
-                withdrawn=len(gone), first_withdrawn=pc.min(gone).as_py())
-    plan.aside = (by_location(new), published)
-    return plan
+    return Plan(samples=new.num_rows, bytes=int(pc.sum(new.column("size")).as_py() or 0) + 1600 * new.num_rows,
+                withdrawn=len(gone), first_withdrawn=pc.min(gone).as_py(), stored=Stored((by_location(new), published)))
 
 
 def _stored_size(data: bytes) -> tuple[int | None, int | None]:
@@ -265,21 +271,21 @@ class ShardStage(Sink):
         # a published record may name a shard line.json does not list: a run killed before it wrote
         # line.json (_line refused a record behind sizes.json or the versions, so that is all it can
         # be); those samples are not published and are placed again, into the same names
-        withdrawn = [p for p in plans if p["withdrawn"]]
+        withdrawn = [p for p in plans if p.withdrawn]
         if withdrawn:
-            first = min(p["first_withdrawn"] for p in withdrawn)
-            raise UserError(f"stages.shard.append: {sum(p['withdrawn'] for p in withdrawn)} sample(s) published by "
+            first = min(p.first_withdrawn for p in withdrawn)
+            raise UserError(f"stages.shard.append: {sum(p.withdrawn for p in withdrawn)} sample(s) published by "
                             f"earlier runs of this dataset line are no longer kept (first: {first}; `capline explain "
                             f"{first}` says why), and published shards do not change: restore what kept them (the "
                             "filters' settings, stages.clip_score.reuse_cut, the evaluation sets) or set "
                             "stages.shard.append=false to write every shard anew")
-        todo = [(u, p) for u, p in zip(upstream, plans) if p["samples"]]
-        n_new = sum(p["samples"] for _, p in todo)
+        todo = [(u, p) for u, p in zip(upstream, plans) if p.samples]
+        n_new = sum(p.samples for _, p in todo)
         first = next_shard(old)
         parts = [PartResult.from_json(s["result"]) for s in old]
         n_out = 0
         if n_new:
-            made, n_out = self._write(ctx, cfg, todo, n_new, sum(p["bytes"] for _, p in todo), first, line_shards)
+            made, n_out = self._write(ctx, cfg, todo, n_new, sum(p.bytes for _, p in todo), first, line_shards)
             parts += made
         elif old:
             ctx.log(f"shard: every kept sample is in this dataset line's {len(old)} shards already; no shard added")
@@ -371,9 +377,9 @@ class ShardStage(Sink):
         # map slices of at most map_bytes of images each: (partition, first row, end row)
         slices = []
         for u, p in upstream:
-            k = max(1, math.ceil(p["bytes"] / cfg.map_bytes))
-            step = math.ceil(p["samples"] / k)
-            slices += [(u, p, lo, min(p["samples"], lo + step)) for lo in range(0, p["samples"], step)]
+            k = max(1, math.ceil(p.bytes / cfg.map_bytes))
+            step = math.ceil(p.samples / k)
+            slices += [(u, p, lo, min(p.samples, lo + step)) for lo in range(0, p.samples, step)]
         per_group = max(1, math.ceil(len(slices) * n_out / cfg.shuffle_pieces))
         groups = math.ceil(n_out / per_group)
         if per_group > 1:
@@ -381,7 +387,7 @@ class ShardStage(Sink):
                     f"({cfg.shuffle_pieces}) objects: each reducer writes {per_group} consecutive shards")
         reducers = [[s for s in range(first + g * per_group, min(first + n_out, first + (g + 1) * per_group))]
                     for g in range(groups)]
-        made = ctx.shuffle(_map_pieces, [(ctx.storage, u.part, p.aside, ctx.seed, first, n_out, per_group, groups,
+        made = ctx.shuffle(_map_pieces, [(ctx.storage, u.part, p.stored.handle(), ctx.seed, first, n_out, per_group, groups,
                                           lo, hi) for u, p, lo, hi in slices],
                            groups, _reduce_group, [(ctx.storage, r) for r in reducers], "shard write",
                            num_cpus=1, unit="reducers", sizes=[hi - lo for _, _, lo, hi in slices],
@@ -405,7 +411,7 @@ class ShardStage(Sink):
         first, n_out, line_shards = placed
         # the published records, and this run's lookup of what it added (stages/shard/line_lookup.py)
         buckets = line_lookup.buckets_for(n_new)
-        ctx.shuffle(_publish_task, [(ctx.storage, u.part, p.aside, ctx.seed, first, n_out, buckets)
+        ctx.shuffle(_publish_task, [(ctx.storage, u.part, p.stored.handle(), ctx.seed, first, n_out, buckets)
                                     for u, p in planned], buckets, line_lookup.write_bucket,
                     [(ctx.storage, line_lookup.bucket_file(run, b)) for b in range(buckets)], "shard publish",
                     num_cpus=0.25, unit="buckets", sizes=[u.kept for u, _ in planned], items_per_worker=ROWS_PER_WORKER)

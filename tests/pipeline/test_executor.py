@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tarfile
 import textwrap
+import time
 
 import pytest
 
@@ -456,7 +457,7 @@ def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces
                 progress.add.remote(1)
         return bucket
 
-    import pipeline.ray_shuffle as ray_shuffle
+    import pipeline.task_window as task_window
     from infra.progress import Progress
 
     class Often(Progress):      # a line every 0.5 s, not every 10 s
@@ -464,7 +465,7 @@ def test_a_shuffle_goes_through_the_object_store_each_reducer_getting_its_pieces
             super().__init__(*a, **k)
             self.every = 0.5
 
-    monkeypatch.setattr(ray_shuffle, "Progress", Often)
+    monkeypatch.setattr(task_window, "Progress", Often)
     said.clear()
     counted = Executor(log=said.append)
     out = counted.shuffle(lambda v: _split_by_parity(v, 2), calls, 2, _counting, [(0,), (1,)], "counted",
@@ -557,45 +558,101 @@ def test_a_failed_task_is_said_by_what_killed_it():
     assert isinstance(err, UserError) and str(err) == "source: file a.csv: the list has no url column"
 
 
-@pytest.mark.slow   # seconds: kept out of the fast set (its 45 s budget)
-def test_a_watched_iterator_says_when_nothing_came_and_is_closed_when_stopped():
-    import threading
-    import time
+class _Slots:
+    """Slots for the task window whose calls finish in a given order, one each wait; `hold` waits
+    come back empty first (a stall)."""
 
-    from pipeline.ray_shuffle import Watched
+    def __init__(self, order, hold=0, fail_at=None):
+        self.order, self.hold, self.fail_at = list(order), hold, fail_at
+        self.closed = None
+
+    def submit(self):
+        pass
+
+    def wait(self, timeout):
+        if self.hold:
+            self.hold -= 1
+            time.sleep(timeout)
+            return []
+        return [self.order.pop(0)] if self.order else []
+
+    def take(self, i):
+        if i == self.fail_at:
+            raise UserError(f"call {i}: refused")
+        return [(i, 10.0 + i, 11.0 + i, f"result {i}")]
+
+    def running(self):
+        return len(self.order)
+
+    def close(self, finished):
+        self.closed = finished
+
+
+def test_the_task_window_keeps_call_order_says_a_stall_and_closes_its_slots():
+    from pipeline.task_window import drive
+
+    said, stalls = [], []
+    slots = _Slots([2, 0, 3, 1], hold=1)
+    results, intervals = drive(slots, 4, "work", said.append, poll_seconds=0.05, on_stall=lambda: stalls.append(1),
+                               close=slots.close)
+    assert results == ["result 0", "result 1", "result 2", "result 3"]
+    assert sorted(intervals) == [(10.0, 11.0), (11.0, 12.0), (12.0, 13.0), (13.0, 14.0)]
+    assert stalls == [1] and any("running for" in m and "without finishing" in m for m in said), said
+    assert slots.closed is True and said[-1].startswith("work: 4/4 partitions")
+
+    failing = _Slots([0, 1, 2], fail_at=1)
+    with pytest.raises(UserError, match="call 1: refused"):
+        drive(failing, 3, "work", said.append, poll_seconds=0.05, close=failing.close)
+    assert failing.closed is False          # the slots are told the calls did not all finish
+
+
+@pytest.mark.slow   # seconds: kept out of the fast set (its 45 s budget)
+def test_the_reducers_answers_are_read_in_a_thread_and_the_reading_stops_with_the_window():
+    import threading
+
+    from pipeline.ray_shuffle import ReducerSlots
+    from pipeline.shuffle_rows import answer
 
     closed = threading.Event()
 
-    def slow():
-        try:
-            yield 1
-            time.sleep(0.6)
-            yield 2
-            yield 3
-        finally:
-            closed.set()
+    class Answers:
+        def __init__(self, batches, pause=0.0):
+            self.batches, self.pause = batches, pause
 
-    w = Watched(slow(), timeout=0.2)
-    assert w.next() == 1
-    assert w.next() is None            # nothing within 0.2 s: the reader can say so
-    got = [w.next() for _ in range(8)]
-    assert [g for g in got if g is not None][:3] == [2, 3, Watched.END] and closed.wait(1)
+        def iter_batches(self, **_):
+            try:
+                for b in self.batches:
+                    time.sleep(self.pause)
+                    if isinstance(b, Exception):
+                        raise b
+                    yield b
+            finally:
+                closed.set()
 
-    def failing():
-        yield "a"
-        raise OSError("the node went away")
-
-    w = Watched(failing(), timeout=1)
-    assert w.next() == "a"
-    with pytest.raises(OSError, match="the node went away"):
-        w.next()
-    assert w.join(timeout=2)
+    slots = ReducerSlots(Answers([answer(1, 5.0, result="b1"), answer(0, 6.0, result="b0")], pause=0.3), "group", 2)
+    assert slots.wait(0.05) == []                    # nothing within 0.05 s: the window can say so
+    got = []
+    while len(got) < 2:
+        for batch in slots.wait(1):
+            got += slots.take(batch)
+    assert [(b, r) for b, _, _, r in got] == [(1, "b1"), (0, "b0")] and slots.running() == 0
+    slots.close(True)
+    assert closed.wait(2)
 
     closed.clear()
-    w = Watched(slow(), timeout=1)
-    assert w.next() == 1
-    w.stop()                           # read no further: closed at its next item, which is dropped
-    assert closed.wait(2) and w.next() is None
+    slots = ReducerSlots(Answers([answer(0, 1.0, error=UserError("a bad row")), OSError("the node went away")]),
+                         "group", 2)
+    with pytest.raises(UserError, match="group: task 0: a bad row"):
+        slots.take(slots.wait(2)[0])
+    with pytest.raises(RuntimeError, match="group: reducers failed: OSError: the node went away"):
+        slots.wait(2)
+    slots.close(False)
+    assert closed.wait(2)
+
+    slots = ReducerSlots(Answers([answer(0, 1.0, result="only")]), "group", 2)
+    slots.take(slots.wait(2)[0])
+    with pytest.raises(RuntimeError, match="1 of 2 reducers gave no answer"):
+        slots.wait(2)
 
 
 def test_the_driver_makes_a_maps_block_metadata_as_ray_data_makes_it_of_the_table():
@@ -653,12 +710,13 @@ def test_the_first_shuffle_beside_the_warm_up_thread_finds_ray_data_whole(tmp_pa
 
 
 @pytest.mark.slow   # starts Ray
-def test_what_a_result_sets_aside_stays_in_the_object_store_and_the_driver_holds_a_reference(ray_local, tmp_path):
-    """A task's result with data set aside (`aside`: write_part's keys) reaches the driver without
+def test_what_a_result_stores_stays_in_the_object_store_and_the_driver_holds_a_reference(ray_local, tmp_path):
+    """A task's result with stored data (`Stored`: write_part's keys) reaches the driver without
     it: the data is the task's second return, a reference the driver hands to later tasks. On a task and
     on a model's actor pool; a result without keys, or a plain value, arrives as it was."""
     import ray
 
+    from infra.remote import Stored
     from pipeline.executor import Executor
     from stages.shared_model import SharedModel
 
@@ -667,15 +725,16 @@ def test_what_a_result_sets_aside_stays_in_the_object_store_and_the_driver_holds
 
         import pyarrow as pa
 
-        out = SimpleNamespace(part=f"p{i}")
+        out = SimpleNamespace(part=f"p{i}", stored=None)
         if i % 2 == 0:
-            out.aside = pa.table({"key": [f"k{i}-{j}" for j in range(1000)]})
+            out.stored = Stored(pa.table({"key": [f"k{i}-{j}" for j in range(1000)]}))
         return out
 
     ex = Executor(log=lambda m: None)
     for model in (None, SharedModel("no model", None, (), memory_mb=0)):
         out = ex.run(_part, [(i,) for i in range(4)], "parts", model=model)
         assert [o.part for o in out] == ["p0", "p1", "p2", "p3"]
-        assert isinstance(out[0].aside, ray.ObjectRef) and not hasattr(out[1], "aside")
-        assert ray.get(out[2].aside).column("key").to_pylist() == [f"k2-{j}" for j in range(1000)]
+        assert out[0].stored.data is None and isinstance(out[0].stored.handle(), ray.ObjectRef)
+        assert out[1].stored is None
+        assert ray.get(out[2].stored.handle()).column("key").to_pylist() == [f"k2-{j}" for j in range(1000)]
     assert ex.run(lambda x: {"x": x}, [(1,)], "plain") == [{"x": 1}]

@@ -122,6 +122,23 @@ def test_no_stage_uses_ray_directly():
     assert "pyarrow" in _third_party_imports(probe)
 
 
+def test_one_loop_keeps_the_clusters_calls_in_flight():
+    """Tasks, a model's actor pool, a shuffle's maps and its reducers all run through one loop
+    (pipeline/task_window.drive): only it says a stall, and only it writes a run's record; the
+    slots only submit, wait and take. No result carries data for later tasks but as a typed
+    `Stored` field (no `aside` attribute, no sentinel string)."""
+    product = [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
+    stalls = [str(p.relative_to(ROOT)) for p in product if ".stalled(" in p.read_text()]
+    records = [str(p.relative_to(ROOT)) for p in product if '"cluster_cpus":' in p.read_text()]
+    assert stalls == ["pipeline/task_window.py"] and records == ["pipeline/task_window.py"], (stalls, records)
+    asides = [f"{p.relative_to(ROOT)}:{n.lineno}" for p in product for n in ast.walk(ast.parse(p.read_text()))
+              if isinstance(n, ast.Attribute) and n.attr == "aside"]
+    assert not asides, f"results that set data aside by attribute (use infra.remote.Stored): {asides}"
+    # the loop's module is the engine's: it imports no stage
+    tree = ast.parse((ROOT / "pipeline" / "task_window.py").read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("stages")]
+
+
 # functions that import Ray Data or Ray Train only in Ray's workers, where no other thread imports
 WORKER_ONLY = {("pipeline/ray_shuffle.py", "_warm_worker"), ("trainers/loop.py", "_train")}
 
