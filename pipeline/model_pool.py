@@ -18,6 +18,7 @@ from infra.remote import Stored
 
 from .sizing import NodeShape, actors_that_fit
 from .task_results import died, failpoint, settle, task_error
+from .task_window import RefSlots
 
 CALLS_PER_ACTOR = 8    # the fewest calls a model's actor is started for (run_pool)
 
@@ -113,7 +114,7 @@ def run_pool(executor, fn: Callable, calls: list[tuple], kwargs: list[dict] | No
                           actors=size, model=model.name)
 
 
-class PoolSlots:
+class PoolSlots(RefSlots):
     """The task window's slots on a model's actors (task_window.drive): which call goes where is
     PoolQueue's; a call whose actor died under it is sent again, or blamed when that was its last try."""
 
@@ -131,15 +132,6 @@ class PoolSlots:
                 ref, self.stored[i] = self.actors[a].call.options(num_returns=2).remote(
                     *self.calls[i], **(self.kwargs[i] if self.kwargs else {}))
                 self.pending[ref] = (i, a)
-
-    def wait(self, timeout: float) -> list:
-        import ray
-
-        ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=timeout)
-        return ready
-
-    def running(self) -> int:
-        return len(self.pending)
 
     def take(self, ref) -> list[tuple[int, float, float, object]]:
         import ray

@@ -108,7 +108,22 @@ def record(title: str, n_calls: int, intervals: list, t_start: float, cpus: floa
             "cluster_cpus": shape.cpus, "nodes": shape.nodes, **more, "seconds": round(time.time() - t_start, 3)}
 
 
-class TaskSlots:
+class RefSlots:
+    """Slots whose calls come back as Ray object references (`pending`: reference -> what the slot
+    keeps of its call): waited for one at a time."""
+    pending: dict
+
+    def wait(self, timeout: float) -> list:
+        import ray
+
+        ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=timeout)
+        return ready
+
+    def running(self) -> int:
+        return len(self.pending)
+
+
+class TaskSlots(RefSlots):
     """Ray tasks (`remote`, made of task_results.timed: two returns), at most `limit` submitted at a
     time. A failed task is named by `describe(call)`, said in one line (task_results.task_error)."""
 
@@ -127,12 +142,6 @@ class TaskSlots:
             self.pending[ref] = i
             self.nxt += 1
 
-    def wait(self, timeout: float) -> list:
-        import ray
-
-        ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=timeout)
-        return ready
-
     def take(self, ref) -> list[tuple[int, float, float, object]]:
         import ray
 
@@ -144,6 +153,3 @@ class TaskSlots:
             failure = task_error(err, self.what, self.describe(self.calls[i]) or f"task {i}", tries=self.tries)
             raise failure from (None if isinstance(failure, UserError) else err)
         return [(i, t0, t1, Stored.arrived(out, self.stored[i]))]
-
-    def running(self) -> int:
-        return len(self.pending)
